@@ -1,0 +1,30 @@
+# Two commands set everything up on a fresh machine:
+#   make demo   create .venv if missing, install, compare the classic schedules
+#   make test   same set-up, then the whole test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+DEMO_DIR ?= demo-output
+
+.PHONY: demo test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml constraints.txt | $(PY)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,plot]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/pipeloom compare gpipe 1f1b interleaved chimera -p 8 -m 16 -v 2 \
+		--costs F=1,B=2 --plot-dir $(DEMO_DIR)
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) bench/sim_speed.py
+
+clean:
+	rm -rf $(VENV) $(DEMO_DIR) build src/*.egg-info .pytest_cache

@@ -1,0 +1,66 @@
+"""How fast is the simulator? Prints figures; asserts nothing (timings never live in tests).
+
+Cases from the planning-core issue: 1F1B and Chimera at p=32, m=64 (the Mario paper reports
+~700 ms for this Chimera case; our goal is <= 70 ms), and 1F1B at p=64, m=1024 with fused
+backwards and with separate B and W ops (goal >= 300k ops/s).
+Usage: python bench/sim_speed.py [--repeat N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+from pipeloom import Costs, Op, OpKind, Schedule, build_schedule, simulate
+
+
+def split_backward(schedule: Schedule) -> Schedule:
+    """Every BW replaced in place by B then W: the op count of a split schedule, for timing only."""
+    devices = []
+    for ops in schedule.devices:
+        out = []
+        for op in ops:
+            if op.kind is OpKind.BW:
+                out.append(Op(OpKind.B, op.stage, op.microbatch, op.slice))
+                out.append(Op(OpKind.W, op.stage, op.microbatch, op.slice))
+            else:
+                out.append(op)
+        devices.append(out)
+    return schedule.with_devices(devices, name=schedule.name + "+split")
+
+
+def best_of(repeat: int, fn) -> tuple[float, object]:
+    best, result = float("inf"), None
+    for _ in range(repeat):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5, help="runs per case; the best is reported")
+    args = parser.parse_args()
+    costs = Costs(F=1, B=1, W=1)
+    cases = [
+        ("1f1b", 32, 64, False),
+        ("chimera", 32, 64, False),
+        ("1f1b", 64, 1024, False),
+        ("1f1b", 64, 1024, True),
+    ]
+    print(f"python {platform.python_version()} on {platform.machine()}, best of {args.repeat}")
+    print(f"{'case':<28} {'ops':>8} {'build ms':>9} {'simulate ms':>12} {'ops/s':>10}  makespan")
+    for name, p, m, split in cases:
+        build_s, schedule = best_of(args.repeat, lambda: build_schedule(name, num_devices=p, num_microbatches=m))
+        if split:
+            schedule = split_backward(schedule)
+        sim_s, timeline = best_of(args.repeat, lambda: simulate(schedule, costs))
+        label = f"{name} p={p} m={m}" + (" B+W" if split else " fused")
+        print(f"{label:<28} {schedule.num_ops:>8} {build_s * 1e3:>9.1f} {sim_s * 1e3:>12.1f} "
+              f"{schedule.num_ops / sim_s:>10,.0f}  {timeline.makespan:g}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+import sys
+
+from pipeloom.cli import main
+
+sys.exit(main())

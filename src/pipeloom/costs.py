@@ -1,0 +1,203 @@
+"""Costs: how long each op takes and how much memory it holds (DESIGN §2).
+
+One meaning everywhere, so that schedules with different stage counts compare fairly:
+
+* a **scalar** describes *one device's share of the model* (1/p of the layers) for one
+  micro-batch. A schedule with S stages on p devices charges each stage p/S of it (1/v with
+  v chunks per device) and each slice 1/L of that. Thus 1F1B's peak activation memory is
+  p·M_B whatever the chunking, and interleaving shrinks ops rather than adding work;
+* a **per-stage list** (length S) gives each stage's value exactly (divided by L per slice);
+  an entry may itself be a list of L per-slice values.
+
+Memory per op: F holds M_B (a checkpointed F only M_ckpt, its input); R restores M_B − M_ckpt;
+B frees M_B and keeps M_W for its pending W; W frees M_W (each of k parts 1/k); BW frees M_B.
+A device also holds M_static (weights, gradients, optimizer state) for every stage it hosts, so
+replicated stages (Chimera) count twice. The fused BW takes B + W.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from os import PathLike
+from typing import Any, Union
+
+from pipeloom.errors import ConfigError
+
+__all__ = ["Costs", "StageCosts", "CostValue"]
+
+CostValue = Union[float, Sequence[Union[float, Sequence[float]]]]
+
+_PER_STAGE_KEYS = ("F", "B", "W", "R", "M_B", "M_W", "M_ckpt", "M_static")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Costs:
+    """Durations (any time unit) and memory (any unit: M_B = 1 counts in micro-batch activations)."""
+
+    F: CostValue = 1.0
+    """Forward time."""
+    B: CostValue = 2.0
+    """Input-gradient backward time (the whole backward when W is 0)."""
+    W: CostValue = 0.0
+    """Weight-gradient backward time; a fused BW takes B + W."""
+    R: CostValue | None = None
+    """Recompute time of a checkpointed forward; defaults to F."""
+    comm: float = 0.0
+    """Latency added to every dependency between ops on different devices."""
+    M_B: CostValue = 1.0
+    """Activations a forward keeps for its backward."""
+    M_W: CostValue = 0.0
+    """What a B keeps for its pending W (inputs and output gradients of the weight GEMMs)."""
+    M_ckpt: CostValue = 0.0
+    """What a checkpointed forward keeps (its input)."""
+    M_static: CostValue = 0.0
+    """Weights, gradients and optimizer state of one device's share of the model."""
+
+    def __post_init__(self) -> None:
+        for key in _PER_STAGE_KEYS:
+            value = getattr(self, key)
+            if value is None and key == "R":
+                continue
+            object.__setattr__(self, key, _normalise(key, value))
+        if not _is_number(self.comm) or self.comm < 0 or not math.isfinite(self.comm):
+            raise ConfigError(f"costs: comm must be a non-negative number, got {self.comm!r}")
+        object.__setattr__(self, "comm", float(self.comm))
+
+    # -- construction from user input ------------------------------------------------------
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> Costs:
+        """Build from a dict with the Costs keys, rejecting unknown keys by name."""
+        if not isinstance(data, Mapping):
+            raise ConfigError("costs must be a JSON object with keys " + ", ".join(cls.keys()))
+        unknown = sorted(set(data) - set(cls.keys()))
+        if unknown:
+            raise ConfigError(f"unknown cost key(s) {', '.join(unknown)}; valid keys: {', '.join(cls.keys())}")
+        return cls(**data)
+
+    @classmethod
+    def parse(cls, text: str) -> Costs:
+        """Parse ``F=1,B=2,W=0,comm=0`` (scalars) into Costs."""
+        values: dict[str, float] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ConfigError(f"costs: expected KEY=VALUE, got {item!r} (e.g. F=1,B=2,W=0,comm=0)")
+            try:
+                values[key.strip()] = float(value)
+            except ValueError:
+                raise ConfigError(f"costs: {key.strip()} must be a number, got {value.strip()!r}") from None
+        return cls.from_mapping(values)
+
+    @classmethod
+    def load(cls, path: str | PathLike[str]) -> Costs:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                data = json.load(handle)
+        except OSError as error:
+            raise ConfigError(f"cannot read costs file {str(path)!r}: {error.strerror}") from None
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"costs file {str(path)!r} is not JSON: {error}") from None
+        try:
+            return cls.from_mapping(data)
+        except ConfigError as error:
+            raise ConfigError(f"costs file {str(path)!r}: {error}") from None
+
+    @staticmethod
+    def keys() -> tuple[str, ...]:
+        return tuple(field.name for field in fields(Costs))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {key: _plain(getattr(self, key)) for key in self.keys() if getattr(self, key) is not None}
+
+    # -- resolution for one schedule shape -------------------------------------------------
+
+    def resolve(self, num_devices: int, num_stages: int, num_slices: int = 1) -> StageCosts:
+        """Per (stage, slice) values for a schedule of this shape (see the module docstring)."""
+        share = num_devices / (num_stages * num_slices)
+
+        def table(key: str) -> list[float]:
+            value = getattr(self, key)
+            if value is None:
+                value = self.F
+            if not isinstance(value, tuple):
+                return [value * share] * (num_stages * num_slices)
+            if len(value) != num_stages:
+                raise ConfigError(
+                    f"costs: {key} has {len(value)} per-stage values but the schedule has {num_stages} stages; "
+                    f"give one value per stage or a scalar (one device's share of the model)"
+                )
+            out = []
+            for stage, entry in enumerate(value):
+                if isinstance(entry, tuple):
+                    if len(entry) != num_slices:
+                        raise ConfigError(
+                            f"costs: {key}[{stage}] has {len(entry)} per-slice values but the schedule has {num_slices} slices"
+                        )
+                    out.extend(entry)
+                else:
+                    out.extend([entry / num_slices] * num_slices)
+            return out
+
+        static = table("M_static")
+        static_per_stage = [sum(static[s * num_slices : (s + 1) * num_slices]) for s in range(num_stages)]
+        return StageCosts(
+            num_slices=num_slices,
+            F=table("F"),
+            B=table("B"),
+            W=table("W"),
+            R=table("R"),
+            M_B=table("M_B"),
+            M_W=table("M_W"),
+            M_ckpt=table("M_ckpt"),
+            M_static=static_per_stage,
+            comm=self.comm,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StageCosts:
+    """Costs resolved for one schedule shape: lists indexed by ``stage * num_slices + slice``
+    (M_static by stage alone)."""
+
+    num_slices: int
+    F: list[float]
+    B: list[float]
+    W: list[float]
+    R: list[float]
+    M_B: list[float]
+    M_W: list[float]
+    M_ckpt: list[float]
+    M_static: list[float]
+    comm: float
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _normalise(key: str, value: Any) -> float | tuple:
+    """Scalars to float, lists to tuples (hashable, frozen); reject negatives and non-numbers."""
+    if _is_number(value):
+        if value < 0 or not math.isfinite(value):
+            raise ConfigError(f"costs: {key} must be a non-negative finite number, got {value!r}")
+        return float(value)
+    if isinstance(value, (list, tuple)) and value:
+        return tuple(
+            _normalise(f"{key}[{i}]", entry) if _is_number(entry) else _normalise_slices(f"{key}[{i}]", entry)
+            for i, entry in enumerate(value)
+        )
+    raise ConfigError(f"costs: {key} must be a number or a non-empty per-stage list, got {value!r}")
+
+
+def _normalise_slices(key: str, value: Any) -> tuple[float, ...]:
+    if isinstance(value, (list, tuple)) and value and all(_is_number(entry) for entry in value):
+        return tuple(_normalise(f"{key}[{i}]", entry) for i, entry in enumerate(value))  # type: ignore[misc]
+    raise ConfigError(f"costs: {key} must be a number or a list of per-slice numbers, got {value!r}")
+
+
+def _plain(value: Any) -> Any:
+    return [_plain(entry) for entry in value] if isinstance(value, tuple) else value

@@ -1,0 +1,74 @@
+"""Ops: the units of compute a schedule orders (DESIGN §1).
+
+An op names *what* runs — a pass of one stage over one micro-batch (and slice) — never *where*
+or *when*: the device is implied by the list the op sits in, and times come from the simulator
+in side tables keyed by the op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = ["OpKind", "Op"]
+
+
+class OpKind(str, Enum):
+    """Kinds of compute op.
+
+    F   forward of a stage; if checkpointed it keeps only its input.
+    R   recompute of a checkpointed F, restoring its activations for the backward.
+    B   backward w.r.t. the stage input only (the activation gradient; Zero Bubble's "B").
+    W   backward w.r.t. the stage weights, possibly cut into parts (Zero Bubble's "W").
+    BW  fused backward: B then W, what autograd does by default.
+    """
+
+    F = "F"
+    R = "R"
+    B = "B"
+    W = "W"
+    BW = "BW"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One compute op of one stage on one micro-batch slice.
+
+    `ckpt` is meaningful on F only (activations dropped, an R restores them); `part`/`parts`
+    on W only (part `part` of `parts` equal shares of the weight-gradient work).
+    Text form: ``{stage}{kind}{microbatch}[.{slice}][c][:{part}/{parts}]``, e.g. ``2F0``,
+    ``2F0c`` (checkpointed), ``1BW3``, ``0W5:1/3``, ``3F1.2`` (slice 2).
+    """
+
+    kind: OpKind
+    stage: int
+    microbatch: int
+    slice: int = 0
+    ckpt: bool = False
+    part: int = 0
+    parts: int = 1
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """(stage, microbatch, slice): what the dependency rules match on."""
+        return (self.stage, self.microbatch, self.slice)
+
+    @property
+    def text(self) -> str:
+        out = f"{self.stage}{self.kind.value}{self.microbatch}"
+        if self.slice:
+            out += f".{self.slice}"
+        if self.ckpt:
+            out += "c"
+        if self.parts != 1:
+            out += f":{self.part}/{self.parts}"
+        return out
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __repr__(self) -> str:
+        return f"Op({self.text})"

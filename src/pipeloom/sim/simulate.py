@@ -1,0 +1,198 @@
+"""Simulate a schedule under costs: times, memory, and the metrics that compare schedules (DESIGN §3).
+
+Definitions (Zero Bubble paper, §2 and §5):
+
+* makespan — first op start to last op end over all devices;
+* span of a device — its first op start to its last op end; ``cost`` = the largest span;
+* useful work of a device — the time of its F, B, W and BW ops (recompute is overhead);
+* ``bubble_rate = (cost − mean useful work per device) / cost``; with identical devices this is
+  the paper's ``(cost − m·(T_F+T_B+T_W)) / cost``.
+
+Memory changes only by a device's own ops, which run one at a time: an op's allocation counts
+from its start, its release from its end (DESIGN §2 for the amounts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from pipeloom.costs import Costs, StageCosts
+from pipeloom.ir.graph import DependencyGraph, build_graph
+from pipeloom.ir.ops import Op, OpKind
+from pipeloom.ir.schedule import Schedule
+from pipeloom.sim.engine import run
+
+__all__ = ["Timeline", "simulate", "OpTiming"]
+
+_USEFUL = (OpKind.F, OpKind.B, OpKind.W, OpKind.BW)
+
+
+@dataclass(frozen=True, slots=True)
+class OpTiming:
+    device: int
+    step: int
+    op: Op
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The outcome of one simulation. Per-op data is in flat lists ordered device by device."""
+
+    schedule: Schedule
+    costs: Costs
+    graph: DependencyGraph = field(repr=False)
+    start: list[float] = field(repr=False)
+    end: list[float] = field(repr=False)
+    memory_delta: list[float] = field(repr=False)
+    makespan: float
+    cost: float
+    bubble_rate: float
+    spans: list[float]
+    useful_time: list[float]
+    busy_time: list[float]
+    static_memory: list[float]
+    peak_activation_memory: list[float]
+
+    @property
+    def peak_memory(self) -> list[float]:
+        """Per device: static memory plus the activation peak."""
+        return [s + a for s, a in zip(self.static_memory, self.peak_activation_memory)]
+
+    @property
+    def num_devices(self) -> int:
+        return self.schedule.num_devices
+
+    def device_bubble_rates(self) -> list[float]:
+        """Per device: idle share of the step (relative to `cost`)."""
+        return [(self.cost - useful) / self.cost if self.cost else 0.0 for useful in self.useful_time]
+
+    def timings(self, device: int | None = None) -> Iterator[OpTiming]:
+        """Every op (of one device, or all) with its start and end, in device order."""
+        devices = range(self.num_devices) if device is None else (device,)
+        offsets = self.graph.offsets
+        for d in devices:
+            for g in range(offsets[d], offsets[d + 1]):
+                yield OpTiming(d, g - offsets[d], self.graph.ops[g], self.start[g], self.end[g])
+
+    def interval(self, device: int, step: int) -> tuple[float, float]:
+        g = self.graph.offsets[device] + step
+        return self.start[g], self.end[g]
+
+    def memory_curve(self, device: int) -> list[tuple[float, float]]:
+        """(time, memory) breakpoints of a device, static memory included; a step function."""
+        level = self.static_memory[device]
+        points = [(0.0, level)]
+        offsets = self.graph.offsets
+        for g in range(offsets[device], offsets[device + 1]):
+            delta = self.memory_delta[g]
+            if delta:
+                level += delta
+                points.append((self.start[g] if delta > 0 else self.end[g], level))
+        return points
+
+    def summary(self) -> dict:
+        """The figures a report or `--json` needs."""
+        return {
+            "name": self.schedule.name,
+            "num_devices": self.schedule.num_devices,
+            "num_stages": self.schedule.num_stages,
+            "num_microbatches": self.schedule.num_microbatches,
+            "num_slices": self.schedule.num_slices,
+            "num_ops": self.graph.num_ops,
+            "makespan": self.makespan,
+            "cost": self.cost,
+            "bubble_rate": self.bubble_rate,
+            "peak_memory": self.peak_memory,
+            "peak_activation_memory": self.peak_activation_memory,
+            "static_memory": self.static_memory,
+            "spans": self.spans,
+            "useful_time": self.useful_time,
+        }
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
+    """Time and memory of `schedule` under `costs` (default: F=1, B=2, W=0, M_B=1).
+
+    Raises ScheduleError for an invalid schedule (the simulation is also the deadlock check).
+    """
+    costs = costs if costs is not None else Costs()
+    graph = build_graph(schedule)
+    table = costs.resolve(schedule.num_devices, schedule.num_stages, schedule.num_slices)
+    durations, deltas = _op_costs(graph, table, schedule.num_slices)
+    start, end = run(graph, durations, costs.comm)
+    offsets = graph.offsets
+    num_devices = schedule.num_devices
+
+    spans, useful, busy, peaks = [], [], [], []
+    last_end = 0.0
+    for d in range(num_devices):
+        first, stop = offsets[d], offsets[d + 1]
+        if first == stop:
+            spans.append(0.0)
+            useful.append(0.0)
+            busy.append(0.0)
+            peaks.append(0.0)
+            continue
+        spans.append(end[stop - 1] - start[first])
+        last_end = max(last_end, end[stop - 1])
+        useful.append(sum(durations[g] for g in range(first, stop) if graph.ops[g].kind in _USEFUL))
+        busy.append(sum(durations[first:stop]))
+        peaks.append(_peak(deltas, first, stop))
+    cost = max(spans)
+    mean_useful = sum(useful) / num_devices
+    static = [sum(table.M_static[stage] for stage in schedule.stages_on(d)) for d in range(num_devices)]
+    return Timeline(
+        schedule=schedule,
+        costs=costs,
+        graph=graph,
+        start=start,
+        end=end,
+        memory_delta=deltas,
+        makespan=last_end - min((start[offsets[d]] for d in range(num_devices) if offsets[d] < offsets[d + 1]), default=0.0),
+        cost=cost,
+        bubble_rate=(cost - mean_useful) / cost if cost else 0.0,
+        spans=spans,
+        useful_time=useful,
+        busy_time=busy,
+        static_memory=static,
+        peak_activation_memory=peaks,
+    )
+
+
+def _op_costs(graph: DependencyGraph, table: StageCosts, num_slices: int) -> tuple[list[float], list[float]]:
+    """Duration and memory change of every op, by flat index."""
+    F, B, W, R = table.F, table.B, table.W, table.R
+    M_B, M_W, M_ckpt = table.M_B, table.M_W, table.M_ckpt
+    durations: list[float] = []
+    deltas: list[float] = []
+    for op in graph.ops:
+        i = op.stage * num_slices + op.slice
+        kind = op.kind
+        if kind is OpKind.F:
+            durations.append(F[i])
+            deltas.append(M_ckpt[i] if op.ckpt else M_B[i])
+        elif kind is OpKind.BW:
+            durations.append(B[i] + W[i])
+            deltas.append(-M_B[i])
+        elif kind is OpKind.B:
+            durations.append(B[i])
+            deltas.append(M_W[i] - M_B[i])
+        elif kind is OpKind.W:
+            durations.append(W[i] / op.parts)
+            deltas.append(-M_W[i] / op.parts)
+        else:  # R
+            durations.append(R[i])
+            deltas.append(M_B[i] - M_ckpt[i])
+    return durations, deltas
+
+
+def _peak(deltas: list[float], first: int, stop: int) -> float:
+    level = peak = 0.0
+    for g in range(first, stop):
+        level += deltas[g]
+        if level > peak:
+            peak = level
+    return peak

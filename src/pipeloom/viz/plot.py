@@ -1,0 +1,115 @@
+"""Timeline picture: one row of op boxes per device, the memory curve of every device under it.
+
+matplotlib is imported here, lazily, so the planning core never pays for it; install it with
+``pip install 'pipeloom[plot]'``. The output format follows the file extension (png, svg, pdf).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from os import PathLike
+from pathlib import Path
+
+from pipeloom.errors import ConfigError
+from pipeloom.ir.ops import OpKind
+from pipeloom.sim.simulate import Timeline
+
+__all__ = ["plot_timeline", "KIND_COLORS"]
+
+KIND_COLORS = {
+    OpKind.F: "#4C72B0",
+    OpKind.B: "#55A868",
+    OpKind.W: "#8172B3",
+    OpKind.BW: "#2F8F5B",
+    OpKind.R: "#DD8452",
+}
+_CKPT_COLOR = "#9DB4D8"  # a checkpointed forward keeps only its input: drawn paler
+_MAX_LABELS = 1500
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("plotting needs matplotlib: pip install 'pipeloom[plot]'") from None
+    return plt
+
+
+def plot_timeline(timeline: Timeline, path: str | PathLike[str], title: str | None = None) -> None:
+    """Draw `timeline` to `path`."""
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in ("png", "svg", "pdf"):
+        raise ConfigError(f"cannot plot to {str(path)!r}: use a .png, .svg or .pdf file name")
+    plt = _pyplot()
+    from matplotlib.patches import Patch
+
+    num_devices = timeline.num_devices
+    height = 1.2 + 0.32 * num_devices
+    fig, (ops_ax, mem_ax) = plt.subplots(
+        2, 1, figsize=(12, height + 2.4), sharex=True, gridspec_kw={"height_ratios": [height, 2.4]}
+    )
+    _draw_ops(ops_ax, timeline)
+    _draw_memory(mem_ax, timeline)
+    schedule = timeline.schedule
+    ops_ax.set_title(
+        title
+        or f"{schedule.name}: p={schedule.num_devices} m={schedule.num_microbatches} S={schedule.num_stages}"
+        f" — makespan {timeline.makespan:g}, bubble {timeline.bubble_rate:.1%}, peak memory {max(timeline.peak_memory):g}",
+        loc="left",
+        fontsize=10,
+    )
+    kinds = sorted({op.kind for ops in schedule.devices for op in ops}, key=list(KIND_COLORS).index)
+    handles = [Patch(color=KIND_COLORS[kind], label=kind.value) for kind in kinds]
+    if any(op.ckpt for ops in schedule.devices for op in ops):
+        handles.append(Patch(color=_CKPT_COLOR, label="F (ckpt)"))
+    ops_ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=len(handles),
+                  frameon=False)
+    mem_ax.set_xlabel("time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _draw_ops(ax, timeline: Timeline) -> None:
+    num_devices = timeline.num_devices
+    label = timeline.graph.num_ops <= _MAX_LABELS
+    min_label_width = timeline.makespan / 90 if timeline.makespan else 0
+    for device in range(num_devices):
+        chunk_of = {stage: i for i, stage in enumerate(timeline.schedule.stages_on(device))}
+        boxes: dict[str, list[tuple[float, float]]] = {}
+        for timing in timeline.timings(device):
+            op = timing.op
+            color = _CKPT_COLOR if op.ckpt else KIND_COLORS[op.kind]
+            color = _lighten(color, 0.45 * chunk_of.get(op.stage, 0) / max(1, len(chunk_of) - 1))
+            width = timing.end - timing.start
+            boxes.setdefault(color, []).append((timing.start, width))
+            if label and width >= min_label_width:
+                ax.text(timing.start + width / 2, device, str(op.microbatch), ha="center", va="center",
+                        fontsize=6, color="white")
+        for color, spans in boxes.items():
+            ax.broken_barh(spans, (device - 0.4, 0.8), facecolors=color, edgecolors="white", linewidth=0.3)
+    ax.set_yticks(range(num_devices), [f"d{d}" for d in range(num_devices)])
+    ax.set_ylim(num_devices - 0.5, -0.5)
+    ax.set_ylabel("device")
+
+
+def _lighten(color: str, amount: float) -> str:
+    """Later chunks of a device are drawn lighter, so interleaved and V schedules read at a glance."""
+    channels = [int(color[i : i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(c + (255 - c) * amount):02x}" for c in channels)
+
+
+def _draw_memory(ax, timeline: Timeline) -> None:
+    cmap = _pyplot().get_cmap("viridis")
+    num_devices = timeline.num_devices
+    for device in range(num_devices):
+        points: Sequence[tuple[float, float]] = timeline.memory_curve(device)
+        times = [t for t, _ in points] + [timeline.makespan]
+        levels = [level for _, level in points] + [points[-1][1]]
+        ax.step(times, levels, where="post", linewidth=1, color=cmap(device / max(1, num_devices - 1)), label=f"d{device}")
+    ax.set_ylabel("memory")
+    if num_devices <= 16:
+        ax.legend(fontsize=7, ncol=min(num_devices, 8), loc="upper right", frameon=False)

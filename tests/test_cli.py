@@ -1,0 +1,135 @@
+"""The `pipeloom` command line: outputs, and one-line errors with exit status 2 for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pipeloom import build_schedule, load_schedule
+from pipeloom.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_list_names_every_schedule_with_its_paper(capsys):
+    code, out, _ = run(capsys, "list")
+    assert code == 0
+    for name, paper in [("gpipe", "GPipe"), ("1f1b", "DAPPLE"), ("interleaved", "Megatron"), ("chimera", "Chimera")]:
+        assert any(line.startswith(name) and paper in line for line in out.splitlines())
+    code, out, _ = run(capsys, "list", "--json")
+    assert {entry["name"] for entry in json.loads(out)} >= {"gpipe", "1f1b", "interleaved", "chimera"}
+
+
+def test_simulate_json(capsys):
+    code, out, _ = run(capsys, "simulate", "1f1b", "-p", "4", "-m", "4", "--costs", "F=1,B=2,W=0,comm=0", "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert result["name"] == "1f1b"
+    assert result["makespan"] == 21 and result["cost"] == 21
+    assert result["bubble_rate"] == pytest.approx(3 / 7)
+    assert result["peak_memory"] == [4, 3, 2, 1]
+
+
+def test_simulate_table_and_chunks(capsys):
+    code, out, _ = run(capsys, "simulate", "interleaved", "-p", "4", "-m", "8", "-v", "2")
+    assert code == 0
+    assert "makespan     28.5" in out and "bubble rate  15.79%" in out
+    assert [line.split()[0] for line in out.splitlines()[-4:]] == ["d0", "d1", "d2", "d3"]
+
+
+def test_costs_file_and_outputs_round_trip(capsys, tmp_path):
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"F": [1, 1, 2, 2], "B": 2, "M_static": 1}))
+    export, trace, plot = tmp_path / "s.json", tmp_path / "t.json", tmp_path / "t.png"
+    code, out, _ = run(capsys, "simulate", "chimera", "-p", "4", "-m", "8", "--costs", str(costs), "--json",
+                       "--export", str(export), "--trace", str(trace), "--plot", str(plot))
+    assert code == 0
+    first = json.loads(out)
+    assert load_schedule(export) == build_schedule("chimera", 4, 8)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sum(event["ph"] == "X" for event in events) == 4 * 8 * 2
+    code, out, _ = run(capsys, "simulate", "--schedule-file", str(export), "--costs", str(costs), "--json")
+    assert code == 0 and json.loads(out) == first
+
+
+def test_show_and_validate(capsys, tmp_path):
+    code, out, _ = run(capsys, "show", "1f1b", "-p", "2", "-m", "2")
+    assert out.splitlines()[1].split() == ["d0", "0F0", "0F1", "0BW0", "0BW1"]
+    code, out, _ = run(capsys, "show", "1f1b", "-p", "2", "-m", "2", "--text")
+    assert out.splitlines()[1:] == ["0F0 0F1 0BW0 0BW1", "1F0 1BW0 1F1 1BW1"]
+    good = tmp_path / "good.json"
+    build_schedule("gpipe", 2, 2).to_json(good)
+    code, out, _ = run(capsys, "validate", str(good))
+    assert code == 0 and "valid 'gpipe'" in out
+
+
+def deadlocked_file(tmp_path):
+    schedule = build_schedule("1f1b", 2, 2)
+    swapped = schedule.with_devices([schedule.devices[0], tuple(reversed(schedule.devices[1]))])
+    path = tmp_path / "deadlock.json"
+    swapped.to_json(path)
+    return path
+
+
+def test_validate_prints_the_marked_grid(capsys, tmp_path):
+    code, out, err = run(capsys, "validate", str(deadlocked_file(tmp_path)))
+    assert code == 2 and out == ""
+    assert err.startswith("pipeloom: error: deadlock in schedule '1f1b'")
+    assert "[" in err and "step" in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["simulate", "nope", "-p", "2", "-m", "2"], "unknown schedule 'nope'"),
+        (["simulate", "interleaved", "-p", "4", "-m", "6"], "must be a multiple of the number of devices"),
+        (["simulate", "chimera", "-p", "3", "-m", "2"], "must be even"),
+        (["simulate", "1f1b", "-p", "4"], "needs -p (devices) and -m (micro-batches)"),
+        (["simulate", "1f1b", "-p", "x", "-m", "2"], "invalid int value"),
+        (["simulate", "1f1b", "-p", "2", "-m", "2", "--costs", "F=1,X=2"], "unknown cost key"),
+        (["simulate", "1f1b", "-p", "2", "-m", "2", "--costs", "missing.json"], "cannot read costs file"),
+        (["simulate", "1f1b", "-p", "2", "-m", "2", "--plot", "t.gif"], "use a .png, .svg or .pdf"),
+        (["simulate", "1f1b", "-p", "2", "-m", "2", "--export", "no/such/dir/s.json"], "does not exist"),
+        (["simulate", "--schedule-file", "missing.json"], "cannot read schedule file"),
+        (["simulate", "1f1b", "--schedule-file", "s.json"], "not both"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("pipeloom: error:")
+    assert message in err
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_deadlocked_schedule_file_is_one_line_for_simulate(capsys, tmp_path):
+    path = deadlocked_file(tmp_path)
+    code, _, err = run(capsys, "simulate", "--schedule-file", str(path))
+    assert code == 2 and err.count("\n") == 1 and "deadlock" in err
+
+
+def test_console_script_exit_status_and_no_traceback():
+    result = subprocess.run([sys.executable, "-m", "pipeloom", "simulate", "chimera", "-p", "5", "-m", "2"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "pipeloom: error: chimera: number of devices (5) must be even " \
+                                    "(two pipelines of p stages share them)"
+    assert "Traceback" not in result.stderr
+
+
+def test_compare(capsys, tmp_path):
+    code, out, err = run(capsys, "compare", "gpipe", "1f1b", "interleaved", "chimera", "-p", "4", "-m", "8", "-v", "2",
+                         "--plot-dir", str(tmp_path / "plots"))
+    assert code == 0
+    assert [line.split()[0] for line in out.splitlines()[3:]] == ["gpipe", "1f1b", "interleaved", "chimera"]
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["1f1b.png", "chimera.png", "gpipe.png",
+                                                                       "interleaved.png"]

@@ -1,0 +1,89 @@
+"""Costs have one meaning everywhere: a scalar is one device's share of the model (DESIGN §2)."""
+
+import json
+
+import pytest
+
+from pipeloom import ConfigError, Costs, build_schedule, simulate
+
+
+def test_scalar_is_one_devices_share_split_over_its_chunks_and_slices():
+    table = Costs(F=1.0, B=2.0, W=0.5, M_B=4.0).resolve(num_devices=4, num_stages=8, num_slices=2)
+    assert table.F == [0.25] * 16  # 1 · p/S / L
+    assert table.B == [0.5] * 16
+    assert table.W == [0.125] * 16
+    assert table.M_B == [1.0] * 16
+    assert table.R == table.F  # R defaults to F
+
+
+def test_per_stage_lists_are_exact_and_split_over_slices():
+    table = Costs(F=[1, 2, 3], M_static=[5, 6, 7]).resolve(num_devices=3, num_stages=3, num_slices=2)
+    assert table.F == [0.5, 0.5, 1.0, 1.0, 1.5, 1.5]
+    assert table.M_static == [5, 6, 7]
+
+
+def test_per_slice_values_are_exact():
+    table = Costs(F=[[1, 3], [2, 4]]).resolve(num_devices=2, num_stages=2, num_slices=2)
+    assert table.F == [1, 3, 2, 4]
+
+
+@pytest.mark.parametrize(
+    "kwargs, stages, message",
+    [
+        ({"F": [1, 2]}, 3, "F has 2 per-stage values but the schedule has 3 stages"),
+        ({"B": [[1], [1]]}, 2, r"B\[0\] has 1 per-slice values but the schedule has 2 slices"),
+    ],
+)
+def test_wrong_lengths_are_refused_with_the_fix(kwargs, stages, message):
+    with pytest.raises(ConfigError, match=message):
+        Costs(**kwargs).resolve(num_devices=2, num_stages=stages, num_slices=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"F": -1}, "F must be a non-negative finite number"),
+        ({"M_B": float("nan")}, "M_B must be a non-negative finite number"),
+        ({"B": "2"}, "B must be a number or a non-empty per-stage list"),
+        ({"W": []}, "W must be a number or a non-empty per-stage list"),
+        ({"F": [1, [1, "x"]]}, r"F\[1\] must be a number or a list of per-slice numbers"),
+        ({"comm": -0.5}, "comm must be a non-negative number"),
+    ],
+)
+def test_bad_values_are_refused(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        Costs(**kwargs)
+
+
+def test_parse_spec_and_unknown_keys():
+    assert Costs.parse("F=1,B=2,W=0,comm=0.5") == Costs(F=1, B=2, W=0, comm=0.5)
+    with pytest.raises(ConfigError, match="unknown cost key"):
+        Costs.parse("F=1,Q=2")
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        Costs.parse("F=1,B")
+    with pytest.raises(ConfigError, match="B must be a number"):
+        Costs.parse("B=two")
+
+
+def test_costs_file(tmp_path):
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"F": [1, 2], "B": 2, "comm": 0.1, "M_static": 3}))
+    costs = Costs.load(path)
+    assert costs.F == (1.0, 2.0) and costs.comm == 0.1
+    assert Costs.from_mapping(costs.to_dict()) == costs
+    path.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        Costs.load(path)
+    with pytest.raises(ConfigError, match="cannot read costs file"):
+        Costs.load(tmp_path / "nope.json")
+
+
+def test_chunking_does_not_change_the_work_or_1f1b_memory():
+    """Thus 1F1B's peak activation memory is p·M_B whatever the chunking (the issue's rule)."""
+    costs = Costs(F=1, B=2, M_B=1)
+    plain = simulate(build_schedule("1f1b", 4, 8), costs)
+    chunked = simulate(build_schedule("interleaved", 4, 8, num_chunks=1), costs)
+    assert plain.peak_memory == chunked.peak_memory == [4, 3, 2, 1]
+    for v in (2, 4):
+        timeline = simulate(build_schedule("interleaved", 4, 8, num_chunks=v), costs)
+        assert timeline.useful_time == pytest.approx([8 * 3] * 4)  # m · (F + B) per device
