@@ -53,13 +53,15 @@ def main() -> None:
     print(f"python {platform.python_version()} on {platform.machine()}, best of {args.repeat}")
     print(f"{'case':<28} {'ops':>8} {'build ms':>9} {'simulate ms':>12} {'ops/s':>10}  makespan")
     for name, p, m, split in cases:
-        build_s, schedule = best_of(args.repeat, lambda: build_schedule(name, num_devices=p, num_microbatches=m))
+        build_s, schedule = best_of(args.repeat, lambda n=name, p=p, m=m: build_schedule(n, p, m))
         if split:
             schedule = split_backward(schedule)
-        sim_s, timeline = best_of(args.repeat, lambda: simulate(schedule, costs))
+        sim_s, timeline = best_of(args.repeat, lambda s=schedule: simulate(s, costs))
         label = f"{name} p={p} m={m}" + (" B+W" if split else " fused")
-        print(f"{label:<28} {schedule.num_ops:>8} {build_s * 1e3:>9.1f} {sim_s * 1e3:>12.1f} "
-              f"{schedule.num_ops / sim_s:>10,.0f}  {timeline.makespan:g}")
+        print(
+            f"{label:<28} {schedule.num_ops:>8} {build_s * 1e3:>9.1f} {sim_s * 1e3:>12.1f} "
+            f"{schedule.num_ops / sim_s:>10,.0f}  {timeline.makespan:g}"
+        )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,24 @@ def test_costs_file_and_outputs_round_trip(capsys, tmp_path):
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps({"F": [1, 1, 2, 2], "B": 2, "M_static": 1}))
     export, trace, plot = tmp_path / "s.json", tmp_path / "t.json", tmp_path / "t.png"
-    code, out, _ = run(capsys, "simulate", "chimera", "-p", "4", "-m", "8", "--costs", str(costs), "--json",
-                       "--export", str(export), "--trace", str(trace), "--plot", str(plot))
+    code, out, _ = run(
+        capsys,
+        "simulate",
+        "chimera",
+        "-p",
+        "4",
+        "-m",
+        "8",
+        "--costs",
+        str(costs),
+        "--json",
+        "--export",
+        str(export),
+        "--trace",
+        str(trace),
+        "--plot",
+        str(plot),
+    )
     assert code == 0
     first = json.loads(out)
     assert load_schedule(export) == build_schedule("chimera", 4, 8)
@@ -118,18 +134,39 @@ def test_deadlocked_schedule_file_is_one_line_for_simulate(capsys, tmp_path):
 
 
 def test_console_script_exit_status_and_no_traceback():
-    result = subprocess.run([sys.executable, "-m", "pipeloom", "simulate", "chimera", "-p", "5", "-m", "2"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeloom", "simulate", "chimera", "-p", "5", "-m", "2"], capture_output=True, text=True
+    )
     assert result.returncode == 2
-    assert result.stderr.strip() == "pipeloom: error: chimera: number of devices (5) must be even " \
-                                    "(two pipelines of p stages share them)"
+    assert (
+        result.stderr.strip() == "pipeloom: error: chimera: number of devices (5) must be even "
+        "(two pipelines of p stages share them)"
+    )
     assert "Traceback" not in result.stderr
 
 
 def test_compare(capsys, tmp_path):
-    code, out, err = run(capsys, "compare", "gpipe", "1f1b", "interleaved", "chimera", "-p", "4", "-m", "8", "-v", "2",
-                         "--plot-dir", str(tmp_path / "plots"))
+    code, out, err = run(
+        capsys,
+        "compare",
+        "gpipe",
+        "1f1b",
+        "interleaved",
+        "chimera",
+        "-p",
+        "4",
+        "-m",
+        "8",
+        "-v",
+        "2",
+        "--plot-dir",
+        str(tmp_path / "plots"),
+    )
     assert code == 0
     assert [line.split()[0] for line in out.splitlines()[3:]] == ["gpipe", "1f1b", "interleaved", "chimera"]
-    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["1f1b.png", "chimera.png", "gpipe.png",
-                                                                       "interleaved.png"]
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "1f1b.png",
+        "chimera.png",
+        "gpipe.png",
+        "interleaved.png",
+    ]

@@ -44,6 +44,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except BrokenPipeError:
         return 0
+    except OSError as error:  # an output that cannot be written (permissions, full disk)
+        print(f"pipeloom: error: {error.strerror or error}: {error.filename or ''}".rstrip(": "), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return 130
 
 
 # ---------------------------------------------------------------------------------------------
@@ -53,8 +58,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _cmd_list(args: argparse.Namespace) -> int:
     generators = list_generators()
     if args.json:
-        print(json.dumps([{"name": g.name, "family": g.family, "paper": g.paper, "summary": g.summary,
-                           "domain": g.domain, "options": list(g.options)} for g in generators], indent=2))
+        print(
+            json.dumps(
+                [
+                    {
+                        "name": g.name,
+                        "family": g.family,
+                        "paper": g.paper,
+                        "summary": g.summary,
+                        "domain": g.domain,
+                        "options": list(g.options),
+                    }
+                    for g in generators
+                ],
+                indent=2,
+            )
+        )
         return 0
     rows = [[g.name, g.paper, g.domain] for g in generators]
     print(_table(["schedule", "paper", "domain"], rows))
@@ -62,7 +81,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    _check_outputs(args.export, args.trace, args.plot)
+    _check_outputs([args.export, args.trace, args.plot], plot=args.plot)
     schedule = _schedule_from_args(args)
     timeline = simulate(schedule, _costs_from_args(args))
     _write_outputs(timeline, args.export, args.trace, args.plot)
@@ -75,7 +94,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 def _cmd_show(args: argparse.Namespace) -> int:
     schedule = _schedule_from_args(args)
-    print(schedule.to_text() if args.text else schedule.grid(), end="\n" if not args.text else "")
+    print(schedule.to_text().rstrip("\n") if args.text else schedule.grid())
     return 0
 
 
@@ -87,8 +106,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         print(f"pipeloom: error: {error.message}", file=sys.stderr)
         print(error.details, file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(f"{args.file}: valid {schedule.name!r}: {schedule.num_devices} devices, {schedule.num_stages} stages, "
-          f"{schedule.num_microbatches} micro-batches, {schedule.num_slices} slices, {schedule.num_ops} ops")
+    print(
+        f"{args.file}: valid {schedule.name!r}: {schedule.num_devices} devices, {schedule.num_stages} stages, "
+        f"{schedule.num_microbatches} micro-batches, {schedule.num_slices} slices, {schedule.num_ops} ops"
+    )
     return 0
 
 
@@ -109,8 +130,15 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         print(json.dumps([timeline.summary() for timeline in timelines]))
         return 0
     rows = [
-        [t.schedule.name, t.schedule.num_stages, _num(t.makespan), _num(t.cost), f"{t.bubble_rate:.2%}",
-         _num(max(t.peak_memory)), " ".join(_num(x) for x in t.peak_memory)]
+        [
+            t.schedule.name,
+            t.schedule.num_stages,
+            _num(t.makespan),
+            _num(t.cost),
+            f"{t.bubble_rate:.2%}",
+            _num(max(t.peak_memory)),
+            " ".join(_num(x) for x in t.peak_memory),
+        ]
         for t in timelines
     ]
     print(f"p={args.p} m={args.m} costs: {_costs_text(costs)}")
@@ -203,13 +231,12 @@ def _costs_from_args(args: argparse.Namespace) -> Costs:
     return Costs.load(spec)
 
 
-def _check_outputs(*paths: str | None) -> None:
+def _check_outputs(paths: list[str | None], plot: str | None) -> None:
     """Refuse unwritable destinations before computing anything, so bad input writes nothing."""
     for path in filter(None, paths):
         parent = Path(path).resolve().parent
         if not parent.is_dir():
             raise ConfigError(f"cannot write {path!r}: directory {str(parent)!r} does not exist")
-    plot = paths[-1]
     if plot and Path(plot).suffix.lower() not in (".png", ".svg", ".pdf"):
         raise ConfigError(f"cannot plot to {plot!r}: use a .png, .svg or .pdf file name")
 
@@ -239,7 +266,8 @@ def _report(timeline: Timeline) -> str:
     s = timeline.schedule
     head = [
         f"schedule     {s.name}: {s.num_devices} devices, {s.num_stages} stages, {s.num_microbatches} micro-batches"
-        + (f", {s.num_slices} slices" if s.num_slices > 1 else "") + f", {s.num_ops} ops",
+        + (f", {s.num_slices} slices" if s.num_slices > 1 else "")
+        + f", {s.num_ops} ops",
         f"costs        {_costs_text(timeline.costs)}",
         f"makespan     {_num(timeline.makespan)}",
         f"cost         {_num(timeline.cost)}  (largest per-device span)",
@@ -247,8 +275,15 @@ def _report(timeline: Timeline) -> str:
         "",
     ]
     rows = [
-        [f"d{d}", _num(timeline.spans[d]), _num(timeline.useful_time[d]), f"{rate:.2%}",
-         _num(timeline.static_memory[d]), _num(timeline.peak_activation_memory[d]), _num(timeline.peak_memory[d])]
+        [
+            f"d{d}",
+            _num(timeline.spans[d]),
+            _num(timeline.useful_time[d]),
+            f"{rate:.2%}",
+            _num(timeline.static_memory[d]),
+            _num(timeline.peak_activation_memory[d]),
+            _num(timeline.peak_memory[d]),
+        ]
         for d, rate in enumerate(timeline.device_bubble_rates())
     ]
     return "\n".join(head) + _table(["device", "span", "useful", "idle", "static", "peak act.", "peak memory"], rows)

@@ -17,7 +17,6 @@ replicated stages (Chimera) count twice. The fused BW takes B + W.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -25,10 +24,11 @@ from os import PathLike
 from typing import Any, Union
 
 from pipeloom.errors import ConfigError
+from pipeloom.files import read_json
 
 __all__ = ["Costs", "StageCosts", "CostValue"]
 
-CostValue = Union[float, Sequence[Union[float, Sequence[float]]]]
+CostValue = Union[float, Sequence[float | Sequence[float]]]
 
 _PER_STAGE_KEYS = ("F", "B", "W", "R", "M_B", "M_W", "M_ckpt", "M_static")
 
@@ -94,13 +94,7 @@ class Costs:
 
     @classmethod
     def load(cls, path: str | PathLike[str]) -> Costs:
-        try:
-            with open(path, encoding="utf-8") as handle:
-                data = json.load(handle)
-        except OSError as error:
-            raise ConfigError(f"cannot read costs file {str(path)!r}: {error.strerror}") from None
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"costs file {str(path)!r} is not JSON: {error}") from None
+        data = read_json(path, "costs", ConfigError)
         try:
             return cls.from_mapping(data)
         except ConfigError as error:

@@ -16,7 +16,11 @@ def test_format_matches_the_design_example(tmp_path):
     data = json.loads(path.read_text())
     assert data["format"] == "pipeloom.schedule/1" == FORMAT
     assert {k: data[k] for k in ("name", "num_devices", "num_stages", "num_microbatches", "num_slices")} == {
-        "name": "1f1b", "num_devices": 4, "num_stages": 4, "num_microbatches": 8, "num_slices": 1,
+        "name": "1f1b",
+        "num_devices": 4,
+        "num_stages": 4,
+        "num_microbatches": 8,
+        "num_slices": 1,
     }
     assert data["devices"][0][0] == {"op": "F", "stage": 0, "mb": 0, "slice": 0, "ckpt": False}
     assert data["devices"][3][1] == {"op": "BW", "stage": 3, "mb": 0, "slice": 0}
@@ -35,9 +39,18 @@ def test_json_round_trip_gives_identical_schedule_and_simulation(tmp_path, name,
 def test_parts_slices_and_ckpt_round_trip():
     schedule = Schedule.build(
         "odd",
-        [[Op(OpKind.F, 0, 0, 1, ckpt=True), Op(OpKind.R, 0, 0, 1), Op(OpKind.B, 0, 0, 1),
-          Op(OpKind.W, 0, 0, 1, part=0, parts=2), Op(OpKind.W, 0, 0, 1, part=1, parts=2)]],
-        num_stages=1, num_microbatches=1, num_slices=2,
+        [
+            [
+                Op(OpKind.F, 0, 0, 1, ckpt=True),
+                Op(OpKind.R, 0, 0, 1),
+                Op(OpKind.B, 0, 0, 1),
+                Op(OpKind.W, 0, 0, 1, part=0, parts=2),
+                Op(OpKind.W, 0, 0, 1, part=1, parts=2),
+            ]
+        ],
+        num_stages=1,
+        num_microbatches=1,
+        num_slices=2,
     )
     data = schedule.to_dict()
     assert data["devices"][0][3] == {"op": "W", "stage": 0, "mb": 0, "slice": 1, "part": 0, "parts": 2}
@@ -45,9 +58,16 @@ def test_parts_slices_and_ckpt_round_trip():
 
 
 def test_reader_ignores_extra_keys_and_defaults_slice_and_ckpt():
-    data = {"format": FORMAT, "name": "x", "num_devices": 1, "num_stages": 1, "num_microbatches": 1,
-            "num_slices": 1, "comment": "extra", "devices": [[{"op": "F", "stage": 0, "mb": 0, "note": 1},
-                                                              {"op": "BW", "stage": 0, "mb": 0}]]}
+    data = {
+        "format": FORMAT,
+        "name": "x",
+        "num_devices": 1,
+        "num_stages": 1,
+        "num_microbatches": 1,
+        "num_slices": 1,
+        "comment": "extra",
+        "devices": [[{"op": "F", "stage": 0, "mb": 0, "note": 1}, {"op": "BW", "stage": 0, "mb": 0}]],
+    }
     schedule = schedule_from_dict(data)
     assert schedule.devices[0] == (Op(OpKind.F, 0, 0), Op(OpKind.BW, 0, 0))
 
@@ -65,8 +85,15 @@ def test_reader_ignores_extra_keys_and_defaults_slice_and_ckpt():
     ],
 )
 def test_malformed_files_are_refused_with_the_reason(change, message):
-    data = {"format": FORMAT, "name": "x", "num_devices": 1, "num_stages": 1, "num_microbatches": 1,
-            "num_slices": 1, "devices": [[{"op": "F", "stage": 0, "mb": 0}, {"op": "BW", "stage": 0, "mb": 0}]]}
+    data = {
+        "format": FORMAT,
+        "name": "x",
+        "num_devices": 1,
+        "num_stages": 1,
+        "num_microbatches": 1,
+        "num_slices": 1,
+        "devices": [[{"op": "F", "stage": 0, "mb": 0}, {"op": "BW", "stage": 0, "mb": 0}]],
+    }
     data.update(change)
     with pytest.raises(ScheduleError, match=message):
         schedule_from_dict(data)

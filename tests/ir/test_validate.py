@@ -7,7 +7,6 @@ from pipeloom import ScheduleError, build_schedule, simulate, validate
 from pipeloom.ir.schedule import Schedule
 
 
-
 def rejection(text: str) -> ScheduleError:
     schedule = Schedule.from_text(text, name="hand-made")
     with pytest.raises(ScheduleError) as error:
@@ -27,8 +26,12 @@ def test_deadlock_names_the_cycle():
     # d0 waits for 1BW0, which d1 runs only after 1F1, which needs 0F1, which d0 runs only after 0BW0.
     error = rejection("0F0 0BW0 0F1 0BW1\n1F1 1BW1 1F0 1BW0")
     assert error.summary.startswith("deadlock in schedule 'hand-made'")
-    for part in ("0BW0 (device 0, step 1) waits for 1BW0 (device 1, step 3)", "queued behind 1F1 (device 1, step 0)",
-                 "1F1 (device 1, step 0) waits for 0F1 (device 0, step 2)", "queued behind 0BW0 (device 0, step 1)"):
+    for part in (
+        "0BW0 (device 0, step 1) waits for 1BW0 (device 1, step 3)",
+        "queued behind 1F1 (device 1, step 0)",
+        "1F1 (device 1, step 0) waits for 0F1 (device 0, step 2)",
+        "queued behind 0BW0 (device 0, step 1)",
+    ):
         assert part in error.summary
     assert "\n" not in error.summary
     assert "[0BW0]" in error.details and "[1F1]" in error.details and "[0F1]" in error.details

@@ -16,7 +16,9 @@ def random_costs(rng: random.Random, num_stages: int) -> Costs:
             return [round(rng.uniform(low, high), 2) for _ in range(num_stages)]
         return round(rng.uniform(low, high), 2)
 
-    return Costs(F=value(), B=value(), W=value(0, 1), comm=rng.choice([0, 0, 0.1, 0.5]), M_B=value(), M_static=value(0, 2))
+    return Costs(
+        F=value(), B=value(), W=value(0, 1), comm=rng.choice([0, 0, 0.1, 0.5]), M_B=value(), M_static=value(0, 2)
+    )
 
 
 def random_valid_arguments(rng: random.Random) -> tuple[str, int, int, dict]:
@@ -59,7 +61,8 @@ def test_out_of_domain_arguments_raise_config_error():
         p, m = rng.randint(-3, 12), rng.randint(-3, 12)
         kwargs = {"num_chunks": rng.randint(-2, 4)} if name == "interleaved" else {}
         out_of_domain = (
-            p < 1 or m < 1
+            p < 1
+            or m < 1
             or (name == "interleaved" and (kwargs["num_chunks"] < 1 or (m > p and m % p)))
             or (name == "chimera" and (p % 2 or m % 2))
         )

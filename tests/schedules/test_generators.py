@@ -67,7 +67,10 @@ def test_chimera_basic_unit_has_d_minus_2_bubbles(p):
 
 def test_chimera_beats_1f1b_on_the_demo_case():
     costs = Costs(F=1, B=2)
-    assert simulate(build_schedule("chimera", 8, 16), costs).makespan < simulate(build_schedule("1f1b", 8, 16), costs).makespan
+    assert (
+        simulate(build_schedule("chimera", 8, 16), costs).makespan
+        < simulate(build_schedule("1f1b", 8, 16), costs).makespan
+    )
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ DAPPLE and VPP bubble ratios and VPP memory; Zero Bubble (ICLR'24) for `cost` an
 
 import pytest
 
-from pipeloom import Costs, Op, OpKind, Schedule, build_schedule, simulate
+from pipeloom import Costs, Schedule, build_schedule, simulate
 
 
 def test_mario_figure_2_baseline_1f1b_makespan_is_21():
@@ -78,7 +78,11 @@ def test_comm_delays_every_cross_device_edge():
     # F0 [0,1], comm, F1 [1.5,2.5], BW1 [2.5,4.5], comm, BW0 [5,7]
     timeline = simulate(build_schedule("1f1b", 2, 1), Costs(F=1, B=2, comm=0.5))
     assert [(t.op.text, t.start, t.end) for t in timeline.timings()] == [
-        ("0F0", 0, 1), ("0BW0", 5, 7), ("1F0", 1.5, 2.5), ("1BW0", 2.5, 4.5)]
+        ("0F0", 0, 1),
+        ("0BW0", 5, 7),
+        ("1F0", 1.5, 2.5),
+        ("1BW0", 2.5, 4.5),
+    ]
     assert timeline.makespan == 7
 
 
@@ -120,7 +124,12 @@ def test_cost_is_the_largest_span_and_bubble_uses_mean_useful_work():
 def test_slices_run_causally_and_overlap_across_stages():
     schedule = Schedule.from_text("0F0 0F0.1 0BW0.1 0BW0\n1F0 1F0.1 1BW0.1 1BW0")
     timeline = simulate(schedule, Costs(F=1, B=2))  # per slice: F 1/2, BW 1
-    assert [(t.op.text, t.start) for t in timeline.timings(1)] == [("1F0", 0.5), ("1F0.1", 1), ("1BW0.1", 1.5), ("1BW0", 2.5)]
+    assert [(t.op.text, t.start) for t in timeline.timings(1)] == [
+        ("1F0", 0.5),
+        ("1F0.1", 1),
+        ("1BW0.1", 1.5),
+        ("1BW0", 2.5),
+    ]
     assert timeline.makespan == 4.5
     assert timeline.peak_memory == [1, 1]
 

@@ -6,4 +6,14 @@ from pipeloom.ir.schedule import Schedule
 from pipeloom.ir.text import parse_op, render_grid
 from pipeloom.ir.validate import validate
 
-__all__ = ["FORMAT", "Op", "OpKind", "Schedule", "load_schedule", "parse_op", "render_grid", "save_schedule", "validate"]
+__all__ = [
+    "FORMAT",
+    "Op",
+    "OpKind",
+    "Schedule",
+    "load_schedule",
+    "parse_op",
+    "render_grid",
+    "save_schedule",
+    "validate",
+]

@@ -14,7 +14,7 @@ from pipeloom.errors import ScheduleError
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
 
-__all__ = ["DependencyGraph", "build_graph", "raise_problems"]
+__all__ = ["DependencyGraph", "build_graph"]
 
 _MAX_REPORTED = 8
 _F, _R, _B, _W, _BW = OpKind.F, OpKind.R, OpKind.B, OpKind.W, OpKind.BW
@@ -25,7 +25,7 @@ class DependencyGraph:
     """Flat view of a valid-so-far schedule.
 
     `deps[g]` lists the ops op g needs (data dependencies only; device order is implied by
-    `offsets`). `forward_of[g]` is the flat index of the F with op g's key.
+    `offsets`).
     """
 
     schedule: Schedule
@@ -33,7 +33,6 @@ class DependencyGraph:
     device_of: list[int]
     offsets: list[int]  # ops of device d are flat indices offsets[d] .. offsets[d+1]-1
     deps: list[tuple[int, ...]]
-    forward_of: list[int]
 
     @property
     def num_ops(self) -> int:
@@ -90,7 +89,9 @@ def build_graph(schedule: Schedule) -> DependencyGraph:
         f = f_at[key]
         b = b_at[key]
         if f < 0:
-            problems.append((f"missing forward {_forward_of_key(key, num_mb, num_slices).text}", _present(r_at[key], b)))
+            problems.append(
+                (f"missing forward {_forward_of_key(key, num_mb, num_slices).text}", _present(r_at[key], b))
+            )
             continue
         forward = ops[f]
         home = device_of[f]
@@ -108,19 +109,20 @@ def build_graph(schedule: Schedule) -> DependencyGraph:
         for other in (r, b, *w_at.get(key, ())):
             if other >= 0 and device_of[other] != home:
                 problems.append(
-                    (f"{ops[other].text} runs on device {device_of[other]} but {forward.text} ran on device {home}", (f, other))
+                    (
+                        f"{ops[other].text} runs on device {device_of[other]} but {forward.text} ran on device {home}",
+                        (f, other),
+                    )
                 )
     if problems:
-        raise_problems(schedule, offsets, device_of, problems)
+        _raise_problems(schedule, offsets, device_of, problems)
 
     # Pass 3: data dependencies (DESIGN §1 table).
     deps: list[tuple[int, ...]] = []
-    forward_of: list[int] = []
     last_stage, last_slice = num_stages - 1, num_slices - 1
     for op in ops:
         key = (op.stage * num_mb + op.microbatch) * num_slices + op.slice
         kind = op.kind
-        forward_of.append(f_at[key])
         if kind is _F:
             need = []
             if op.stage:
@@ -139,10 +141,10 @@ def build_graph(schedule: Schedule) -> DependencyGraph:
             if op.slice != last_slice:
                 need.append(b_at[key + 1])
             deps.append(tuple(need))
-    return DependencyGraph(schedule, ops, device_of, offsets, deps, forward_of)
+    return DependencyGraph(schedule, ops, device_of, offsets, deps)
 
 
-def raise_problems(
+def _raise_problems(
     schedule: Schedule,
     offsets: list[int],
     device_of: list[int],

@@ -11,6 +11,7 @@ from os import PathLike
 from typing import Any
 
 from pipeloom.errors import ScheduleError
+from pipeloom.files import read_json
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
 
@@ -50,13 +51,7 @@ def save_schedule(schedule: Schedule, path: str | PathLike[str]) -> None:
 
 def load_schedule(path: str | PathLike[str]) -> Schedule:
     """Read a `pipeloom.schedule/1` file; any problem is a one-line ScheduleError naming the file."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except OSError as error:
-        raise ScheduleError(f"cannot read schedule file {str(path)!r}: {error.strerror}") from None
-    except json.JSONDecodeError as error:
-        raise ScheduleError(f"schedule file {str(path)!r} is not JSON: {error}") from None
+    data = read_json(path, "schedule", ScheduleError)
     try:
         return schedule_from_dict(data)
     except ScheduleError as error:
@@ -65,7 +60,7 @@ def load_schedule(path: str | PathLike[str]) -> Schedule:
 
 def schedule_from_dict(data: Any) -> Schedule:
     if not isinstance(data, dict):
-        raise ScheduleError(f"expected a JSON object with \"format\": \"{FORMAT}\"")
+        raise ScheduleError(f'expected a JSON object with "format": "{FORMAT}"')
     if data.get("format") != FORMAT:
         raise ScheduleError(f"unsupported format {data.get('format')!r}; this reader understands {FORMAT!r}")
     sizes = {}
@@ -76,7 +71,7 @@ def schedule_from_dict(data: Any) -> Schedule:
         sizes[key] = value
     devices = data.get("devices")
     if not isinstance(devices, list) or len(devices) != sizes["num_devices"]:
-        raise ScheduleError(f"\"devices\" must be a list of {sizes['num_devices']} op lists (num_devices)")
+        raise ScheduleError(f'"devices" must be a list of {sizes["num_devices"]} op lists (num_devices)')
     op_lists = []
     for device, entries in enumerate(devices):
         if not isinstance(entries, list):

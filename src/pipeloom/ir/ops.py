@@ -8,12 +8,12 @@ in side tables keyed by the op.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 __all__ = ["OpKind", "Op"]
 
 
-class OpKind(str, Enum):
+class OpKind(StrEnum):
     """Kinds of compute op.
 
     F   forward of a stage; if checkpointed it keeps only its input.
@@ -28,9 +28,6 @@ class OpKind(str, Enum):
     B = "B"
     W = "W"
     BW = "BW"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True, slots=True)

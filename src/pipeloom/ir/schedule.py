@@ -75,9 +75,6 @@ class Schedule:
         """Stages whose forward runs on `device`, sorted: the model partitions it must hold."""
         return sorted({op.stage for op in self.devices[device] if op.kind is OpKind.F})
 
-    def has_split_backward(self) -> bool:
-        return any(op.kind is OpKind.W for ops in self.devices for op in ops)
-
     # Conversions live in their own modules; these are the public spellings.
     def to_text(self) -> str:
         from pipeloom.ir.text import schedule_to_text

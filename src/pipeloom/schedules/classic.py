@@ -86,12 +86,7 @@ def interleaved(num_devices: int, num_microbatches: int, num_chunks: int = 2) ->
             f"when it exceeds it; use m = {m - m % p} or {m + p - m % p}"
         )
     group = min(p, m)
-    order = [
-        (chunk, mb)
-        for first in range(0, m, group)
-        for chunk in range(v)
-        for mb in range(first, first + group)
-    ]
+    order = [(chunk, mb) for first in range(0, m, group) for chunk in range(v) for mb in range(first, first + group)]
     devices = []
     for d in range(p):
         forwards = [Op(F, chunk * p + d, mb) for chunk, mb in order]

@@ -74,7 +74,7 @@ def merge_queues(
         if entry is not None:
             heapq.heappush(heap, entry)
 
-    for d, edges in enumerate(bounds):
+    for edges in bounds:
         for q in range(len(edges) - 1):
             if edges[q] < edges[q + 1]:
                 offer(edges[q])

@@ -2,9 +2,10 @@
 
 Each device is a queue; a device runs its head op when all of that op's dependencies have ended
 (plus `comm` for an edge from another device), else it parks on the first missing one and is woken
-when that op ends. Every op is started once and every dependency read once, so a run is linear in
-the number of ops, and the times do not depend on the order devices are visited: the result is
-deterministic. If devices remain parked when nothing can run, the schedule deadlocks and the
+when that op ends. Every op starts once and a device is woken at most once per dependency of
+its head, so a run is linear in the number of ops; each op starts at the max of its device's
+previous end and its inputs' arrivals, so the times do not depend on the order devices are
+visited: the result is deterministic. If devices remain parked when nothing can run, the schedule deadlocks and the
 parked ops form a cycle, which is reported.
 """
 
@@ -76,7 +77,7 @@ def _raise_deadlock(graph: DependencyGraph, head: list[int], end: list[float], f
     for g, awaited in cycle:
         blocker = head[graph.device_of[awaited]]
         clause = f"{graph.describe(g)} waits for {graph.describe(awaited)}"
-        if blocker != awaited:
+        if blocker not in (awaited, g):
             clause += f", queued behind {graph.describe(blocker)}"
         clauses.append(clause)
     marks = {graph.locate(g) for pair in cycle for g in pair}

@@ -121,7 +121,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     costs = costs if costs is not None else Costs()
     graph = build_graph(schedule)
     table = costs.resolve(schedule.num_devices, schedule.num_stages, schedule.num_slices)
-    durations, deltas = _op_costs(graph, table, schedule.num_slices)
+    durations, deltas = _op_costs(graph, table)
     start, end = run(graph, durations, costs.comm)
     offsets = graph.offsets
     num_devices = schedule.num_devices
@@ -151,7 +151,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
         start=start,
         end=end,
         memory_delta=deltas,
-        makespan=last_end - min((start[offsets[d]] for d in range(num_devices) if offsets[d] < offsets[d + 1]), default=0.0),
+        makespan=last_end,  # some op always starts at 0: the first one with no inputs
         cost=cost,
         bubble_rate=(cost - mean_useful) / cost if cost else 0.0,
         spans=spans,
@@ -162,8 +162,9 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     )
 
 
-def _op_costs(graph: DependencyGraph, table: StageCosts, num_slices: int) -> tuple[list[float], list[float]]:
+def _op_costs(graph: DependencyGraph, table: StageCosts) -> tuple[list[float], list[float]]:
     """Duration and memory change of every op, by flat index."""
+    num_slices = table.num_slices
     F, B, W, R = table.F, table.B, table.W, table.R
     M_B, M_W, M_ckpt = table.M_B, table.M_W, table.M_ckpt
     durations: list[float] = []

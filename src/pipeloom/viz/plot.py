@@ -65,8 +65,9 @@ def plot_timeline(timeline: Timeline, path: str | PathLike[str], title: str | No
     handles = [Patch(color=KIND_COLORS[kind], label=kind.value) for kind in kinds]
     if any(op.ckpt for ops in schedule.devices for op in ops):
         handles.append(Patch(color=_CKPT_COLOR, label="F (ckpt)"))
-    ops_ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=len(handles),
-                  frameon=False)
+    ops_ax.legend(
+        handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=len(handles), frameon=False
+    )
     mem_ax.set_xlabel("time")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -87,8 +88,15 @@ def _draw_ops(ax, timeline: Timeline) -> None:
             width = timing.end - timing.start
             boxes.setdefault(color, []).append((timing.start, width))
             if label and width >= min_label_width:
-                ax.text(timing.start + width / 2, device, str(op.microbatch), ha="center", va="center",
-                        fontsize=6, color="white")
+                ax.text(
+                    timing.start + width / 2,
+                    device,
+                    str(op.microbatch),
+                    ha="center",
+                    va="center",
+                    fontsize=6,
+                    color="white",
+                )
         for color, spans in boxes.items():
             ax.broken_barh(spans, (device - 0.4, 0.8), facecolors=color, edgecolors="white", linewidth=0.3)
     ax.set_yticks(range(num_devices), [f"d{d}" for d in range(num_devices)])
@@ -109,7 +117,9 @@ def _draw_memory(ax, timeline: Timeline) -> None:
         points: Sequence[tuple[float, float]] = timeline.memory_curve(device)
         times = [t for t, _ in points] + [timeline.makespan]
         levels = [level for _, level in points] + [points[-1][1]]
-        ax.step(times, levels, where="post", linewidth=1, color=cmap(device / max(1, num_devices - 1)), label=f"d{device}")
+        ax.step(
+            times, levels, where="post", linewidth=1, color=cmap(device / max(1, num_devices - 1)), label=f"d{device}"
+        )
     ax.set_ylabel("memory")
     if num_devices <= 16:
         ax.legend(fontsize=7, ncol=min(num_devices, 8), loc="upper right", frameon=False)

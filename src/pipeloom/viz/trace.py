@@ -41,7 +41,13 @@ def chrome_trace(timeline: Timeline, time_unit_us: float = 1000.0) -> dict[str, 
     for device in range(schedule.num_devices):
         for time, level in timeline.memory_curve(device):
             events.append(
-                {"ph": "C", "pid": 0, "name": f"memory device {device}", "ts": time * time_unit_us, "args": {"memory": level}}
+                {
+                    "ph": "C",
+                    "pid": 0,
+                    "name": f"memory device {device}",
+                    "ts": time * time_unit_us,
+                    "args": {"memory": level},
+                }
             )
     return {
         "traceEvents": events,
