@@ -57,7 +57,8 @@ def test_parts_slices_and_ckpt_round_trip():
     assert Schedule.from_dict(json.loads(json.dumps(data))) == schedule
 
 
-def test_reader_ignores_extra_keys_and_defaults_slice_and_ckpt():
+def one_device_document(**changes) -> dict:
+    """A valid one-stage, one-micro-batch document, with `changes` applied."""
     data = {
         "format": FORMAT,
         "name": "x",
@@ -65,9 +66,16 @@ def test_reader_ignores_extra_keys_and_defaults_slice_and_ckpt():
         "num_stages": 1,
         "num_microbatches": 1,
         "num_slices": 1,
-        "comment": "extra",
-        "devices": [[{"op": "F", "stage": 0, "mb": 0, "note": 1}, {"op": "BW", "stage": 0, "mb": 0}]],
+        "devices": [[{"op": "F", "stage": 0, "mb": 0}, {"op": "BW", "stage": 0, "mb": 0}]],
     }
+    data.update(changes)
+    return data
+
+
+def test_reader_ignores_extra_keys_and_defaults_slice_and_ckpt():
+    data = one_device_document(
+        comment="extra", devices=[[{"op": "F", "stage": 0, "mb": 0, "note": 1}, {"op": "BW", "stage": 0, "mb": 0}]]
+    )
     schedule = schedule_from_dict(data)
     assert schedule.devices[0] == (Op(OpKind.F, 0, 0), Op(OpKind.BW, 0, 0))
 
@@ -85,18 +93,8 @@ def test_reader_ignores_extra_keys_and_defaults_slice_and_ckpt():
     ],
 )
 def test_malformed_files_are_refused_with_the_reason(change, message):
-    data = {
-        "format": FORMAT,
-        "name": "x",
-        "num_devices": 1,
-        "num_stages": 1,
-        "num_microbatches": 1,
-        "num_slices": 1,
-        "devices": [[{"op": "F", "stage": 0, "mb": 0}, {"op": "BW", "stage": 0, "mb": 0}]],
-    }
-    data.update(change)
     with pytest.raises(ScheduleError, match=message):
-        schedule_from_dict(data)
+        schedule_from_dict(one_device_document(**change))
 
 
 def test_load_errors_name_the_file(tmp_path):

@@ -112,6 +112,7 @@ def _positive_int(value: str, field: str) -> int:
 _CONTEXT_STEPS = 4  # steps shown either side of a marked cell when the grid is too wide
 _MAX_FULL_STEPS = 32
 _MAX_FULL_DEVICES = 24
+_MAX_FOCUS_STEPS = 6  # windows drawn around at most this many marked steps
 
 
 def render_grid(schedule: Schedule, marks: Iterable[tuple[int, int]] = ()) -> str:
@@ -121,7 +122,8 @@ def render_grid(schedule: Schedule, marks: Iterable[tuple[int, int]] = ()) -> st
     """
     marked = set(marks)
     num_steps = max((len(ops) for ops in schedule.devices), default=0)
-    steps = _visible(num_steps, sorted({step for _, step in marked}), _MAX_FULL_STEPS, _CONTEXT_STEPS)
+    focus_steps = sorted({step for _, step in marked})[:_MAX_FOCUS_STEPS]
+    steps = _visible(num_steps, focus_steps, _MAX_FULL_STEPS, _CONTEXT_STEPS)
     rows = _visible(schedule.num_devices, sorted({device for device, _ in marked}), _MAX_FULL_DEVICES, 1)
     width = max((len(op.text) for ops in schedule.devices for op in ops), default=1) + 2
     label_width = len(f"d{schedule.num_devices - 1}") + 1
