@@ -18,6 +18,8 @@ from pipeloom.ir.io import load_schedule
 from pipeloom.ir.schedule import Schedule
 from pipeloom.schedules import build_schedule, get_generator, list_generators
 from pipeloom.sim.simulate import Timeline, simulate
+from pipeloom.viz.plot import plot_timeline  # imports matplotlib only when it draws
+from pipeloom.viz.trace import write_chrome_trace
 
 __all__ = ["main"]
 
@@ -125,7 +127,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         directory = Path(args.plot_dir)
         directory.mkdir(parents=True, exist_ok=True)
         for timeline in timelines:
-            _plot(timeline, directory / f"{timeline.schedule.name}.png")
+            plot_timeline(timeline, directory / f"{timeline.schedule.name}.png")
     if args.json:
         print(json.dumps([timeline.summary() for timeline in timelines]))
         return 0
@@ -243,19 +245,11 @@ def _check_outputs(paths: list[str | None], plot: str | None) -> None:
 
 def _write_outputs(timeline: Timeline, export: str | None, trace: str | None, plot: str | None) -> None:
     if plot:
-        _plot(timeline, plot)  # first: the only output with an optional dependency
+        plot_timeline(timeline, plot)  # first: the only output with an optional dependency
     if export:
         timeline.schedule.to_json(export)
     if trace:
-        from pipeloom.viz.trace import write_chrome_trace
-
         write_chrome_trace(timeline, trace)
-
-
-def _plot(timeline: Timeline, path: str | Path) -> None:
-    from pipeloom.viz.plot import plot_timeline
-
-    plot_timeline(timeline, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,6 +268,7 @@ def _report(timeline: Timeline) -> str:
         f"bubble rate  {timeline.bubble_rate:.2%}",
         "",
     ]
+    peaks = timeline.peak_memory  # a derived list: build it once, not per row
     rows = [
         [
             f"d{d}",
@@ -282,7 +277,7 @@ def _report(timeline: Timeline) -> str:
             f"{rate:.2%}",
             _num(timeline.static_memory[d]),
             _num(timeline.peak_activation_memory[d]),
-            _num(timeline.peak_memory[d]),
+            _num(peaks[d]),
         ]
         for d, rate in enumerate(timeline.device_bubble_rates())
     ]
