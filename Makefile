@@ -13,7 +13,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml constraints.txt | $(PY)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,plot]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,plot,exact]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -25,6 +25,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/sim_speed.py
+	$(PY) bench/zb_table5.py
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) build src/*.egg-info .pytest_cache

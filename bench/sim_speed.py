@@ -12,22 +12,8 @@ import argparse
 import platform
 import time
 
-from pipeloom import Costs, Op, OpKind, Schedule, build_schedule, simulate
-
-
-def split_backward(schedule: Schedule) -> Schedule:
-    """Every BW replaced in place by B then W: the op count of a split schedule, for timing only."""
-    devices = []
-    for ops in schedule.devices:
-        out = []
-        for op in ops:
-            if op.kind is OpKind.BW:
-                out.append(Op(OpKind.B, op.stage, op.microbatch, op.slice))
-                out.append(Op(OpKind.W, op.stage, op.microbatch, op.slice))
-            else:
-                out.append(op)
-        devices.append(out)
-    return schedule.with_devices(devices, name=schedule.name + "+split")
+from pipeloom import Costs, build_schedule, simulate
+from pipeloom.passes import split_backward
 
 
 def best_of(repeat: int, fn) -> tuple[float, object]:

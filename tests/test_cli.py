@@ -115,6 +115,16 @@ def test_validate_prints_the_marked_grid(capsys, tmp_path):
         (["simulate", "--schedule-file", "missing.json"], "cannot read schedule file"),
         (["simulate", "1f1b", "--schedule-file", "s.json"], "not both"),
         (["frobnicate"], "invalid choice"),
+        (["simulate", "1f1b", "-p", "2", "-m", "2", "--mem-limit", "3"], "takes no memory limit"),
+        (["simulate", "zb-auto", "-p", "2", "-m", "2", "--mem-limit", "lots"], "memory budget 'lots'"),
+        (["simulate", "zb-auto", "-p", "2", "-m", "2", "--mem-limit", "0.5"], "raise the limit to at least 1"),
+        (["simulate", "zb-auto", "-p", "2", "-m", "2", "--mem-limit", "1,2,3"], "3 memory limits given for 2"),
+        (["simulate", "1f1b", "-p", "2", "-m", "2", "--batch-w"], "--batch-w needs --split"),
+        (["simulate", "1f1b", "-p", "2", "-m", "2", "--split", "later"], "invalid choice"),
+        (["simulate", "1f1b", "-p", "2", "-m", "2", "--time-limit", "3"], "--time-limit applies to --exact"),
+        (["simulate", "chimera", "-p", "2", "-m", "2", "--exact"], "replicated"),
+        (["pareto", "-p", "2", "-m", "2", "--budgets", "0"], "at least 1"),
+        (["pareto", "-p", "2", "-m", "2", "--plot", "f.gif"], "use a .png, .svg or .pdf"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, monkeypatch, argv, message):
@@ -170,3 +180,51 @@ def test_compare(capsys, tmp_path):
         "gpipe.png",
         "interleaved.png",
     ]
+
+
+def test_simulate_memory_driven_schedules_and_split(capsys):
+    costs = "F=1,B=1,W=1,M_W=0.5"
+    code, out, _ = run(
+        capsys, "simulate", "zb-auto", "-p", "4", "-m", "8", "--costs", costs, "--mem-limit", "4", "--json"
+    )
+    assert code == 0
+    result = json.loads(out)
+    assert max(result["peak_memory"]) <= 4 and result["cost"] == 27  # ZB-H1's bubble at 1F1B's memory
+    code, out, _ = run(capsys, "simulate", "v-auto", "-p", "2", "-m", "4", "--mem-limit", "1,2", "--json")
+    assert code == 0 and [a <= b for a, b in zip(json.loads(out)["peak_memory"], [1, 2])] == [True, True]
+    code, out, _ = run(capsys, "simulate", "1f1b", "-p", "4", "-m", "8", "--costs", costs, "--split", "fill", "--json")
+    assert code == 0 and json.loads(out)["name"] == "1f1b+split-fill"
+    code, out, _ = run(capsys, "show", "gpipe", "-p", "2", "-m", "2", "--split", "deferred", "--batch-w", "--text")
+    assert out.splitlines()[1:] == ["0F0 0F1 0B0 0B1 0W0 0W1", "1F0 1F1 1B0 1B1 1W0 1W1"]
+
+
+def test_simulate_exact_reports_bound_and_gap(capsys):
+    pytest.importorskip("ortools")
+    code, out, _ = run(capsys, "simulate", "zb-h1", "-p", "3", "-m", "4", "--costs", "F=1,B=1,W=1", "--exact")
+    assert code == 0 and "exact (CP-SAT, optimal" in out and "gap 0.00%" in out
+    code, out, _ = run(capsys, "simulate", "1f1b", "-p", "3", "-m", "4", "--exact", "--time-limit", "5", "--json")
+    exact = json.loads(out)["exact"]
+    assert exact["cost"] <= exact["hint_cost"] and exact["bound"] <= exact["cost"] + 1e-6
+
+
+def test_pareto_table_json_and_plot(capsys, tmp_path):
+    costs = "F=1,B=1,W=1,M_W=0.25"
+    code, out, _ = run(capsys, "pareto", "-p", "4", "-m", "8", "--costs", costs, "--json", "--budgets", "4")
+    assert code == 0
+    points = json.loads(out)
+    labels = {p["label"] for p in points}
+    assert {"1f1b", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min", "1f1b+split-fill"} <= labels
+    assert any(label.startswith("zb-auto@") for label in labels) and any(
+        label.startswith("v-auto@") for label in labels
+    )
+    frontier = [p for p in points if p["on_frontier"]]
+    assert frontier and all(  # nothing dominates a frontier point
+        not (q["peak_activation_memory"] <= f["peak_activation_memory"] and q["bubble_rate"] < f["bubble_rate"] - 1e-12)
+        for f in frontier
+        for q in points
+    )
+    assert min(p["bubble_rate"] for p in frontier) == pytest.approx(0.0)  # zb-v, F = B = W
+    plot = tmp_path / "frontier.png"
+    code, out, _ = run(capsys, "pareto", "-p", "4", "-m", "8", "--costs", costs, "--frontier-only", "--plot", str(plot))
+    assert code == 0 and plot.stat().st_size > 0
+    assert all(line.startswith("*") for line in out.splitlines()[3:])

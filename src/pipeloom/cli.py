@@ -12,13 +12,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from pipeloom.budget import parse_memory_budget
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError, PipeloomError, ScheduleError
 from pipeloom.ir.io import load_schedule
+from pipeloom.ir.ops import OpKind
 from pipeloom.ir.schedule import Schedule
+from pipeloom.passes.split_backward import W_PLACEMENTS, split_backward
 from pipeloom.schedules import build_schedule, get_generator, list_generators
 from pipeloom.sim.simulate import Timeline, simulate
-from pipeloom.viz.plot import plot_timeline  # imports matplotlib only when it draws
+from pipeloom.tune.pareto import explore_pareto
+from pipeloom.viz.plot import check_plot_path, plot_timeline  # imports matplotlib only when it draws
 from pipeloom.viz.trace import write_chrome_trace
 
 __all__ = ["main"]
@@ -84,18 +88,71 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     _check_outputs([args.export, args.trace, args.plot], plot=args.plot)
-    schedule = _schedule_from_args(args)
-    timeline = simulate(schedule, _costs_from_args(args))
+    if args.time_limit is not None and not args.exact:
+        raise ConfigError("--time-limit applies to --exact")
+    costs = _costs_from_args(args)
+    schedule = _schedule_from_args(args, costs, budget_is_used=args.exact)
+    exact = None
+    if args.exact:
+        exact = _optimise_exactly(schedule, costs, args)
+        schedule = exact.schedule
+    timeline = simulate(schedule, costs)
     _write_outputs(timeline, args.export, args.trace, args.plot)
     if args.json:
-        print(json.dumps(timeline.summary()))
+        summary = timeline.summary()
+        if exact is not None:
+            summary["exact"] = exact.summary()
+        print(json.dumps(summary))
     else:
         print(_report(timeline))
+        if exact is not None:
+            print(_exact_report(exact))
+    return 0
+
+
+def _optimise_exactly(schedule: Schedule, costs: Costs, args: argparse.Namespace):
+    """Re-order `schedule`'s ops optimally (CP-SAT) on the same placement, warm-started from it."""
+    from pipeloom.tune.exact import placement_of, solve_exact
+
+    if any(op.kind is OpKind.BW for _, _, op in schedule.ops()):
+        schedule = split_backward(schedule, "after")
+    if any(op.kind is OpKind.R or op.slice or op.parts > 1 for _, _, op in schedule.ops()):
+        raise ConfigError("--exact schedules F, B and W only: no checkpointing, slices or W parts")
+    budget = parse_memory_budget(args.mem_limit) if args.mem_limit else simulate(schedule, costs).peak_activation_memory
+    return solve_exact(
+        placement_of(schedule),
+        schedule.num_microbatches,
+        costs,
+        budget,
+        hint=schedule,
+        time_limit=args.time_limit if args.time_limit is not None else 10.0,
+        name=f"{schedule.name}+exact",
+    )
+
+
+def _cmd_pareto(args: argparse.Namespace) -> int:
+    _check_outputs([args.plot], plot=args.plot)
+    costs = _costs_from_args(args)
+    points = explore_pareto(args.p, args.m, costs, budgets=args.budgets, progress=_progress_bar("pareto"))
+    if args.plot:
+        from pipeloom.viz.pareto_plot import plot_pareto
+
+        plot_pareto(points, args.plot, title=f"p={args.p}, m={args.m}: peak activation memory vs bubble")
+    if args.json:
+        print(json.dumps([point.to_dict() for point in points]))
+        return 0
+    rows = [
+        ["*" if q.on_frontier else "", q.label, _num(q.peak_memory), f"{q.bubble_rate:.2%}", _num(q.cost)]
+        for q in points
+        if q.on_frontier or not args.frontier_only
+    ]
+    print(f"p={args.p} m={args.m} costs: {_costs_text(costs)}   (* = on the frontier)")
+    print(_table(["", "schedule", "peak act. mem", "bubble", "cost"], rows))
     return 0
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    schedule = _schedule_from_args(args)
+    schedule = _schedule_from_args(args, _costs_from_args(args))
     print(schedule.to_text().rstrip("\n") if args.text else schedule.grid())
     return 0
 
@@ -117,11 +174,17 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     costs = _costs_from_args(args)
+    budget = parse_memory_budget(args.mem_limit) if args.mem_limit else None
     timelines = []
     for name in args.names:
-        kwargs = {}
-        if args.chunks is not None and "num_chunks" in get_generator(name).options:
+        options = get_generator(name).options
+        kwargs: dict = {}
+        if args.chunks is not None and "num_chunks" in options:
             kwargs["num_chunks"] = args.chunks
+        if "costs" in options:
+            kwargs["costs"] = costs
+        if budget is not None and "mem_limit" in options:
+            kwargs["mem_limit"] = budget
         timelines.append(simulate(build_schedule(name, args.p, args.m, **kwargs), costs))
     if args.plot_dir:
         directory = Path(args.plot_dir)
@@ -169,10 +232,30 @@ def _build_parser() -> _Parser:
     sim.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace JSON of the timeline")
     sim.add_argument("--plot", metavar="PATH", help="draw the timeline and memory curves (.png, .svg, .pdf)")
     sim.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    sim.add_argument(
+        "--exact",
+        action="store_true",
+        help="re-order the schedule's F/B/W optimally with OR-Tools CP-SAT (small p·m), warm-started from it; "
+        "memory limit: --mem-limit, else the schedule's own peaks",
+    )
+    sim.add_argument("--time-limit", type=float, metavar="S", help="seconds for --exact (default 10)")
     sim.set_defaults(handler=_cmd_simulate)
+
+    pareto = commands.add_parser(
+        "pareto", help="the frontier of peak activation memory vs bubble over generators and memory budgets"
+    )
+    pareto.add_argument("-p", "--devices", dest="p", type=int, required=True, help="number of devices")
+    pareto.add_argument("-m", "--microbatches", dest="m", type=int, required=True, help="micro-batches per step")
+    _add_costs(pareto)
+    pareto.add_argument("--budgets", type=int, default=12, help="memory budgets per budget-driven generator")
+    pareto.add_argument("--frontier-only", action="store_true", help="list only the frontier's points")
+    pareto.add_argument("--plot", metavar="PATH", help="draw the points and the frontier (.png, .svg, .pdf)")
+    pareto.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    pareto.set_defaults(handler=_cmd_pareto)
 
     show = commands.add_parser("show", help="print a schedule's device×step grid (or its text form)")
     _add_schedule_source(show)
+    _add_costs(show)
     show.add_argument("--text", action="store_true", help="print the round-tripping text form instead")
     show.set_defaults(handler=_cmd_show)
 
@@ -186,6 +269,7 @@ def _build_parser() -> _Parser:
     compare.add_argument("-m", "--microbatches", dest="m", type=int, required=True, help="micro-batches per step")
     compare.add_argument("-v", "--chunks", type=int, help="chunks per device, for schedules that take it")
     _add_costs(compare)
+    _add_mem_limit(compare)
     compare.add_argument("--plot-dir", metavar="DIR", help="write one timeline PNG per schedule here")
     compare.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     compare.set_defaults(handler=_cmd_compare)
@@ -198,6 +282,26 @@ def _add_schedule_source(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-m", "--microbatches", dest="m", type=int, help="micro-batches per step")
     parser.add_argument("-v", "--chunks", type=int, help="chunks (stages) per device, for interleaved")
     parser.add_argument("--schedule-file", metavar="PATH", help="read a pipeloom.schedule/1 JSON file instead")
+    _add_mem_limit(parser)
+    parser.add_argument(
+        "--split",
+        choices=W_PLACEMENTS,
+        help="split each fused backward BW into B and W, placing W right after its B, deferred to the end, "
+        "or into idle gaps (fill)",
+    )
+    parser.add_argument(
+        "--batch-w", action="store_true", help="with --split deferred|fill: keep each stage's deferred W contiguous"
+    )
+
+
+def _add_mem_limit(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--mem-limit",
+        metavar="BUDGET",
+        help="activation memory per device for memory-driven schedules (zb-auto, v-auto): a number in the costs' "
+        "memory unit (M_B = 1 unless costs say otherwise), a size like 40GiB when costs are in bytes, "
+        "or one value per device separated by commas",
+    )
 
 
 def _add_costs(parser: argparse.ArgumentParser) -> None:
@@ -209,19 +313,36 @@ def _add_costs(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _schedule_from_args(args: argparse.Namespace) -> Schedule:
+def _schedule_from_args(args: argparse.Namespace, costs: Costs, budget_is_used: bool = False) -> Schedule:
+    """The named (or loaded) schedule, with --split applied; generators that take costs get them."""
+    if args.batch_w and args.split not in ("deferred", "fill"):
+        raise ConfigError("--batch-w needs --split deferred or --split fill")
+    budget = parse_memory_budget(args.mem_limit) if args.mem_limit else None
     if args.schedule_file:
         if args.name or args.p is not None or args.m is not None or args.chunks is not None:
             raise ConfigError("give either a schedule NAME with -p/-m[/-v] or --schedule-file, not both")
+        if budget is not None and not budget_is_used:
+            raise ConfigError("--mem-limit drives a memory-aware generator (zb-auto, v-auto) or --exact, not a file")
         schedule = load_schedule(args.schedule_file)
         schedule.validate()
-        return schedule
-    if not args.name:
-        raise ConfigError("name a schedule (see `pipeloom list`) or give --schedule-file")
-    if args.p is None or args.m is None:
-        raise ConfigError(f"schedule {args.name!r} needs -p (devices) and -m (micro-batches)")
-    kwargs = {} if args.chunks is None else {"num_chunks": args.chunks}
-    return build_schedule(args.name, args.p, args.m, **kwargs)
+    else:
+        if not args.name:
+            raise ConfigError("name a schedule (see `pipeloom list`) or give --schedule-file")
+        if args.p is None or args.m is None:
+            raise ConfigError(f"schedule {args.name!r} needs -p (devices) and -m (micro-batches)")
+        options = get_generator(args.name).options
+        kwargs: dict = {} if args.chunks is None else {"num_chunks": args.chunks}
+        if "costs" in options:
+            kwargs["costs"] = costs
+        if budget is not None and "mem_limit" in options:
+            kwargs["mem_limit"] = budget
+        elif budget is not None and not budget_is_used:
+            takers = ", ".join(g.name for g in list_generators() if "mem_limit" in g.options)
+            raise ConfigError(f"schedule {args.name!r} takes no memory limit; memory-driven schedules: {takers}")
+        schedule = build_schedule(args.name, args.p, args.m, **kwargs)
+    if args.split:
+        schedule = split_backward(schedule, args.split, costs=costs, batch=args.batch_w)
+    return schedule
 
 
 def _costs_from_args(args: argparse.Namespace) -> Costs:
@@ -239,8 +360,8 @@ def _check_outputs(paths: list[str | None], plot: str | None) -> None:
         parent = Path(path).resolve().parent
         if not parent.is_dir():
             raise ConfigError(f"cannot write {path!r}: directory {str(parent)!r} does not exist")
-    if plot and Path(plot).suffix.lower() not in (".png", ".svg", ".pdf"):
-        raise ConfigError(f"cannot plot to {plot!r}: use a .png, .svg or .pdf file name")
+    if plot:
+        check_plot_path(plot)
 
 
 def _write_outputs(timeline: Timeline, export: str | None, trace: str | None, plot: str | None) -> None:
@@ -282,6 +403,28 @@ def _report(timeline: Timeline) -> str:
         for d, rate in enumerate(timeline.device_bubble_rates())
     ]
     return "\n".join(head) + _table(["device", "span", "useful", "idle", "static", "peak act.", "peak memory"], rows)
+
+
+def _exact_report(exact) -> str:
+    hint = f", heuristic {_num(exact.hint_cost)}" if exact.hint_cost is not None else ""
+    return (
+        f"\nexact (CP-SAT, {exact.status.lower()}, {exact.wall_time:.1f} s): cost {_num(exact.cost)}{hint}, "
+        f"lower bound {_num(exact.bound)}, gap {exact.gap:.2%}"
+    )
+
+
+def _progress_bar(what: str):
+    """A one-line progress report on stderr, only when stderr is a terminal."""
+    if not sys.stderr.isatty():
+        return None
+
+    def report(done: int, total: int) -> None:
+        width = 30
+        filled = width * done // total
+        end = "\n" if done == total else ""
+        print(f"\r{what} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end, file=sys.stderr, flush=True)
+
+    return report
 
 
 def _costs_text(costs: Costs) -> str:

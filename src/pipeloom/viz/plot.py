@@ -14,7 +14,7 @@ from pipeloom.errors import ConfigError
 from pipeloom.ir.ops import OpKind
 from pipeloom.sim.simulate import Timeline
 
-__all__ = ["plot_timeline", "KIND_COLORS"]
+__all__ = ["plot_timeline", "check_plot_path", "pyplot", "KIND_COLORS"]
 
 KIND_COLORS = {
     OpKind.F: "#4C72B0",
@@ -27,7 +27,8 @@ _CKPT_COLOR = "#9DB4D8"  # a checkpointed forward keeps only its input: drawn pa
 _MAX_LABELS = 1500
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or a ConfigError saying how to install it."""
     try:
         import matplotlib
 
@@ -38,12 +39,15 @@ def _pyplot():
     return plt
 
 
+def check_plot_path(path: str | PathLike[str]) -> None:
+    if Path(path).suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise ConfigError(f"cannot plot to {str(path)!r}: use a .png, .svg or .pdf file name")
+
+
 def plot_timeline(timeline: Timeline, path: str | PathLike[str], title: str | None = None) -> None:
     """Draw `timeline` to `path`."""
-    suffix = Path(path).suffix.lower().lstrip(".")
-    if suffix not in ("png", "svg", "pdf"):
-        raise ConfigError(f"cannot plot to {str(path)!r}: use a .png, .svg or .pdf file name")
-    plt = _pyplot()
+    check_plot_path(path)
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     num_devices = timeline.num_devices
@@ -111,7 +115,7 @@ def _lighten(color: str, amount: float) -> str:
 
 
 def _draw_memory(ax, timeline: Timeline) -> None:
-    cmap = _pyplot().get_cmap("viridis")
+    cmap = pyplot().get_cmap("viridis")
     num_devices = timeline.num_devices
     for device in range(num_devices):
         points: Sequence[tuple[float, float]] = timeline.memory_curve(device)

@@ -1,0 +1,54 @@
+"""Memory budgets as users write them: one number for every device or one per device.
+
+A plain number is in the costs' memory unit (M_B = 1 by default, so ``16`` means sixteen
+micro-batches' activations of one device's share); a number with a byte suffix (``40GiB``,
+``512MB``) is converted to bytes, for costs whose memory is given in bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from pipeloom.errors import ConfigError
+
+__all__ = ["parse_memory_budget"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_AMOUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_memory_budget(text: str) -> float | list[float]:
+    """``"16"`` → 16.0; ``"40GiB"`` → bytes; ``"8,8,6,6"`` → one budget per device.
+
+    >>> parse_memory_budget("1.5GiB,1GiB")
+    [1610612736.0, 1073741824.0]
+    """
+    parts = [part for part in text.split(",")]
+    values = [_amount(part, text) for part in parts]
+    return values[0] if len(values) == 1 else values
+
+
+def _amount(part: str, whole: str) -> float:
+    match = _AMOUNT.match(part)
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise ConfigError(
+            f"memory budget {whole!r}: expected a number (costs' memory unit) or a size like 40GiB, "
+            "optionally one per device separated by commas"
+        )
+    value = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"memory budget {whole!r}: budgets must be positive")
+    return value

@@ -1,0 +1,126 @@
+"""Split every fused backward BW into B (input gradient) and W (weight gradient).
+
+Only B sits on the critical path between stages; W depends on nothing but its own B, so it can
+go wherever it costs least (Zero Bubble §2, 2BP §3). Where it goes is the policy:
+
+* ``after``    — right after its B: the same order as BW, only the dependency is shorter;
+* ``deferred`` — every W at the end of its device's step (2BP's GPipe). With ``batch=True`` the
+  deferred W of each stage are contiguous, and the runtime may run such a run as one GEMM over
+  the concatenated micro-batches (2BP Fig. 2); the IR keeps one W per micro-batch so that
+  validation, memory and timing stay per micro-batch;
+* ``fill``     — into the idle gaps of the ``deferred`` timeline that hold it wholly, the rest at
+  the end (2BP's 1F1B). A W that fits its gap cannot delay anything, so every other op keeps its
+  time and the step only gets shorter.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pipeloom.costs import Costs
+from pipeloom.errors import ConfigError
+from pipeloom.ir.ops import Op, OpKind
+from pipeloom.ir.schedule import Schedule
+
+__all__ = ["split_backward", "W_PLACEMENTS"]
+
+W_PLACEMENTS = ("after", "deferred", "fill")
+_EPS = 1e-9
+
+
+def split_backward(
+    schedule: Schedule, placement: str = "after", *, costs: Costs | None = None, batch: bool = False
+) -> Schedule:
+    """Return `schedule` with each BW replaced by B and a W placed by `placement`.
+
+    >>> from pipeloom.schedules import build_schedule
+    >>> s = split_backward(build_schedule("1f1b", 2, 2), "deferred")
+    >>> s.to_text().splitlines()[1:]
+    ['0F0 0F1 0B0 0B1 0W0 0W1', '1F0 1B0 1F1 1B1 1W0 1W1']
+    """
+    if placement not in W_PLACEMENTS:
+        raise ConfigError(f"split_backward: unknown W placement {placement!r}; choose one of {', '.join(W_PLACEMENTS)}")
+    if batch and placement == "after":
+        raise ConfigError("split_backward: batch=True groups deferred W ops; use placement 'deferred' or 'fill'")
+    if placement == "after":
+        devices = [_split_after(ops) for ops in schedule.devices]
+        return schedule.with_devices(devices, name=_name(schedule, placement, batch))
+    deferred = schedule.with_devices(
+        [_split_deferred(ops, batch) for ops in schedule.devices], name=_name(schedule, placement, batch)
+    )
+    if placement == "deferred":
+        return deferred
+    return _fill_gaps(deferred, costs if costs is not None else Costs(W=1.0))
+
+
+def _name(schedule: Schedule, placement: str, batch: bool) -> str:
+    return f"{schedule.name}+split-{placement}{'-batched' if batch else ''}"
+
+
+def _as_b(op: Op) -> Op:
+    return Op(OpKind.B, op.stage, op.microbatch, op.slice)
+
+
+def _as_w(op: Op) -> Op:
+    return Op(OpKind.W, op.stage, op.microbatch, op.slice)
+
+
+def _split_after(ops: tuple[Op, ...]) -> list[Op]:
+    out: list[Op] = []
+    for op in ops:
+        if op.kind is OpKind.BW:
+            out += (_as_b(op), _as_w(op))
+        else:
+            out.append(op)
+    return out
+
+
+def _split_deferred(ops: tuple[Op, ...], batch: bool) -> list[Op]:
+    head = [_as_b(op) if op.kind is OpKind.BW else op for op in ops]
+    tail = [_as_w(op) for op in ops if op.kind is OpKind.BW]
+    if batch:  # stable: per stage in order of first appearance, micro-batch order kept
+        first_seen = {stage: i for i, stage in reversed(list(enumerate(op.stage for op in tail)))}
+        tail.sort(key=lambda op: first_seen[op.stage])
+    return head + tail
+
+
+def _fill_gaps(deferred: Schedule, costs: Costs) -> Schedule:
+    """Move each device's trailing W ops into the gaps of its timeline that hold them wholly."""
+    from pipeloom.sim.simulate import simulate  # the pass is a client of the simulator
+
+    timeline = simulate(deferred, costs)
+    table = costs.resolve(deferred.num_devices, deferred.num_stages, deferred.num_slices)
+    devices = []
+    for d, ops in enumerate(deferred.devices):
+        num_tail = 0
+        while num_tail < len(ops) and ops[len(ops) - 1 - num_tail].kind is OpKind.W:
+            num_tail += 1
+        body, tail = ops[: len(ops) - num_tail], ops[len(ops) - num_tail :]
+        waiting = {op.key: op for op in tail}  # W ops whose B has not run yet
+        ready: deque[Op] = deque()
+        out: list[Op] = []
+        clock = None
+        for step, op in enumerate(body):
+            start, end = timeline.interval(d, step)
+            if clock is not None:
+                clock = _place_into_gap(out, ready, clock, start, table)
+            out.append(op)
+            clock = end
+            if op.kind is OpKind.B and op.key in waiting:
+                ready.append(waiting.pop(op.key))
+        out.extend(ready)
+        out.extend(waiting.values())
+        devices.append(out)
+    return deferred.with_devices(devices)
+
+
+def _place_into_gap(out: list[Op], ready: deque[Op], clock: float, gap_end: float, table) -> float:
+    """Append ready W ops that finish by `gap_end`; return the new clock."""
+    while ready:
+        op = ready[0]
+        duration = table.W[op.stage * table.num_slices + op.slice]
+        if clock + duration > gap_end + _EPS:
+            break
+        out.append(ready.popleft())
+        clock += duration
+    return clock

@@ -1,0 +1,1 @@
+"""Search over schedules: exact optimisation (CP-SAT, optional) and the memory/bubble frontier."""

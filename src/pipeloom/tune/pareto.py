@@ -1,0 +1,116 @@
+"""The memory/bubble frontier: every applicable generator at every memory budget, simulated.
+
+Fixed-shape schedules give one point each; budget-driven ones (``zb-auto``, ``v-auto``) are swept
+from the least memory they can run in to what they use unconstrained. A point is on the frontier
+when no other point has both less (or equal) peak activation memory and a lower bubble rate.
+Memory is one device's share (Costs' scaling), so schedules with different stage counts compare.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pipeloom.costs import Costs
+from pipeloom.errors import ConfigError, PipeloomError
+from pipeloom.passes.split_backward import split_backward
+from pipeloom.schedules.auto_search import min_memory_limits
+from pipeloom.schedules.registry import build_schedule
+from pipeloom.schedules.v_shape import v_placement
+from pipeloom.sim.simulate import Timeline, simulate
+
+__all__ = ["ParetoPoint", "explore_pareto", "frontier"]
+
+_FIXED = ("gpipe", "1f1b", "interleaved", "chimera", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min")
+_SPLIT = ("1f1b", "interleaved")  # also shown with the backward split and W filling bubbles
+_BUDGETED = {"zb-auto": lambda p: list(range(p)), "v-auto": v_placement}
+
+
+@dataclass(frozen=True)
+class ParetoPoint:
+    label: str
+    """Generator, with its budget or pass, e.g. ``zb-auto@12`` or ``1f1b+split-fill``."""
+    peak_memory: float
+    """Largest per-device peak activation memory."""
+    bubble_rate: float
+    cost: float
+    on_frontier: bool = False
+    timeline: Timeline | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "peak_activation_memory": self.peak_memory,
+            "bubble_rate": self.bubble_rate,
+            "cost": self.cost,
+            "on_frontier": self.on_frontier,
+        }
+
+
+def explore_pareto(
+    num_devices: int,
+    num_microbatches: int,
+    costs: Costs,
+    *,
+    budgets: int = 12,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[ParetoPoint]:
+    """All points, sorted by memory then bubble, frontier marked. Inapplicable generators are skipped."""
+    if budgets < 1:
+        raise ConfigError(f"pareto: the number of budgets per generator must be at least 1, got {budgets}")
+    jobs = list(_jobs(num_devices, num_microbatches, costs, budgets))
+    points = []
+    for done, (label, make) in enumerate(jobs, 1):
+        try:
+            timeline = simulate(make(), costs)
+        except PipeloomError:  # outside this generator's domain (e.g. Chimera with odd p)
+            timeline = None
+        if timeline is not None:
+            points.append(
+                ParetoPoint(
+                    label, max(timeline.peak_activation_memory), timeline.bubble_rate, timeline.cost, False, timeline
+                )
+            )
+        if progress:
+            progress(done, len(jobs))
+    return frontier(points)
+
+
+def frontier(points: list[ParetoPoint]) -> list[ParetoPoint]:
+    """Sort by (memory, bubble) and mark the non-dominated points."""
+    ordered = sorted(points, key=lambda q: (q.peak_memory, q.bubble_rate, q.label))
+    best = float("inf")
+    marked = []
+    for point in ordered:
+        on = point.bubble_rate < best - 1e-12
+        best = min(best, point.bubble_rate)
+        marked.append(ParetoPoint(point.label, point.peak_memory, point.bubble_rate, point.cost, on, point.timeline))
+    return marked
+
+
+def _jobs(p: int, m: int, costs: Costs, budgets: int) -> Iterator[tuple[str, Callable[[], Any]]]:
+    def fixed(name: str, **kwargs: Any) -> Callable[[], Any]:
+        return lambda: build_schedule(name, p, m, **kwargs)
+
+    for name in _FIXED:
+        kwargs = {"costs": costs} if name.startswith(("zb-", "v-")) and name not in ("zb-h1", "zb-h2") else {}
+        yield name, fixed(name, **kwargs)
+        if name in _SPLIT:
+            yield (
+                f"{name}+split-fill",
+                lambda name=name: split_backward(build_schedule(name, p, m), "fill", costs=costs),
+            )
+    for name, placement_of in _BUDGETED.items():
+        placement = placement_of(p)
+        table = costs.resolve(p, len(placement))
+        low = max(min_memory_limits(placement, table))
+        high = max(low, 2.0 * p * max(table.M_B) * len(placement) / p)  # ZB-2p's budget, one device's share
+        for budget in _spread(low, high, budgets):
+            yield f"{name}@{budget:.4g}", fixed(name, costs=costs, mem_limit=budget)
+
+
+def _spread(low: float, high: float, count: int) -> list[float]:
+    if count == 1 or high <= low:
+        return [high]
+    return [low + (high - low) * i / (count - 1) for i in range(count)]
