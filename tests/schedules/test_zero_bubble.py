@@ -65,19 +65,23 @@ def test_table_5_from_the_profiled_costs(prof):
         assert max(timeline.peak_activation_memory) <= limit + 1e-9
 
 
+def random_costs(rng: random.Random, num_stages: int) -> Costs:
+    """Uneven or even forwards, any B/W balance, some communication, M_W below M_B."""
+    return Costs(
+        F=rng.choice([1.0, [round(rng.uniform(0.5, 2), 2) for _ in range(num_stages)]]),
+        B=round(rng.uniform(0.5, 2.5), 2),
+        W=round(rng.uniform(0.1, 1.5), 2),
+        comm=rng.choice([0, 0.05, 0.3]),
+        M_W=round(rng.uniform(0, 0.9), 2),
+    )
+
+
 def test_auto_scheduler_never_exceeds_its_limit_and_validates():
     rng = random.Random(11)
     for case in range(60):
         p = rng.randint(1, 8)
         m = rng.randint(1, 4 * p)
-        c = Costs(
-            F=rng.choice([1.0, [round(rng.uniform(0.5, 2), 2) for _ in range(p)]]),
-            B=round(rng.uniform(0.5, 2.5), 2),
-            W=round(rng.uniform(0.1, 1.5), 2),
-            comm=rng.choice([0, 0.05, 0.3]),
-            M_B=1.0,
-            M_W=round(rng.uniform(0, 0.9), 2),
-        )
+        c = random_costs(rng, p)
         limit = rng.choice([1, round(rng.uniform(1, 2.5 * p), 1), [round(rng.uniform(1, 2 * p), 1) for _ in range(p)]])
         schedule = build_schedule("zb-auto", p, m, costs=c, mem_limit=limit)
         validate(schedule)
@@ -92,13 +96,7 @@ def test_v_shapes_validate_and_keep_their_budgets():
     for case in range(40):
         p = rng.randint(1, 8)
         m = rng.randint(1, 4 * p)
-        c = Costs(
-            F=round(rng.uniform(0.5, 2), 2),
-            B=round(rng.uniform(0.5, 2.5), 2),
-            W=round(rng.uniform(0.1, 1.5), 2),
-            comm=rng.choice([0, 0.1]),
-            M_W=round(rng.uniform(0, 0.9), 2),
-        )
+        c = random_costs(rng, 2 * p)
         for name, fraction in (("zb-v", 1), ("v-half", 1 / 2), ("v-min", 1 / 3)):
             schedule = build_schedule(name, p, m, costs=c)
             validate(schedule)

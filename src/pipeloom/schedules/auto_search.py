@@ -14,7 +14,10 @@ from pipeloom.costs import Costs, StageCosts
 from pipeloom.errors import ConfigError, InfeasibleError
 from pipeloom.schedules.list_scheduler import FLAGS, Heuristics, ListResult, ListScheduler
 
-__all__ = ["auto_schedule", "min_memory_limits", "resolve_limits"]
+LINEAR_FLAGS = ("eager_warmup", "lazy_forward", "critical_first", "tail_reserve")
+"""The flags that matter with one stage per device (the others choose between a device's stages)."""
+
+__all__ = ["LINEAR_FLAGS", "auto_schedule", "min_memory_limits", "resolve_limits"]
 
 _EPS = 1e-9
 
@@ -34,9 +37,11 @@ def auto_schedule(
     costs: Costs,
     mem_limit: float | Sequence[float] | None,
     search: str = "grid",
+    flags: Sequence[str] = FLAGS,
+    start: Heuristics | None = None,
 ) -> ListResult:
     """The best schedule the `Heuristics` flags lead to (smallest cost), by `search`:
-    ``grid`` tries every combination that can differ, ``descent`` flips one flag at a time.
+    ``grid`` tries every combination of `flags` that can differ, ``descent`` flips one at a time.
 
     `mem_limit` is activation memory per device in the costs' memory unit (one number for every
     device, a per-device list, or None for unlimited).
@@ -51,15 +56,15 @@ def auto_schedule(
     # A flag that changed no decision of a run would replay that run when flipped, so it is not
     # flipped; a run is abandoned as soon as it cannot beat the best so far, and the grid does not
     # pursue combinations below an abandoned run.
-    best = run(Heuristics())
+    best = run(start or Heuristics())
     assert best is not None
     runs = 1
     if search == "grid":  # the paper's grid search, over the combinations that can differ
         frontier = [(best, 0)]
         while frontier:
             parent, first_flag = frontier.pop()
-            for index in range(first_flag, len(FLAGS)):
-                flag = FLAGS[index]
+            for index in range(first_flag, len(flags)):
+                flag = flags[index]
                 if flag in parent.mattered:
                     runs += 1
                     child = run(replace(parent.heuristics, **{flag: not getattr(parent.heuristics, flag)}), best.cost)
@@ -67,7 +72,7 @@ def auto_schedule(
                         best = child if child.cost < best.cost - _EPS else best
                         frontier.append((child, index + 1))
     elif search == "descent":  # one flag at a time from the best so far: at most one run per flag
-        for flag in FLAGS:
+        for flag in flags:
             if flag in best.mattered:
                 runs += 1
                 child = run(replace(best.heuristics, **{flag: not getattr(best.heuristics, flag)}), best.cost)

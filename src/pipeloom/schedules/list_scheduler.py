@@ -6,19 +6,22 @@ cannot become ready before the earliest clock (its producer has not run yet), so
 exact. Decisions, in order:
 
 1. a B that is ready runs (B is on the critical path; among several, the earliest ready, then
-   the deepest stage);
+   the deepest stage; but see `critical_first`);
 2. else a ready F runs if memory allows. A new micro-batch enters a device (its first stage
    there) only if room remains for its later stages on that device too, so whatever has entered
    can finish: no memory deadlock, also when a device holds two stages (V-shapes). A device's
    first stage also runs at most as far ahead of its next stage as fits the time before that
    stage's first input arrives (the V warm-up);
-3. else a pending W fills the gap if the gap is at least T_W, if the gap would make this device
-   the one with the largest accumulated bubble (the paper's rule), or if memory blocks every F;
+3. else a pending W fills the gap if the gap is at least T_W (a lower bound on it, so the W
+   delays no B), if the gap would make this device the one with the largest accumulated bubble
+   (the paper's rule), or if memory blocks every F;
 4. else the device waits for the next event. When F and B run out, the remaining W run.
 
-The binary hyper-parameters (`Heuristics`) switch individual rules; `auto_search` searches
-them. Ops of one stage and kind run in micro-batch order. The placement (stage → device) is
-free, so the same code builds the linear ZB-1p/2p schedules and the V-shapes.
+Every op starts as soon as its device is free and its inputs have arrived, so the times kept
+here are the simulator's. The binary hyper-parameters (`Heuristics`) switch individual rules
+and each run records which of them changed a decision; `auto_search` searches them. Ops of one
+stage and kind run in micro-batch order. The placement (stage → device) is free, so the same
+code builds the linear ZB-1p/2p schedules and the V-shapes.
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ _F, _B, _W = OpKind.F, OpKind.B, OpKind.W
 
 @dataclass(frozen=True, slots=True)
 class Heuristics:
-    """The binary hyper-parameters of the auto-scheduler: the paper's two (§3.1) and two of ours."""
+    """The auto-scheduler's binary hyper-parameters: the paper's two (§3.1: `eager_warmup`,
+    `lazy_forward`), its small-gap rule as a switch, and ours. The last three matter only when a
+    device holds several stages."""
 
     eager_warmup: bool = False
     """Before a device's first B, run another F even if it will delay that B."""
@@ -51,6 +56,14 @@ class Heuristics:
     """Prefer a pending W to an F that the next stage already has two or more of."""
     unpaced: bool = False
     """Let a device's shallow stage run ahead of its deeper stage beyond the warm-up window."""
+    small_gap_rule: bool = True
+    """The paper's rule: fill a gap shorter than T_W with a W when it would make this device's
+    accumulated bubble the largest."""
+    deepest_forward: bool = False
+    """Among a device's ready forwards, run the deepest stage's rather than the earliest ready."""
+    shallowest_backward: bool = False
+    """Among a device's ready backwards, run the shallowest stage's (the one that completes a
+    micro-batch on this device) rather than the earliest ready."""
     critical_first: bool = False
     """Run a ready F before a ready B when its micro-batch is further behind the steady-state template."""
     tail_reserve: bool = False
@@ -273,7 +286,9 @@ class ListScheduler:
                 if j < nf[s]:
                     ready, exact = self._b_ready(s, j)
                     if exact and ready <= now + _EPS:
-                        if b_choice is None or ready <= b_choice[0] + _EPS:
+                        if b_choice is not None:
+                            mattered.add("shallowest_backward")
+                        if b_choice is None or (ready <= b_choice[0] + _EPS and not h.shallowest_backward):
                             b_choice = (ready, s, j)
                     else:
                         next_event = min(next_event, max(ready, now))
@@ -291,7 +306,9 @@ class ListScheduler:
                         continue
                     ready = end_f[(s - 1) * m + j] + comm_up[s] if s else 0.0
                     if ready <= now + _EPS:
-                        if f_choice is None or ready <= f_choice[0] + _EPS:
+                        if f_choice is not None:
+                            mattered.add("deepest_forward")
+                        if f_choice is None or h.deepest_forward or ready <= f_choice[0] + _EPS:
                             f_choice = (ready, s, j)
                     else:
                         next_event = min(next_event, ready)
@@ -339,11 +356,10 @@ class ListScheduler:
                 s, j = pending[d][0]
                 horizon = next_event if next_event < inf else (heap[0][0] if heap else now) + min_f
                 gap = horizon - max(now, clock[d])
-                fill = (
-                    f_choice is not None  # an F was held back for it
-                    or gap >= t.W[s] - _EPS
-                    or bubble[d] + gap > most_bubble + _EPS  # the paper's rule for small gaps
-                )
+                fill = f_choice is not None or gap >= t.W[s] - _EPS  # an F was held back for it, or W fits
+                if not fill and bubble[d] + gap > most_bubble + _EPS:
+                    mattered.add("small_gap_rule")
+                    fill = h.small_gap_rule
                 if fill and forwards_left[d] and len(pending[d]) <= self.tail_reserve[d]:
                     mattered.add("tail_reserve")
                     fill = not h.tail_reserve

@@ -23,14 +23,16 @@ from collections.abc import Sequence
 from pipeloom.costs import Costs
 from pipeloom.ir.schedule import Schedule
 from pipeloom.schedules.auto_search import auto_schedule, min_memory_limits
+from pipeloom.schedules.list_scheduler import Heuristics
 from pipeloom.schedules.registry import register
 from pipeloom.schedules.zero_bubble import DEFAULT_ZB_COSTS
 
 __all__ = ["v_placement", "zb_v", "v_half", "v_min", "v_auto"]
 
-# V runs cost twice a linear one (2p stages); flipping one flag at a time finds the grid's best in
-# all but 2 of the 12 Zero Bubble setups (bench/zb_table5.py), at half the time.
-_SEARCH = "descent"
+# A V run costs twice a linear one (2p stages) and there are more flags, so the search flips one
+# flag at a time, from the settings that suit two stages per device best: among ready forwards the
+# deeper one (the turn of the V), and no W in gaps shorter than T_W.
+_SEARCH = {"search": "descent", "start": Heuristics(deepest_forward=True, small_gap_rule=False)}
 _DOMAIN = "p >= 1, m >= 1; costs give T_F, T_B, T_W, comm, M_B, M_W (default all times 1)"
 
 
@@ -48,7 +50,7 @@ def _fraction_of_1f1b(name: str, num_devices: int, num_microbatches: int, costs:
         max(floor[d], fraction * num_devices * (table.M_B[d] + table.M_B[2 * num_devices - 1 - d]))
         for d in range(num_devices)
     ]
-    return auto_schedule(name, placement, num_microbatches, costs, budget, search=_SEARCH).schedule
+    return auto_schedule(name, placement, num_microbatches, costs, budget, **_SEARCH).schedule
 
 
 @register(
@@ -102,6 +104,4 @@ def v_auto(
     mem_limit: float | Sequence[float] | None = None,
 ) -> Schedule:
     costs = costs or DEFAULT_ZB_COSTS
-    return auto_schedule(
-        "v-auto", v_placement(num_devices), num_microbatches, costs, mem_limit, search=_SEARCH
-    ).schedule
+    return auto_schedule("v-auto", v_placement(num_devices), num_microbatches, costs, mem_limit, **_SEARCH).schedule

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pipeloom.costs import Costs
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
-from pipeloom.schedules.auto_search import auto_schedule
+from pipeloom.schedules.auto_search import LINEAR_FLAGS, auto_schedule
 from pipeloom.schedules.registry import register
 
 __all__ = ["zb_h1", "zb_h2", "zb_auto", "zb_1p", "zb_2p", "DEFAULT_ZB_COSTS"]
@@ -95,7 +95,11 @@ def zb_auto(
 ) -> Schedule:
     """The heuristic of §3.1 on p devices, one stage each; `mem_limit` in the costs' memory unit."""
     costs = costs or DEFAULT_ZB_COSTS
-    return auto_schedule("zb-auto", list(range(num_devices)), num_microbatches, costs, mem_limit).schedule
+    return _linear("zb-auto", num_devices, num_microbatches, costs, mem_limit)
+
+
+def _linear(name: str, p: int, m: int, costs: Costs, budget: float | Sequence[float] | None) -> Schedule:
+    return auto_schedule(name, list(range(p)), m, costs, budget, flags=LINEAR_FLAGS).schedule
 
 
 def _stage_budget(num_devices: int, costs: Costs, factor: int) -> list[float]:
@@ -115,7 +119,7 @@ def _stage_budget(num_devices: int, costs: Costs, factor: int) -> list[float]:
 def zb_1p(num_devices: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
     costs = costs or DEFAULT_ZB_COSTS
     budget = _stage_budget(num_devices, costs, 1)
-    return auto_schedule("zb-1p", list(range(num_devices)), num_microbatches, costs, budget).schedule
+    return _linear("zb-1p", num_devices, num_microbatches, costs, budget)
 
 
 @register(
@@ -129,4 +133,4 @@ def zb_1p(num_devices: int, num_microbatches: int, costs: Costs | None = None) -
 def zb_2p(num_devices: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
     costs = costs or DEFAULT_ZB_COSTS
     budget = _stage_budget(num_devices, costs, 2)
-    return auto_schedule("zb-2p", list(range(num_devices)), num_microbatches, costs, budget).schedule
+    return _linear("zb-2p", num_devices, num_microbatches, costs, budget)
