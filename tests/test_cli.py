@@ -124,6 +124,7 @@ def test_validate_prints_the_marked_grid(capsys, tmp_path):
         (["simulate", "1f1b", "-p", "2", "-m", "2", "--time-limit", "3"], "--time-limit applies to --exact"),
         (["simulate", "chimera", "-p", "2", "-m", "2", "--exact"], "replicated"),
         (["pareto", "-p", "2", "-m", "2", "--budgets", "0"], "at least 1"),
+        (["pareto", "-p", "0", "-m", "2"], "num_devices must be at least 1"),
         (["pareto", "-p", "2", "-m", "2", "--plot", "f.gif"], "use a .png, .svg or .pdf"),
     ],
 )

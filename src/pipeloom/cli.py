@@ -133,7 +133,12 @@ def _optimise_exactly(schedule: Schedule, costs: Costs, args: argparse.Namespace
 def _cmd_pareto(args: argparse.Namespace) -> int:
     _check_outputs([args.plot], plot=args.plot)
     costs = _costs_from_args(args)
-    points = explore_pareto(args.p, args.m, costs, budgets=args.budgets, progress=_progress_bar("pareto"))
+    skipped: list[tuple[str, str]] = []
+    points = explore_pareto(
+        args.p, args.m, costs, budgets=args.budgets, progress=_progress_bar("pareto"), skipped=skipped
+    )
+    for label, reason in skipped:
+        print(f"pipeloom: pareto: left out {label}: {reason}", file=sys.stderr)
     if args.plot:
         from pipeloom.viz.pareto_plot import plot_pareto
 

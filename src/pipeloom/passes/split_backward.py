@@ -8,9 +8,9 @@ go wherever it costs least (Zero Bubble §2, 2BP §3). Where it goes is the poli
   deferred W of each stage are contiguous, and the runtime may run such a run as one GEMM over
   the concatenated micro-batches (2BP Fig. 2); the IR keeps one W per micro-batch so that
   validation, memory and timing stay per micro-batch;
-* ``fill``     — into the idle gaps of the ``deferred`` timeline that hold it wholly, the rest at
-  the end (2BP's 1F1B). A W that fits its gap cannot delay anything, so every other op keeps its
-  time and the step only gets shorter.
+* ``fill``     — into the idle gaps of the ``deferred`` timeline under `costs` (default F=1, B=2,
+  W=1) that hold it wholly, the rest at the end (2BP's 1F1B). A W that fits its gap cannot delay
+  anything, so every other op keeps its time and the step only gets shorter.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def split_backward(
     )
     if placement == "deferred":
         return deferred
-    return _fill_gaps(deferred, costs if costs is not None else Costs(W=1.0))
+    return _fill_gaps(deferred, costs if costs is not None else Costs(W=1.0), batch)
 
 
 def _name(schedule: Schedule, placement: str, batch: bool) -> str:
@@ -78,13 +78,18 @@ def _split_after(ops: tuple[Op, ...]) -> list[Op]:
 def _split_deferred(ops: tuple[Op, ...], batch: bool) -> list[Op]:
     head = [_as_b(op) if op.kind is OpKind.BW else op for op in ops]
     tail = [_as_w(op) for op in ops if op.kind is OpKind.BW]
-    if batch:  # stable: per stage in order of first appearance, micro-batch order kept
-        first_seen = {stage: i for i, stage in reversed(list(enumerate(op.stage for op in tail)))}
-        tail.sort(key=lambda op: first_seen[op.stage])
-    return head + tail
+    return head + (_grouped_by_stage(tail) if batch else tail)
 
 
-def _fill_gaps(deferred: Schedule, costs: Costs) -> Schedule:
+def _grouped_by_stage(ops: list[Op]) -> list[Op]:
+    """Stable: stages in order of first appearance, each stage's ops in their order."""
+    first_seen: dict[int, int] = {}
+    for index, op in enumerate(ops):
+        first_seen.setdefault(op.stage, index)
+    return sorted(ops, key=lambda op: first_seen[op.stage])
+
+
+def _fill_gaps(deferred: Schedule, costs: Costs, batch: bool) -> Schedule:
     """Move each device's trailing W ops into the gaps of its timeline that hold them wholly."""
     from pipeloom.sim.simulate import simulate  # the pass is a client of the simulator
 
@@ -108,8 +113,8 @@ def _fill_gaps(deferred: Schedule, costs: Costs) -> Schedule:
             clock = end
             if op.kind is OpKind.B and op.key in waiting:
                 ready.append(waiting.pop(op.key))
-        out.extend(ready)
-        out.extend(waiting.values())
+        leftover = [*ready, *waiting.values()]
+        out.extend(_grouped_by_stage(leftover) if batch else leftover)
         devices.append(out)
     return deferred.with_devices(devices)
 

@@ -29,7 +29,7 @@ __all__ = ["ExactResult", "solve_exact", "placement_of"]
 
 _F, _B, _W = OpKind.F, OpKind.B, OpKind.W
 _TIME_RESOLUTION = 2000  # integer steps per shortest op
-_MEMORY_RESOLUTION = 1000
+_MEMORY_RESOLUTION = 10**6  # integer steps per smallest memory amount: rounding stays negligible
 
 
 @dataclass(frozen=True)

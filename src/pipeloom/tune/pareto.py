@@ -16,7 +16,7 @@ from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError, PipeloomError
 from pipeloom.passes.split_backward import split_backward
 from pipeloom.schedules.auto_search import min_memory_limits
-from pipeloom.schedules.registry import build_schedule
+from pipeloom.schedules.registry import build_schedule, require_int
 from pipeloom.schedules.v_shape import v_placement
 from pipeloom.sim.simulate import Timeline, simulate
 
@@ -55,8 +55,15 @@ def explore_pareto(
     *,
     budgets: int = 12,
     progress: Callable[[int, int], None] | None = None,
+    skipped: list[tuple[str, str]] | None = None,
 ) -> list[ParetoPoint]:
-    """All points, sorted by memory then bubble, frontier marked. Inapplicable generators are skipped."""
+    """All points, sorted by memory then bubble, frontier marked.
+
+    Generators outside their domain (Chimera with odd p, costs listed for another stage count)
+    are left out; `skipped`, if given, receives (label, reason) for each.
+    """
+    require_int("pareto", "num_devices", num_devices, 1)
+    require_int("pareto", "num_microbatches", num_microbatches, 1)
     if budgets < 1:
         raise ConfigError(f"pareto: the number of budgets per generator must be at least 1, got {budgets}")
     jobs = list(_jobs(num_devices, num_microbatches, costs, budgets))
@@ -64,8 +71,10 @@ def explore_pareto(
     for done, (label, make) in enumerate(jobs, 1):
         try:
             timeline = simulate(make(), costs)
-        except PipeloomError:  # outside this generator's domain (e.g. Chimera with odd p)
+        except PipeloomError as error:
             timeline = None
+            if skipped is not None:
+                skipped.append((label, error.summary))
         if timeline is not None:
             points.append(
                 ParetoPoint(
