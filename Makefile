@@ -1,5 +1,5 @@
 # Two commands set everything up on a fresh machine:
-#   make demo   create .venv if missing, install, compare the classic schedules
+#   make demo   create .venv if missing, install, compare the classic and zero-bubble schedules
 #   make test   same set-up, then the whole test suite
 PYTHON ?= python3
 VENV   ?= .venv
@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml constraints.txt | $(PY)
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/pipeloom compare gpipe 1f1b interleaved chimera -p 8 -m 16 -v 2 \
-		--costs F=1,B=2 --plot-dir $(DEMO_DIR)
+	$(VENV)/bin/pipeloom compare gpipe 1f1b interleaved chimera zb-h1 zb-h2 zb-2p zb-v -p 8 -m 16 -v 2 \
+		--costs F=1,B=1,W=1,M_W=0.25 --plot-dir $(DEMO_DIR)
 
 test: $(STAMP)
 	$(PY) -m pytest
