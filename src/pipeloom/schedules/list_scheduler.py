@@ -136,7 +136,7 @@ class ListScheduler:
             else 0.0
             for s in range(S)
         ]
-        self.tail_reserve = [
+        self.drain_reserve = [
             len({placement[x] for x in range(max(self.stages_on[d], default=S) + 1, S)} - {d}) for d in range(P)
         ]
         # Pacing of a device's stages: stage s may run ahead of the device's next stage by the
@@ -360,7 +360,7 @@ class ListScheduler:
                 if not fill and bubble[d] + gap > most_bubble + _EPS:
                     mattered.add("small_gap_rule")
                     fill = h.small_gap_rule
-                if fill and forwards_left[d] and len(pending[d]) <= self.tail_reserve[d]:
+                if fill and forwards_left[d] and len(pending[d]) <= self.drain_reserve[d]:
                     mattered.add("tail_reserve")
                     fill = not h.tail_reserve
                 if fill or (f_blocked and b_choice is None):  # or recycle memory
