@@ -35,8 +35,7 @@ def parse_memory_budget(text: str) -> float | list[float]:
     >>> parse_memory_budget("1.5GiB,1GiB")
     [1610612736.0, 1073741824.0]
     """
-    parts = [part for part in text.split(",")]
-    values = [_amount(part, text) for part in parts]
+    values = [_amount(part, text) for part in text.split(",")]
     return values[0] if len(values) == 1 else values
 
 
