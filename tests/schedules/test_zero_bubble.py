@@ -76,6 +76,15 @@ def random_costs(rng: random.Random, num_stages: int) -> Costs:
     )
 
 
+def test_handcrafted_schedules_validate_for_any_size():
+    rng = random.Random(2)
+    for _ in range(80):
+        p, name = rng.randint(1, 12), rng.choice(["zb-h1", "zb-h2"])
+        m = rng.randint(1, 3 * p)
+        schedule = validate(build_schedule(name, p, m))
+        assert schedule.num_ops == 3 * p * m
+
+
 def test_auto_scheduler_never_exceeds_its_limit_and_validates():
     rng = random.Random(11)
     for case in range(60):
