@@ -125,6 +125,9 @@ def test_validate_prints_the_marked_grid(capsys, tmp_path):
         (["simulate", "chimera", "-p", "2", "-m", "2", "--exact"], "replicated"),
         (["pareto", "-p", "2", "-m", "2", "--budgets", "0"], "at least 1"),
         (["pareto", "-p", "0", "-m", "2"], "num_devices must be at least 1"),
+        (["simulate", "1f1b", "-p", "2", "-m", "2", "--ckpt", "some"], "invalid choice"),
+        (["simulate", "1f1b", "-p", "2", "-m", "2", "--ckpt", "mario", "--exact"], "cannot be combined with --ckpt"),
+        (["simulate", "1f1b", "-p", "2", "-m", "2", "--ckpt", "mario", "--mem-limit", "0.5"], "device 0 needs"),
         (["pareto", "-p", "2", "-m", "2", "--plot", "f.gif"], "use a .png, .svg or .pdf"),
     ],
 )
@@ -229,3 +232,31 @@ def test_pareto_table_json_and_plot(capsys, tmp_path):
     code, out, _ = run(capsys, "pareto", "-p", "4", "-m", "8", "--costs", costs, "--frontier-only", "--plot", str(plot))
     assert code == 0 and plot.stat().st_size > 0
     assert all(line.startswith("*") for line in out.splitlines()[3:])
+
+
+def test_simulate_checkpointing(capsys):
+    costs = "F=1,B=2,R=1"
+    results = {}
+    for mode in ("none", "full", "mario"):
+        code, out, _ = run(capsys, "simulate", "1f1b", "-p", "4", "-m", "4", "--costs", costs, "--ckpt", mode, "--json")
+        assert code == 0
+        results[mode] = json.loads(out)
+    assert [results[mode]["makespan"] for mode in ("none", "full", "mario")] == [21, 28, 21]
+    assert max(results["mario"]["peak_memory"]) == 1 and max(results["none"]["peak_memory"]) == 4
+    code, out, _ = run(
+        capsys,
+        "simulate",
+        "1f1b",
+        "-p",
+        "8",
+        "-m",
+        "8",
+        "--costs",
+        costs,
+        "--ckpt",
+        "mario",
+        "--mem-limit",
+        "4",
+        "--json",
+    )
+    assert code == 0 and max(json.loads(out)["peak_memory"]) <= 4

@@ -18,6 +18,8 @@ from pipeloom.errors import ConfigError, PipeloomError, ScheduleError
 from pipeloom.ir.io import load_schedule
 from pipeloom.ir.ops import OpKind
 from pipeloom.ir.schedule import Schedule
+from pipeloom.passes.checkpoint import apply_checkpoint
+from pipeloom.passes.mario import mario
 from pipeloom.passes.split_backward import W_PLACEMENTS, split_backward
 from pipeloom.schedules import build_schedule, get_generator, list_generators
 from pipeloom.sim.simulate import Timeline, simulate
@@ -90,12 +92,18 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     _check_outputs([args.export, args.trace, args.plot], plot=args.plot)
     if args.time_limit is not None and not args.exact:
         raise ConfigError("--time-limit applies to --exact")
+    if args.exact and args.ckpt != "none":
+        raise ConfigError("--exact orders F, B and W only; it cannot be combined with --ckpt")
     costs = _costs_from_args(args)
-    schedule = _schedule_from_args(args, costs, budget_is_used=args.exact)
+    schedule = _schedule_from_args(args, costs, budget_is_used=args.exact or args.ckpt == "mario")
     exact = None
     if args.exact:
         exact = _optimise_exactly(schedule, costs, args)
         schedule = exact.schedule
+    if args.ckpt == "full":
+        schedule = apply_checkpoint(schedule)
+    elif args.ckpt == "mario":
+        schedule = mario(schedule, costs, parse_memory_budget(args.mem_limit) if args.mem_limit else None)
     timeline = simulate(schedule, costs)
     _write_outputs(timeline, args.export, args.trace, args.plot)
     if args.json:
@@ -244,6 +252,14 @@ def _build_parser() -> _Parser:
         "memory limit: --mem-limit, else the schedule's own peaks",
     )
     sim.add_argument("--time-limit", type=float, metavar="S", help="seconds for --exact (default 10)")
+    sim.add_argument(
+        "--ckpt",
+        choices=("none", "full", "mario"),
+        default="none",
+        help="activation checkpointing: none; full (every forward, recompute inside its backward); mario "
+        "(checkpoint where memory is short — everywhere without --mem-limit — and tessellate the recomputes "
+        "into bubbles)",
+    )
     sim.set_defaults(handler=_cmd_simulate)
 
     pareto = commands.add_parser(
@@ -303,7 +319,8 @@ def _add_mem_limit(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mem-limit",
         metavar="BUDGET",
-        help="activation memory per device for memory-driven schedules (zb-auto, v-auto): a number in the costs' "
+        help="activation memory per device for memory-driven schedules (zb-auto, v-auto), --ckpt mario and --exact: "
+        "a number in the costs' "
         "memory unit (M_B = 1 unless costs say otherwise), a size like 40GiB when costs are in bytes, "
         "or one value per device separated by commas",
     )
@@ -327,7 +344,9 @@ def _schedule_from_args(args: argparse.Namespace, costs: Costs, budget_is_used: 
         if args.name or args.p is not None or args.m is not None or args.chunks is not None:
             raise ConfigError("give either a schedule NAME with -p/-m[/-v] or --schedule-file, not both")
         if budget is not None and not budget_is_used:
-            raise ConfigError("--mem-limit drives a memory-aware generator (zb-auto, v-auto) or --exact, not a file")
+            raise ConfigError(
+                "--mem-limit applies to memory-aware generators (zb-auto, v-auto), --ckpt mario or --exact"
+            )
         schedule = load_schedule(args.schedule_file)
         schedule.validate()
     else:

@@ -42,7 +42,7 @@ def test_parts_slices_and_ckpt_round_trip():
         [
             [
                 Op(OpKind.F, 0, 0, 1, ckpt=True),
-                Op(OpKind.R, 0, 0, 1),
+                Op(OpKind.R, 0, 0, 1, after_grad=True),
                 Op(OpKind.B, 0, 0, 1),
                 Op(OpKind.W, 0, 0, 1, part=0, parts=2),
                 Op(OpKind.W, 0, 0, 1, part=1, parts=2),
@@ -53,6 +53,7 @@ def test_parts_slices_and_ckpt_round_trip():
         num_slices=2,
     )
     data = schedule.to_dict()
+    assert data["devices"][0][1] == {"op": "R", "stage": 0, "mb": 0, "slice": 1, "after_grad": True}
     assert data["devices"][0][3] == {"op": "W", "stage": 0, "mb": 0, "slice": 1, "part": 0, "parts": 2}
     assert Schedule.from_dict(json.loads(json.dumps(data))) == schedule
 
@@ -90,6 +91,8 @@ def test_reader_ignores_extra_keys_and_defaults_slice_and_ckpt():
         ({"devices": [[{"op": "F", "stage": -1, "mb": 0}]]}, "'stage' must be a non-negative integer"),
         ({"devices": [[{"op": "B", "stage": 0, "mb": 0, "ckpt": True}]]}, "only a forward"),
         ({"devices": [[{"op": "F", "stage": 0, "mb": 0, "parts": 2}]]}, "only a weight-gradient"),
+        ({"devices": [[{"op": "F", "stage": 0, "mb": 0, "after_grad": True}]]}, "only a recompute"),
+        ({"devices": [[{"op": "R", "stage": 0, "mb": 0, "after_grad": 1}]]}, "'after_grad' must be true or false"),
     ],
 )
 def test_malformed_files_are_refused_with_the_reason(change, message):

@@ -13,6 +13,8 @@ from pipeloom.ir.schedule import Schedule
         ("0BW13", Op(OpKind.BW, 0, 13)),
         ("1B4", Op(OpKind.B, 1, 4)),
         ("12R7", Op(OpKind.R, 12, 7)),
+        ("12R7g", Op(OpKind.R, 12, 7, after_grad=True)),
+        ("1R0.1g", Op(OpKind.R, 1, 0, slice=1, after_grad=True)),
         ("3F1c", Op(OpKind.F, 3, 1, ckpt=True)),
         ("3F1.2", Op(OpKind.F, 3, 1, slice=2)),
         ("3F1.2c", Op(OpKind.F, 3, 1, slice=2, ckpt=True)),
@@ -26,7 +28,9 @@ def test_op_text_round_trip(text, op):
     assert str(op) == text
 
 
-@pytest.mark.parametrize("text", ["", "F0", "2X0", "2F", "2BWc0", "2Bc0", "2F0:0/2", "2W0:3/3", "-1F0", "2f0"])
+@pytest.mark.parametrize(
+    "text", ["", "F0", "2X0", "2F", "2BWc0", "2Bc0", "2F0:0/2", "2W0:3/3", "-1F0", "2f0", "2F0g", "2R0gc"]
+)
 def test_bad_op_text_is_rejected_with_the_text(text):
     with pytest.raises(ScheduleError) as error:
         parse_op(text)

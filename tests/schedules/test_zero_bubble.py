@@ -81,7 +81,8 @@ def test_handcrafted_schedules_validate_for_any_size():
     for _ in range(80):
         p, name = rng.randint(1, 12), rng.choice(["zb-h1", "zb-h2"])
         m = rng.randint(1, 3 * p)
-        schedule = validate(build_schedule(name, p, m))
+        schedule = build_schedule(name, p, m)
+        validate(schedule)
         assert schedule.num_ops == 3 * p * m
 
 

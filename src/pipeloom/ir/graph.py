@@ -132,14 +132,13 @@ def build_graph(schedule: Schedule) -> DependencyGraph:
             deps.append(tuple(need))
         elif kind is _W:
             deps.append((b_at[key],))
-        elif kind is _R:
-            deps.append((f_at[key],))
-        else:  # B or BW
-            need = [r_at[key] if ops[f_at[key]].ckpt else f_at[key]]
-            if op.stage != last_stage:
-                need.append(b_at[key + stage_stride])
-            if op.slice != last_slice:
-                need.append(b_at[key + 1])
+        else:  # R, B or BW: the gradient inputs of the backward, for B/BW and an R inside it
+            need = [f_at[key] if kind is _R or not ops[f_at[key]].ckpt else r_at[key]]
+            if kind is not _R or op.after_grad:
+                if op.stage != last_stage:
+                    need.append(b_at[key + stage_stride])
+                if op.slice != last_slice:
+                    need.append(b_at[key + 1])
             deps.append(tuple(need))
     return DependencyGraph(schedule, ops, device_of, offsets, deps)
 

@@ -25,6 +25,8 @@ def op_to_dict(op: Op) -> dict[str, Any]:
     entry: dict[str, Any] = {"op": op.kind.value, "stage": op.stage, "mb": op.microbatch, "slice": op.slice}
     if op.kind is OpKind.F:
         entry["ckpt"] = op.ckpt
+    if op.after_grad:
+        entry["after_grad"] = True
     if op.parts != 1:
         entry["part"] = op.part
         entry["parts"] = op.parts
@@ -106,10 +108,15 @@ def _op_from_dict(entry: Any, device: int, step: int) -> Op:
         raise ScheduleError(f"{where}: 'ckpt' must be true or false, got {ckpt!r}")
     if ckpt and kind is not OpKind.F:
         raise ScheduleError(f"{where}: only a forward (F) can be checkpointed")
+    after_grad = entry.get("after_grad", False)
+    if not isinstance(after_grad, bool):
+        raise ScheduleError(f"{where}: 'after_grad' must be true or false, got {after_grad!r}")
+    if after_grad and kind is not OpKind.R:
+        raise ScheduleError(f"{where}: only a recompute (R) can wait for its backward's gradient (after_grad)")
     parts = integer("parts", 1)
     part = integer("part", 0)
     if parts != 1 and kind is not OpKind.W:
         raise ScheduleError(f"{where}: only a weight-gradient op (W) can be cut into parts")
     if parts < 1 or part >= parts:
         raise ScheduleError(f"{where}: part {part} of {parts} is not a valid part index")
-    return Op(kind, integer("stage", None), integer("mb", None), integer("slice", 0), ckpt, part, parts)
+    return Op(kind, integer("stage", None), integer("mb", None), integer("slice", 0), ckpt, part, parts, after_grad)

@@ -36,8 +36,9 @@ class Op:
 
     `ckpt` is meaningful on F only (activations dropped, an R restores them); `part`/`parts`
     on W only (part `part` of `parts` equal shares of the weight-gradient work).
-    Text form: ``{stage}{kind}{microbatch}[.{slice}][c][:{part}/{parts}]``, e.g. ``2F0``,
-    ``2F0c`` (checkpointed), ``1BW3``, ``0W5:1/3``, ``3F1.2`` (slice 2).
+    Text form: ``{stage}{kind}{microbatch}[.{slice}][c][g][:{part}/{parts}]``, e.g. ``2F0``,
+    ``2F0c`` (checkpointed), ``2R0g`` (recompute inside the backward), ``1BW3``, ``0W5:1/3``,
+    ``3F1.2`` (slice 2).
     """
 
     kind: OpKind
@@ -47,6 +48,9 @@ class Op:
     ckpt: bool = False
     part: int = 0
     parts: int = 1
+    after_grad: bool = False
+    """R only: the recompute runs inside its backward, once the backward's input gradient has
+    arrived (torch.utils.checkpoint's default), instead of as soon as its device is free."""
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -60,6 +64,8 @@ class Op:
             out += f".{self.slice}"
         if self.ckpt:
             out += "c"
+        if self.after_grad:
+            out += "g"
         if self.parts != 1:
             out += f":{self.part}/{self.parts}"
         return out

@@ -17,7 +17,7 @@ from pipeloom.ir.schedule import Schedule
 
 __all__ = ["parse_op", "schedule_to_text", "schedule_from_text", "render_grid"]
 
-_OP_RE = re.compile(r"^(\d+)(BW|F|B|W|R)(\d+)(?:\.(\d+))?(c)?(?::(\d+)/(\d+))?$")
+_OP_RE = re.compile(r"^(\d+)(BW|F|B|W|R)(\d+)(?:\.(\d+))?(c)?(g)?(?::(\d+)/(\d+))?$")
 _HEADER_RE = re.compile(r"^#\s*pipeloom\b(.*)$")
 _EMPTY_DEVICE = "-"
 
@@ -27,9 +27,9 @@ def parse_op(text: str) -> Op:
     match = _OP_RE.match(text.strip())
     if not match:
         raise ScheduleError(
-            f"cannot parse op {text!r}: expected <stage><F|B|W|BW|R><microbatch>[.<slice>][c][:<part>/<parts>], e.g. 2F0"
+            f"cannot parse op {text!r}: expected <stage><F|B|W|BW|R><microbatch>[.<slice>][c][g][:<part>/<parts>], e.g. 2F0"
         )
-    stage, kind, microbatch, slice_, ckpt, part, parts = match.groups()
+    stage, kind, microbatch, slice_, ckpt, after_grad, part, parts = match.groups()
     op = Op(
         OpKind(kind),
         int(stage),
@@ -38,7 +38,10 @@ def parse_op(text: str) -> Op:
         ckpt is not None,
         int(part or 0),
         int(parts or 1),
+        after_grad is not None,
     )
+    if op.after_grad and op.kind is not OpKind.R:
+        raise ScheduleError(f"op {text!r}: only a recompute (R) can wait for its backward's gradient (g)")
     if op.ckpt and op.kind is not OpKind.F:
         raise ScheduleError(f"op {text!r}: only a forward (F) can be checkpointed")
     if op.parts != 1 and op.kind is not OpKind.W:
