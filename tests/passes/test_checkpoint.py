@@ -114,26 +114,17 @@ def test_relax_checkpoint_keeps_activations_where_they_fit():
     assert relax_checkpoint(full, costs).devices != full.devices  # adjacent F→R on the last device at least
 
 
-def test_passes_validate_on_every_generator_and_ratio():
+def test_passes_validate_on_every_generator_and_ratio(pick_schedule):
     """Fuzz: generators (fused and split backwards) × sizes × B/F ∈ {1, 1.6, 2}."""
     rng = random.Random(4)
     names = ["gpipe", "1f1b", "interleaved", "chimera", "zb-h1", "zb-h2", "zb-v", "1f1b+split"]
     for case in range(60):
-        name = rng.choice(names)
-        p = rng.randint(1, 6)
-        m = rng.randint(1, 3 * p)
-        kwargs = {}
-        if name == "interleaved":
-            kwargs["num_chunks"] = rng.randint(1, 3)
-            m = m - m % p if m > p else m
-        if name == "chimera":
-            p, m = p + p % 2, m + m % 2
         ratio = rng.choice([1, 1.6, 2])
         costs = Costs(F=1, B=ratio, W=rng.choice([0, 0.3]), R=1, comm=rng.choice([0, 0.05]), M_ckpt=0.02)
-        if name == "1f1b+split":
-            schedule = split_backward(build_schedule("1f1b", p, m), "fill", costs=costs)
-        else:
-            schedule = build_schedule(name, p, m, **kwargs)
+        name, schedule = pick_schedule(rng, [n for n in names if n != "1f1b+split"] + ["1f1b"], 6, costs=costs)
+        if rng.random() < 0.2:  # a split-backward schedule too
+            name, schedule = "1f1b+split", split_backward(schedule, "fill", costs=costs)
+        p, m = schedule.num_devices, schedule.num_microbatches
         full = apply_checkpoint(schedule)
         steps = [
             full,

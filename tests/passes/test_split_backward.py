@@ -68,21 +68,13 @@ def test_fill_keeps_every_other_op_on_time_and_never_lengthens_the_step():
                 assert t.start == pytest.approx(times[t.op]), (name, t.op)
 
 
-def test_split_is_valid_on_every_generator_and_policy():
+def test_split_is_valid_on_every_generator_and_policy(pick_schedule):
     rng = random.Random(3)
     for _ in range(120):
-        name = rng.choice(["gpipe", "1f1b", "interleaved", "chimera"])
-        p = rng.randint(1, 8)
-        m = rng.randint(1, 3 * p)
-        kwargs = {}
-        if name == "interleaved":
-            kwargs["num_chunks"] = rng.randint(1, 3)
-            m = m - m % p if m > p else m
-        if name == "chimera":
-            p, m = p + p % 2, m + m % 2
+        _, schedule = pick_schedule(rng, ["gpipe", "1f1b", "interleaved", "chimera"], 8)
+        m = schedule.num_microbatches
         costs = Costs(F=rng.uniform(0.5, 2), B=rng.uniform(0.5, 3), W=rng.uniform(0, 1.5), comm=rng.choice([0, 0.2]))
         placement = rng.choice(["after", "deferred", "fill"])
-        schedule = build_schedule(name, p, m, **kwargs)
         split = split_backward(schedule, placement, costs=costs, batch=placement != "after" and rng.random() < 0.5)
         validate(split)
         assert split.num_ops == schedule.num_ops + schedule.num_stages * m

@@ -1,0 +1,30 @@
+"""Shared fixtures: random generator arguments inside each generator's domain, for the fuzz tests."""
+
+import random
+
+import pytest
+
+from pipeloom import build_schedule
+from pipeloom.schedules import get_generator
+
+
+def random_schedule(rng: random.Random, names: list[str], max_devices: int, **costs_for_generators):
+    """A random valid (name, schedule): sizes bent into the generator's domain (interleaved needs
+    m a multiple of p beyond p, Chimera even p and m); generators that take the keyword
+    arguments `costs_for_generators` get them."""
+    name = rng.choice(names)
+    p = rng.randint(1, max_devices)
+    m = rng.randint(1, 3 * p)
+    options = get_generator(name).options
+    kwargs = {key: value for key, value in costs_for_generators.items() if key in options}
+    if name == "interleaved":
+        kwargs["num_chunks"] = rng.randint(1, 3)
+        m = m - m % p if m > p else m
+    if name == "chimera":
+        p, m = p + p % 2, m + m % 2
+    return name, build_schedule(name, p, m, **kwargs)
+
+
+@pytest.fixture
+def pick_schedule():
+    return random_schedule
