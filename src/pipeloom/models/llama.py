@@ -1,0 +1,149 @@
+"""A small LLaMA-style decoder cut into pipeline stages, and its synthetic data.
+
+RMSNorm, rotary position embedding, SwiGLU and causal attention, as in LLaMA; sizes small enough
+to train in seconds on two CPU cores. `build_stages` cuts the model into S stages — embedding on
+the first, final norm and head on the last, decoder layers balanced or as given — and every rank
+builds the same full model from the seed and keeps its own stages, so pipeline and reference
+start from identical weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeloom.errors import ConfigError
+
+__all__ = ["LlamaConfig", "build_stages", "synthetic_batch", "stage_layer_counts"]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab: int = 128
+    hidden: int = 64
+    layers: int = 4
+    heads: int = 4
+    ffn: int = 128
+    seq_len: int = 32
+    microbatch_size: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "hidden", "layers", "heads", "ffn", "seq_len", "microbatch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"model: {name} must be a positive integer, got {value!r}")
+        if self.hidden % self.heads or (self.hidden // self.heads) % 2:
+            raise ConfigError(
+                f"model: hidden ({self.hidden}) must split into {self.heads} heads of an even size (for rotary embedding)"
+            )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _rotary(x: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of channels by position-dependent angles (x: batch, heads, seq, head_dim)."""
+    seq, dim = x.shape[-2], x.shape[-1]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim))
+    angles = torch.arange(seq, dtype=torch.float32, device=x.device)[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        h = config.hidden
+        self.heads = config.heads
+        self.attn_norm = RMSNorm(h)
+        self.qkv = nn.Linear(h, 3 * h, bias=False)
+        self.out = nn.Linear(h, h, bias=False)
+        self.mlp_norm = RMSNorm(h)
+        self.gate_up = nn.Linear(h, 2 * config.ffn, bias=False)
+        self.down = nn.Linear(config.ffn, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        attention = F.scaled_dot_product_attention(_rotary(q), _rotary(k), v, is_causal=True)
+        x = x + self.out(attention.transpose(1, 2).reshape(b, s, h))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class Stage(nn.Module):
+    """One pipeline stage: optional embedding, some decoder layers, optional norm and head."""
+
+    def __init__(self, config: LlamaConfig, layers: int, first: bool, last: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(config.vocab, config.hidden) if first else None
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(layers))
+        self.norm = RMSNorm(config.hidden) if last else None
+        self.head = nn.Linear(config.hidden, config.vocab, bias=False) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        if self.head is not None:
+            x = self.head(self.norm(x))
+        return x
+
+
+def stage_layer_counts(config: LlamaConfig, num_stages: int, counts: Sequence[int] | None = None) -> list[int]:
+    """Decoder layers per stage: as given, or balanced (the earlier stages take the remainder)."""
+    if counts is not None:
+        counts = list(counts)
+        if len(counts) != num_stages or any(c < 0 for c in counts) or sum(counts) != config.layers:
+            raise ConfigError(
+                f"model: layer counts {counts} must be {num_stages} non-negative numbers summing to {config.layers}"
+            )
+        return counts
+    if config.layers < num_stages:
+        raise ConfigError(
+            f"model: {config.layers} decoder layers cannot be cut into {num_stages} stages; use at least "
+            f"{num_stages} layers (--layers) or fewer stages"
+        )
+    base, extra = divmod(config.layers, num_stages)
+    return [base + (1 if s < extra else 0) for s in range(num_stages)]
+
+
+def build_stages(
+    config: LlamaConfig, num_stages: int, seed: int, counts: Sequence[int] | None = None
+) -> list[Stage]:
+    """All S stages, initialised from `seed` identically wherever this runs."""
+    layer_counts = stage_layer_counts(config, num_stages, counts)
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        stages = [
+            Stage(config, layer_counts[s], first=s == 0, last=s == num_stages - 1) for s in range(num_stages)
+        ]
+        for stage in stages:
+            for module in stage.modules():
+                if isinstance(module, nn.Linear):
+                    nn.init.normal_(module.weight, std=1 / math.sqrt(module.in_features))
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return stages
+
+
+def synthetic_batch(config: LlamaConfig, num_sequences: int, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and next-token targets for one step, the same on every rank."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    tokens = torch.randint(0, config.vocab, (num_sequences, config.seq_len + 1), generator=generator)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

@@ -1,0 +1,241 @@
+"""Run one device's op list of a pipeloom schedule for one training step (DESIGN §5).
+
+F runs a stage forward (checkpointed: without autograd, keeping only its input); R re-runs it
+with autograd (counted); B back-propagates to the stage input only (split linears queue their
+weight GEMMs); W runs the queued GEMMs of its key (a run of consecutive W of one stage as one
+GEMM if `concat_w`); BW is B then its W at once. The last stage turns logits into the loss,
+scaled by 1 / (micro-batches × data-parallel replicas), so gradients accumulate to the mean.
+Activations cross devices through `comm.plan_messages` (receives posted ahead) and stay in
+memory between two stages of one device. The executor records every op's start and end and the
+bytes its stash holds, for the trace and for checking the simulator.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeloom.errors import ConfigError, RuntimeFault
+from pipeloom.ir.ops import Op, OpKind
+from pipeloom.ir.schedule import Schedule
+from pipeloom.runtime.comm import Message, MessagePlan
+from pipeloom.runtime.split_linear import WeightGradQueue
+
+__all__ = ["StepRecord", "DeviceExecutor"]
+
+_F, _R, _B, _W, _BW = OpKind.F, OpKind.R, OpKind.B, OpKind.W, OpKind.BW
+
+
+@dataclass
+class StepRecord:
+    loss: float = 0.0
+    """Sum of this device's scaled micro-batch losses (last stage only)."""
+    ops: list[tuple[str, float, float]] = field(default_factory=list)
+    """(op text, start, end) in seconds from the step's start."""
+    stash: list[tuple[float, int]] = field(default_factory=list)
+    """(time, bytes held) after every change."""
+    peak_stash_bytes: int = 0
+    entry_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes each F and R added to the stash, by op text."""
+    recomputes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class _Entry:
+    inputs: torch.Tensor | None = None
+    output: torch.Tensor | None = None
+    bytes: int = 0
+
+
+class DeviceExecutor:
+    """One device of the pipeline: its stage modules (already split-linear'd on `queue`)."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        plan: MessagePlan,
+        device: int,
+        stages: dict[int, nn.Module],
+        queue: WeightGradQueue,
+        rank_of: Callable[[int], int],
+        activation_shape: Sequence[int],
+        loss_scale: float,
+        loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        concat_w: bool = False,
+        pair_groups: dict[tuple[int, int], dist.ProcessGroup] | None = None,
+        device_type: torch.device | None = None,
+    ) -> None:
+        if schedule.num_slices != 1 or any(op.parts != 1 for _, _, op in schedule.ops()):
+            raise ConfigError("the runtime does not run slices or W parts yet (issue 7)")
+        self.schedule, self.plan, self.device = schedule, plan, device
+        self.ops = schedule.devices[device]
+        self.stages, self.queue = stages, queue
+        self.rank_of = rank_of
+        self.shape = tuple(activation_shape)
+        self.loss_scale = loss_scale
+        self.loss_fn = loss
+        self.concat_w = concat_w
+        self.last_stage = schedule.num_stages - 1
+        # One group per ordered pair of devices: each carries one direction only, so posting its
+        # receives ahead in the sender's order can never block a send the other way (NCCL runs a
+        # pair's operations in order on one stream).
+        self.pair_groups = pair_groups or {}
+        self.torch_device = device_type or torch.device("cpu")
+        self._parameter_ptrs = {p.data_ptr() for module in stages.values() for p in module.parameters()}
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def run_step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> StepRecord:
+        record = StepRecord()
+        began = time.perf_counter()
+        pending = self._post_receives()
+        sends: list[dist.Work] = []
+        handed: dict[tuple[bool, int, int], torch.Tensor] = {}  # in-memory hand-over on this device
+        stash: dict[tuple[int, int, int], _Entry] = {}
+        held = 0
+        skip_until = -1
+
+        def note(change: int) -> None:
+            nonlocal held
+            held += change
+            record.stash.append((time.perf_counter() - began, held))
+            record.peak_stash_bytes = max(record.peak_stash_bytes, held)
+
+        for index, op in enumerate(self.ops):
+            if index <= skip_until:
+                continue
+            start = time.perf_counter() - began
+            stage, mb, _ = op.key
+            module = self.stages[stage]
+            if op.kind is _F:
+                x = inputs[mb] if stage == 0 else self._take(pending, handed, False, stage, mb)
+                entry = _Entry(inputs=x)
+                if op.ckpt:
+                    with torch.no_grad():
+                        out = module(x)
+                    entry.bytes = _nbytes(x)
+                else:
+                    out, entry.inputs, entry.bytes = self._forward(
+                        module, op, x, targets[mb] if stage == self.last_stage else None
+                    )
+                    entry.output = out
+                if stage == self.last_stage:
+                    loss = out if not op.ckpt else self._loss(out, targets[mb])
+                    record.loss += float(loss.detach())
+                else:
+                    self._give(sends, handed, False, stage + 1, mb, out.detach())
+                stash[op.key] = entry
+                record.entry_bytes[op.text] = entry.bytes
+                note(entry.bytes)
+            elif op.kind is _R:
+                entry = stash[op.key]
+                entry.output, entry.inputs, saved = self._forward(
+                    module, op, entry.inputs, targets[mb] if stage == self.last_stage else None
+                )
+                record.recomputes += 1
+                record.entry_bytes[op.text] = saved
+                note(saved)
+                entry.bytes += saved
+            elif op.kind in (_B, _BW):
+                entry = stash.pop(op.key)
+                grad = None if stage == self.last_stage else self._take(pending, handed, True, stage, mb)
+                before = len(self.queue)
+                torch.autograd.backward(entry.output, grad)
+                note(-entry.bytes)
+                if stage > 0:
+                    self._give(sends, handed, True, stage - 1, mb, entry.inputs.grad)
+                if op.kind is _BW:
+                    self.queue.run(op.key)
+                elif len(self.queue) == before:
+                    raise RuntimeFault(f"{op.text}: no weight gradients were queued (are the linears split?)")
+            elif op.kind is _W:
+                keys = [op.key]
+                if self.concat_w:
+                    while index + len(keys) < len(self.ops):
+                        following = self.ops[index + len(keys)]
+                        if following.kind is not _W or following.stage != stage:
+                            break
+                        keys.append(following.key)
+                    skip_until = index + len(keys) - 1
+                self.queue.run(*keys)
+            record.ops.append((op.text, start, time.perf_counter() - began))
+        for work in sends:
+            work.wait()
+        if stash or len(self.queue):
+            raise RuntimeFault(f"device {self.device}: the step ended with work left (stash {list(stash)})")
+        record.seconds = time.perf_counter() - began
+        return record
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _forward(self, module: nn.Module, op: Op, x: torch.Tensor, targets: torch.Tensor | None):
+        """Forward with autograd under the op's key, from a fresh leaf for the input so that B can
+        read the input's gradient. Returns (output, or the loss on the last stage; that leaf; the
+        bytes it keeps: tensors saved for backward, and the input itself for an F)."""
+        if x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+        saved = [_nbytes(x) if op.kind is _F else 0]
+        seen: set[int] = {x.data_ptr()}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            ptr = tensor.data_ptr()
+            if ptr not in self._parameter_ptrs and ptr not in seen:
+                seen.add(ptr)
+                saved[0] += _nbytes(tensor)
+            return tensor
+
+        self.queue.current = op.key
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = module(x)
+            if targets is not None:
+                out = self._loss(out, targets)
+        return out, x, saved[0]
+
+    def _loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, targets) * self.loss_scale
+
+    def _post_receives(self) -> dict[tuple[bool, int, int], tuple[torch.Tensor, dist.Work]]:
+        pending = {}
+        for message in self.plan.receives[self.device]:
+            buffer = torch.empty(self.shape, device=self.torch_device)
+            group = self.pair_groups.get((message.src, message.dst))
+            work = dist.irecv(buffer, src=self.rank_of(message.src), group=group, tag=self.plan.tag(message))
+            pending[(message.grad, message.stage, message.microbatch)] = (buffer, work, message.src)
+        return pending
+
+    def _take(self, pending, handed, grad: bool, stage: int, mb: int) -> torch.Tensor:
+        key = (grad, stage, mb)
+        if key in handed:
+            return handed.pop(key)
+        buffer, work, src = pending.pop(key)
+        try:
+            work.wait()
+        except RuntimeError as error:
+            what = "gradient for B" if grad else "activation for F"
+            reason = str(error).split("] ", 1)[-1].split(". ", 1)[0]
+            raise RuntimeFault(
+                f"rank {self.rank_of(self.device)} (device {self.device}): waiting for the {what}{stage} of "
+                f"micro-batch {mb} from rank {self.rank_of(src)}: {reason}"
+            ) from None
+        return buffer
+
+    def _give(self, sends, handed, grad: bool, stage: int, mb: int, tensor: torch.Tensor) -> None:
+        table = self.plan.backward_device if grad else self.plan.forward_device
+        consumer = table[(stage, mb, 0)]
+        if consumer == self.device:
+            handed[(grad, stage, mb)] = tensor.detach()
+            return
+        message = Message(grad, stage, mb, 0, self.device, consumer)
+        group = self.pair_groups.get((self.device, consumer))
+        payload = tensor.detach().contiguous()
+        sends.append(dist.isend(payload, dst=self.rank_of(consumer), group=group, tag=self.plan.tag(message)))
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

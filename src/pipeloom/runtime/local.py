@@ -1,0 +1,75 @@
+"""Start the ranks of a training run on this machine: forked processes, a FileStore rendezvous.
+
+Used by `pipeloom train --nproc N` and the tests. Each rank writes its `RankResult` to a file;
+the parent collects them. A rank that fails reports one line; the parent then stops the others,
+so a dead or stalled peer never leaves processes behind.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from pipeloom.errors import PipeloomError, RuntimeFault
+from pipeloom.runtime.training import RankResult, TrainSpec, check_spec, train_rank
+
+__all__ = ["run_local"]
+
+
+def _worker(spec: TrainSpec, rank: int, world_size: int, directory: str) -> None:
+    init_method = f"file://{directory}/store"
+    try:
+        result = train_rank(spec, rank, world_size, init_method)
+        torch.save(result, f"{directory}/rank{rank}.pt")
+    except PipeloomError as error:
+        Path(f"{directory}/rank{rank}.error").write_text(error.summary)
+        sys.exit(3)
+    except BaseException:  # noqa: BLE001 - a crash must still end this rank with a reason on file
+        Path(f"{directory}/rank{rank}.error").write_text(traceback.format_exc().strip().splitlines()[-1])
+        sys.exit(4)
+
+
+def run_local(spec: TrainSpec, timeout_s: float = 300.0) -> list[RankResult]:
+    """Run all p × dp ranks of `spec` as forked processes; return their results by rank."""
+    world_size = spec.schedule.num_devices * spec.dp
+    check_spec(spec, world_size)
+    context = multiprocessing.get_context("fork")
+    with tempfile.TemporaryDirectory(prefix="pipeloom-") as directory:
+        processes = [
+            context.Process(target=_worker, args=(spec, rank, world_size, directory), daemon=True)
+            for rank in range(world_size)
+        ]
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + timeout_s
+        failed = None
+        while any(process.is_alive() for process in processes):
+            failed = next((i for i, process in enumerate(processes) if process.exitcode not in (None, 0)), None)
+            if failed is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        if failed is None:
+            failed = next((i for i, process in enumerate(processes) if process.exitcode not in (None, 0)), None)
+        if failed is not None or any(process.is_alive() for process in processes):
+            for process in processes:
+                if process.is_alive():
+                    process.terminate()
+            for process in processes:
+                process.join(5)
+                if process.is_alive():
+                    os.kill(process.pid, 9)
+            if failed is None:
+                raise RuntimeFault(f"training did not finish within {timeout_s:g} s")
+            reason_file = Path(f"{directory}/rank{failed}.error")
+            reason = reason_file.read_text() if reason_file.exists() else f"exit status {processes[failed].exitcode}"
+            raise RuntimeFault(f"rank {failed} failed: {reason}")
+        for process in processes:
+            process.join()
+        return [torch.load(f"{directory}/rank{rank}.pt", weights_only=False) for rank in range(world_size)]

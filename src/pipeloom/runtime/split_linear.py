@@ -1,0 +1,94 @@
+"""Backward split into B and W for linear layers (Zero Bubble §2, 2BP §3), with autograd.
+
+A `SplitLinear` computes only the input gradient in its backward and hands the weight-gradient
+GEMM — its input and the output gradient — to a `WeightGradQueue` under the key of the op that
+ran its forward. The executor's W op then runs the queued GEMMs of its key. Other parameters
+(norms, embeddings) get their gradients during B as usual. Each executor owns its queue, so there
+is no global state.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+__all__ = ["WeightGradQueue", "SplitLinear", "split_linears"]
+
+
+class WeightGradQueue:
+    """Pending weight-gradient GEMMs, by op key. `current` is the key forwards run under."""
+
+    def __init__(self) -> None:
+        self.current: tuple | None = None
+        self._pending: dict[tuple, list[tuple[nn.Linear, torch.Tensor, torch.Tensor]]] = defaultdict(list)
+
+    def push(self, key: tuple, layer: nn.Linear, inputs: torch.Tensor, grad_output: torch.Tensor) -> None:
+        self._pending[key].append((layer, inputs, grad_output))
+
+    def pending(self, key: tuple) -> int:
+        return len(self._pending.get(key, ()))
+
+    def run(self, *keys: tuple) -> None:
+        """Accumulate the weight gradients of `keys`; several keys of one layer run as one GEMM
+        over their concatenated rows (2BP's concatenation)."""
+        by_layer: dict[int, list] = {}
+        for key in keys:
+            for layer, inputs, grad_output in self._pending.pop(key, ()):
+                by_layer.setdefault(id(layer), [layer, [], []])
+                by_layer[id(layer)][1].append(inputs.reshape(-1, inputs.shape[-1]))
+                by_layer[id(layer)][2].append(grad_output.reshape(-1, grad_output.shape[-1]))
+        for layer, inputs, grad_outputs in by_layer.values():
+            x = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
+            gy = grad_outputs[0] if len(grad_outputs) == 1 else torch.cat(grad_outputs)
+            weight_grad = gy.t() @ x
+            layer.weight.grad = weight_grad if layer.weight.grad is None else layer.weight.grad + weight_grad
+            if layer.bias is not None:
+                bias_grad = gy.sum(0)
+                layer.bias.grad = bias_grad if layer.bias.grad is None else layer.bias.grad + bias_grad
+
+    def __len__(self) -> int:
+        return sum(len(entries) for entries in self._pending.values())
+
+
+class _InputGradOnly(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer, queue):  # noqa: D401 - autograd signature
+        ctx.save_for_backward(x, weight)
+        ctx.layer, ctx.queue, ctx.key = layer, queue, queue.current
+        return nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        ctx.queue.push(ctx.key, ctx.layer, x.detach(), grad_output.detach())
+        grad_input = grad_output @ weight if ctx.needs_input_grad[0] else None
+        return grad_input, None, None, None, None
+
+
+class SplitLinear(nn.Module):
+    """An nn.Linear whose weight gradient waits in `queue` for the W op."""
+
+    def __init__(self, linear: nn.Linear, queue: WeightGradQueue) -> None:
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.queue = queue
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return nn.functional.linear(x, self.weight, self.bias)
+        return _InputGradOnly.apply(x, self.weight, self.bias, self, self.queue)
+
+
+def split_linears(module: nn.Module, queue: WeightGradQueue) -> int:
+    """Replace every nn.Linear inside `module` by a SplitLinear on `queue`; return how many."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, SplitLinear(child, queue))
+            count += 1
+        else:
+            count += split_linears(child, queue)
+    return count

@@ -1,0 +1,172 @@
+"""The runtime (torch, gloo, forked ranks): every schedule trains exactly like one process."""
+
+import json
+import multiprocessing
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pipeloom import Costs, OpKind, Schedule, build_schedule, simulate  # noqa: E402
+from pipeloom.errors import ConfigError, ScheduleError  # noqa: E402
+from pipeloom.models.llama import LlamaConfig  # noqa: E402
+from pipeloom.passes import apply_checkpoint, mario, split_backward  # noqa: E402
+from pipeloom.runtime.local import _worker, run_local  # noqa: E402
+from pipeloom.runtime.training import TrainSpec, check_spec, reference_training  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+GENERATORS = {
+    "gpipe": {},
+    "1f1b": {},
+    "interleaved": {"num_chunks": 2},
+    "chimera": {},
+    "zb-h1": {},
+    "zb-h2": {},
+    "zb-auto": {"mem_limit": 3},
+    "zb-1p": {},
+    "zb-2p": {},
+    "zb-v": {},
+    "v-half": {},
+    "v-min": {},
+    "v-auto": {"mem_limit": 2},
+}
+
+
+def spec_for(schedule, **changes):
+    config = LlamaConfig(layers=max(4, schedule.num_stages), hidden=32, heads=2, ffn=64, vocab=64, seq_len=16)
+    return TrainSpec(schedule, config=config, **changes)
+
+
+def assert_matches_reference(spec, results):
+    losses, reference = reference_training(spec)
+    assert results[0].losses == pytest.approx(losses, rel=1e-5)
+    for result in results:
+        for stage, parameters in result.parameters.items():
+            for name, value in parameters.items():
+                torch.testing.assert_close(value, reference[stage][name], rtol=1e-5, atol=1e-6)
+
+
+def test_registry_is_covered():
+    from pipeloom import list_generators
+
+    assert {g.name for g in list_generators()} == set(GENERATORS)
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 6)])
+def test_every_generator_trains_like_one_process(name, p, m):
+    if name == "interleaved" and m % p:
+        m = 2 * p
+    if name == "chimera" and m % 2:
+        m += 1
+    schedule = build_schedule(name, p, m, **GENERATORS[name])
+    spec = spec_for(schedule, steps=2)
+    assert_matches_reference(spec, run_local(spec))
+
+
+def test_split_and_concatenated_weight_gradients_match_fused():
+    fused = build_schedule("1f1b", 2, 4)
+    spec = spec_for(fused, steps=2)
+    for split in (split_backward(fused, "after"), split_backward(fused, "deferred", batch=True)):
+        for concat in (False, True):
+            results = run_local(spec_for(split, steps=2, concat_w=concat))
+            assert_matches_reference(spec, results)
+
+
+def test_checkpointing_recomputes_once_and_holds_what_the_simulator_predicts():
+    base = build_schedule("1f1b", 4, 8)
+    plain = run_local(spec_for(base, steps=1))
+    kept = None
+    for checkpointed in (apply_checkpoint(base), mario(base, Costs(F=1, B=2, R=1))):
+        results = run_local(spec_for(checkpointed, steps=1))
+        assert_matches_reference(spec_for(base, steps=1), results)
+        for device, result in enumerate(results):
+            planned = sum(op.kind is OpKind.R for op in checkpointed.devices[device])
+            assert result.records[0].recomputes == planned
+        # The simulator, given the bytes one forward and one kept input take per stage, predicts
+        # the ratio of peak stash bytes between the checkpointed and the plain schedule.
+        forward = [plain[s].records[0].entry_bytes[f"{s}F0"] for s in range(4)]
+        kept = kept or [results[s].records[0].entry_bytes[f"{s}F0c"] for s in range(4)]  # from full checkpointing
+        costs = Costs(M_B=forward, M_ckpt=kept)
+        predicted_plain = simulate(base, costs).peak_activation_memory
+        predicted = simulate(checkpointed, costs).peak_activation_memory
+        for device in range(4):
+            measured_ratio = results[device].records[0].peak_stash_bytes / plain[device].records[0].peak_stash_bytes
+            predicted_ratio = predicted[device] / predicted_plain[device]
+            assert measured_ratio == pytest.approx(predicted_ratio, rel=0.05), (checkpointed.name, device)
+            assert results[device].records[0].peak_stash_bytes <= plain[device].records[0].peak_stash_bytes
+
+
+def mlp_blocks():
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(7)
+    try:
+        return [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(4)]
+    finally:
+        torch.random.set_rng_state(generator_state)
+
+
+def regression_batch(rows, step):
+    generator = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(rows, 8, generator=generator)
+    return x, x.flip(-1)
+
+
+def test_any_list_of_blocks_trains_like_one_process():
+    from pipeloom.runtime.workload import blocks_workload
+
+    work = blocks_workload(mlp_blocks, regression_batch, torch.nn.functional.mse_loss, (3, 8), microbatch_size=3)
+    for schedule in (build_schedule("1f1b", 2, 4), build_schedule("zb-h1", 4, 4)):
+        spec = TrainSpec(schedule, steps=2, workload=work)
+        assert_matches_reference(spec, run_local(spec))
+
+
+def test_data_parallel_times_pipeline_matches_reference():
+    spec = spec_for(build_schedule("1f1b", 2, 4), steps=2, dp=2)
+    assert_matches_reference(spec, run_local(spec))
+
+
+def test_a_killed_rank_makes_the_others_fail_without_hanging():
+    spec = spec_for(build_schedule("1f1b", 2, 4), steps=10_000, timeout_s=30)
+    context = multiprocessing.get_context("fork")
+    with tempfile.TemporaryDirectory() as directory:
+        ranks = [context.Process(target=_worker, args=(spec, rank, 2, directory)) for rank in range(2)]
+        for process in ranks:
+            process.start()
+        time.sleep(3)  # well inside training
+        assert all(process.is_alive() for process in ranks)
+        os.kill(ranks[1].pid, signal.SIGKILL)
+        ranks[0].join(45)
+        assert not ranks[0].is_alive(), "the surviving rank hung"
+        assert ranks[0].exitcode not in (0, None)
+        reason = Path(directory, "rank0.error").read_text()
+        assert reason.startswith("rank 0") and "rank 1" in reason, reason  # who failed, and on whom it waited
+
+
+def test_bad_runs_are_refused_before_any_compute():
+    with pytest.raises(ConfigError, match="world size 3 does not match p × dp = 2 × 1 = 2"):
+        check_spec(spec_for(build_schedule("1f1b", 2, 2)), world_size=3)
+    with pytest.raises(ConfigError, match="cannot be cut into 8 stages"):
+        check_spec(TrainSpec(build_schedule("zb-v", 4, 4), config=LlamaConfig(layers=4)))
+    broken = Schedule.from_text("0F0 0BW0\n1BW0 1F0")  # deadlocks
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check_spec(spec_for(broken))
+
+
+def test_cli_train_writes_summary_and_trace(tmp_path):
+    from pipeloom.cli import main
+
+    summary, trace = tmp_path / "s.json", tmp_path / "t.json"
+    argv = ["train", "--nproc", "2", "--schedule", "1f1b", "-p", "2", "-m", "2", "--steps", "2", "--layers", "2"]
+    assert main([*argv, "--summary", str(summary), "--trace", str(trace)]) == 0
+    facts = json.loads(summary.read_text())
+    assert len(facts["losses"]) == 2 and len(facts["peak_stash_bytes"]) == 2 and facts["recomputes"] == [0, 0]
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1}
+    assert main(["train", "--nproc", "3", "--schedule", "1f1b", "-p", "2", "-m", "2"]) == 2
