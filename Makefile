@@ -26,6 +26,8 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/sim_speed.py
 	$(PY) bench/zb_table5.py
+	$(PY) bench/mario.py
+	$(PY) bench/runtime_vs_torch.py
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) build src/*.egg-info .pytest_cache

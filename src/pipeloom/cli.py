@@ -211,6 +211,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ckpt", choices=("none", "full", "mario"), default="none", help="activation checkpointing")
     parser.add_argument("--concat-w", action="store_true", help="run consecutive W of a stage as one GEMM (2BP)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a peer before failing")
+    parser.add_argument(
+        "--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU, default) or nccl (one GPU per rank)"
+    )
     parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every rank's ops")
     parser.add_argument("--summary", metavar="PATH", help="write a JSON summary: losses, step times, stash bytes")
 
@@ -240,7 +243,9 @@ def train_spec_from_args(args: argparse.Namespace, report: bool = False):
         try:
             counts = tuple(int(x) for x in args.layer_counts.split(","))
         except ValueError:
-            raise ConfigError(f"--layer-counts must be integers separated by commas, got {args.layer_counts!r}") from None
+            raise ConfigError(
+                f"--layer-counts must be integers separated by commas, got {args.layer_counts!r}"
+            ) from None
     for name in ("dp", "steps", "threads"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}")
@@ -256,6 +261,7 @@ def train_spec_from_args(args: argparse.Namespace, report: bool = False):
         threads=args.threads,
         timeout_s=args.timeout,
         report=report,
+        backend=args.backend,
     )
     check_spec(spec)
     return spec

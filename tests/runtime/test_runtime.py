@@ -170,3 +170,24 @@ def test_cli_train_writes_summary_and_trace(tmp_path):
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1}
     assert main(["train", "--nproc", "3", "--schedule", "1f1b", "-p", "2", "-m", "2"]) == 2
+
+
+def test_torchrun_launch(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    summary = tmp_path / "s.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port)]
+    command += ["-m", "pipeloom.train", "--schedule", "zb-v", "-p", "2", "-m", "4", "--steps", "2"]
+    done = subprocess.run([*command, "--summary", str(summary)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "step 1: loss" in done.stdout
+    assert len(json.loads(summary.read_text())["losses"]) == 2
+    alone = subprocess.run(
+        [sys.executable, "-m", "pipeloom.train", "--schedule", "1f1b"], capture_output=True, text=True
+    )
+    assert alone.returncode == 2 and "launch with torchrun" in alone.stderr

@@ -122,17 +122,13 @@ def stage_layer_counts(config: LlamaConfig, num_stages: int, counts: Sequence[in
     return [base + (1 if s < extra else 0) for s in range(num_stages)]
 
 
-def build_stages(
-    config: LlamaConfig, num_stages: int, seed: int, counts: Sequence[int] | None = None
-) -> list[Stage]:
+def build_stages(config: LlamaConfig, num_stages: int, seed: int, counts: Sequence[int] | None = None) -> list[Stage]:
     """All S stages, initialised from `seed` identically wherever this runs."""
     layer_counts = stage_layer_counts(config, num_stages, counts)
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        stages = [
-            Stage(config, layer_counts[s], first=s == 0, last=s == num_stages - 1) for s in range(num_stages)
-        ]
+        stages = [Stage(config, layer_counts[s], first=s == 0, last=s == num_stages - 1) for s in range(num_stages)]
         for stage in stages:
             for module in stage.modules():
                 if isinstance(module, nn.Linear):

@@ -51,6 +51,8 @@ class _Entry:
     inputs: torch.Tensor | None = None
     output: torch.Tensor | None = None
     bytes: int = 0
+    grad: torch.Tensor | None = None
+    """The output gradient, when an R inside the backward already waited for it."""
 
 
 class DeviceExecutor:
@@ -88,6 +90,12 @@ class DeviceExecutor:
         self.pair_groups = pair_groups or {}
         self.torch_device = device_type or torch.device("cpu")
         self._parameter_ptrs = {p.data_ptr() for module in stages.values() for p in module.parameters()}
+        self._has_split_linears = any(
+            type(m).__name__ == "SplitLinear" for module in stages.values() for m in module.modules()
+        )
+        if any(op.kind is _W for op in self.ops) and not self._has_split_linears and stages:
+            raise ConfigError(f"device {device} runs W ops but its linears are not split (split_linears)")
+        self._saved_bytes: dict[tuple[OpKind, int], int] = {}  # measured once per (F or R, stage)
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -135,6 +143,8 @@ class DeviceExecutor:
                 note(entry.bytes)
             elif op.kind is _R:
                 entry = stash[op.key]
+                if op.after_grad and stage != self.last_stage:  # recompute inside the backward
+                    entry.grad = self._take(pending, handed, True, stage, mb)
                 entry.output, entry.inputs, saved = self._forward(
                     module, op, entry.inputs, targets[mb] if stage == self.last_stage else None
                 )
@@ -144,16 +154,18 @@ class DeviceExecutor:
                 entry.bytes += saved
             elif op.kind in (_B, _BW):
                 entry = stash.pop(op.key)
-                grad = None if stage == self.last_stage else self._take(pending, handed, True, stage, mb)
+                grad = entry.grad
+                if grad is None and stage != self.last_stage:
+                    grad = self._take(pending, handed, True, stage, mb)
                 before = len(self.queue)
                 torch.autograd.backward(entry.output, grad)
                 note(-entry.bytes)
                 if stage > 0:
                     self._give(sends, handed, True, stage - 1, mb, entry.inputs.grad)
                 if op.kind is _BW:
-                    self.queue.run(op.key)
-                elif len(self.queue) == before:
-                    raise RuntimeFault(f"{op.text}: no weight gradients were queued (are the linears split?)")
+                    self.queue.run(op.key)  # with plain linears autograd did it already: nothing queued
+                elif len(self.queue) == before and self._has_split_linears:
+                    raise RuntimeFault(f"{op.text}: no weight gradients were queued")
             elif op.kind is _W:
                 keys = [op.key]
                 if self.concat_w:
@@ -180,6 +192,11 @@ class DeviceExecutor:
         bytes it keeps: tensors saved for backward, and the input itself for an F)."""
         if x.is_floating_point():
             x = x.detach().requires_grad_(True)
+        known = self._saved_bytes.get((op.kind, op.stage))
+        if known is not None:  # shapes repeat: the saved bytes of a stage's pass do too
+            self.queue.current = op.key
+            out = module(x)
+            return (self._loss(out, targets) if targets is not None else out), x, known
         saved = [_nbytes(x) if op.kind is _F else 0]
         seen: set[int] = {x.data_ptr()}
 
@@ -195,6 +212,7 @@ class DeviceExecutor:
             out = module(x)
             if targets is not None:
                 out = self._loss(out, targets)
+        self._saved_bytes[(op.kind, op.stage)] = saved[0]
         return out, x, saved[0]
 
     def _loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

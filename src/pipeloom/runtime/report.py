@@ -37,7 +37,9 @@ def write_trace(results: Sequence[RankResult], path: str | PathLike[str]) -> Non
     each other on the time axis at their measured durations."""
     events: list[dict] = []
     for result in results:
-        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": result.rank, "args": {"name": f"rank {result.rank}"}})
+        events.append(
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": result.rank, "args": {"name": f"rank {result.rank}"}}
+        )
         offset = 0.0
         for step, (record, seconds) in enumerate(zip(result.records, result.step_seconds)):
             for text, start, end in record.ops:

@@ -42,11 +42,13 @@ class WeightGradQueue:
         for layer, inputs, grad_outputs in by_layer.values():
             x = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
             gy = grad_outputs[0] if len(grad_outputs) == 1 else torch.cat(grad_outputs)
-            weight_grad = gy.t() @ x
-            layer.weight.grad = weight_grad if layer.weight.grad is None else layer.weight.grad + weight_grad
+            if layer.weight.grad is None:
+                layer.weight.grad = gy.t() @ x
+            else:
+                layer.weight.grad.addmm_(gy.t(), x)
             if layer.bias is not None:
                 bias_grad = gy.sum(0)
-                layer.bias.grad = bias_grad if layer.bias.grad is None else layer.bias.grad + bias_grad
+                layer.bias.grad = bias_grad if layer.bias.grad is None else layer.bias.grad.add_(bias_grad)
 
     def __len__(self) -> int:
         return sum(len(entries) for entries in self._pending.values())

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pipeloom.errors import ConfigError, RuntimeFault
+from pipeloom.ir.ops import OpKind
 from pipeloom.ir.schedule import Schedule
 from pipeloom.ir.validate import validate
 from pipeloom.models.llama import LlamaConfig, stage_layer_counts
@@ -120,8 +121,9 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
     hosted = schedule.stages_on(device)
     queue = WeightGradQueue()
     stages = {s: all_stages[s].to(where) for s in hosted}
-    for module in stages.values():
-        split_linears(module, queue)
+    if any(op.kind is OpKind.W for op in schedule.devices[device]):  # fused backwards keep plain linears
+        for module in stages.values():
+            split_linears(module, queue)
     parameters = [p_ for s in hosted for p_ in stages[s].parameters()]
     optimizer = torch.optim.AdamW(parameters, lr=spec.lr) if parameters else None
     groups = _gradient_groups(schedule, spec.dp)
@@ -229,4 +231,3 @@ def median_step(result: RankResult) -> float:
     """Median step time, leaving out the first (warm-up) step when there are more."""
     times = result.step_seconds[1:] or result.step_seconds
     return statistics.median(times)
-
