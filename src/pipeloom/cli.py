@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from pipeloom.budget import parse_memory_budget
+from pipeloom.cli_format import costs_text, exact_report, num, progress_bar, report, table
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError, PipeloomError, ScheduleError
 from pipeloom.ir.io import load_schedule
@@ -27,7 +28,7 @@ from pipeloom.tune.pareto import explore_pareto
 from pipeloom.viz.plot import check_plot_path, plot_timeline  # imports matplotlib only when it draws
 from pipeloom.viz.trace import write_chrome_trace
 
-__all__ = ["main", "add_train_arguments", "train_spec_from_args", "write_train_outputs"]
+__all__ = ["main", "EXIT_BAD_INPUT"]
 
 EXIT_BAD_INPUT = 2
 
@@ -84,7 +85,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
         )
         return 0
     rows = [[g.name, g.paper, g.domain] for g in generators]
-    print(_table(["schedule", "paper", "domain"], rows))
+    print(table(["schedule", "paper", "domain"], rows))
     return 0
 
 
@@ -112,9 +113,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             summary["exact"] = exact.summary()
         print(json.dumps(summary))
     else:
-        print(_report(timeline))
+        print(report(timeline))
         if exact is not None:
-            print(_exact_report(exact))
+            print(exact_report(exact))
     return 0
 
 
@@ -143,7 +144,7 @@ def _cmd_pareto(args: argparse.Namespace) -> int:
     costs = _costs_from_args(args)
     skipped: list[tuple[str, str]] = []
     points = explore_pareto(
-        args.p, args.m, costs, budgets=args.budgets, progress=_progress_bar("pareto"), skipped=skipped
+        args.p, args.m, costs, budgets=args.budgets, progress=progress_bar("pareto"), skipped=skipped
     )
     for label, reason in skipped:
         print(f"pipeloom: pareto: left out {label}: {reason}", file=sys.stderr)
@@ -155,131 +156,13 @@ def _cmd_pareto(args: argparse.Namespace) -> int:
         print(json.dumps([point.to_dict() for point in points]))
         return 0
     rows = [
-        ["*" if q.on_frontier else "", q.label, _num(q.peak_memory), f"{q.bubble_rate:.2%}", _num(q.cost)]
+        ["*" if q.on_frontier else "", q.label, num(q.peak_memory), f"{q.bubble_rate:.2%}", num(q.cost)]
         for q in points
         if q.on_frontier or not args.frontier_only
     ]
-    print(f"p={args.p} m={args.m} costs: {_costs_text(costs)}   (* = on the frontier)")
-    print(_table(["", "schedule", "peak act. mem", "bubble", "cost"], rows))
+    print(f"p={args.p} m={args.m} costs: {costs_text(costs)}   (* = on the frontier)")
+    print(table(["", "schedule", "peak act. mem", "bubble", "cost"], rows))
     return 0
-
-
-def _cmd_train(args: argparse.Namespace) -> int:
-    """Train locally with `--nproc` forked ranks (torch imported here only)."""
-    _check_outputs([args.trace, args.summary], plot=None)
-    spec = train_spec_from_args(args, report=True)
-    expected = spec.schedule.num_devices * spec.dp
-    if args.nproc != expected:
-        raise ConfigError(
-            f"--nproc {args.nproc} does not match p × dp = {spec.schedule.num_devices} × {spec.dp} = {expected}"
-        )
-    from pipeloom.runtime.local import run_local
-
-    results = run_local(spec, timeout_s=args.timeout * max(1, spec.steps))
-    write_train_outputs(results, spec, args)
-    return 0
-
-
-def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments `pipeloom train` and `python -m pipeloom.train` share."""
-    parser.add_argument("--schedule", dest="name", metavar="NAME", help="schedule generator (see `pipeloom list`)")
-    parser.add_argument("-p", "--devices", dest="p", type=int, help="pipeline devices")
-    parser.add_argument("-m", "--microbatches", dest="m", type=int, help="micro-batches per step and replica")
-    parser.add_argument("-v", "--chunks", type=int, help="chunks per device, for interleaved")
-    parser.add_argument("--schedule-file", metavar="PATH", help="a pipeloom.schedule/1 JSON file instead of --schedule")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world size = p × dp)")
-    parser.add_argument("--steps", type=int, default=3, help="optimizer steps")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    model = parser.add_argument_group("model (a small LLaMA-style decoder)")
-    for flag, default, help_text in (
-        ("--layers", 4, "decoder layers"),
-        ("--hidden", 64, "hidden size"),
-        ("--heads", 4, "attention heads"),
-        ("--ffn", 128, "SwiGLU inner size"),
-        ("--vocab", 128, "vocabulary size"),
-        ("--seq-len", 32, "tokens per sequence"),
-        ("--microbatch-size", 2, "sequences per micro-batch"),
-    ):
-        model.add_argument(flag, type=int, default=default, help=f"{help_text} (default {default})")
-    model.add_argument("--layer-counts", metavar="N,N,..", help="decoder layers per stage (default: balanced)")
-    _add_costs(parser)
-    _add_mem_limit(parser)
-    parser.add_argument("--split", choices=W_PLACEMENTS, help="split BW into B and W (see `simulate --split`)")
-    parser.add_argument("--batch-w", action="store_true", help="with --split deferred|fill: contiguous W per stage")
-    parser.add_argument("--ckpt", choices=("none", "full", "mario"), default="none", help="activation checkpointing")
-    parser.add_argument("--concat-w", action="store_true", help="run consecutive W of a stage as one GEMM (2BP)")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a peer before failing")
-    parser.add_argument(
-        "--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU, default) or nccl (one GPU per rank)"
-    )
-    parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every rank's ops")
-    parser.add_argument("--summary", metavar="PATH", help="write a JSON summary: losses, step times, stash bytes")
-
-
-def train_spec_from_args(args: argparse.Namespace, report: bool = False):
-    """The schedule (with --split / --ckpt), the model and the run, checked before any compute."""
-    from pipeloom.models.llama import LlamaConfig
-    from pipeloom.runtime.training import TrainSpec, check_spec
-
-    costs = _costs_from_args(args)
-    schedule = _schedule_from_args(args, costs, budget_is_used=args.ckpt == "mario")
-    if args.ckpt == "full":
-        schedule = apply_checkpoint(schedule)
-    elif args.ckpt == "mario":
-        schedule = mario(schedule, costs, parse_memory_budget(args.mem_limit) if args.mem_limit else None)
-    config = LlamaConfig(
-        vocab=args.vocab,
-        hidden=args.hidden,
-        layers=args.layers,
-        heads=args.heads,
-        ffn=args.ffn,
-        seq_len=args.seq_len,
-        microbatch_size=args.microbatch_size,
-    )
-    counts = None
-    if args.layer_counts:
-        try:
-            counts = tuple(int(x) for x in args.layer_counts.split(","))
-        except ValueError:
-            raise ConfigError(
-                f"--layer-counts must be integers separated by commas, got {args.layer_counts!r}"
-            ) from None
-    for name in ("dp", "steps", "threads"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}")
-    spec = TrainSpec(
-        schedule=schedule,
-        config=config,
-        dp=args.dp,
-        steps=args.steps,
-        seed=args.seed,
-        lr=args.lr,
-        layer_counts=counts,
-        concat_w=args.concat_w,
-        threads=args.threads,
-        timeout_s=args.timeout,
-        report=report,
-        backend=args.backend,
-    )
-    check_spec(spec)
-    return spec
-
-
-def write_train_outputs(results, spec, args: argparse.Namespace) -> None:
-    from pipeloom.runtime.report import summary, write_summary, write_trace
-
-    if args.trace:
-        write_trace(results, args.trace)
-    context = {"schedule": spec.schedule.name, "p": spec.schedule.num_devices, "dp": spec.dp}
-    if args.summary:
-        write_summary(results, args.summary, **context)
-    facts = summary(results, **context)
-    print(
-        f"{facts['schedule']}: p={facts['p']} dp={facts['dp']}, median step {facts['median_step_seconds'] * 1e3:.1f} ms, "
-        f"peak stash per rank {facts['peak_stash_bytes']} bytes, recomputes {facts['recomputes']}"
-    )
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
@@ -329,16 +212,16 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         [
             t.schedule.name,
             t.schedule.num_stages,
-            _num(t.makespan),
-            _num(t.cost),
+            num(t.makespan),
+            num(t.cost),
             f"{t.bubble_rate:.2%}",
-            _num(max(t.peak_memory)),
-            " ".join(_num(x) for x in t.peak_memory),
+            num(max(t.peak_memory)),
+            " ".join(num(x) for x in t.peak_memory),
         ]
         for t in timelines
     ]
-    print(f"p={args.p} m={args.m} costs: {_costs_text(costs)}")
-    print(_table(["schedule", "stages", "makespan", "cost", "bubble", "peak mem", "peak memory per device"], rows))
+    print(f"p={args.p} m={args.m} costs: {costs_text(costs)}")
+    print(table(["schedule", "stages", "makespan", "cost", "bubble", "peak mem", "peak memory per device"], rows))
     if args.plot_dir:
         print(f"timelines written to {args.plot_dir}/", file=sys.stderr)
     return 0
@@ -392,12 +275,14 @@ def _build_parser() -> _Parser:
     pareto.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     pareto.set_defaults(handler=_cmd_pareto)
 
+    from pipeloom.cli_train import add_train_arguments, cmd_train  # it builds on this module's helpers
+
     train = commands.add_parser(
         "train", help="train a small LLaMA-style model with a schedule on local ranks (torch, gloo)"
     )
     train.add_argument("--nproc", type=int, required=True, help="ranks to start on this machine (= p × dp)")
     add_train_arguments(train)
-    train.set_defaults(handler=_cmd_train)
+    train.set_defaults(handler=cmd_train)
 
     show = commands.add_parser("show", help="print a schedule's device×step grid (or its text form)")
     _add_schedule_source(show)
@@ -520,76 +405,6 @@ def _write_outputs(timeline: Timeline, export: str | None, trace: str | None, pl
         timeline.schedule.to_json(export)
     if trace:
         write_chrome_trace(timeline, trace)
-
-
-# ---------------------------------------------------------------------------------------------
-# Formatting
-
-
-def _report(timeline: Timeline) -> str:
-    s = timeline.schedule
-    head = [
-        f"schedule     {s.name}: {s.num_devices} devices, {s.num_stages} stages, {s.num_microbatches} micro-batches"
-        + (f", {s.num_slices} slices" if s.num_slices > 1 else "")
-        + f", {s.num_ops} ops",
-        f"costs        {_costs_text(timeline.costs)}",
-        f"makespan     {_num(timeline.makespan)}",
-        f"cost         {_num(timeline.cost)}  (largest per-device span)",
-        f"bubble rate  {timeline.bubble_rate:.2%}",
-        "",
-    ]
-    peaks = timeline.peak_memory  # a derived list: build it once, not per row
-    rows = [
-        [
-            f"d{d}",
-            _num(timeline.spans[d]),
-            _num(timeline.useful_time[d]),
-            f"{rate:.2%}",
-            _num(timeline.static_memory[d]),
-            _num(timeline.peak_activation_memory[d]),
-            _num(peaks[d]),
-        ]
-        for d, rate in enumerate(timeline.device_bubble_rates())
-    ]
-    return "\n".join(head) + _table(["device", "span", "useful", "idle", "static", "peak act.", "peak memory"], rows)
-
-
-def _exact_report(exact) -> str:
-    hint = f", heuristic {_num(exact.hint_cost)}" if exact.hint_cost is not None else ""
-    return (
-        f"\nexact (CP-SAT, {exact.status.lower()}, {exact.wall_time:.1f} s): cost {_num(exact.cost)}{hint}, "
-        f"lower bound {_num(exact.bound)}, gap {exact.gap:.2%}"
-    )
-
-
-def _progress_bar(what: str):
-    """A one-line progress report on stderr, only when stderr is a terminal."""
-    if not sys.stderr.isatty():
-        return None
-
-    def report(done: int, total: int) -> None:
-        width = 30
-        filled = width * done // total
-        end = "\n" if done == total else ""
-        print(f"\r{what} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end, file=sys.stderr, flush=True)
-
-    return report
-
-
-def _costs_text(costs: Costs) -> str:
-    return ", ".join(f"{key}={value}" for key, value in costs.to_dict().items())
-
-
-def _num(value: float) -> str:
-    return f"{value:.6g}"
-
-
-def _table(headers: list[str], rows: list[list]) -> str:
-    cells = [headers] + [[str(cell) for cell in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells]
-    lines.insert(1, "  ".join("-" * width for width in widths))
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

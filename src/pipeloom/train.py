@@ -11,7 +11,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from pipeloom.cli import EXIT_BAD_INPUT, add_train_arguments, train_spec_from_args, write_train_outputs
+from pipeloom.cli import EXIT_BAD_INPUT
+from pipeloom.cli_train import add_train_arguments, train_spec_from_args, write_train_outputs
 from pipeloom.errors import PipeloomError
 
 __all__ = ["main"]

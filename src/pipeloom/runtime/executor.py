@@ -26,7 +26,7 @@ from pipeloom.ir.schedule import Schedule
 from pipeloom.runtime.comm import Message, MessagePlan
 from pipeloom.runtime.split_linear import WeightGradQueue
 
-__all__ = ["StepRecord", "DeviceExecutor"]
+__all__ = ["StepRecord", "DeviceExecutor", "peer_failure"]
 
 _F, _R, _B, _W, _BW = OpKind.F, OpKind.R, OpKind.B, OpKind.W, OpKind.BW
 
@@ -103,7 +103,7 @@ class DeviceExecutor:
         record = StepRecord()
         began = time.perf_counter()
         pending = self._post_receives()
-        sends: list[dist.Work] = []
+        sends: list[tuple[dist.Work, str]] = []
         handed: dict[tuple[bool, int, int], torch.Tensor] = {}  # in-memory hand-over on this device
         stash: dict[tuple[int, int, int], _Entry] = {}
         held = 0
@@ -177,8 +177,13 @@ class DeviceExecutor:
                     skip_until = index + len(keys) - 1
                 self.queue.run(*keys)
             record.ops.append((op.text, start, time.perf_counter() - began))
-        for work in sends:
-            work.wait()
+        for work, description in sends:
+            try:
+                work.wait()
+            except RuntimeError as error:
+                raise RuntimeFault(
+                    f"rank {self.rank_of(self.device)} (device {self.device}): {description}: {peer_failure(error)}"
+                ) from None
         if stash or len(self.queue):
             raise RuntimeFault(f"device {self.device}: the step ended with work left (stash {list(stash)})")
         record.seconds = time.perf_counter() - began
@@ -236,10 +241,9 @@ class DeviceExecutor:
             work.wait()
         except RuntimeError as error:
             what = "gradient for B" if grad else "activation for F"
-            reason = str(error).split("] ", 1)[-1].split(". ", 1)[0]
             raise RuntimeFault(
                 f"rank {self.rank_of(self.device)} (device {self.device}): waiting for the {what}{stage} of "
-                f"micro-batch {mb} from rank {self.rank_of(src)}: {reason}"
+                f"micro-batch {mb} from rank {self.rank_of(src)}: {peer_failure(error)}"
             ) from None
         return buffer
 
@@ -252,7 +256,14 @@ class DeviceExecutor:
         message = Message(grad, stage, mb, 0, self.device, consumer)
         group = self.pair_groups.get((self.device, consumer))
         payload = tensor.detach().contiguous()
-        sends.append(dist.isend(payload, dst=self.rank_of(consumer), group=group, tag=self.plan.tag(message)))
+        work = dist.isend(payload, dst=self.rank_of(consumer), group=group, tag=self.plan.tag(message))
+        what = f"the gradient for B{stage}" if grad else f"the activation for F{stage}"
+        sends.append((work, f"sending {what} of micro-batch {mb} to rank {self.rank_of(consumer)}"))
+
+
+def peer_failure(error: RuntimeError) -> str:
+    """The gist of a backend error about a peer: its first sentence, without source locations."""
+    return str(error).split("] ", 1)[-1].split(". ", 1)[0].strip()
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

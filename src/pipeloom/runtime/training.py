@@ -25,7 +25,7 @@ from pipeloom.ir.schedule import Schedule
 from pipeloom.ir.validate import validate
 from pipeloom.models.llama import LlamaConfig, stage_layer_counts
 from pipeloom.runtime.comm import plan_messages
-from pipeloom.runtime.executor import DeviceExecutor, StepRecord
+from pipeloom.runtime.executor import DeviceExecutor, StepRecord, peer_failure
 from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
 from pipeloom.runtime.workload import Workload, llama_workload
 
@@ -107,7 +107,7 @@ def train_rank(spec: TrainSpec, rank: int, world_size: int, init_method: str, ga
             result.all_results = collected
         return result
     except RuntimeError as error:  # a peer died or stalled: one clear line on every rank
-        raise RuntimeFault(f"rank {rank}: {str(error).splitlines()[0]}") from None
+        raise RuntimeFault(f"rank {rank}: {peer_failure(error)}") from None
     finally:
         dist.destroy_process_group()
 
@@ -154,11 +154,20 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
             parameter.grad = None
         record = executor.run_step([tokens[r] for r in rows], [targets[r] for r in rows])
         for stage in hosted:
-            _reduce_gradients(stages[stage], groups[stage])
+            group, ranks = groups[stage]
+            _collective(
+                rank,
+                f"the all-reduce of stage {stage}'s gradients with ranks {ranks}",
+                _reduce_gradients,
+                stages[stage],
+                group,
+            )
         if optimizer is not None:
             optimizer.step()
         loss = torch.tensor([record.loss], dtype=torch.float64, device=where)
-        dist.all_reduce(loss)
+        _collective(
+            rank, f"the all-reduce of the loss with ranks {list(range(dist.get_world_size()))}", dist.all_reduce, loss
+        )
         result.losses.append(float(loss))
         result.step_seconds.append(time.perf_counter() - began)
         result.records.append(record)
@@ -175,16 +184,23 @@ def _pair_groups(plan, dp: int, p: int) -> list[dict[tuple[int, int], dist.Proce
     return [{(a, b): dist.new_group([replica * p + a, replica * p + b]) for a, b in pairs} for replica in range(dp)]
 
 
-def _gradient_groups(schedule: Schedule, dp: int) -> dict[int, dist.ProcessGroup | None]:
+def _gradient_groups(schedule: Schedule, dp: int) -> dict[int, tuple[dist.ProcessGroup | None, list[int]]]:
     """Per stage, the group of every rank holding a copy of it (created in the same order on all
-    ranks, as `new_group` requires); None when a stage has one copy."""
+    ranks, as `new_group` requires; None when a stage has one copy) and those ranks."""
     p = schedule.num_devices
-    groups: dict[int, dist.ProcessGroup | None] = {}
+    groups: dict[int, tuple[dist.ProcessGroup | None, list[int]]] = {}
     for stage in range(schedule.num_stages):
         devices = [d for d in range(p) if stage in schedule.stages_on(d)]
         ranks = sorted(replica * p + d for replica in range(dp) for d in devices)
-        groups[stage] = dist.new_group(ranks) if len(ranks) > 1 else None
+        groups[stage] = (dist.new_group(ranks) if len(ranks) > 1 else None, ranks)
     return groups
+
+
+def _collective(rank: int, what: str, call, *args, **kwargs) -> None:
+    try:
+        call(*args, **kwargs)
+    except RuntimeError as error:
+        raise RuntimeFault(f"rank {rank}: {what}: {peer_failure(error)}") from None
 
 
 def _reduce_gradients(module: torch.nn.Module, group) -> None:

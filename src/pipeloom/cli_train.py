@@ -1,0 +1,133 @@
+"""The `train` command's arguments and plumbing, shared by `pipeloom train` and the torchrun entry
+point `python -m pipeloom.train`. Torch is imported only when a run starts."""
+
+from __future__ import annotations
+
+import argparse
+
+from pipeloom.budget import parse_memory_budget
+from pipeloom.cli import _add_costs, _add_mem_limit, _check_outputs, _costs_from_args, _schedule_from_args
+from pipeloom.errors import ConfigError
+from pipeloom.passes.checkpoint import apply_checkpoint
+from pipeloom.passes.mario import mario
+from pipeloom.passes.split_backward import W_PLACEMENTS
+
+__all__ = ["add_train_arguments", "cmd_train", "train_spec_from_args", "write_train_outputs"]
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train locally with `--nproc` forked ranks (torch imported here only)."""
+    _check_outputs([args.trace, args.summary], plot=None)
+    spec = train_spec_from_args(args, report=True)
+    expected = spec.schedule.num_devices * spec.dp
+    if args.nproc != expected:
+        raise ConfigError(
+            f"--nproc {args.nproc} does not match p × dp = {spec.schedule.num_devices} × {spec.dp} = {expected}"
+        )
+    from pipeloom.runtime.local import run_local
+
+    results = run_local(spec, timeout_s=args.timeout * max(1, spec.steps))
+    write_train_outputs(results, spec, args)
+    return 0
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments `pipeloom train` and `python -m pipeloom.train` share."""
+    parser.add_argument("--schedule", dest="name", metavar="NAME", help="schedule generator (see `pipeloom list`)")
+    parser.add_argument("-p", "--devices", dest="p", type=int, help="pipeline devices")
+    parser.add_argument("-m", "--microbatches", dest="m", type=int, help="micro-batches per step and replica")
+    parser.add_argument("-v", "--chunks", type=int, help="chunks per device, for interleaved")
+    parser.add_argument("--schedule-file", metavar="PATH", help="a pipeloom.schedule/1 JSON file instead of --schedule")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world size = p × dp)")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    model = parser.add_argument_group("model (a small LLaMA-style decoder)")
+    for flag, default, help_text in (
+        ("--layers", 4, "decoder layers"),
+        ("--hidden", 64, "hidden size"),
+        ("--heads", 4, "attention heads"),
+        ("--ffn", 128, "SwiGLU inner size"),
+        ("--vocab", 128, "vocabulary size"),
+        ("--seq-len", 32, "tokens per sequence"),
+        ("--microbatch-size", 2, "sequences per micro-batch"),
+    ):
+        model.add_argument(flag, type=int, default=default, help=f"{help_text} (default {default})")
+    model.add_argument("--layer-counts", metavar="N,N,..", help="decoder layers per stage (default: balanced)")
+    _add_costs(parser)
+    _add_mem_limit(parser)
+    parser.add_argument("--split", choices=W_PLACEMENTS, help="split BW into B and W (see `simulate --split`)")
+    parser.add_argument("--batch-w", action="store_true", help="with --split deferred|fill: contiguous W per stage")
+    parser.add_argument("--ckpt", choices=("none", "full", "mario"), default="none", help="activation checkpointing")
+    parser.add_argument("--concat-w", action="store_true", help="run consecutive W of a stage as one GEMM (2BP)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a peer before failing")
+    parser.add_argument(
+        "--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU, default) or nccl (one GPU per rank)"
+    )
+    parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every rank's ops")
+    parser.add_argument("--summary", metavar="PATH", help="write a JSON summary: losses, step times, stash bytes")
+
+
+def train_spec_from_args(args: argparse.Namespace, report: bool = False):
+    """The schedule (with --split / --ckpt), the model and the run, checked before any compute."""
+    from pipeloom.models.llama import LlamaConfig
+    from pipeloom.runtime.training import TrainSpec, check_spec
+
+    costs = _costs_from_args(args)
+    schedule = _schedule_from_args(args, costs, budget_is_used=args.ckpt == "mario")
+    if args.ckpt == "full":
+        schedule = apply_checkpoint(schedule)
+    elif args.ckpt == "mario":
+        schedule = mario(schedule, costs, parse_memory_budget(args.mem_limit) if args.mem_limit else None)
+    config = LlamaConfig(
+        vocab=args.vocab,
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        ffn=args.ffn,
+        seq_len=args.seq_len,
+        microbatch_size=args.microbatch_size,
+    )
+    counts = None
+    if args.layer_counts:
+        try:
+            counts = tuple(int(x) for x in args.layer_counts.split(","))
+        except ValueError:
+            raise ConfigError(
+                f"--layer-counts must be integers separated by commas, got {args.layer_counts!r}"
+            ) from None
+    for name in ("dp", "steps", "threads"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    spec = TrainSpec(
+        schedule=schedule,
+        config=config,
+        dp=args.dp,
+        steps=args.steps,
+        seed=args.seed,
+        lr=args.lr,
+        layer_counts=counts,
+        concat_w=args.concat_w,
+        threads=args.threads,
+        timeout_s=args.timeout,
+        report=report,
+        backend=args.backend,
+    )
+    check_spec(spec)
+    return spec
+
+
+def write_train_outputs(results, spec, args: argparse.Namespace) -> None:
+    from pipeloom.runtime.report import summary, write_summary, write_trace
+
+    if args.trace:
+        write_trace(results, args.trace)
+    context = {"schedule": spec.schedule.name, "p": spec.schedule.num_devices, "dp": spec.dp}
+    if args.summary:
+        write_summary(results, args.summary, **context)
+    facts = summary(results, **context)
+    print(
+        f"{facts['schedule']}: p={facts['p']} dp={facts['dp']}, median step {facts['median_step_seconds'] * 1e3:.1f} ms, "
+        f"peak stash per rank {facts['peak_stash_bytes']} bytes, recomputes {facts['recomputes']}"
+    )
