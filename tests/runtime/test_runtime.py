@@ -127,8 +127,10 @@ def test_any_list_of_blocks_trains_like_one_process():
         assert_matches_reference(spec, run_local(spec))
 
 
-def test_data_parallel_times_pipeline_matches_reference():
-    spec = spec_for(build_schedule("1f1b", 2, 4), steps=2, dp=2)
+@pytest.mark.parametrize("name", ["1f1b", "chimera"])
+def test_data_parallel_times_pipeline_matches_reference(name):
+    """Chimera's two copies of a stage and the data-parallel copies all reduce together."""
+    spec = spec_for(build_schedule(name, 2, 4), steps=2, dp=2)
     assert_matches_reference(spec, run_local(spec))
 
 
