@@ -17,7 +17,6 @@ from pipeloom.cli_format import costs_text, exact_report, num, progress_bar, rep
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError, PipeloomError, ScheduleError
 from pipeloom.ir.io import load_schedule
-from pipeloom.ir.ops import OpKind
 from pipeloom.ir.schedule import Schedule
 from pipeloom.passes.checkpoint import apply_checkpoint
 from pipeloom.passes.mario import mario
@@ -99,7 +98,14 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     schedule = _schedule_from_args(args, costs, budget_is_used=args.exact or args.ckpt == "mario")
     exact = None
     if args.exact:
-        exact = _optimise_exactly(schedule, costs, args)
+        from pipeloom.tune.exact import optimise_schedule
+
+        exact = optimise_schedule(
+            schedule,
+            costs,
+            parse_memory_budget(args.mem_limit) if args.mem_limit else None,
+            time_limit=args.time_limit if args.time_limit is not None else 10.0,
+        )
         schedule = exact.schedule
     if args.ckpt == "full":
         schedule = apply_checkpoint(schedule)
@@ -117,26 +123,6 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         if exact is not None:
             print(exact_report(exact))
     return 0
-
-
-def _optimise_exactly(schedule: Schedule, costs: Costs, args: argparse.Namespace):
-    """Re-order `schedule`'s ops optimally (CP-SAT) on the same placement, warm-started from it."""
-    from pipeloom.tune.exact import placement_of, solve_exact
-
-    if any(op.kind is OpKind.BW for _, _, op in schedule.ops()):
-        schedule = split_backward(schedule, "after")
-    if any(op.kind is OpKind.R or op.slice or op.parts > 1 for _, _, op in schedule.ops()):
-        raise ConfigError("--exact schedules F, B and W only: no checkpointing, slices or W parts")
-    budget = parse_memory_budget(args.mem_limit) if args.mem_limit else simulate(schedule, costs).peak_activation_memory
-    return solve_exact(
-        placement_of(schedule),
-        schedule.num_microbatches,
-        costs,
-        budget,
-        hint=schedule,
-        time_limit=args.time_limit if args.time_limit is not None else 10.0,
-        name=f"{schedule.name}+exact",
-    )
 
 
 def _cmd_pareto(args: argparse.Namespace) -> int:

@@ -25,7 +25,7 @@ from pipeloom.errors import ConfigError, InfeasibleError
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
 
-__all__ = ["ExactResult", "solve_exact", "placement_of"]
+__all__ = ["ExactResult", "solve_exact", "placement_of", "optimise_schedule"]
 
 _F, _B, _W = OpKind.F, OpKind.B, OpKind.W
 _TIME_RESOLUTION = 2000  # integer steps per shortest op
@@ -208,4 +208,35 @@ def solve_exact(
         status=status_name,
         wall_time=wall,
         hint_cost=hint_cost,
+    )
+
+
+def optimise_schedule(
+    schedule: Schedule,
+    costs: Costs,
+    mem_limit: float | Sequence[float] | None = None,
+    *,
+    time_limit: float = 10.0,
+) -> ExactResult:
+    """Re-order `schedule`'s ops optimally on its own placement, warm-started from it.
+
+    Fused backwards are split first (W right after B); the memory limit defaults to the
+    schedule's own per-device peaks, so the result never needs more memory than its hint.
+    """
+    from pipeloom.passes.split_backward import split_backward
+    from pipeloom.sim.simulate import simulate
+
+    if any(op.kind is OpKind.BW for _, _, op in schedule.ops()):
+        schedule = split_backward(schedule, "after")
+    if any(op.kind is OpKind.R or op.slice or op.parts > 1 for _, _, op in schedule.ops()):
+        raise ConfigError("exact mode orders F, B and W only: no checkpointing, slices or W parts")
+    budget = mem_limit if mem_limit is not None else simulate(schedule, costs).peak_activation_memory
+    return solve_exact(
+        placement_of(schedule),
+        schedule.num_microbatches,
+        costs,
+        budget,
+        hint=schedule,
+        time_limit=time_limit,
+        name=f"{schedule.name}+exact",
     )
