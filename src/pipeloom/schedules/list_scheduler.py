@@ -56,6 +56,8 @@ class Heuristics:
     """Prefer a pending W to an F that the next stage already has two or more of."""
     unpaced: bool = False
     """Let a device's shallow stage run ahead of its deeper stage beyond the warm-up window."""
+    loose_pacing: bool = False
+    """Count a forward that only partly fits the warm-up window as fitting."""
     small_gap_rule: bool = True
     """The paper's rule: fill a gap shorter than T_W with a W when it would make this device's
     accumulated bubble the largest."""
@@ -140,19 +142,26 @@ class ListScheduler:
             len({placement[x] for x in range(max(self.stages_on[d], default=S) + 1, S)} - {d}) for d in range(P)
         ]
         # Pacing of a device's stages: stage s may run ahead of the device's next stage by the
-        # number of its forwards that fit before that stage's first input can arrive.
+        # number of its forwards that fit wholly (or, loosely, at all) before that stage's first
+        # input can arrive.
         start = [0.0] * S
         for x in range(1, S):
             start[x] = start[x - 1] + table.F[x - 1] + self.comm_up[x]
         self.pace_next = [-1] * S
-        self.pace_cap = [0] * S
+        self.pace_cap = [S * num_microbatches] * S
         for d in range(P):
             for here, after in zip(self.stages_on[d], self.stages_on[d][1:]):
                 self.pace_next[here] = after
-                window = start[after] - start[here]
-                self.pace_cap[here] = (
-                    max(1, math.ceil(window / table.F[here] - _EPS)) if table.F[here] else S * num_microbatches
-                )
+                if table.F[here]:
+                    fits = (start[after] - start[here]) / table.F[here]
+                    rounded = math.ceil(fits - _EPS) if heuristics.loose_pacing else math.floor(fits + _EPS)
+                    self.pace_cap[here] = max(1, rounded)
+        self.pacing_differs = any(
+            table.F[here] and math.ceil(fits - _EPS) != math.floor(fits + _EPS)
+            for d in range(P)
+            for here, after in zip(self.stages_on[d], self.stages_on[d][1:])
+            for fits in [(start[after] - start[here]) / table.F[here] if table.F[here] else 0.0]
+        )
         # Uncongested path lengths, for lower bounds on when a B can become ready.
         self.reach_f = list(itertools.accumulate(self.comm_up[s] + (table.F[s] if s else 0.0) for s in range(S)))
         reach_b = [0.0] * S  # from the last F's end to the end of B(s)
@@ -299,6 +308,8 @@ class ListScheduler:
                     after = self.pace_next[s]
                     if after >= 0 and j - nf[after] >= self.pace_cap[s]:
                         mattered.add("unpaced")
+                        if self.pacing_differs:
+                            mattered.add("loose_pacing")
                         if not h.unpaced:
                             continue
                     if mem[d] + t.M_B[s] + booking[s] > limits[d] + _EPS:
