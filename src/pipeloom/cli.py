@@ -218,7 +218,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _build_parser() -> _Parser:
-    parser = _Parser(prog="pipeloom", description="Plan and simulate pipeline-parallel training schedules.")
+    parser = _Parser(prog="pipeloom", description="Plan, simulate and run pipeline-parallel training schedules.")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", parser_class=_Parser)
 
     listing = commands.add_parser("list", help="every schedule generator, with its paper")
