@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pipeloom.costs import Costs
 from pipeloom.ir.schedule import Schedule
 from pipeloom.schedules.auto_search import auto_schedule, min_memory_limits
-from pipeloom.schedules.list_scheduler import Heuristics
+from pipeloom.schedules.list_scheduler import FLAGS, Heuristics
 from pipeloom.schedules.registry import register
 from pipeloom.schedules.zero_bubble import DEFAULT_ZB_COSTS
 
@@ -31,8 +31,13 @@ __all__ = ["v_placement", "zb_v", "v_half", "v_min", "v_auto"]
 
 # A V run costs twice a linear one (2p stages) and there are more flags, so the search flips one
 # flag at a time, from the settings that suit two stages per device best: among ready forwards the
-# deeper one (the turn of the V), and no W in gaps shorter than T_W.
-_SEARCH = {"search": "descent", "start": Heuristics(deepest_forward=True, small_gap_rule=False)}
+# deeper one (the turn of the V), and no W in gaps shorter than T_W. Three flags that almost never
+# helped a V (in 63 setups: 3 wins, together 2.5 % of one step) are left out: a quarter less time.
+_SEARCH = {
+    "search": "descent",
+    "start": Heuristics(deepest_forward=True, small_gap_rule=False),
+    "flags": tuple(flag for flag in FLAGS if flag not in ("eager_warmup", "unpaced", "tail_reserve")),
+}
 _DOMAIN = "p >= 1, m >= 1; costs give T_F, T_B, T_W, comm, M_B, M_W (default all times 1)"
 
 
