@@ -107,10 +107,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             time_limit=args.time_limit if args.time_limit is not None else 10.0,
         )
         schedule = exact.schedule
-    if args.ckpt == "full":
-        schedule = apply_checkpoint(schedule)
-    elif args.ckpt == "mario":
-        schedule = mario(schedule, costs, parse_memory_budget(args.mem_limit) if args.mem_limit else None)
+    schedule = _checkpointed(schedule, costs, args)
     timeline = simulate(schedule, costs)
     _write_outputs(timeline, args.export, args.trace, args.plot)
     if args.json:
@@ -239,14 +236,7 @@ def _build_parser() -> _Parser:
         "memory limit: --mem-limit, else the schedule's own peaks",
     )
     sim.add_argument("--time-limit", type=float, metavar="S", help="seconds for --exact (default 10)")
-    sim.add_argument(
-        "--ckpt",
-        choices=("none", "full", "mario"),
-        default="none",
-        help="activation checkpointing: none; full (every forward, recompute inside its backward); mario "
-        "(checkpoint where memory is short — everywhere without --mem-limit — and tessellate the recomputes "
-        "into bubbles)",
-    )
+    _add_ckpt(sim)
     sim.set_defaults(handler=_cmd_simulate)
 
     pareto = commands.add_parser(
@@ -293,8 +283,13 @@ def _build_parser() -> _Parser:
     return parser
 
 
-def _add_schedule_source(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("name", nargs="?", metavar="NAME", help="schedule generator (see `pipeloom list`)")
+def _add_schedule_source(parser: argparse.ArgumentParser, name_flag: str | None = None) -> None:
+    """NAME (positional, or as `name_flag`), sizes, a schedule file instead, memory budget, split."""
+    name_help = "schedule generator (see `pipeloom list`)"
+    if name_flag:
+        parser.add_argument(name_flag, dest="name", metavar="NAME", help=name_help)
+    else:
+        parser.add_argument("name", nargs="?", metavar="NAME", help=name_help)
     parser.add_argument("-p", "--devices", dest="p", type=int, help="number of devices")
     parser.add_argument("-m", "--microbatches", dest="m", type=int, help="micro-batches per step")
     parser.add_argument("-v", "--chunks", type=int, help="chunks (stages) per device, for interleaved")
@@ -309,6 +304,26 @@ def _add_schedule_source(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch-w", action="store_true", help="with --split deferred|fill: keep each stage's deferred W contiguous"
     )
+
+
+def _add_ckpt(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ckpt",
+        choices=("none", "full", "mario"),
+        default="none",
+        help="activation checkpointing: none; full (every forward, recompute inside its backward); mario "
+        "(checkpoint where memory is short — everywhere without --mem-limit — and tessellate the recomputes "
+        "into bubbles)",
+    )
+
+
+def _checkpointed(schedule: Schedule, costs: Costs, args: argparse.Namespace) -> Schedule:
+    """`schedule` with the checkpointing --ckpt asks for."""
+    if args.ckpt == "full":
+        return apply_checkpoint(schedule)
+    if args.ckpt == "mario":
+        return mario(schedule, costs, parse_memory_budget(args.mem_limit) if args.mem_limit else None)
+    return schedule
 
 
 def _add_mem_limit(parser: argparse.ArgumentParser) -> None:

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import argparse
 
-from pipeloom.budget import parse_memory_budget
-from pipeloom.cli import _add_costs, _add_mem_limit, _check_outputs, _costs_from_args, _schedule_from_args
+from pipeloom.cli import (
+    _add_ckpt,
+    _add_costs,
+    _add_schedule_source,
+    _check_outputs,
+    _checkpointed,
+    _costs_from_args,
+    _schedule_from_args,
+)
 from pipeloom.errors import ConfigError
-from pipeloom.passes.checkpoint import apply_checkpoint
-from pipeloom.passes.mario import mario
-from pipeloom.passes.split_backward import W_PLACEMENTS
 
 __all__ = ["add_train_arguments", "cmd_train", "train_spec_from_args", "write_train_outputs"]
 
@@ -33,11 +37,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments `pipeloom train` and `python -m pipeloom.train` share."""
-    parser.add_argument("--schedule", dest="name", metavar="NAME", help="schedule generator (see `pipeloom list`)")
-    parser.add_argument("-p", "--devices", dest="p", type=int, help="pipeline devices")
-    parser.add_argument("-m", "--microbatches", dest="m", type=int, help="micro-batches per step and replica")
-    parser.add_argument("-v", "--chunks", type=int, help="chunks per device, for interleaved")
-    parser.add_argument("--schedule-file", metavar="PATH", help="a pipeloom.schedule/1 JSON file instead of --schedule")
+    _add_schedule_source(parser, name_flag="--schedule")  # -m counts micro-batches per replica
+    _add_ckpt(parser)
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world size = p × dp)")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data")
@@ -56,10 +57,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         model.add_argument(flag, type=int, default=default, help=f"{help_text} (default {default})")
     model.add_argument("--layer-counts", metavar="N,N,..", help="decoder layers per stage (default: balanced)")
     _add_costs(parser)
-    _add_mem_limit(parser)
-    parser.add_argument("--split", choices=W_PLACEMENTS, help="split BW into B and W (see `simulate --split`)")
-    parser.add_argument("--batch-w", action="store_true", help="with --split deferred|fill: contiguous W per stage")
-    parser.add_argument("--ckpt", choices=("none", "full", "mario"), default="none", help="activation checkpointing")
     parser.add_argument("--concat-w", action="store_true", help="run consecutive W of a stage as one GEMM (2BP)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a peer before failing")
     parser.add_argument(
@@ -75,11 +72,7 @@ def train_spec_from_args(args: argparse.Namespace, report: bool = False):
     from pipeloom.runtime.training import TrainSpec, check_spec
 
     costs = _costs_from_args(args)
-    schedule = _schedule_from_args(args, costs, budget_is_used=args.ckpt == "mario")
-    if args.ckpt == "full":
-        schedule = apply_checkpoint(schedule)
-    elif args.ckpt == "mario":
-        schedule = mario(schedule, costs, parse_memory_budget(args.mem_limit) if args.mem_limit else None)
+    schedule = _checkpointed(_schedule_from_args(args, costs, budget_is_used=args.ckpt == "mario"), costs, args)
     config = LlamaConfig(
         vocab=args.vocab,
         hidden=args.hidden,

@@ -2,8 +2,8 @@
 
 import json
 import multiprocessing
-import re
 import os
+import re
 import signal
 import tempfile
 import time

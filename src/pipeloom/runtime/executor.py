@@ -43,7 +43,6 @@ class StepRecord:
     entry_bytes: dict[str, int] = field(default_factory=dict)
     """Bytes each F and R added to the stash, by op text."""
     recomputes: int = 0
-    seconds: float = 0.0
 
 
 @dataclass
@@ -186,7 +185,6 @@ class DeviceExecutor:
                 ) from None
         if stash or len(self.queue):
             raise RuntimeFault(f"device {self.device}: the step ended with work left (stash {list(stash)})")
-        record.seconds = time.perf_counter() - began
         return record
 
     # -- helpers -------------------------------------------------------------------------------

@@ -27,9 +27,6 @@ class WeightGradQueue:
     def push(self, key: tuple, layer: nn.Linear, inputs: torch.Tensor, grad_output: torch.Tensor) -> None:
         self._pending[key].append((layer, inputs, grad_output))
 
-    def pending(self, key: tuple) -> int:
-        return len(self._pending.get(key, ()))
-
     def run(self, *keys: tuple) -> None:
         """Accumulate the weight gradients of `keys`; several keys of one layer run as one GEMM
         over their concatenated rows (2BP's concatenation)."""

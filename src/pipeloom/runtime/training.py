@@ -11,7 +11,6 @@ data in one process — what every schedule must reproduce.
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -29,7 +28,7 @@ from pipeloom.runtime.executor import DeviceExecutor, StepRecord, peer_failure
 from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
 from pipeloom.runtime.workload import Workload, llama_workload
 
-__all__ = ["TrainSpec", "check_spec", "train_rank", "reference_training", "RankResult", "median_step"]
+__all__ = ["TrainSpec", "check_spec", "train_rank", "reference_training", "RankResult"]
 
 
 @dataclass(frozen=True)
@@ -241,9 +240,3 @@ def reference_training(spec: TrainSpec) -> tuple[list[float], list[dict[str, tor
         optimizer.step()
         losses.append(float(total))
     return losses, [{n: t.detach().clone() for n, t in stage.named_parameters()} for stage in stages]
-
-
-def median_step(result: RankResult) -> float:
-    """Median step time, leaving out the first (warm-up) step when there are more."""
-    times = result.step_seconds[1:] or result.step_seconds
-    return statistics.median(times)

@@ -30,15 +30,13 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
-from pipeloom.costs import StageCosts
 from pipeloom.errors import InfeasibleError
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
 
-__all__ = ["FLAGS", "Heuristics", "ListResult", "ListScheduler", "list_schedule"]
+__all__ = ["FLAGS", "Heuristics", "ListResult", "ListScheduler"]
 
 _EPS = 1e-9
 _F, _B, _W = OpKind.F, OpKind.B, OpKind.W
@@ -96,20 +94,6 @@ class ListResult:
     def schedule(self) -> Schedule:
         devices = [[Op(kind, stage, mb) for kind, stage, mb in ops] for ops in self.order]
         return Schedule.build(self.name, devices, num_stages=self.num_stages, num_microbatches=self.num_microbatches)
-
-
-def list_schedule(
-    name: str,
-    placement: Sequence[int],
-    num_microbatches: int,
-    table: StageCosts,
-    limits: Sequence[float],
-    heuristics: Heuristics = Heuristics(),
-) -> ListResult:
-    """One greedy run; `placement[s]` is the device of stage s, `limits[d]` its activation budget."""
-    result = ListScheduler(name, placement, num_microbatches, table, limits, heuristics).run()
-    assert result is not None
-    return result
 
 
 class _Beaten(Exception):
