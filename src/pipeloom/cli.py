@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from pipeloom.budget import parse_memory_budget
+from pipeloom.cli_args import add_ckpt, add_costs, add_mem_limit, add_schedule_source
 from pipeloom.cli_format import costs_text, exact_report, num, progress_bar, report, table
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError, PipeloomError, ScheduleError
@@ -20,7 +21,7 @@ from pipeloom.ir.io import load_schedule
 from pipeloom.ir.schedule import Schedule
 from pipeloom.passes.checkpoint import apply_checkpoint
 from pipeloom.passes.mario import mario
-from pipeloom.passes.split_backward import W_PLACEMENTS, split_backward
+from pipeloom.passes.split_backward import split_backward
 from pipeloom.schedules import build_schedule, get_generator, list_generators
 from pipeloom.sim.simulate import Timeline, simulate
 from pipeloom.tune.pareto import explore_pareto
@@ -223,8 +224,8 @@ def _build_parser() -> _Parser:
     listing.set_defaults(handler=_cmd_list)
 
     sim = commands.add_parser("simulate", help="simulate a schedule: time, memory, bubbles")
-    _add_schedule_source(sim)
-    _add_costs(sim)
+    add_schedule_source(sim)
+    add_costs(sim)
     sim.add_argument("--export", metavar="PATH", help="write the schedule as pipeloom.schedule/1 JSON")
     sim.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace JSON of the timeline")
     sim.add_argument("--plot", metavar="PATH", help="draw the timeline and memory curves (.png, .svg, .pdf)")
@@ -236,7 +237,7 @@ def _build_parser() -> _Parser:
         "memory limit: --mem-limit, else the schedule's own peaks",
     )
     sim.add_argument("--time-limit", type=float, metavar="S", help="seconds for --exact (default 10)")
-    _add_ckpt(sim)
+    add_ckpt(sim)
     sim.set_defaults(handler=_cmd_simulate)
 
     pareto = commands.add_parser(
@@ -244,7 +245,7 @@ def _build_parser() -> _Parser:
     )
     pareto.add_argument("-p", "--devices", dest="p", type=int, required=True, help="number of devices")
     pareto.add_argument("-m", "--microbatches", dest="m", type=int, required=True, help="micro-batches per step")
-    _add_costs(pareto)
+    add_costs(pareto)
     pareto.add_argument("--budgets", type=int, default=12, help="memory budgets per budget-driven generator")
     pareto.add_argument("--frontier-only", action="store_true", help="list only the frontier's points")
     pareto.add_argument("--plot", metavar="PATH", help="draw the points and the frontier (.png, .svg, .pdf)")
@@ -261,8 +262,8 @@ def _build_parser() -> _Parser:
     train.set_defaults(handler=cmd_train)
 
     show = commands.add_parser("show", help="print a schedule's device×step grid (or its text form)")
-    _add_schedule_source(show)
-    _add_costs(show)
+    add_schedule_source(show)
+    add_costs(show)
     show.add_argument("--text", action="store_true", help="print the round-tripping text form instead")
     show.set_defaults(handler=_cmd_show)
 
@@ -275,46 +276,12 @@ def _build_parser() -> _Parser:
     compare.add_argument("-p", "--devices", dest="p", type=int, required=True, help="number of devices")
     compare.add_argument("-m", "--microbatches", dest="m", type=int, required=True, help="micro-batches per step")
     compare.add_argument("-v", "--chunks", type=int, help="chunks per device, for schedules that take it")
-    _add_costs(compare)
-    _add_mem_limit(compare)
+    add_costs(compare)
+    add_mem_limit(compare)
     compare.add_argument("--plot-dir", metavar="DIR", help="write one timeline PNG per schedule here")
     compare.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     compare.set_defaults(handler=_cmd_compare)
     return parser
-
-
-def _add_schedule_source(parser: argparse.ArgumentParser, name_flag: str | None = None) -> None:
-    """NAME (positional, or as `name_flag`), sizes, a schedule file instead, memory budget, split."""
-    name_help = "schedule generator (see `pipeloom list`)"
-    if name_flag:
-        parser.add_argument(name_flag, dest="name", metavar="NAME", help=name_help)
-    else:
-        parser.add_argument("name", nargs="?", metavar="NAME", help=name_help)
-    parser.add_argument("-p", "--devices", dest="p", type=int, help="number of devices")
-    parser.add_argument("-m", "--microbatches", dest="m", type=int, help="micro-batches per step")
-    parser.add_argument("-v", "--chunks", type=int, help="chunks (stages) per device, for interleaved")
-    parser.add_argument("--schedule-file", metavar="PATH", help="read a pipeloom.schedule/1 JSON file instead")
-    _add_mem_limit(parser)
-    parser.add_argument(
-        "--split",
-        choices=W_PLACEMENTS,
-        help="split each fused backward BW into B and W, placing W right after its B, deferred to the end, "
-        "or into idle gaps (fill)",
-    )
-    parser.add_argument(
-        "--batch-w", action="store_true", help="with --split deferred|fill: keep each stage's deferred W contiguous"
-    )
-
-
-def _add_ckpt(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--ckpt",
-        choices=("none", "full", "mario"),
-        default="none",
-        help="activation checkpointing: none; full (every forward, recompute inside its backward); mario "
-        "(checkpoint where memory is short — everywhere without --mem-limit — and tessellate the recomputes "
-        "into bubbles)",
-    )
 
 
 def _checkpointed(schedule: Schedule, costs: Costs, args: argparse.Namespace) -> Schedule:
@@ -324,26 +291,6 @@ def _checkpointed(schedule: Schedule, costs: Costs, args: argparse.Namespace) ->
     if args.ckpt == "mario":
         return mario(schedule, costs, parse_memory_budget(args.mem_limit) if args.mem_limit else None)
     return schedule
-
-
-def _add_mem_limit(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--mem-limit",
-        metavar="BUDGET",
-        help="activation memory per device for memory-driven schedules (zb-auto, v-auto), --ckpt mario and --exact: "
-        "a number in the costs' "
-        "memory unit (M_B = 1 unless costs say otherwise), a size like 40GiB when costs are in bytes, "
-        "or one value per device separated by commas",
-    )
-
-
-def _add_costs(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--costs",
-        metavar="SPEC|FILE",
-        help="F=1,B=2,W=0,comm=0 (one device's share per micro-batch) or a JSON file with the Costs keys "
-        "(F, B, W, R, comm, M_B, M_W, M_ckpt, M_static; scalars or per-stage lists)",
-    )
 
 
 def _schedule_from_args(args: argparse.Namespace, costs: Costs, budget_is_used: bool = False) -> Schedule:

@@ -6,14 +6,12 @@ from __future__ import annotations
 import argparse
 
 from pipeloom.cli import (
-    _add_ckpt,
-    _add_costs,
-    _add_schedule_source,
     _check_outputs,
     _checkpointed,
     _costs_from_args,
     _schedule_from_args,
 )
+from pipeloom.cli_args import add_ckpt, add_costs, add_schedule_source
 from pipeloom.errors import ConfigError
 
 __all__ = ["add_train_arguments", "cmd_train", "train_spec_from_args", "write_train_outputs"]
@@ -37,8 +35,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments `pipeloom train` and `python -m pipeloom.train` share."""
-    _add_schedule_source(parser, name_flag="--schedule")  # -m counts micro-batches per replica
-    _add_ckpt(parser)
+    add_schedule_source(parser, name_flag="--schedule")  # -m counts micro-batches per replica
+    add_ckpt(parser)
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world size = p × dp)")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data")
@@ -56,7 +54,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     ):
         model.add_argument(flag, type=int, default=default, help=f"{help_text} (default {default})")
     model.add_argument("--layer-counts", metavar="N,N,..", help="decoder layers per stage (default: balanced)")
-    _add_costs(parser)
+    add_costs(parser)
     parser.add_argument("--concat-w", action="store_true", help="run consecutive W of a stage as one GEMM (2BP)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a peer before failing")
     parser.add_argument(

@@ -1,0 +1,63 @@
+"""Arguments several commands share: which schedule, its costs, memory budget, split, checkpointing."""
+
+from __future__ import annotations
+
+import argparse
+
+from pipeloom.passes.split_backward import W_PLACEMENTS
+
+__all__ = ["add_ckpt", "add_costs", "add_mem_limit", "add_schedule_source"]
+
+
+def add_schedule_source(parser: argparse.ArgumentParser, name_flag: str | None = None) -> None:
+    """NAME (positional, or as `name_flag`), sizes, a schedule file instead, memory budget, split."""
+    name_help = "schedule generator (see `pipeloom list`)"
+    if name_flag:
+        parser.add_argument(name_flag, dest="name", metavar="NAME", help=name_help)
+    else:
+        parser.add_argument("name", nargs="?", metavar="NAME", help=name_help)
+    parser.add_argument("-p", "--devices", dest="p", type=int, help="number of devices")
+    parser.add_argument("-m", "--microbatches", dest="m", type=int, help="micro-batches per step")
+    parser.add_argument("-v", "--chunks", type=int, help="chunks (stages) per device, for interleaved")
+    parser.add_argument("--schedule-file", metavar="PATH", help="read a pipeloom.schedule/1 JSON file instead")
+    add_mem_limit(parser)
+    parser.add_argument(
+        "--split",
+        choices=W_PLACEMENTS,
+        help="split each fused backward BW into B and W, placing W right after its B, deferred to the end, "
+        "or into idle gaps (fill)",
+    )
+    parser.add_argument(
+        "--batch-w", action="store_true", help="with --split deferred|fill: keep each stage's deferred W contiguous"
+    )
+
+
+def add_costs(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--costs",
+        metavar="SPEC|FILE",
+        help="F=1,B=2,W=0,comm=0 (one device's share per micro-batch) or a JSON file with the Costs keys "
+        "(F, B, W, R, comm, M_B, M_W, M_ckpt, M_static; scalars or per-stage lists)",
+    )
+
+
+def add_ckpt(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ckpt",
+        choices=("none", "full", "mario"),
+        default="none",
+        help="activation checkpointing: none; full (every forward, recompute inside its backward); mario "
+        "(checkpoint where memory is short — everywhere without --mem-limit — and tessellate the recomputes "
+        "into bubbles)",
+    )
+
+
+def add_mem_limit(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--mem-limit",
+        metavar="BUDGET",
+        help="activation memory per device for memory-driven schedules (zb-auto, v-auto), --ckpt mario and --exact: "
+        "a number in the costs' "
+        "memory unit (M_B = 1 unless costs say otherwise), a size like 40GiB when costs are in bytes, "
+        "or one value per device separated by commas",
+    )
