@@ -180,9 +180,7 @@ class DeviceExecutor:
             try:
                 work.wait()
             except RuntimeError as error:
-                raise RuntimeFault(
-                    f"rank {self.rank_of(self.device)} (device {self.device}): {description}: {peer_failure(error)}"
-                ) from None
+                raise self._fault(description, error) from None
         if stash or len(self.queue):
             raise RuntimeFault(f"device {self.device}: the step ended with work left (stash {list(stash)})")
         return record
@@ -221,12 +219,19 @@ class DeviceExecutor:
     def _loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(output, targets) * self.loss_scale
 
+    def _fault(self, doing: str, error: RuntimeError) -> RuntimeFault:
+        """One line on this rank: what it was doing with which peer, and the backend's reason."""
+        return RuntimeFault(f"rank {self.rank_of(self.device)} (device {self.device}): {doing}: {peer_failure(error)}")
+
     def _post_receives(self) -> dict[tuple[bool, int, int], tuple[torch.Tensor, dist.Work]]:
         pending = {}
         for message in self.plan.receives[self.device]:
             buffer = torch.empty(self.shape, device=self.torch_device)
             group = self.pair_groups.get((message.src, message.dst))
-            work = dist.irecv(buffer, src=self.rank_of(message.src), group=group, tag=self.plan.tag(message))
+            try:
+                work = dist.irecv(buffer, src=self.rank_of(message.src), group=group, tag=self.plan.tag(message))
+            except RuntimeError as error:  # the pair is already broken: its peer is gone
+                raise self._fault(f"posting a receive from rank {self.rank_of(message.src)}", error) from None
             pending[(message.grad, message.stage, message.microbatch)] = (buffer, work, message.src)
         return pending
 
@@ -239,9 +244,8 @@ class DeviceExecutor:
             work.wait()
         except RuntimeError as error:
             what = "gradient for B" if grad else "activation for F"
-            raise RuntimeFault(
-                f"rank {self.rank_of(self.device)} (device {self.device}): waiting for the {what}{stage} of "
-                f"micro-batch {mb} from rank {self.rank_of(src)}: {peer_failure(error)}"
+            raise self._fault(
+                f"waiting for the {what}{stage} of micro-batch {mb} from rank {self.rank_of(src)}", error
             ) from None
         return buffer
 
@@ -254,8 +258,11 @@ class DeviceExecutor:
         message = Message(grad, stage, mb, 0, self.device, consumer)
         group = self.pair_groups.get((self.device, consumer))
         payload = tensor.detach().contiguous()
-        work = dist.isend(payload, dst=self.rank_of(consumer), group=group, tag=self.plan.tag(message))
         what = f"the gradient for B{stage}" if grad else f"the activation for F{stage}"
+        try:
+            work = dist.isend(payload, dst=self.rank_of(consumer), group=group, tag=self.plan.tag(message))
+        except RuntimeError as error:
+            raise self._fault(f"sending {what} of micro-batch {mb} to rank {self.rank_of(consumer)}", error) from None
         sends.append((work, f"sending {what} of micro-batch {mb} to rank {self.rank_of(consumer)}"))
 
 
