@@ -27,6 +27,7 @@ bench: $(STAMP)
 	$(PY) bench/sim_speed.py
 	$(PY) bench/zb_table5.py
 	$(PY) bench/mario.py
+	$(PY) bench/tpipe.py
 	$(PY) bench/runtime_vs_torch.py
 
 clean:

@@ -129,6 +129,13 @@ def test_validate_prints_the_marked_grid(capsys, tmp_path):
         (["simulate", "1f1b", "-p", "2", "-m", "2", "--ckpt", "mario", "--exact"], "cannot be combined with --ckpt"),
         (["simulate", "1f1b", "-p", "2", "-m", "2", "--ckpt", "mario", "--mem-limit", "0.5"], "device 0 needs"),
         (["pareto", "-p", "2", "-m", "2", "--plot", "f.gif"], "use a .png, .svg or .pdf"),
+        (["simulate", "tpipe", "-p", "1", "-m", "2"], "num_devices (p) must be at least 2"),
+        (["simulate", "1f1b", "-p", "2", "-m", "2", "--recompute", "shallow"], "at least 2 chunks"),
+        (["simulate", "tpipe", "-p", "2", "-m", "2", "--recompute", "0,x"], "comma-separated integers"),
+        (["simulate", "tpipe", "-p", "2", "-m", "2", "--recompute", "0", "--ckpt", "full"], "cannot be combined"),
+        (["simulate", "tpipe", "-p", "2", "-m", "2", "--offload-stages", "2"], "apply to --offload"),
+        (["simulate", "tpipe", "-p", "2", "-m", "2", "--offload", "--costs", "offload_bytes=1"], "host_bandwidth"),
+        (["simulate", "1f1b", "-p", "2", "-m", "2", "--offload"], "name the stages"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, monkeypatch, argv, message):
@@ -260,3 +267,30 @@ def test_simulate_checkpointing(capsys):
         "--json",
     )
     assert code == 0 and max(json.loads(out)["peak_memory"]) <= 4
+
+
+def test_simulate_tpipe_with_trecomp_and_offload(capsys, tmp_path):
+    costs = "F=1,B=2,M_ckpt=0,M_static=4,M_offload=2,offload_bytes=2,reload_bytes=2,host_bandwidth=1"
+    argv = ["simulate", "tpipe", "-p", "4", "-m", "8", "--costs", costs]
+    code, out, _ = run(capsys, *argv, "--json")
+    assert code == 0
+    plain = json.loads(out)
+    assert plain["makespan"] == 33 and plain["bubble_rate"] == pytest.approx(3 / 11)
+    code, out, _ = run(capsys, *argv, "--recompute", "shallow", "--offload", "--json")
+    result = json.loads(out)
+    assert result["name"] == "tpipe+trecomp" and max(result["peak_activation_memory"]) == 1.5  # (4//2 + 1) blocks
+    offload = result["offload"]
+    assert offload["stages"] == [4, 5, 6, 7] and offload["static_memory_saved"] == [1.0] * 4
+    assert offload["overlap_fraction"] == 1.0 and offload["delay"] == 0
+    assert result["static_memory"] == [3.0] * 4
+    assert {op["op"] for op in offload["lane_ops"]} == {"RELOAD", "OFFLOAD", "HOST_STEP"}
+    plot, trace = tmp_path / "t.png", tmp_path / "t.json"
+    code, out, _ = run(capsys, *argv, "--offload", "--reload-bits", "8", "--plot", str(plot), "--trace", str(trace))
+    assert code == 0 and plot.stat().st_size > 0
+    names = {
+        event["args"]["name"]
+        for event in json.loads(trace.read_text())["traceEvents"]
+        if event.get("name") == "thread_name"
+    }
+    assert {"device 0", "device 0 copy", "device 3 copy"} <= names  # no host work in these costs
+    assert "T-Offload    stages 4,5,6,7, reloads at 8 bits" in out and "overlap      100.00%" in out

@@ -13,15 +13,17 @@ from pathlib import Path
 from typing import NoReturn
 
 from pipeloom.budget import parse_memory_budget
-from pipeloom.cli_args import add_ckpt, add_costs, add_mem_limit, add_schedule_source
-from pipeloom.cli_format import costs_text, exact_report, num, progress_bar, report, table
+from pipeloom.cli_args import add_ckpt, add_costs, add_mem_limit, add_schedule_source, add_tpipe_passes, int_list
+from pipeloom.cli_format import costs_text, exact_report, num, offload_report, progress_bar, report, table
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError, PipeloomError, ScheduleError
 from pipeloom.ir.io import load_schedule
 from pipeloom.ir.schedule import Schedule
 from pipeloom.passes.checkpoint import apply_checkpoint
 from pipeloom.passes.mario import mario
+from pipeloom.passes.offload import LaneOp, OffloadTimeline, simulate_offload, t_offload
 from pipeloom.passes.split_backward import split_backward
+from pipeloom.passes.trecomp import t_recomp
 from pipeloom.schedules import build_schedule, get_generator, list_generators
 from pipeloom.sim.simulate import Timeline, simulate
 from pipeloom.tune.pareto import explore_pareto
@@ -108,18 +110,23 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             time_limit=args.time_limit if args.time_limit is not None else 10.0,
         )
         schedule = exact.schedule
-    schedule = _checkpointed(schedule, costs, args)
-    timeline = simulate(schedule, costs)
-    _write_outputs(timeline, args.export, args.trace, args.plot)
+    schedule = _recomputed(_checkpointed(schedule, costs, args), args)
+    offload = _offloaded(schedule, costs, args)
+    timeline = offload.timeline if offload else simulate(schedule, costs)
+    _write_outputs(timeline, args.export, args.trace, args.plot, lanes=offload.lane_ops if offload else None)
     if args.json:
         summary = timeline.summary()
         if exact is not None:
             summary["exact"] = exact.summary()
+        if offload is not None:
+            summary["offload"] = offload.summary()
         print(json.dumps(summary))
     else:
         print(report(timeline))
         if exact is not None:
             print(exact_report(exact))
+        if offload is not None:
+            print(offload_report(offload))
     return 0
 
 
@@ -238,6 +245,7 @@ def _build_parser() -> _Parser:
     )
     sim.add_argument("--time-limit", type=float, metavar="S", help="seconds for --exact (default 10)")
     add_ckpt(sim)
+    add_tpipe_passes(sim)
     sim.set_defaults(handler=_cmd_simulate)
 
     pareto = commands.add_parser(
@@ -293,6 +301,26 @@ def _checkpointed(schedule: Schedule, costs: Costs, args: argparse.Namespace) ->
     return schedule
 
 
+def _recomputed(schedule: Schedule, args: argparse.Namespace) -> Schedule:
+    """`schedule` with the T-Recomp --recompute asks for."""
+    if args.recompute is None:
+        return schedule
+    if args.ckpt != "none":
+        raise ConfigError("--recompute (T-Recomp) chooses its own checkpointing; it cannot be combined with --ckpt")
+    chunks = [0] if args.recompute == "shallow" else int_list(args.recompute, "--recompute")
+    return t_recomp(schedule, chunks)
+
+
+def _offloaded(schedule: Schedule, costs: Costs, args: argparse.Namespace) -> OffloadTimeline | None:
+    """The T-Offload simulation --offload asks for, or None."""
+    if not args.offload:
+        if args.offload_stages is not None or args.reload_bits != 16:
+            raise ConfigError("--offload-stages and --reload-bits apply to --offload")
+        return None
+    stages = int_list(args.offload_stages, "--offload-stages") if args.offload_stages is not None else None
+    return simulate_offload(t_offload(schedule, stages, args.reload_bits), costs)
+
+
 def _schedule_from_args(args: argparse.Namespace, costs: Costs, budget_is_used: bool = False) -> Schedule:
     """The named (or loaded) schedule, with --split applied; generators that take costs get them."""
     if args.batch_w and args.split not in ("deferred", "fill"):
@@ -346,13 +374,15 @@ def _check_outputs(paths: list[str | None], plot: str | None) -> None:
         check_plot_path(plot)
 
 
-def _write_outputs(timeline: Timeline, export: str | None, trace: str | None, plot: str | None) -> None:
+def _write_outputs(
+    timeline: Timeline, export: str | None, trace: str | None, plot: str | None, lanes: Sequence[LaneOp] | None = None
+) -> None:
     if plot:
-        plot_timeline(timeline, plot)  # first: the only output with an optional dependency
+        plot_timeline(timeline, plot, lanes=lanes)  # first: the only output with an optional dependency
     if export:
         timeline.schedule.to_json(export)
     if trace:
-        write_chrome_trace(timeline, trace)
+        write_chrome_trace(timeline, trace, lanes=lanes or ())
 
 
 if __name__ == "__main__":

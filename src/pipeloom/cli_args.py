@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from pipeloom.errors import ConfigError
 from pipeloom.passes.split_backward import W_PLACEMENTS
 
-__all__ = ["add_ckpt", "add_costs", "add_mem_limit", "add_schedule_source"]
+__all__ = ["add_ckpt", "add_costs", "add_mem_limit", "add_schedule_source", "add_tpipe_passes", "int_list"]
 
 
 def add_schedule_source(parser: argparse.ArgumentParser, name_flag: str | None = None) -> None:
@@ -37,7 +38,8 @@ def add_costs(parser: argparse.ArgumentParser) -> None:
         "--costs",
         metavar="SPEC|FILE",
         help="F=1,B=2,W=0,comm=0 (one device's share per micro-batch) or a JSON file with the Costs keys "
-        "(F, B, W, R, comm, M_B, M_W, M_ckpt, M_static; scalars or per-stage lists)",
+        "(F, B, W, R, comm, M_B, M_W, M_ckpt, M_static, and for --offload offload_bytes, reload_bytes, "
+        "host_step_flops, M_offload, host_bandwidth, host_flops; scalars or per-stage lists)",
     )
 
 
@@ -61,3 +63,35 @@ def add_mem_limit(parser: argparse.ArgumentParser) -> None:
         "memory unit (M_B = 1 unless costs say otherwise), a size like 40GiB when costs are in bytes, "
         "or one value per device separated by commas",
     )
+
+
+def add_tpipe_passes(parser: argparse.ArgumentParser) -> None:
+    """TPipe's T-Recomp and T-Offload."""
+    parser.add_argument(
+        "--recompute",
+        metavar="shallow|CHUNKS",
+        help="T-Recomp: checkpoint these chunks of every device (0 = shallowest; 'shallow' = 0) and recompute "
+        "each block-wise before its backward; for tpipe and interleaved schedules",
+    )
+    parser.add_argument(
+        "--offload",
+        action="store_true",
+        help="T-Offload: move the deep stages' optimizer work to the host (costs: offload_bytes, reload_bytes, "
+        "host_step_flops, M_offload, host_bandwidth, host_flops) and report the overlap with bubbles",
+    )
+    parser.add_argument(
+        "--offload-stages",
+        metavar="LIST",
+        help="with --offload: stages to offload (default: all but each device's shallowest)",
+    )
+    parser.add_argument(
+        "--reload-bits", type=int, default=16, metavar="N", help="with --offload: bits per reloaded weight (default 16)"
+    )
+
+
+def int_list(text: str, what: str) -> list[int]:
+    """'0,2,3' → [0, 2, 3], or ConfigError naming `what`."""
+    try:
+        return [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise ConfigError(f"{what} must be comma-separated integers, got {text!r}") from None

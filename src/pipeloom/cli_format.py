@@ -7,7 +7,7 @@ import sys
 from pipeloom.costs import Costs
 from pipeloom.sim.simulate import Timeline
 
-__all__ = ["costs_text", "exact_report", "num", "progress_bar", "report", "table"]
+__all__ = ["costs_text", "exact_report", "num", "offload_report", "progress_bar", "report", "table"]
 
 
 def report(timeline: Timeline) -> str:
@@ -43,6 +43,20 @@ def exact_report(exact) -> str:
     return (
         f"\nexact (CP-SAT, {exact.status.lower()}, {exact.wall_time:.1f} s): cost {num(exact.cost)}{hint}, "
         f"lower bound {num(exact.bound)}, gap {exact.gap:.2%}"
+    )
+
+
+def offload_report(offload) -> str:
+    plan = offload.plan
+    saved = offload.static_memory_saved
+    bits = "" if plan.reload_bits == 16 else f", reloads at {plan.reload_bits} bits"
+    return (
+        f"\nT-Offload    stages {','.join(map(str, plan.stages))}{bits}\n"
+        f"step time    {num(offload.step_time)} (without offload {num(offload.baseline.makespan)}, "
+        f"delay {num(offload.delay)})\n"
+        f"overlap      {offload.overlap_fraction:.2%} of the copy and host work inside bubbles\n"
+        f"static saved {' '.join(num(value) for value in saved)} (per device; static now "
+        f"{' '.join(num(value) for value in offload.static_memory)})"
     )
 
 

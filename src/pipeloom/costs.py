@@ -13,6 +13,11 @@ Memory per op: F holds M_B (a checkpointed F only M_ckpt, its input); R restores
 B frees M_B and keeps M_W for its pending W; W frees M_W (each of k parts 1/k); BW frees M_B.
 A device also holds M_static (weights, gradients, optimizer state) for every stage it hosts, so
 replicated stages (Chimera) count twice. The fused BW takes B + W.
+
+T-Offload (`pipeloom.passes.offload`) reads five more keys, scaled the same way: the gradient
+bytes it moves to the host, the weight bytes it loads back, the optimizer FLOPs the host runs, and
+M_offload, the part of M_static the device stops holding; with host_bandwidth (bytes per time
+unit) and host_flops (FLOPs per time unit) they give the durations of its copy and host ops.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ __all__ = ["Costs", "StageCosts", "CostValue"]
 CostValue = Union[float, Sequence[float | Sequence[float]]]
 
 _PER_STAGE_KEYS = ("F", "B", "W", "R", "M_B", "M_W", "M_ckpt", "M_static")
+_OFFLOAD_KEYS = ("offload_bytes", "reload_bytes", "host_step_flops", "M_offload")
+_RATE_KEYS = ("host_bandwidth", "host_flops")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,9 +62,21 @@ class Costs:
     """What a checkpointed forward keeps (its input)."""
     M_static: CostValue = 0.0
     """Weights, gradients and optimizer state of one device's share of the model."""
+    offload_bytes: CostValue = 0.0
+    """T-Offload: gradient bytes moved to the host after a stage's last backward."""
+    reload_bytes: CostValue = 0.0
+    """T-Offload: weight bytes (16-bit) loaded back before a stage's first forward."""
+    host_step_flops: CostValue = 0.0
+    """T-Offload: optimizer FLOPs the host runs for a stage."""
+    M_offload: CostValue = 0.0
+    """T-Offload: the part of M_static (optimizer state, gradients) the device stops holding."""
+    host_bandwidth: float | None = None
+    """Bytes per time unit between a device and its host, each way."""
+    host_flops: float | None = None
+    """Host FLOPs per time unit available to one device's optimizer work."""
 
     def __post_init__(self) -> None:
-        for key in _PER_STAGE_KEYS:
+        for key in _PER_STAGE_KEYS + _OFFLOAD_KEYS:
             value = getattr(self, key)
             if value is None and key == "R":
                 continue
@@ -65,6 +84,13 @@ class Costs:
         if not _is_number(self.comm) or self.comm < 0 or not math.isfinite(self.comm):
             raise ConfigError(f"costs: comm must be a non-negative number, got {self.comm!r}")
         object.__setattr__(self, "comm", float(self.comm))
+        for key in _RATE_KEYS:
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if not _is_number(value) or value <= 0 or not math.isfinite(value):
+                raise ConfigError(f"costs: {key} must be a positive number, got {value!r}")
+            object.__setattr__(self, key, float(value))
 
     # -- construction from user input ------------------------------------------------------
 
@@ -105,36 +131,20 @@ class Costs:
         return tuple(field.name for field in fields(Costs))
 
     def to_dict(self) -> dict[str, Any]:
-        return {key: _plain(getattr(self, key)) for key in self.keys() if getattr(self, key) is not None}
+        """Every set key; T-Offload's only where they are not zero, so plain costs read as before."""
+        return {
+            key: _plain(value)
+            for key in self.keys()
+            if (value := getattr(self, key)) is not None and not (key in _OFFLOAD_KEYS and value == 0.0)
+        }
 
     # -- resolution for one schedule shape -------------------------------------------------
 
     def resolve(self, num_devices: int, num_stages: int, num_slices: int = 1) -> StageCosts:
         """Per (stage, slice) values for a schedule of this shape (see the module docstring)."""
-        share = num_devices / (num_stages * num_slices)
 
         def table(key: str) -> list[float]:
-            value = getattr(self, key)
-            if value is None:
-                value = self.F
-            if not isinstance(value, tuple):
-                return [value * share] * (num_stages * num_slices)
-            if len(value) != num_stages:
-                raise ConfigError(
-                    f"costs: {key} has {len(value)} per-stage values but the schedule has {num_stages} stages; "
-                    f"give one value per stage or a scalar (one device's share of the model)"
-                )
-            out = []
-            for stage, entry in enumerate(value):
-                if isinstance(entry, tuple):
-                    if len(entry) != num_slices:
-                        raise ConfigError(
-                            f"costs: {key}[{stage}] has {len(entry)} per-slice values but the schedule has {num_slices} slices"
-                        )
-                    out.extend(entry)
-                else:
-                    out.extend([entry / num_slices] * num_slices)
-            return out
+            return self.per_slice(key, num_devices, num_stages, num_slices)
 
         static = table("M_static")
         static_per_stage = [sum(static[s * num_slices : (s + 1) * num_slices]) for s in range(num_stages)]
@@ -150,6 +160,31 @@ class Costs:
             M_static=static_per_stage,
             comm=self.comm,
         )
+
+    def per_slice(self, key: str, num_devices: int, num_stages: int, num_slices: int = 1) -> list[float]:
+        """One per-stage key resolved to a list indexed by ``stage * num_slices + slice``."""
+        value = getattr(self, key)
+        if value is None:
+            value = self.F
+        if not isinstance(value, tuple):
+            share = num_devices / (num_stages * num_slices)
+            return [value * share] * (num_stages * num_slices)
+        if len(value) != num_stages:
+            raise ConfigError(
+                f"costs: {key} has {len(value)} per-stage values but the schedule has {num_stages} stages; "
+                f"give one value per stage or a scalar (one device's share of the model)"
+            )
+        out = []
+        for stage, entry in enumerate(value):
+            if isinstance(entry, tuple):
+                if len(entry) != num_slices:
+                    raise ConfigError(
+                        f"costs: {key}[{stage}] has {len(entry)} per-slice values but the schedule has {num_slices} slices"
+                    )
+                out.extend(entry)
+            else:
+                out.extend([entry / num_slices] * num_slices)
+        return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 from pipeloom import Costs, OpKind, Schedule, build_schedule, simulate  # noqa: E402
 from pipeloom.errors import ConfigError, ScheduleError  # noqa: E402
 from pipeloom.models.llama import LlamaConfig  # noqa: E402
-from pipeloom.passes import apply_checkpoint, mario, split_backward  # noqa: E402
+from pipeloom.passes import apply_checkpoint, mario, split_backward, t_recomp  # noqa: E402
 from pipeloom.runtime.local import _worker, run_local  # noqa: E402
 from pipeloom.runtime.training import TrainSpec, check_spec, reference_training  # noqa: E402
 
@@ -36,6 +36,7 @@ GENERATORS = {
     "v-half": {},
     "v-min": {},
     "v-auto": {"mem_limit": 2},
+    "tpipe": {"num_chunks": 2},
 }
 
 
@@ -102,6 +103,23 @@ def test_checkpointing_recomputes_once_and_holds_what_the_simulator_predicts():
             predicted_ratio = predicted[device] / predicted_plain[device]
             assert measured_ratio == pytest.approx(predicted_ratio, rel=0.05), (checkpointed.name, device)
             assert results[device].records[0].peak_stash_bytes <= plain[device].records[0].peak_stash_bytes
+
+
+def test_tpipe_with_trecomp_trains_like_one_process_and_holds_what_the_simulator_predicts():
+    base = build_schedule("tpipe", 2, 6)
+    recomputed = t_recomp(base)
+    plain = run_local(spec_for(base, steps=1))
+    results = run_local(spec_for(recomputed, steps=1))
+    assert_matches_reference(spec_for(base, steps=1), results)
+    entries = [plain[s % 2].records[0].entry_bytes[f"{s}F0"] for s in range(4)]
+    kept = [results[s % 2].records[0].entry_bytes.get(f"{s}F0c", 0) for s in range(4)]
+    costs = Costs(M_B=entries, M_ckpt=[kept[s] if s < 2 else 0 for s in range(4)])
+    predicted_plain = simulate(base, costs).peak_activation_memory
+    predicted = simulate(recomputed, costs).peak_activation_memory
+    for device in range(2):
+        measured = results[device].records[0].peak_stash_bytes / plain[device].records[0].peak_stash_bytes
+        assert measured == pytest.approx(predicted[device] / predicted_plain[device], rel=0.05)
+        assert measured < 1
 
 
 def mlp_blocks():

@@ -8,15 +8,23 @@ from pipeloom.passes.checkpoint import (
     remove_redundancy,
 )
 from pipeloom.passes.mario import mario
+from pipeloom.passes.offload import OffloadPlan, OffloadTimeline, simulate_offload, t_offload
 from pipeloom.passes.split_backward import W_PLACEMENTS, split_backward
+from pipeloom.passes.trecomp import chunk_delay_rounds, t_recomp
 
 __all__ = [
     "W_PLACEMENTS",
+    "OffloadPlan",
+    "OffloadTimeline",
     "apply_checkpoint",
+    "chunk_delay_rounds",
     "mario",
     "overlap_recompute",
     "prepose_forward",
     "relax_checkpoint",
     "remove_redundancy",
+    "simulate_offload",
     "split_backward",
+    "t_offload",
+    "t_recomp",
 ]

@@ -19,8 +19,13 @@ from pipeloom.ir.graph import DependencyGraph
 __all__ = ["run"]
 
 
-def run(graph: DependencyGraph, durations: Sequence[float], comm: float = 0.0) -> tuple[list[float], list[float]]:
-    """Start and end time of every op (flat index), or ScheduleError naming a deadlock cycle."""
+def run(
+    graph: DependencyGraph, durations: Sequence[float], comm: float = 0.0, release: Sequence[float] | None = None
+) -> tuple[list[float], list[float]]:
+    """Start and end time of every op (flat index), or ScheduleError naming a deadlock cycle.
+
+    `release[g]`, if given, is the earliest op g may start (an input from outside the schedule,
+    such as a weight reload)."""
     num_ops = graph.num_ops
     deps, device_of, offsets = graph.deps, graph.device_of, graph.offsets
     num_devices = len(offsets) - 1
@@ -34,7 +39,7 @@ def run(graph: DependencyGraph, durations: Sequence[float], comm: float = 0.0) -
         device = runnable.pop()
         g, stop, clock = head[device], offsets[device + 1], free[device]
         while g < stop:
-            ready = clock
+            ready = clock if release is None or release[g] <= clock else release[g]
             for dep in deps[g]:
                 arrival = end[dep]
                 if arrival < 0:

@@ -14,7 +14,7 @@ from its start, its release from its end (DESIGN §2 for the amounts).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from pipeloom.costs import Costs, StageCosts
@@ -113,16 +113,19 @@ class Timeline:
         }
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
+def simulate(schedule: Schedule, costs: Costs | None = None, not_before: Mapping[Op, float] | None = None) -> Timeline:
     """Time and memory of `schedule` under `costs` (default: F=1, B=2, W=0, M_B=1).
 
-    Raises ScheduleError for an invalid schedule (the simulation is also the deadlock check).
+    `not_before` holds the earliest start of some ops, for inputs from outside the schedule (a
+    weight reload). Raises ScheduleError for an invalid schedule (the simulation is also the
+    deadlock check).
     """
     costs = costs if costs is not None else Costs()
     graph = build_graph(schedule)
     table = costs.resolve(schedule.num_devices, schedule.num_stages, schedule.num_slices)
     durations, deltas = _op_costs(graph, table)
-    start, end = run(graph, durations, costs.comm)
+    release = [not_before.get(op, 0.0) for op in graph.ops] if not_before else None
+    start, end = run(graph, durations, costs.comm, release)
     offsets = graph.offsets
     num_devices = schedule.num_devices
 

@@ -1,6 +1,6 @@
 """The memory/bubble frontier: every applicable generator at every memory budget, simulated.
 
-Fixed-shape schedules give one point each; budget-driven ones (``zb-auto``, ``v-auto``) are swept
+Fixed-shape schedules give one point each (T-Pipe also with T-Recomp); budget-driven ones (``zb-auto``, ``v-auto``) are swept
 from the least memory they can run in to what they use unconstrained. A point is on the frontier
 when no other point has both less (or equal) peak activation memory and a lower bubble rate.
 Memory is one device's share (Costs' scaling), so schedules with different stage counts compare.
@@ -15,6 +15,7 @@ from typing import Any
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError, PipeloomError
 from pipeloom.passes.split_backward import split_backward
+from pipeloom.passes.trecomp import t_recomp
 from pipeloom.schedules.auto_search import min_memory_limits
 from pipeloom.schedules.registry import build_schedule, require_int
 from pipeloom.schedules.v_shape import v_placement
@@ -22,7 +23,7 @@ from pipeloom.sim.simulate import Timeline, simulate
 
 __all__ = ["ParetoPoint", "explore_pareto", "frontier"]
 
-_FIXED = ("gpipe", "1f1b", "interleaved", "chimera", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min")
+_FIXED = ("gpipe", "1f1b", "interleaved", "chimera", "tpipe", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min")
 _SPLIT = ("1f1b", "interleaved")  # also shown with the backward split and W filling bubbles
 _BUDGETED = {"zb-auto": lambda p: list(range(p)), "v-auto": v_placement}
 
@@ -110,6 +111,8 @@ def _jobs(p: int, m: int, costs: Costs, budgets: int) -> Iterator[tuple[str, Cal
                 f"{name}+split-fill",
                 lambda name=name: split_backward(build_schedule(name, p, m), "fill", costs=costs),
             )
+        if name == "tpipe":
+            yield "tpipe+trecomp", lambda: t_recomp(build_schedule("tpipe", p, m))
     for name, placement_of in _BUDGETED.items():
         placement = placement_of(p)
         table = costs.resolve(p, len(placement))

@@ -23,6 +23,7 @@ KIND_COLORS = {
     OpKind.BW: "#2F8F5B",
     OpKind.R: "#DD8452",
 }
+LANE_COLORS = {"RELOAD": "#937860", "OFFLOAD": "#C44E52", "HOST_STEP": "#CCB974"}
 _CKPT_COLOR = "#9DB4D8"  # a checkpointed forward keeps only its input: drawn paler
 _MAX_LABELS = 1500
 
@@ -44,33 +45,47 @@ def check_plot_path(path: str | PathLike[str]) -> None:
         raise ConfigError(f"cannot plot to {str(path)!r}: use a .png, .svg or .pdf file name")
 
 
-def plot_timeline(timeline: Timeline, path: str | PathLike[str], title: str | None = None) -> None:
-    """Draw `timeline` to `path`."""
+def plot_timeline(
+    timeline: Timeline, path: str | PathLike[str], title: str | None = None, lanes: Sequence | None = None
+) -> None:
+    """Draw `timeline` to `path`; `lanes` (T-Offload's LaneOps) get rows of their own under the devices."""
     check_plot_path(path)
     plt = pyplot()
     from matplotlib.patches import Patch
 
-    num_devices = timeline.num_devices
-    height = 1.2 + 0.32 * num_devices
+    lane_rows = _lane_rows(lanes or ())
+    num_rows = timeline.num_devices + len(lane_rows)
+    height = 1.2 + 0.32 * num_rows
     fig, (ops_ax, mem_ax) = plt.subplots(
         2, 1, figsize=(12, height + 2.4), sharex=True, gridspec_kw={"height_ratios": [height, 2.4]}
     )
     _draw_ops(ops_ax, timeline)
+    _draw_lanes(ops_ax, timeline.num_devices, lane_rows)
     _draw_memory(mem_ax, timeline)
     schedule = timeline.schedule
     ops_ax.set_title(
         title
         or f"{schedule.name}: p={schedule.num_devices} m={schedule.num_microbatches} S={schedule.num_stages}"
-        f" — makespan {timeline.makespan:g}, bubble {timeline.bubble_rate:.1%}, peak memory {max(timeline.peak_memory):g}",
+        f" — makespan {timeline.makespan:g}, bubble {timeline.bubble_rate:.1%}, peak memory {max(timeline.peak_memory):g}"
+        + (f", step with lanes {max(op.end for _, ops in lane_rows for op in ops):g}" if lane_rows else ""),
         loc="left",
         fontsize=10,
+        pad=18,
     )
     kinds = sorted({op.kind for ops in schedule.devices for op in ops}, key=list(KIND_COLORS).index)
     handles = [Patch(color=KIND_COLORS[kind], label=kind.value) for kind in kinds]
     if any(op.ckpt for ops in schedule.devices for op in ops):
         handles.append(Patch(color=_CKPT_COLOR, label="F (ckpt)"))
+    lane_kinds = sorted({op.kind.value for _, ops in lane_rows for op in ops}, key=list(LANE_COLORS).index)
+    handles += [Patch(color=LANE_COLORS[kind], label=kind) for kind in lane_kinds]
     ops_ax.legend(
-        handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=len(handles), frameon=False
+        handles=handles,
+        loc="lower left",
+        bbox_to_anchor=(0.0, 1.0),
+        fontsize=8,
+        ncol=len(handles),
+        frameon=False,
+        borderaxespad=0.1,
     )
     mem_ax.set_xlabel("time")
     fig.tight_layout()
@@ -106,6 +121,32 @@ def _draw_ops(ax, timeline: Timeline) -> None:
     ax.set_yticks(range(num_devices), [f"d{d}" for d in range(num_devices)])
     ax.set_ylim(num_devices - 0.5, -0.5)
     ax.set_ylabel("device")
+
+
+def _lane_rows(lanes: Sequence) -> list[tuple[str, list]]:
+    """(label, ops) per device lane that does any work, devices in order, copy before host."""
+    rows: dict[tuple[int, str], list] = {}
+    for op in lanes:
+        if op.end > op.start:
+            rows.setdefault((op.device, op.kind.lane), []).append(op)
+    return [(f"d{device} {lane}", rows[device, lane]) for device, lane in sorted(rows)]
+
+
+def _draw_lanes(ax, num_devices: int, lane_rows: list[tuple[str, list]]) -> None:
+    for row, (_, ops) in enumerate(lane_rows, start=num_devices):
+        for op in ops:
+            ax.broken_barh(
+                [(op.start, op.end - op.start)],
+                (row - 0.4, 0.8),
+                facecolors=LANE_COLORS[op.kind.value],
+                edgecolors="white",
+                linewidth=0.3,
+            )
+            ax.text((op.start + op.end) / 2, row, str(op.stage), ha="center", va="center", fontsize=6, color="white")
+    if lane_rows:
+        total = num_devices + len(lane_rows)
+        ax.set_yticks(range(total), [f"d{d}" for d in range(num_devices)] + [label for label, _ in lane_rows])
+        ax.set_ylim(total - 0.5, -0.5)
 
 
 def _lighten(color: str, amount: float) -> str:

@@ -1,6 +1,7 @@
 """Chrome / Perfetto trace JSON of a simulated timeline: open it at ui.perfetto.dev.
 
-One track per device with ops named by their text form, and a memory counter per device.
+One track per device with ops named by their text form, a memory counter per device, and one
+track per T-Offload lane (copy engine, host) that does any work.
 Simulated time has no unit of its own; `time_unit_us` says how many microseconds one unit is
 (default 1000: costs read as milliseconds).
 """
@@ -8,6 +9,7 @@ Simulated time has no unit of its own; `time_unit_us` says how many microseconds
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from os import PathLike
 from typing import Any
 
@@ -16,7 +18,7 @@ from pipeloom.sim.simulate import Timeline
 __all__ = ["chrome_trace", "write_chrome_trace"]
 
 
-def chrome_trace(timeline: Timeline, time_unit_us: float = 1000.0) -> dict[str, Any]:
+def chrome_trace(timeline: Timeline, time_unit_us: float = 1000.0, lanes: Sequence = ()) -> dict[str, Any]:
     schedule = timeline.schedule
     events: list[dict[str, Any]] = [
         {"ph": "M", "pid": 0, "name": "process_name", "args": {"name": f"pipeloom {schedule.name}"}},
@@ -38,6 +40,7 @@ def chrome_trace(timeline: Timeline, time_unit_us: float = 1000.0) -> dict[str, 
                 "args": {"stage": op.stage, "microbatch": op.microbatch, "slice": op.slice, "step": timing.step},
             }
         )
+    events += _lane_events(lanes, schedule.num_devices, time_unit_us)
     for device in range(schedule.num_devices):
         for time, level in timeline.memory_curve(device):
             events.append(
@@ -56,6 +59,43 @@ def chrome_trace(timeline: Timeline, time_unit_us: float = 1000.0) -> dict[str, 
     }
 
 
-def write_chrome_trace(timeline: Timeline, path: str | PathLike[str], time_unit_us: float = 1000.0) -> None:
+def write_chrome_trace(
+    timeline: Timeline, path: str | PathLike[str], time_unit_us: float = 1000.0, lanes: Sequence = ()
+) -> None:
     with open(path, "w", encoding="utf-8") as handle:
-        json.dump(chrome_trace(timeline, time_unit_us), handle)
+        json.dump(chrome_trace(timeline, time_unit_us, lanes), handle)
+
+
+def _lane_events(lanes: Sequence, num_devices: int, time_unit_us: float) -> list[dict[str, Any]]:
+    """T-Offload's LaneOps on tracks after the devices, one per (device, lane) that works."""
+    tracks: dict[tuple[int, str], int] = {}
+    events: list[dict[str, Any]] = []
+    for op in sorted(lanes, key=lambda op: (op.device, op.kind.lane, op.start)):
+        if op.end <= op.start:
+            continue
+        key = (op.device, op.kind.lane)
+        if key not in tracks:
+            tid = tracks[key] = num_devices + len(tracks)
+            events.append(
+                {
+                    "ph": "M",
+                    "pid": 0,
+                    "tid": tid,
+                    "name": "thread_name",
+                    "args": {"name": f"device {op.device} {op.kind.lane}"},
+                }
+            )
+            events.append({"ph": "M", "pid": 0, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}})
+        events.append(
+            {
+                "ph": "X",
+                "pid": 0,
+                "tid": tracks[key],
+                "name": op.text,
+                "cat": op.kind.value,
+                "ts": op.start * time_unit_us,
+                "dur": (op.end - op.start) * time_unit_us,
+                "args": {"stage": op.stage, "deadline": op.deadline * time_unit_us},
+            }
+        )
+    return events
