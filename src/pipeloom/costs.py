@@ -14,10 +14,10 @@ B frees M_B and keeps M_W for its pending W; W frees M_W (each of k parts 1/k); 
 A device also holds M_static (weights, gradients, optimizer state) for every stage it hosts, so
 replicated stages (Chimera) count twice. The fused BW takes B + W.
 
-T-Offload (`pipeloom.passes.offload`) reads five more keys, scaled the same way: the gradient
-bytes it moves to the host, the weight bytes it loads back, the optimizer FLOPs the host runs, and
-M_offload, the part of M_static the device stops holding; with host_bandwidth (bytes per time
-unit) and host_flops (FLOPs per time unit) they give the durations of its copy and host ops.
+T-Offload (`pipeloom.passes.offload`) reads four more per-stage keys, scaled the same way: the
+gradient bytes it moves to the host, the weight bytes it loads back, the optimizer FLOPs the host
+runs, and M_offload, the part of M_static the device stops holding; with the rates host_bandwidth
+(bytes per time unit) and host_flops (FLOPs per time unit) they give its copy and host op times.
 """
 
 from __future__ import annotations

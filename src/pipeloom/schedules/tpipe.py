@@ -6,7 +6,7 @@ device repeats the same cycle of slots — F B F B ... for v chunks, in units wh
 forward takes 1 and its backward 2 (appendix A's T_B = 2 T_F) — and micro-batch j runs exactly
 the template of micro-batch 0 shifted by j cycles. The template is built by following micro-batch 0
 down its forwards and back up its backwards, giving each op the earliest free slot of its kind
-(modulo the cycle) on its device once its input is there. Device d's cycle starts 2d units
+(modulo the cycle) on its device once its input is there. Device d's cycle starts 2 units
 earlier than device d-1's, so a backward flows on without waiting; where a forward reaches a slot
 early it waits, which yields appendix A's intervals between chunks, (3 + 6⌈(p−3)/6⌉ − p) units
 for the forwards and (3 + 6⌈(2p−3)/6⌉ − 2p) for the backwards.

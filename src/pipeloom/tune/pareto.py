@@ -1,7 +1,8 @@
 """The memory/bubble frontier: every applicable generator at every memory budget, simulated.
 
-Fixed-shape schedules give one point each (T-Pipe also with T-Recomp); budget-driven ones (``zb-auto``, ``v-auto``) are swept
-from the least memory they can run in to what they use unconstrained. A point is on the frontier
+Fixed-shape schedules give one point each (T-Pipe also with T-Recomp); budget-driven ones
+(``zb-auto``, ``v-auto``) are swept from the least memory they can run in to what they use
+unconstrained. A point is on the frontier
 when no other point has both less (or equal) peak activation memory and a lower bubble rate.
 Memory is one device's share (Costs' scaling), so schedules with different stage counts compare.
 """

@@ -67,7 +67,7 @@ def plot_timeline(
         title
         or f"{schedule.name}: p={schedule.num_devices} m={schedule.num_microbatches} S={schedule.num_stages}"
         f" — makespan {timeline.makespan:g}, bubble {timeline.bubble_rate:.1%}, peak memory {max(timeline.peak_memory):g}"
-        + (f", step with lanes {max(op.end for _, ops in lane_rows for op in ops):g}" if lane_rows else ""),
+        + (f", lanes end {max(op.end for _, ops in lane_rows for op in ops):g}" if lane_rows else ""),
         loc="left",
         fontsize=10,
         pad=18,
