@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(PY) bench/zb_table5.py
 	$(PY) bench/mario.py
 	$(PY) bench/tpipe.py
+	$(PY) bench/svpp.py
 	$(PY) bench/runtime_vs_torch.py
 
 clean:

@@ -136,6 +136,12 @@ def test_validate_prints_the_marked_grid(capsys, tmp_path):
         (["simulate", "tpipe", "-p", "2", "-m", "2", "--offload-stages", "2"], "apply to --offload"),
         (["simulate", "tpipe", "-p", "2", "-m", "2", "--offload", "--costs", "offload_bytes=1"], "host_bandwidth"),
         (["simulate", "1f1b", "-p", "2", "-m", "2", "--offload"], "name the stages"),
+        (["simulate", "1f1b", "-p", "2", "-m", "2", "--slices", "2"], "does not take --slices"),
+        (["simulate", "svpp", "-p", "2", "-m", "2", "--slices", "2", "--forwards", "1"], "at least 2"),
+        (["simulate", "svpp", "-p", "2", "-m", "2", "--forwards", "4", "--mem-limit", "1"], "not both"),
+        (["simulate", "svpp", "-p", "4", "-m", "4", "-v", "2", "--mem-limit", "0.1"], "device 0 needs"),
+        (["simulate", "1f1b", "-p", "2", "-m", "2", "--weight-parts", "0"], "positive integer"),
+        (["simulate", "--schedule-file", "s.json", "--slices", "2"], "not both"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, monkeypatch, argv, message):
@@ -294,3 +300,37 @@ def test_simulate_tpipe_with_trecomp_and_offload(capsys, tmp_path):
     }
     assert {"device 0", "device 0 copy", "device 3 copy"} <= names  # no host work in these costs
     assert "T-Offload    stages 4,5,6,7, reloads at 8 bits" in out and "overlap      100.00%" in out
+
+
+def test_simulate_slice_level_schedules(capsys):
+    base = ["-p", "4", "-m", "4", "--costs", "F=1,B=1", "--json"]
+    code, out, _ = run(capsys, "simulate", "svpp", "-v", "2", "--slices", "2", *base)
+    assert code == 0
+    result = json.loads(out)
+    assert result["num_slices"] == 2 and result["num_stages"] == 8
+    assert max(result["peak_activation_memory"]) == 4 * 9 / 16  # Fig. 4(b): 9/16 A, A = 4 device shares
+    assert result["bubble_rate"] == pytest.approx(3 / 19)
+    code, out, _ = run(capsys, "simulate", "svpp", "-v", "2", "--slices", "2", "--forwards", "4", *base)
+    assert max(json.loads(out)["peak_activation_memory"]) == 1.0  # v·s = 4 forwards of A/16
+    code, out, _ = run(capsys, "simulate", "svpp", "-v", "2", "--slices", "2", "--mem-limit", "1.6", *base)
+    assert max(json.loads(out)["peak_activation_memory"]) <= 1.6
+    code, out, _ = run(capsys, "simulate", "terapipe", "--slices", "4", *base)
+    assert json.loads(out)["bubble_rate"] == pytest.approx(3 / 19)
+    code, out, _ = run(
+        capsys,
+        "simulate",
+        "svpp",
+        "--slices",
+        "2",
+        "-p",
+        "4",
+        "-m",
+        "4",
+        "--costs",
+        "F=1,B=1,W=0.5",
+        "--weight-parts",
+        "4",
+    )
+    assert code == 0 and "svpp+wparts" in out
+    code, out, _ = run(capsys, "compare", "svpp", "terapipe", "1f1b", "-p", "4", "-m", "4", "--slices", "2")
+    assert code == 0 and "terapipe" in out

@@ -87,3 +87,20 @@ def test_chunking_does_not_change_the_work_or_1f1b_memory():
     for v in (2, 4):
         timeline = simulate(build_schedule("interleaved", 4, 8, num_chunks=v), costs)
         assert timeline.useful_time == pytest.approx([8 * 3] * 4)  # m · (F + B) per device
+
+
+def test_attention_makes_later_slices_cost_more():
+    from pipeloom.costs import causal_attention_fraction
+
+    costs = Costs(F=1, B=2, W=1, M_B=1, attention_fraction=0.1)
+    weights = costs.slice_weights(4)
+    assert sum(weights) == pytest.approx(1) and weights == sorted(weights) and weights[0] < weights[-1]
+    table = costs.resolve(2, 2, 4)  # two stages of one device share each, four slices
+    assert table.F[:4] == pytest.approx(weights) and table.B[:4] == pytest.approx([2 * w for w in weights])
+    assert table.W[:4] == [0.25] * 4 and table.M_B[:4] == [0.25] * 4  # no attention in W, memory per token
+    assert Costs(F=1).resolve(2, 2, 4).F[:4] == [0.25] * 4
+    assert Costs(F=[2, 4], attention_fraction=1).resolve(2, 2, 2).F == [0.5, 1.5, 1.0, 3.0]
+    assert round(causal_attention_fraction(5120, 4096, 13824), 3) == 0.062
+    assert causal_attention_fraction(4096, 131072) > 0.5  # 128K context: attention dominates
+    with pytest.raises(ConfigError, match="attention_fraction"):
+        Costs(attention_fraction=1.5)

@@ -24,6 +24,7 @@ from pipeloom.passes.mario import mario
 from pipeloom.passes.offload import LaneOp, OffloadTimeline, simulate_offload, t_offload
 from pipeloom.passes.split_backward import split_backward
 from pipeloom.passes.trecomp import t_recomp
+from pipeloom.passes.weight_parts import weight_parts
 from pipeloom.schedules import build_schedule, get_generator, list_generators
 from pipeloom.sim.simulate import Timeline, simulate
 from pipeloom.tune.pareto import explore_pareto
@@ -111,6 +112,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         )
         schedule = exact.schedule
     schedule = _recomputed(_checkpointed(schedule, costs, args), args)
+    if args.weight_parts is not None:
+        schedule = weight_parts(schedule, costs, args.weight_parts)
     offload = _offloaded(schedule, costs, args)
     timeline = offload.timeline if offload else simulate(schedule, costs)
     _write_outputs(timeline, args.export, args.trace, args.plot, lanes=offload.lane_ops if offload else None)
@@ -186,6 +189,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         kwargs: dict = {}
         if args.chunks is not None and "num_chunks" in options:
             kwargs["num_chunks"] = args.chunks
+        if args.slices is not None and "num_slices" in options:
+            kwargs["num_slices"] = args.slices
         if "costs" in options:
             kwargs["costs"] = costs
         if budget is not None and "mem_limit" in options:
@@ -284,6 +289,7 @@ def _build_parser() -> _Parser:
     compare.add_argument("-p", "--devices", dest="p", type=int, required=True, help="number of devices")
     compare.add_argument("-m", "--microbatches", dest="m", type=int, required=True, help="micro-batches per step")
     compare.add_argument("-v", "--chunks", type=int, help="chunks per device, for schedules that take it")
+    compare.add_argument("--slices", type=int, help="slices per micro-batch, for schedules that take it")
     add_costs(compare)
     add_mem_limit(compare)
     compare.add_argument("--plot-dir", metavar="DIR", help="write one timeline PNG per schedule here")
@@ -327,8 +333,10 @@ def _schedule_from_args(args: argparse.Namespace, costs: Costs, budget_is_used: 
         raise ConfigError("--batch-w needs --split deferred or --split fill")
     budget = parse_memory_budget(args.mem_limit) if args.mem_limit else None
     if args.schedule_file:
-        if args.name or args.p is not None or args.m is not None or args.chunks is not None:
-            raise ConfigError("give either a schedule NAME with -p/-m[/-v] or --schedule-file, not both")
+        if args.name or args.p is not None or args.m is not None or _generator_flags(args):
+            raise ConfigError(
+                "give either a schedule NAME with -p/-m[/-v/--slices/--forwards] or --schedule-file, not both"
+            )
         if budget is not None and not budget_is_used:
             raise ConfigError(
                 "--mem-limit applies to memory-aware generators (zb-auto, v-auto), --ckpt mario or --exact"
@@ -341,7 +349,10 @@ def _schedule_from_args(args: argparse.Namespace, costs: Costs, budget_is_used: 
         if args.p is None or args.m is None:
             raise ConfigError(f"schedule {args.name!r} needs -p (devices) and -m (micro-batches)")
         options = get_generator(args.name).options
-        kwargs: dict = {} if args.chunks is None else {"num_chunks": args.chunks}
+        kwargs: dict = _generator_flags(args)
+        for flag, option in (("-v", "num_chunks"), ("--slices", "num_slices"), ("--forwards", "forwards")):
+            if option in kwargs and option not in options:
+                raise ConfigError(f"schedule {args.name!r} does not take {flag}")
         if "costs" in options:
             kwargs["costs"] = costs
         if budget is not None and "mem_limit" in options:
@@ -353,6 +364,12 @@ def _schedule_from_args(args: argparse.Namespace, costs: Costs, budget_is_used: 
     if args.split:
         schedule = split_backward(schedule, args.split, costs=costs, batch=args.batch_w)
     return schedule
+
+
+def _generator_flags(args: argparse.Namespace) -> dict:
+    """The generator options given on the command line (-v, --slices, --forwards)."""
+    given = {"num_chunks": args.chunks, "num_slices": args.slices, "forwards": args.forwards}
+    return {option: value for option, value in given.items() if value is not None}
 
 
 def _costs_from_args(args: argparse.Namespace) -> Costs:

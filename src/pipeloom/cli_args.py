@@ -19,7 +19,11 @@ def add_schedule_source(parser: argparse.ArgumentParser, name_flag: str | None =
         parser.add_argument("name", nargs="?", metavar="NAME", help=name_help)
     parser.add_argument("-p", "--devices", dest="p", type=int, help="number of devices")
     parser.add_argument("-m", "--microbatches", dest="m", type=int, help="micro-batches per step")
-    parser.add_argument("-v", "--chunks", type=int, help="chunks (stages) per device, for interleaved")
+    parser.add_argument("-v", "--chunks", type=int, help="chunks (stages) per device, for interleaved, tpipe, svpp")
+    parser.add_argument("--slices", type=int, help="slices per micro-batch along the sequence, for svpp and terapipe")
+    parser.add_argument(
+        "--forwards", type=int, metavar="F", help="svpp: forwards before the first backward (the memory/bubble variant)"
+    )
     parser.add_argument("--schedule-file", metavar="PATH", help="read a pipeloom.schedule/1 JSON file instead")
     add_mem_limit(parser)
     parser.add_argument(
@@ -66,7 +70,7 @@ def add_mem_limit(parser: argparse.ArgumentParser) -> None:
 
 
 def add_tpipe_passes(parser: argparse.ArgumentParser) -> None:
-    """TPipe's T-Recomp and T-Offload."""
+    """TPipe's T-Recomp and T-Offload, and MEPipe's weight-gradient parts."""
     parser.add_argument(
         "--recompute",
         metavar="shallow|CHUNKS",
@@ -86,6 +90,13 @@ def add_tpipe_passes(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--reload-bits", type=int, default=16, metavar="N", help="with --offload: bits per reloaded weight (default 16)"
+    )
+    parser.add_argument(
+        "--weight-parts",
+        type=int,
+        metavar="K",
+        help="cut every W into K parts (one per weight matrix) and run each where its device would wait, "
+        "deferring what memory allows (MEPipe §5); splits fused backwards first",
     )
 
 

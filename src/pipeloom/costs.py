@@ -31,13 +31,14 @@ from typing import Any, Union
 from pipeloom.errors import ConfigError
 from pipeloom.files import read_json
 
-__all__ = ["Costs", "StageCosts", "CostValue"]
+__all__ = ["Costs", "StageCosts", "CostValue", "causal_attention_fraction"]
 
 CostValue = Union[float, Sequence[float | Sequence[float]]]
 
 _PER_STAGE_KEYS = ("F", "B", "W", "R", "M_B", "M_W", "M_ckpt", "M_static")
 _OFFLOAD_KEYS = ("offload_bytes", "reload_bytes", "host_step_flops", "M_offload")
 _RATE_KEYS = ("host_bandwidth", "host_flops")
+_ATTENTION_KEYS = ("F", "B", "R")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +75,10 @@ class Costs:
     """Bytes per time unit between a device and its host, each way."""
     host_flops: float | None = None
     """Host FLOPs per time unit available to one device's optimizer work."""
+    attention_fraction: float = 0.0
+    """Share of F, B and R time spent in causal attention. Cutting a micro-batch into L slices
+    then gives slice l the share (1−a)/L + a(2l+1)/L² instead of 1/L: its queries attend to the
+    keys of every earlier slice, so later slices cost more (MEPipe §5). W has no attention."""
 
     def __post_init__(self) -> None:
         for key in _PER_STAGE_KEYS + _OFFLOAD_KEYS:
@@ -84,6 +89,10 @@ class Costs:
         if not _is_number(self.comm) or self.comm < 0 or not math.isfinite(self.comm):
             raise ConfigError(f"costs: comm must be a non-negative number, got {self.comm!r}")
         object.__setattr__(self, "comm", float(self.comm))
+        fraction = self.attention_fraction
+        if not _is_number(fraction) or not 0 <= fraction <= 1:
+            raise ConfigError(f"costs: attention_fraction must be a number from 0 to 1, got {fraction!r}")
+        object.__setattr__(self, "attention_fraction", float(fraction))
         for key in _RATE_KEYS:
             value = getattr(self, key)
             if value is None:
@@ -131,11 +140,13 @@ class Costs:
         return tuple(field.name for field in fields(Costs))
 
     def to_dict(self) -> dict[str, Any]:
-        """Every set key; T-Offload's only where they are not zero, so plain costs read as before."""
+        """Every set key; T-Offload's and attention_fraction only where they are not zero, so plain
+        costs read as before."""
+        optional = _OFFLOAD_KEYS + ("attention_fraction",)
         return {
             key: _plain(value)
             for key in self.keys()
-            if (value := getattr(self, key)) is not None and not (key in _OFFLOAD_KEYS and value == 0.0)
+            if (value := getattr(self, key)) is not None and not (key in optional and value == 0.0)
         }
 
     # -- resolution for one schedule shape -------------------------------------------------
@@ -166,9 +177,13 @@ class Costs:
         value = getattr(self, key)
         if value is None:
             value = self.F
+        weighted = self.attention_fraction > 0 and key in _ATTENTION_KEYS and num_slices > 1
+        weights = self.slice_weights(num_slices) if weighted else None
         if not isinstance(value, tuple):
-            share = num_devices / (num_stages * num_slices)
-            return [value * share] * (num_stages * num_slices)
+            if weights is None:
+                share = num_devices / (num_stages * num_slices)
+                return [value * share] * (num_stages * num_slices)
+            return [value * num_devices / num_stages * weight for weight in weights] * num_stages
         if len(value) != num_stages:
             raise ConfigError(
                 f"costs: {key} has {len(value)} per-stage values but the schedule has {num_stages} stages; "
@@ -182,9 +197,30 @@ class Costs:
                         f"costs: {key}[{stage}] has {len(entry)} per-slice values but the schedule has {num_slices} slices"
                     )
                 out.extend(entry)
-            else:
+            elif weights is None:
                 out.extend([entry / num_slices] * num_slices)
+            else:
+                out.extend([entry * weight for weight in weights])
         return out
+
+    def slice_weights(self, num_slices: int) -> list[float]:
+        """Each slice's share of a stage's F, B or R time (they sum to 1)."""
+        a, L = self.attention_fraction, num_slices
+        return [(1 - a) / L + a * (2 * index + 1) / L**2 for index in range(L)]
+
+
+def causal_attention_fraction(hidden: int, seq_len: int, ffn: int | None = None) -> float:
+    """FLOP share of causal attention (scores and their weighted sum) in a decoder layer.
+
+    Per token a layer spends 2·(4h² + 3h·ffn) FLOPs in its linear layers (SwiGLU; 2·(4h² +
+    2h·ffn) = 24h² for GPT's ffn = 4h with two matrices is close) and on average 2·seq·h in
+    attention (QKᵀ and AV over half the sequence, causal): a = seq / (seq + 4h + 3·ffn).
+
+    >>> round(causal_attention_fraction(5120, 4096, 13824), 3)  # LLaMA-2 13B at 4K
+    0.062
+    """
+    ffn = 4 * hidden if ffn is None else ffn
+    return seq_len / (seq_len + 4 * hidden + 3 * ffn)
 
 
 @dataclass(frozen=True, slots=True)

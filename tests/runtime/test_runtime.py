@@ -54,10 +54,13 @@ def assert_matches_reference(spec, results):
                 torch.testing.assert_close(value, reference[stage][name], rtol=1e-5, atol=1e-6)
 
 
+SLICE_LEVEL = {"svpp", "terapipe"}  # slices run with issue 7; until then they are refused up front
+
+
 def test_registry_is_covered():
     from pipeloom import list_generators
 
-    assert {g.name for g in list_generators()} == set(GENERATORS)
+    assert {g.name for g in list_generators()} == set(GENERATORS) | SLICE_LEVEL
 
 
 @pytest.mark.parametrize("name", sorted(GENERATORS))
@@ -176,6 +179,9 @@ def test_bad_runs_are_refused_before_any_compute():
         check_spec(spec_for(build_schedule("1f1b", 2, 2)), world_size=3)
     with pytest.raises(ConfigError, match="cannot be cut into 8 stages"):
         check_spec(TrainSpec(build_schedule("zb-v", 4, 4), config=LlamaConfig(layers=4)))
+    for name in sorted(SLICE_LEVEL):
+        with pytest.raises(ConfigError, match="slices or W parts"):
+            check_spec(spec_for(build_schedule(name, 2, 2, num_slices=2)))
     broken = Schedule.from_text("0F0 0BW0\n1BW0 1F0")  # deadlocks
     with pytest.raises(ScheduleError, match="deadlock"):
         check_spec(spec_for(broken))

@@ -11,6 +11,7 @@ from pipeloom.passes.mario import mario
 from pipeloom.passes.offload import OffloadPlan, OffloadTimeline, simulate_offload, t_offload
 from pipeloom.passes.split_backward import W_PLACEMENTS, split_backward
 from pipeloom.passes.trecomp import chunk_delay_rounds, t_recomp
+from pipeloom.passes.weight_parts import weight_parts
 
 __all__ = [
     "W_PLACEMENTS",
@@ -27,4 +28,5 @@ __all__ = [
     "split_backward",
     "t_offload",
     "t_recomp",
+    "weight_parts",
 ]

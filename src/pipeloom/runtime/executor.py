@@ -72,8 +72,6 @@ class DeviceExecutor:
         pair_groups: dict[tuple[int, int], dist.ProcessGroup] | None = None,
         device_type: torch.device | None = None,
     ) -> None:
-        if schedule.num_slices != 1 or any(op.parts != 1 for _, _, op in schedule.ops()):
-            raise ConfigError("the runtime does not run slices or W parts yet (issue 7)")
         self.schedule, self.plan, self.device = schedule, plan, device
         self.ops = schedule.devices[device]
         self.stages, self.queue = stages, queue

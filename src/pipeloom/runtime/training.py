@@ -69,6 +69,10 @@ class RankResult:
 def check_spec(spec: TrainSpec, world_size: int | None = None) -> None:
     """Refuse before any compute: invalid schedule, wrong world size, uncuttable layers."""
     validate(spec.schedule)
+    if spec.schedule.num_slices != 1 or any(op.parts != 1 for _, _, op in spec.schedule.ops()):
+        raise ConfigError(
+            f"train: {spec.schedule.name!r} has slices or W parts, which the runtime does not run yet (issue 7)"
+        )
     if spec.dp < 1:
         raise ConfigError(f"train: data-parallel size must be at least 1, got {spec.dp}")
     if spec.backend not in ("gloo", "nccl"):

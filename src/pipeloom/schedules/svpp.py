@@ -1,0 +1,361 @@
+"""Slice-level pipelines: MEPipe's SVPP (§4) and TeraPipe, micro-batches cut along the sequence.
+
+Each micro-batch is cut into s causal slices; stage s of v·p runs on device s mod p. A slice's
+forward needs the previous stage's output of that slice and, on its own stage, the keys and values
+of the earlier slices; its backward needs the next stage's gradient and the gradients the later
+slices sent back into its keys and values. One slice of one chunk holds A/(v·s·p) of activations
+(A: one micro-batch through the whole model), so the more forwards a device runs before its first
+backward (f), the more it holds and the fewer bubbles it has.
+
+SVPP (§4.3) is built by list scheduling that simulates the step while building it: the device
+with the earliest clock picks its next op. A backward that is ready runs, chosen by the number of
+its descendants on the device — (slice l, chunk c) has (l+1)(c+1)−1, MEPipe's "children" — then
+by micro-batch; else a ready forward runs if the device holds fewer than f forwards, earliest
+micro-batch first; else the device waits. Three switches choose among close variants, and the
+best makespan wins: backward first, forward first, or alternating (one forward between two
+backwards: MEPipe's "single bubbles" left for the next micro-batch's forwards); a micro-batch's
+later chunk before its earlier one; and, only if the plain cap deadlocks, reserving room on a
+device for the remaining forwards of every micro-batch that entered it before.
+
+`svpp` defaults to the variant with the lowest bubble ratio (within 0.5 % of the step) and the
+least f that reaches it. With
+T_B = T_F, as MEPipe's analysis assumes, that is Table 3's f = v·max(p,s) + min(p,s) − 1 whenever
+s < p or v = 1 (Fig. 4: 5/8 A for p=4, s=2, v=1; 9/16 A with v=2). With a memory limit it takes
+the largest f whose simulated peak fits (§4.5). TeraPipe is GPipe over slices: every forward,
+then every backward.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipeloom.costs import Costs
+from pipeloom.errors import ConfigError, InfeasibleError
+from pipeloom.ir.ops import Op, OpKind
+from pipeloom.ir.schedule import Schedule
+from pipeloom.schedules.registry import register, require_int
+from pipeloom.sim.simulate import simulate
+
+__all__ = ["svpp", "terapipe", "table3_forwards", "DEFAULT_SVPP_COSTS"]
+
+F, BW = OpKind.F, OpKind.BW
+_EPS = 1e-9
+_NEAR = 0.005
+"""A step this much (relatively) longer than the shortest still counts as the lowest bubble:
+the default variant does not buy the last fraction of a percent with whole micro-batches of memory."""
+
+DEFAULT_SVPP_COSTS = Costs(F=1.0, B=1.0)
+"""MEPipe's analysis assumes a slice's backward takes as long as its forward."""
+
+
+def table3_forwards(num_devices: int, num_chunks: int, num_slices: int) -> int:
+    """Forwards before the first backward in Table 3's variant: v·max(p,s) + min(p,s) − 1."""
+    p, v, s = num_devices, num_chunks, num_slices
+    return v * max(p, s) + min(p, s) - 1
+
+
+@register(
+    "svpp",
+    family="slice-level",
+    paper="MEPipe (Sun et al., EuroSys 2025), SVPP §4",
+    summary="slices × virtual chunks, forward and backward interleaved per slice: ~A/min(s,p) activations",
+    domain="p, m >= 1; v >= 1 chunks, s >= 1 slices; f >= v·s forwards before the first backward",
+    options=("num_chunks", "num_slices", "forwards", "costs", "mem_limit"),
+)
+def svpp(
+    num_devices: int,
+    num_microbatches: int,
+    num_chunks: int = 1,
+    num_slices: int = 2,
+    forwards: int | None = None,
+    costs: Costs | None = None,
+    mem_limit: float | Sequence[float] | None = None,
+) -> Schedule:
+    """SVPP with f = `forwards`, or the largest f within `mem_limit` (activation memory per
+    device, a scalar or one per device), or Table 3's f.
+
+    >>> print(svpp(2, 1, num_slices=2).to_text().splitlines()[1])
+    0F0 0F0.1 0BW0.1 0BW0
+    """
+    p, m = num_devices, num_microbatches
+    v = require_int("svpp", "num_chunks (v)", num_chunks, 1)
+    s = require_int("svpp", "num_slices (s)", num_slices, 1)
+    costs = costs if costs is not None else DEFAULT_SVPP_COSTS
+    if forwards is not None and mem_limit is not None:
+        raise ConfigError("svpp: give the number of forwards before the first backward or a memory limit, not both")
+    if forwards is not None:
+        require_int("svpp", "forwards (f)", forwards, v * s)
+        return _best_of_policies(p, m, v, s, forwards, costs).schedule
+    lowest = _lowest_bubble(p, m, v, s, costs)
+    if mem_limit is None:
+        return lowest.schedule
+    return _largest_fitting(p, m, v, s, costs, mem_limit, lowest).schedule
+
+
+@register(
+    "terapipe",
+    family="slice-level",
+    paper="TeraPipe (Li et al., ICML 2021)",
+    summary="GPipe over slices: all slice forwards, then all backwards",
+    domain="p, m >= 1; s >= 1 slices",
+    options=("num_slices",),
+)
+def terapipe(num_devices: int, num_microbatches: int, num_slices: int = 2) -> Schedule:
+    """TeraPipe: device d runs every (micro-batch, slice) forward, then the backwards in reverse
+    slice order.
+
+    >>> print(terapipe(2, 1).to_text().splitlines()[1])
+    0F0 0F0.1 0BW0.1 0BW0
+    """
+    s = require_int("terapipe", "num_slices (s)", num_slices, 1)
+    m = num_microbatches
+    devices = [
+        [Op(F, d, mb, sl) for mb in range(m) for sl in range(s)]
+        + [Op(BW, d, mb, sl) for mb in range(m) for sl in reversed(range(s))]
+        for d in range(num_devices)
+    ]
+    return Schedule.build("terapipe", devices, num_stages=num_devices, num_microbatches=m, num_slices=s)
+
+
+@dataclass(frozen=True, slots=True)
+class _Policy:
+    prefer: str
+    """"alternate", "forward" or "backward": which of a ready forward and backward runs."""
+    deep_first: bool
+    """Among one micro-batch's ready forwards, the later chunk first."""
+    reserve: bool
+    """Keep room for the remaining forwards of micro-batches that entered the device earlier."""
+    taper: int = 0
+    """Device d holds at most f − taper·d forwards (at least v·s): 1F1B's shape for taper 1."""
+
+
+class _Deadlock(Exception):
+    """Every device holds f forwards and waits for a backward none can produce."""
+
+
+class _Beaten(Exception):
+    """The run has passed the step length it had to beat."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Built:
+    forwards: int
+    makespan: float
+    held: int
+    """The most forwards any device held at once."""
+    schedule: Schedule
+
+
+def _best_of_policies(
+    p: int, m: int, v: int, s: int, forwards: int, costs: Costs, bound: float = math.inf, first: bool = False
+) -> _Built | None:
+    """The shortest step over the policies (with `first`, the first to end by `bound`), or None
+    if none ends by `bound`. A run is abandoned as soon as it cannot beat the best so far."""
+    best = None
+    orders = (False, True) if v > 1 else (False,)
+    for prefer, deep_first, taper in itertools.product(("alternate", "forward", "backward"), orders, (0, 1)):
+        for reserve in (False, True):
+            limit = min(bound, best[0]) if best else bound
+            try:
+                policy = _Policy(prefer, deep_first, reserve, taper)
+                run = _SliceScheduler(p, m, v, s, forwards, costs, policy).run(limit)
+            except _Deadlock:
+                continue  # the reserving run of the same policy cannot deadlock
+            except _Beaten:
+                break
+            if best is None or run[0] < best[0] - _EPS:
+                best = run
+            break
+        if first and best is not None:
+            break
+    if best is None:
+        return None
+    makespan, held, order = best
+    schedule = Schedule.build("svpp", order, num_stages=v * p, num_microbatches=m, num_slices=s)
+    return _Built(forwards, makespan, held, schedule)
+
+
+def _lowest_bubble(p: int, m: int, v: int, s: int, costs: Costs) -> _Built:
+    """The least f whose step is within `_NEAR` of the shortest any f gives. Under MEPipe's
+    T_B = T_F this is Table 3's f when s < p or v = 1; a longer backward, or s >= p with v >= 2,
+    needs more forwards in flight to cover the first backward's round trip."""
+    unlimited = _best_of_policies(p, m, v, s, m * v * s, costs)
+    good_enough = unlimited.makespan * (1 + _NEAR)
+    low, high = min(table3_forwards(p, v, s), unlimited.held), unlimited.held
+    while low < high:
+        middle = (low + high) // 2
+        if _best_of_policies(p, m, v, s, max(middle, v * s), costs, bound=good_enough, first=True):
+            high = middle
+        else:
+            low = middle + 1
+    return _best_of_policies(p, m, v, s, max(low, v * s), costs)
+
+
+def _largest_fitting(p: int, m: int, v: int, s: int, costs: Costs, mem_limit, lowest: _Built) -> _Built:
+    """The largest f (up to the lowest-bubble one) whose simulated peaks fit `mem_limit` (§4.5)."""
+    limits = list(mem_limit) if isinstance(mem_limit, Sequence) else [mem_limit] * p
+    if len(limits) != p:
+        raise ConfigError(f"svpp: {len(limits)} memory limits given for {p} devices")
+
+    def peaks(built: _Built) -> list[float]:
+        return simulate(built.schedule, costs).peak_activation_memory
+
+    def fits(built: _Built) -> bool:
+        return all(peak <= limit + _EPS for peak, limit in zip(peaks(built), limits))
+
+    if fits(lowest):
+        return lowest
+    low, high = v * s, lowest.forwards - 1
+    best = _best_of_policies(p, m, v, s, low, costs)
+    if not fits(best):
+        over = peaks(best)
+        device = max(range(p), key=lambda d: over[d] - limits[d])
+        raise InfeasibleError(
+            f"svpp: device {device} needs {over[device]:g} of activation memory even with f = v·s = {low} "
+            f"(one micro-batch's forwards before its first backward); raise its limit {limits[device]:g} to at least that"
+        )
+    while low < high:
+        middle = (low + high + 1) // 2
+        candidate = _best_of_policies(p, m, v, s, middle, costs)
+        if fits(candidate):
+            low, best = middle, candidate
+        else:
+            high = middle - 1
+    return best
+
+
+class _SliceScheduler:
+    """One greedy run. Tables are flat, indexed by (stage * m + mb) * s + slice; a candidate is
+    (ready time, priority, is forward, stage, mb, slice)."""
+
+    def __init__(self, p: int, m: int, v: int, s: int, forwards: int, costs: Costs, policy: _Policy):
+        self.p, self.m, self.v, self.s = p, m, v, s
+        self.S = S = v * p
+        table = costs.resolve(p, S, s)
+        self.t_forward = table.F
+        self.t_backward = [b + w for b, w in zip(table.B, table.W)]
+        self.comm = table.comm
+        self.policy = policy
+        self.caps = [max(v * s, forwards - policy.taper * d) for d in range(p)]
+        self.end_f = [-1.0] * (S * m * s)
+        self.end_b = [-1.0] * (S * m * s)
+        self.next_forward = [0] * S  # position in the stage's (mb, slice) order
+        self.next_backward = [[s - 1] * m for _ in range(S)]  # per stage and mb: the slice to backward next
+        self.lowest_open = [0] * S  # per stage: first micro-batch with backwards left
+        self.held = [0] * p
+        self.unrun_forwards = [[v * s] * m for _ in range(p)]
+
+    def run(self, bound: float = math.inf) -> tuple[float, int, list[list[Op]]]:
+        p, S = self.p, self.S
+        clock = [0.0] * p
+        last_forward = [False] * p
+        blocked = [False] * p
+        order: list[list[Op]] = [[] for _ in range(p)]
+        left = [2 * self.v * self.m * self.s] * p
+        stages_of = [range(d, S, p) for d in range(p)]
+        prefer = self.policy.prefer
+        most_held = 0
+        while True:
+            d, now = -1, math.inf
+            for x in range(p):
+                if left[x] and not blocked[x] and clock[x] < now:
+                    d, now = x, clock[x]
+            if d < 0:
+                if any(left):
+                    raise _Deadlock
+                break
+            candidates = []
+            for stage in stages_of[d]:
+                self.forward_candidate(stage, d, candidates)
+                self.backward_candidates(stage, candidates)
+            ready = [c for c in candidates if c[0] <= now + _EPS]
+            if not ready:
+                # Wait for the next known input, but no later than another device's clock: an op
+                # whose producer has not run cannot become ready before that.
+                later = [c[0] for c in candidates]
+                later += [clock[x] for x in range(p) if left[x] and not blocked[x] and clock[x] > now + _EPS]
+                if later:
+                    clock[d] = min(later)
+                else:
+                    blocked[d] = True
+                continue
+            forward_first = prefer == "forward" or (prefer == "alternate" and not last_forward[d])
+            kinds = {c[2] for c in ready}
+            is_forward = forward_first if len(kinds) == 2 else kinds.pop()
+            _, _, _, stage, mb, slice_ = min((c for c in ready if c[2] == is_forward), key=lambda c: c[1])
+            clock[d] = end = self.place(is_forward, stage, mb, slice_, d, now)
+            if end > bound + _EPS:
+                raise _Beaten
+            most_held = max(most_held, self.held[d])
+            last_forward[d] = is_forward
+            order[d].append(Op(F if is_forward else BW, stage, mb, slice_))
+            left[d] -= 1
+            blocked = [False] * p
+        return max(clock), most_held, order
+
+    def forward_candidate(self, stage: int, device: int, out: list) -> None:
+        m, s = self.m, self.s
+        position = self.next_forward[stage]
+        if position >= m * s:
+            return
+        mb, slice_ = divmod(position, s)
+        ready = 0.0
+        if stage:
+            arrival = self.end_f[((stage - 1) * m + mb) * s + slice_]
+            if arrival < 0:
+                return
+            ready = arrival + (self.comm if (stage - 1) % self.p != device else 0.0)
+        owed = 0
+        if self.policy.reserve:
+            started = self.unrun_forwards[device]
+            owed = sum(started[j] for j in range(mb) if started[j] < self.v * s)
+        if self.held[device] + 1 + owed > self.caps[device]:
+            return
+        chunk = stage // self.p
+        out.append((ready, (mb, -chunk if self.policy.deep_first else chunk, slice_), True, stage, mb, slice_))
+
+    def backward_candidates(self, stage: int, out: list) -> None:
+        m, s = self.m, self.s
+        end_f, end_b = self.end_f, self.end_b
+        last_stage = stage == self.S - 1
+        chunk = stage // self.p
+        comm = self.comm if (stage + 1) % self.p != stage % self.p else 0.0
+        next_backward = self.next_backward[stage]
+        for mb in range(self.lowest_open[stage], m):
+            slice_ = next_backward[mb]
+            if slice_ < 0:
+                continue
+            k = (stage * m + mb) * s + slice_
+            ready = end_f[k]
+            if ready < 0:
+                break  # forwards of a stage end in micro-batch order: later ones are not ready either
+            if not last_stage:
+                gradient = end_b[k + m * s]
+                if gradient < 0:
+                    continue
+                ready = max(ready, gradient + comm)
+            if slice_ < s - 1:
+                ready = max(ready, end_b[k + 1])
+            out.append((ready, (-((slice_ + 1) * (chunk + 1) - 1), mb), False, stage, mb, slice_))
+
+    def place(self, is_forward: bool, stage: int, mb: int, slice_: int, device: int, now: float) -> float:
+        k = (stage * self.m + mb) * self.s + slice_
+        if is_forward:
+            end = now + self.t_forward[stage * self.s + slice_]
+            self.end_f[k] = end
+            self.next_forward[stage] += 1
+            self.held[device] += 1
+            self.unrun_forwards[device][mb] -= 1
+            return end
+        end = now + self.t_backward[stage * self.s + slice_]
+        self.end_b[k] = end
+        self.next_backward[stage][mb] -= 1
+        self.held[device] -= 1
+        lowest, next_backward = self.lowest_open[stage], self.next_backward[stage]
+        while lowest < self.m and next_backward[lowest] < 0:
+            lowest += 1
+        self.lowest_open[stage] = lowest
+        return end
