@@ -13,18 +13,15 @@ from pathlib import Path
 from typing import NoReturn
 
 from pipeloom.budget import parse_memory_budget
-from pipeloom.cli_args import add_ckpt, add_costs, add_mem_limit, add_schedule_source, add_tpipe_passes, int_list
+from pipeloom.cli_args import add_ckpt, add_costs, add_mem_limit, add_schedule_source, add_tpipe_passes
 from pipeloom.cli_format import costs_text, exact_report, num, offload_report, progress_bar, report, table
+from pipeloom.cli_passes import offloaded, with_passes
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError, PipeloomError, ScheduleError
 from pipeloom.ir.io import load_schedule
 from pipeloom.ir.schedule import Schedule
-from pipeloom.passes.checkpoint import apply_checkpoint
-from pipeloom.passes.mario import mario
-from pipeloom.passes.offload import LaneOp, OffloadTimeline, simulate_offload, t_offload
+from pipeloom.passes.offload import LaneOp
 from pipeloom.passes.split_backward import split_backward
-from pipeloom.passes.trecomp import t_recomp
-from pipeloom.passes.weight_parts import weight_parts
 from pipeloom.schedules import build_schedule, get_generator, list_generators
 from pipeloom.sim.simulate import Timeline, simulate
 from pipeloom.tune.pareto import explore_pareto
@@ -111,10 +108,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             time_limit=args.time_limit if args.time_limit is not None else 10.0,
         )
         schedule = exact.schedule
-    schedule = _recomputed(_checkpointed(schedule, costs, args), args)
-    if args.weight_parts is not None:
-        schedule = weight_parts(schedule, costs, args.weight_parts)
-    offload = _offloaded(schedule, costs, args)
+    schedule = with_passes(schedule, costs, args)
+    offload = offloaded(schedule, costs, args)
     timeline = offload.timeline if offload else simulate(schedule, costs)
     _write_outputs(timeline, args.export, args.trace, args.plot, lanes=offload.lane_ops if offload else None)
     if args.json:
@@ -296,35 +291,6 @@ def _build_parser() -> _Parser:
     compare.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     compare.set_defaults(handler=_cmd_compare)
     return parser
-
-
-def _checkpointed(schedule: Schedule, costs: Costs, args: argparse.Namespace) -> Schedule:
-    """`schedule` with the checkpointing --ckpt asks for."""
-    if args.ckpt == "full":
-        return apply_checkpoint(schedule)
-    if args.ckpt == "mario":
-        return mario(schedule, costs, parse_memory_budget(args.mem_limit) if args.mem_limit else None)
-    return schedule
-
-
-def _recomputed(schedule: Schedule, args: argparse.Namespace) -> Schedule:
-    """`schedule` with the T-Recomp --recompute asks for."""
-    if args.recompute is None:
-        return schedule
-    if args.ckpt != "none":
-        raise ConfigError("--recompute (T-Recomp) chooses its own checkpointing; it cannot be combined with --ckpt")
-    chunks = [0] if args.recompute == "shallow" else int_list(args.recompute, "--recompute")
-    return t_recomp(schedule, chunks)
-
-
-def _offloaded(schedule: Schedule, costs: Costs, args: argparse.Namespace) -> OffloadTimeline | None:
-    """The T-Offload simulation --offload asks for, or None."""
-    if not args.offload:
-        if args.offload_stages is not None or args.reload_bits != 16:
-            raise ConfigError("--offload-stages and --reload-bits apply to --offload")
-        return None
-    stages = int_list(args.offload_stages, "--offload-stages") if args.offload_stages is not None else None
-    return simulate_offload(t_offload(schedule, stages, args.reload_bits), costs)
 
 
 def _schedule_from_args(args: argparse.Namespace, costs: Costs, budget_is_used: bool = False) -> Schedule:

@@ -7,11 +7,11 @@ import argparse
 
 from pipeloom.cli import (
     _check_outputs,
-    _checkpointed,
     _costs_from_args,
     _schedule_from_args,
 )
 from pipeloom.cli_args import add_ckpt, add_costs, add_schedule_source
+from pipeloom.cli_passes import checkpointed
 from pipeloom.errors import ConfigError
 
 __all__ = ["add_train_arguments", "cmd_train", "train_spec_from_args", "write_train_outputs"]
@@ -70,7 +70,7 @@ def train_spec_from_args(args: argparse.Namespace, report: bool = False):
     from pipeloom.runtime.training import TrainSpec, check_spec
 
     costs = _costs_from_args(args)
-    schedule = _checkpointed(_schedule_from_args(args, costs, budget_is_used=args.ckpt == "mario"), costs, args)
+    schedule = checkpointed(_schedule_from_args(args, costs, budget_is_used=args.ckpt == "mario"), costs, args)
     config = LlamaConfig(
         vocab=args.vocab,
         hidden=args.hidden,
