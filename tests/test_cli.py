@@ -334,3 +334,130 @@ def test_simulate_slice_level_schedules(capsys):
     assert code == 0 and "svpp+wparts" in out
     code, out, _ = run(capsys, "compare", "svpp", "terapipe", "1f1b", "-p", "4", "-m", "4", "--slices", "2")
     assert code == 0 and "terapipe" in out
+
+
+def test_tune_on_presets_writes_plan_and_timeline(capsys, tmp_path):
+    plan = tmp_path / "plan.json"
+    argv = [
+        "tune",
+        "--model",
+        "zb-1.5b",
+        "--hardware",
+        "rtx-4090",
+        "--devices",
+        "8",
+        "--global-batch",
+        "16",
+        "--schemes",
+        "1f1b,zb-h1,chimera",
+        "--max-mbs",
+        "2",
+        "--output",
+        str(plan),
+    ]
+    code, out, _ = run(capsys, *argv, "--explain")
+    assert code == 0
+    assert "1. " in out and "why the others lost" in out and "best plan written to" in out
+    saved = json.loads(plan.read_text())
+    assert saved["format"] == "pipeloom.plan/1" and saved["pp"] * saved["dp"] == 8
+    assert sum(saved["partition"]) == 22 and saved["predicted"]["step_time_ms"] > 0
+    assert (tmp_path / "plan.png").stat().st_size > 0
+    code, out, _ = run(capsys, *argv, "--json", "--top", "3")
+    ranked = json.loads(out)
+    assert len(ranked) == 3 and ranked[0]["step_time_ms"] <= ranked[1]["step_time_ms"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["tune", "--model", "gpt5", "--hardware", "h100", "--devices", "8", "--global-batch", "8"], "unknown model"),
+        (["tune", "--model", "gpt3-13b", "--devices", "8", "--global-batch", "8"], "needs --hardware"),
+        (
+            [
+                "tune",
+                "--model",
+                "gpt3-13b",
+                "--hardware",
+                "h100",
+                "--costs",
+                "p.json",
+                "--devices",
+                "8",
+                "--global-batch",
+                "8",
+            ],
+            "not allowed with",
+        ),
+        (
+            [
+                "tune",
+                "--model",
+                "gpt3-175b",
+                "--hardware",
+                "a100-40g",
+                "--devices",
+                "8",
+                "--global-batch",
+                "8",
+                "--schemes",
+                "1f1b",
+            ],
+            "no plan fits",
+        ),
+        (
+            [
+                "tune",
+                "--model",
+                "gpt3-13b",
+                "--hardware",
+                "h100",
+                "--devices",
+                "8",
+                "--global-batch",
+                "8",
+                "--schemes",
+                "dualpipe",
+            ],
+            "unknown scheme",
+        ),
+        (
+            [
+                "tune",
+                "--model",
+                "gpt3-13b",
+                "--hardware",
+                "h100",
+                "--devices",
+                "8",
+                "--global-batch",
+                "8",
+                "--memory",
+                "lots",
+            ],
+            "memory budget",
+        ),
+        (
+            [
+                "tune",
+                "--model",
+                "gpt3-13b",
+                "--hardware",
+                "h100",
+                "--devices",
+                "8",
+                "--global-batch",
+                "8",
+                "--output",
+                "no/dir/p.json",
+            ],
+            "does not exist",
+        ),
+        (["train", "--plan", "missing.json"], "cannot read plan"),
+        (["profile", "--model", "gpt3-13b"], "too large"),
+    ],
+)
+def test_tune_refusals_are_one_line(capsys, tmp_path, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == "" and err.count("\n") == 1 and message in err
+    assert list(tmp_path.iterdir()) == []

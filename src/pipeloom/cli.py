@@ -20,6 +20,7 @@ from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError, PipeloomError, ScheduleError
 from pipeloom.ir.io import load_schedule
 from pipeloom.ir.schedule import Schedule
+from pipeloom.ir.torch_csv import from_torch_csv, to_torch_csv
 from pipeloom.passes.offload import LaneOp
 from pipeloom.passes.split_backward import split_backward
 from pipeloom.schedules import build_schedule, get_generator, list_generators
@@ -233,7 +234,11 @@ def _build_parser() -> _Parser:
     sim = commands.add_parser("simulate", help="simulate a schedule: time, memory, bubbles")
     add_schedule_source(sim)
     add_costs(sim)
-    sim.add_argument("--export", metavar="PATH", help="write the schedule as pipeloom.schedule/1 JSON")
+    sim.add_argument(
+        "--export",
+        metavar="PATH",
+        help="write the schedule as pipeloom.schedule/1 JSON, or as torch.distributed.pipelining's CSV (.csv)",
+    )
     sim.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace JSON of the timeline")
     sim.add_argument("--plot", metavar="PATH", help="draw the timeline and memory curves (.png, .svg, .pdf)")
     sim.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -260,12 +265,16 @@ def _build_parser() -> _Parser:
     pareto.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     pareto.set_defaults(handler=_cmd_pareto)
 
+    from pipeloom.cli_tune import add_commands
+
+    add_commands(commands)
+
     from pipeloom.cli_train import add_train_arguments, cmd_train  # it builds on this module's helpers
 
     train = commands.add_parser(
         "train", help="train a small LLaMA-style model with a schedule on local ranks (torch, gloo)"
     )
-    train.add_argument("--nproc", type=int, required=True, help="ranks to start on this machine (= p × dp)")
+    train.add_argument("--nproc", type=int, help="ranks to start on this machine (= p × dp; with --plan, the plan's)")
     add_train_arguments(train)
     train.set_defaults(handler=cmd_train)
 
@@ -307,8 +316,7 @@ def _schedule_from_args(args: argparse.Namespace, costs: Costs, budget_is_used: 
             raise ConfigError(
                 "--mem-limit applies to memory-aware generators (zb-auto, v-auto), --ckpt mario or --exact"
             )
-        schedule = load_schedule(args.schedule_file)
-        schedule.validate()
+        schedule = _load_schedule_file(args.schedule_file)
     else:
         if not args.name:
             raise ConfigError("name a schedule (see `pipeloom list`) or give --schedule-file")
@@ -330,6 +338,17 @@ def _schedule_from_args(args: argparse.Namespace, costs: Costs, budget_is_used: 
     if args.split:
         schedule = split_backward(schedule, args.split, costs=costs, batch=args.batch_w)
     return schedule
+
+
+def _load_schedule_file(path: str) -> Schedule:
+    """A pipeloom.schedule/1 JSON file, or torch.distributed.pipelining's CSV (.csv), validated."""
+    if not path.endswith(".csv"):
+        return load_schedule(path).validate()
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise ConfigError(f"cannot read schedule file {path!r}: {error.strerror}") from None
+    return from_torch_csv(text, name=Path(path).stem)
 
 
 def _generator_flags(args: argparse.Namespace) -> dict:
@@ -360,9 +379,12 @@ def _check_outputs(paths: list[str | None], plot: str | None) -> None:
 def _write_outputs(
     timeline: Timeline, export: str | None, trace: str | None, plot: str | None, lanes: Sequence[LaneOp] | None = None
 ) -> None:
+    torch_csv = to_torch_csv(timeline.schedule) if export and export.endswith(".csv") else None  # may refuse
     if plot:
         plot_timeline(timeline, plot, lanes=lanes)  # first: the only output with an optional dependency
-    if export:
+    if torch_csv is not None:
+        Path(export).write_text(torch_csv)  # torch.distributed.pipelining's format
+    elif export:
         timeline.schedule.to_json(export)
     if trace:
         write_chrome_trace(timeline, trace, lanes=lanes or ())

@@ -24,7 +24,11 @@ def add_schedule_source(parser: argparse.ArgumentParser, name_flag: str | None =
     parser.add_argument(
         "--forwards", type=int, metavar="F", help="svpp: forwards before the first backward (the memory/bubble variant)"
     )
-    parser.add_argument("--schedule-file", metavar="PATH", help="read a pipeloom.schedule/1 JSON file instead")
+    parser.add_argument(
+        "--schedule-file",
+        metavar="PATH",
+        help="read a pipeloom.schedule/1 JSON file instead, or torch.distributed.pipelining's CSV (.csv)",
+    )
     add_mem_limit(parser)
     parser.add_argument(
         "--split",

@@ -22,7 +22,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     _check_outputs([args.trace, args.summary], plot=None)
     spec = train_spec_from_args(args, report=True)
     expected = spec.schedule.num_devices * spec.dp
-    if args.nproc != expected:
+    if args.nproc is None and not args.plan:
+        raise ConfigError("train needs --nproc (= p × dp ranks) or --plan")
+    if args.nproc is not None and args.nproc != expected:
         raise ConfigError(
             f"--nproc {args.nproc} does not match p × dp = {spec.schedule.num_devices} × {spec.dp} = {expected}"
         )
@@ -30,11 +32,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     results = run_local(spec, timeout_s=args.timeout * max(1, spec.steps))
     write_train_outputs(results, spec, args)
+    if args.plan:
+        from pipeloom.cli_plan import fidelity_report
+        from pipeloom.tune.plan import Plan
+
+        print(fidelity_report(Plan.load(args.plan), results))
     return 0
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments `pipeloom train` and `python -m pipeloom.train` share."""
+    parser.add_argument("--plan", metavar="PATH", help="run a plan written by `pipeloom tune` (schedule, model, dp)")
     add_schedule_source(parser, name_flag="--schedule")  # -m counts micro-batches per replica
     add_ckpt(parser)
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world size = p × dp)")
@@ -69,6 +77,12 @@ def train_spec_from_args(args: argparse.Namespace, report: bool = False):
     from pipeloom.models.llama import LlamaConfig
     from pipeloom.runtime.training import TrainSpec, check_spec
 
+    if args.plan:
+        from pipeloom.cli_plan import spec_from_plan
+
+        spec = spec_from_plan(args)
+        check_spec(spec)
+        return spec
     costs = _costs_from_args(args)
     schedule = checkpointed(_schedule_from_args(args, costs, budget_is_used=args.ckpt == "mario"), costs, args)
     config = LlamaConfig(

@@ -129,7 +129,11 @@ class Costs:
 
     @classmethod
     def load(cls, path: str | PathLike[str]) -> Costs:
+        """From a JSON file of Costs keys, or a profile (`pipeloom profile`), whose Costs keys are
+        read and whose per-layer fits are left to the tuner."""
         data = read_json(path, "costs", ConfigError)
+        if isinstance(data, dict) and data.get("format") == "pipeloom.profile/1":
+            data = {key: value for key, value in data.items() if key in cls.keys()}
         try:
             return cls.from_mapping(data)
         except ConfigError as error:

@@ -36,7 +36,7 @@ class StepRecord:
     loss: float = 0.0
     """Sum of this device's scaled micro-batch losses (last stage only)."""
     ops: list[tuple[str, float, float]] = field(default_factory=list)
-    """(op text, start, end) in seconds from the step's start."""
+    """(op text, start, end) in seconds from the step's start; an op starts once its inputs are here."""
     stash: list[tuple[float, int]] = field(default_factory=list)
     """(time, bytes held) after every change."""
     peak_stash_bytes: int = 0
@@ -120,6 +120,7 @@ class DeviceExecutor:
             module = self.stages[stage]
             if op.kind is _F:
                 x = inputs[mb] if stage == 0 else self._take(pending, handed, False, stage, mb)
+                start = time.perf_counter() - began  # the op's own time starts once its input is here
                 entry = _Entry(inputs=x)
                 if op.ckpt:
                     with torch.no_grad():
@@ -142,6 +143,7 @@ class DeviceExecutor:
                 entry = stash[op.key]
                 if op.after_grad and stage != self.last_stage:  # recompute inside the backward
                     entry.grad = self._take(pending, handed, True, stage, mb)
+                    start = time.perf_counter() - began
                 entry.output, entry.inputs, saved = self._forward(
                     module, op, entry.inputs, targets[mb] if stage == self.last_stage else None
                 )
@@ -154,6 +156,7 @@ class DeviceExecutor:
                 grad = entry.grad
                 if grad is None and stage != self.last_stage:
                     grad = self._take(pending, handed, True, stage, mb)
+                    start = time.perf_counter() - began
                 before = len(self.queue)
                 torch.autograd.backward(entry.output, grad)
                 note(-entry.bytes)

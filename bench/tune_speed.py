@@ -1,0 +1,73 @@
+"""How long `tune` takes on paper-scale searches, from presets alone.
+
+1. Mario §6.7: GPT3-13B on 64 A100-40G, global batch 128, 1F1B, Chimera and interleaved, pp ∈ {4,
+   8, 16, 32, 64}, micro-batch size ∈ {1, ..., 32}, Mario on and off. Goal ≤ 10 s (Mario reports
+   210 s).
+2. 1024 devices: GPT3-175B on 1024 A100-80G with tp = 8 (128 pipeline × data ranks), global
+   batch 1536, every scheme, pp ∈ {2, ..., 128}, micro-batch size ∈ {1, ..., 16}. Goal ≥ 240
+   configurations in ≤ 30 s (Mario: 1060 ms per iteration).
+Prints the configurations, how many were simulated, pruned and ruled out, the wall time and the
+best plan. Usage: python bench/tune_speed.py
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+
+from pipeloom.tune.cost_model import AnalyticCostModel
+from pipeloom.tune.presets import load_hardware, load_model
+from pipeloom.tune.search import tune
+from pipeloom.tune.space import candidates
+
+GIB = 2**30
+
+
+def run(title: str, model: str, hardware: str, devices: int, batch: int, goal: float, **space) -> None:
+    cost_model = AnalyticCostModel(load_model(model), load_hardware(hardware), space.pop("tp", 1))
+    memory = cost_model.hardware.memory
+    points = len(list(candidates(devices, batch, tp=cost_model.tp, num_layers=cost_model.model.layers, **space)))
+    began = time.perf_counter()
+    result = tune(cost_model, devices, memory, batch, tp=cost_model.tp, **space)
+    seconds = time.perf_counter() - began
+    best = result.best
+    print(f"\n{title}")
+    print(
+        f"  {points} configurations (each also with Mario / T-Recomp where memory is short): simulated {result.evaluated}, "
+        f"pruned {result.pruned}, ruled out {len(result.rejected)}"
+    )
+    print(f"  wall time {seconds:.2f} s (goal ≤ {goal:g} s: {'met' if seconds <= goal else 'missed'})")
+    print(
+        f"  best: {best.candidate.label}, step {best.step_time:.0f} ms, {result.throughput(best):.1f} samples/s, "
+        f"peak {max(best.peak_memory) / GIB:.1f} GiB, layers per stage {best.partition[:4]}..."
+    )
+
+
+def main() -> None:
+    print(f"python {platform.python_version()} on {platform.machine()}")
+    run(
+        "Mario §6.7: GPT3-13B, 64 × A100-40G, global batch 128",
+        "gpt3-13b",
+        "a100-40g",
+        64,
+        128,
+        10,
+        schemes=["1f1b", "chimera", "interleaved"],
+        pp_values=[4, 8, 16, 32, 64],
+        micro_batches=[1, 2, 4, 8, 16, 32],
+    )
+    run(
+        "1024 devices: GPT3-175B, 1024 × A100-80G, tp 8, global batch 1536",
+        "gpt3-175b",
+        "a100-80g",
+        1024,
+        1536,
+        30,
+        tp=8,
+        pp_values=[2, 4, 8, 16, 32, 64, 128],
+        micro_batches=[1, 2, 4, 8, 16],
+    )
+
+
+if __name__ == "__main__":
+    main()

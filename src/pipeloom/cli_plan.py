@@ -1,0 +1,68 @@
+"""`train --plan`: run what `tune` chose, then put the measurement beside the prediction."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from pipeloom.errors import ConfigError
+
+__all__ = ["spec_from_plan", "fidelity_report"]
+
+_SCHEDULE_FLAGS = ("name", "p", "m", "chunks", "slices", "forwards", "schedule_file", "split", "layer_counts")
+
+
+def spec_from_plan(args: argparse.Namespace):
+    """The TrainSpec of a plan; schedule and model flags would contradict it, so they are refused."""
+    from pipeloom.profile.profiler import llama_config
+    from pipeloom.runtime.training import TrainSpec
+    from pipeloom.tune.plan import Plan
+
+    given = [flag for flag in _SCHEDULE_FLAGS if getattr(args, flag, None)]
+    if given or args.ckpt != "none" or args.dp != 1:
+        raise ConfigError("--plan fixes the schedule, the model and dp: drop the other schedule options")
+    plan = Plan.load(args.plan)
+    if "offload" in plan.passes:
+        raise ConfigError("the runtime does not run T-Offload yet (issue 7); tune with --runnable")
+    model = plan.model
+    if not model.gated or model.kv_heads is not None or model.params > 5e8:
+        raise ConfigError(
+            f"the runtime trains a small LLaMA-style decoder; plan model {model.name!r} is not one "
+            "(gated, without GQA, under 0.5B parameters)"
+        )
+    return TrainSpec(
+        schedule=plan.schedule,
+        config=llama_config(model, model.layers, plan.micro_batch_size),
+        dp=plan.dp,
+        steps=args.steps,
+        seed=args.seed,
+        lr=args.lr,
+        layer_counts=plan.partition,
+        threads=args.threads,
+        timeout_s=args.timeout,
+        report=True,
+        backend=args.backend,
+    )
+
+
+def fidelity_report(plan, results) -> str:
+    """Measured step time and peak stash per device beside the plan's prediction."""
+    predicted = plan.predicted
+    times = results[0].step_seconds[1:] or results[0].step_seconds
+    measured = 1e3 * statistics.median(times)
+    expected = predicted.get("step_time_ms")
+    lines = ["", "fidelity (predicted by the plan vs measured):"]
+    if expected:
+        lines.append(f"  step time   {expected:9.1f} ms  vs {measured:9.1f} ms  ({measured / expected - 1:+.1%})")
+    peaks = predicted.get("peak_activation_memory") or []
+    p = plan.pp
+    for device in range(p):
+        stash = max(
+            max(r.peak_stash_bytes for r in results[replica * p + device].records) for replica in range(plan.dp)
+        )
+        if device < len(peaks) and peaks[device]:
+            lines.append(
+                f"  device {device} activations {peaks[device] / 2**20:8.2f} MiB vs {stash / 2**20:8.2f} MiB "
+                f"({stash / peaks[device] - 1:+.1%})"
+            )
+    return "\n".join(lines)

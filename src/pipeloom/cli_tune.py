@@ -1,0 +1,233 @@
+"""The `tune` command: which plan for this model and cluster — a ranked table, plan.json, a plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+from pipeloom.budget import parse_memory_budget
+from pipeloom.cli_args import int_list
+from pipeloom.cli_format import num, progress_bar, table
+from pipeloom.errors import ConfigError
+from pipeloom.tune.space import DEFAULT_SCHEMES, RUNNABLE_SCHEMES, SCHEMES, power_of_two_sizes
+
+__all__ = ["add_commands", "add_tune_arguments", "cmd_tune", "add_profile_arguments", "cmd_profile"]
+
+
+def add_commands(commands) -> None:
+    """`profile` and `tune` on the command line's subparsers."""
+    profiler = commands.add_parser(
+        "profile", help="measure a small LLaMA-style model on this machine; write per-layer costs (torch)"
+    )
+    add_profile_arguments(profiler)
+    profiler.set_defaults(handler=cmd_profile)
+    tuner = commands.add_parser(
+        "tune", help="which plan for this model and cluster: search, rank, write plan.json and its timeline"
+    )
+    add_tune_arguments(tuner)
+    tuner.set_defaults(handler=cmd_tune)
+
+
+def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="a preset (gpt3-13b, llama2-13b, ...) or an HF-style config.json")
+    parser.add_argument("--devices", type=int, required=True, help="GPUs (or ranks) in all")
+    parser.add_argument("--memory", help="memory per device, e.g. 40GiB (default: the hardware's)")
+    parser.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--hardware", help="a hardware preset: a100-40g, a100-80g, h100, h200, rtx-4090")
+    source.add_argument("--costs", metavar="PROFILE", help="a profile JSON written by `pipeloom profile`")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size, fixed (default 1)")
+    parser.add_argument(
+        "--schemes", help=f"comma-separated among {', '.join(SCHEMES)} (default: {','.join(DEFAULT_SCHEMES)})"
+    )
+    parser.add_argument("--runnable", action="store_true", help="only schemes the runtime executes today")
+    parser.add_argument("--pp", metavar="LIST", help="pipeline sizes to try (default: every divisor)")
+    parser.add_argument("--max-mbs", type=int, default=32, help="largest micro-batch size to try (powers of two)")
+    parser.add_argument(
+        "--no-memory-passes", action="store_true", help="do not try Mario, T-Recomp or T-Offload where memory is short"
+    )
+    parser.add_argument("--top", type=int, default=10, help="plans to rank (default 10)")
+    parser.add_argument("--output", default="plan.json", help="where to write the best plan (default plan.json)")
+    parser.add_argument("--plot", help="the best plan's timeline (default: the output's name with .png)")
+    parser.add_argument("--explain", action="store_true", help="say why the runner-ups lost (memory or time)")
+    parser.add_argument("--json", action="store_true", help="print the ranking as JSON")
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from pipeloom.tune.plan import plan_from_evaluation
+    from pipeloom.tune.search import tune
+    from pipeloom.viz.plot import check_plot_path
+
+    cost_model = _cost_model(args)
+    memory = _memory(args, cost_model)
+    schemes = args.schemes.split(",") if args.schemes else list(DEFAULT_SCHEMES)
+    if args.runnable:
+        schemes = [name for name in schemes if name in RUNNABLE_SCHEMES]
+    for value, what in ((args.devices, "--devices"), (args.global_batch, "--global-batch"), (args.top, "--top")):
+        if value < 1:
+            raise ConfigError(f"{what} must be at least 1, got {value}")
+    plot = args.plot or str(Path(args.output).with_suffix(".png"))
+    check_plot_path(plot)
+    for path in (args.output, plot):
+        if not Path(path).resolve().parent.is_dir():
+            raise ConfigError(f"cannot write {path!r}: its directory does not exist")
+    result = tune(
+        cost_model,
+        args.devices,
+        memory,
+        args.global_batch,
+        tp=args.tp,
+        schemes=schemes,
+        pp_values=int_list(args.pp, "--pp") if args.pp else None,
+        micro_batches=power_of_two_sizes(args.max_mbs),
+        keep=args.top,
+        memory_passes=not args.no_memory_passes,
+        progress=progress_bar("tune"),
+    )
+    best = result.best
+    plan = plan_from_evaluation(best, result, cost_model.model, cost_model.to_dict(), args.tp)
+    plan.save(args.output)
+    from pipeloom.viz.plot import plot_timeline
+
+    plot_timeline(best.timeline, plot, lanes=best.offload.lane_ops if best.offload else None)
+    if args.json:
+        print(json.dumps([_row_dict(e, result) for e in result.ranked]))
+        return 0
+    print(_report(result, args, memory, cost_model))
+    if args.explain:
+        print(_explain(result, memory))
+    print(f"\nbest plan written to {args.output}, its timeline to {plot}")
+    return 0
+
+
+def _cost_model(args: argparse.Namespace):
+    from pipeloom.tune.cost_model import AnalyticCostModel
+    from pipeloom.tune.presets import load_hardware, load_model
+
+    if args.costs:
+        from pipeloom.tune.profiled import ProfiledCostModel
+
+        profiled = ProfiledCostModel.load(args.costs, args.tp)
+        if args.model and load_model(args.model).to_dict() != profiled.model.to_dict():
+            raise ConfigError(f"--model {args.model} differs from the model profiled in {args.costs}")
+        return profiled
+    if not args.model:
+        raise ConfigError("tune needs --model (a preset or config.json) with --hardware, or --costs PROFILE")
+    if not args.hardware:
+        raise ConfigError("tune needs --hardware NAME or --costs PROFILE to turn FLOPs into time")
+    if args.tp < 1:
+        raise ConfigError(f"--tp must be at least 1, got {args.tp}")
+    return AnalyticCostModel(load_model(args.model), load_hardware(args.hardware), args.tp)
+
+
+def _memory(args: argparse.Namespace, cost_model) -> float:
+    if args.memory:
+        budget = parse_memory_budget(args.memory)
+        if isinstance(budget, list):
+            raise ConfigError("--memory takes one size for every device, e.g. 40GiB")
+        return budget
+    device_memory = getattr(getattr(cost_model, "hardware", None), "memory", None)
+    if device_memory is None:
+        raise ConfigError("give --memory (e.g. 40GiB): the profile does not say how much the devices have")
+    return device_memory
+
+
+def _row(e, result) -> list:
+    peak = max(e.peak_memory)
+    return [
+        e.candidate.label,
+        num(round(e.step_time, 2)),
+        f"{result.throughput(e):.3g}",
+        f"{peak / 2**30:.2f}",
+        f"{min(e.peak_memory) / 2**30:.2f}",
+        f"{e.bubble_rate:.1%}",
+    ]
+
+
+def _row_dict(e, result) -> dict:
+    return {
+        "plan": e.candidate.label,
+        "scheme": e.candidate.scheme,
+        "pp": e.candidate.pp,
+        "dp": e.candidate.dp,
+        "micro_batch_size": e.candidate.micro_batch,
+        "chunks": e.candidate.chunks,
+        "slices": e.candidate.slices,
+        "passes": list(e.candidate.passes),
+        "step_time_ms": e.step_time,
+        "throughput": result.throughput(e),
+        "peak_memory": e.peak_memory,
+        "bubble_rate": e.bubble_rate,
+        "partition": e.partition,
+    }
+
+
+def _report(result, args, memory: float, cost_model) -> str:
+    reasons = Counter(e.reason.split(":")[0] for e in result.rejected)
+    head = (
+        f"{cost_model.model.name} on {args.devices} × {cost_model.source}, {memory / 2**30:.2f} GiB each, "
+        f"global batch {args.global_batch}: simulated {result.evaluated}, pruned {result.pruned}, "
+        f"ruled out {len(result.rejected)}"
+        + (f" ({', '.join(f'{n} {r}' for r, n in reasons.items())})" if reasons else "")
+    )
+    headers = ["plan", "step ms", "samples/s", "max GiB", "min GiB", "bubble"]
+    rows = [[str(i + 1) + ". " + row[0], *row[1:]] for i, row in enumerate(_row(e, result) for e in result.ranked)]
+    best = result.best
+    return f"{head}\n\n{table(headers, rows)}\n\nbest: {best.candidate.label}, layers per stage {best.partition}"
+
+
+def _explain(result, memory: float) -> str:
+    best = result.best
+    lines = ["", "why the others lost:"]
+    for e in result.ranked[1:]:
+        lines.append(f"  {e.candidate.label}: time, {e.step_time / best.step_time - 1:+.1%} step time")
+    unfit = {label: (step, why) for e in result.ranked + result.rejected for label, step, why in e.unfit}
+    faster = sorted((step, label, why) for label, (step, why) in unfit.items() if step < best.step_time)
+    for step, label, why in faster[:5]:
+        lines.append(f"  {label}: memory, would be {1 - step / best.step_time:.1%} faster but {why[8:]}")
+    if len(lines) == 2:
+        lines.append("  (no other candidate came close)")
+    return "\n".join(lines)
+
+
+def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", required=True, help="an HF-style config.json of a LLaMA-style model small enough for this machine"
+    )
+    parser.add_argument("--mbs", default="1,2", metavar="LIST", help="micro-batch sizes to measure (default 1,2)")
+    parser.add_argument("--layers", default="1,2,3", metavar="LIST", help="layers per stage to measure (default 1,2,3)")
+    parser.add_argument("--steps", type=int, default=4, help="steps per probe; the first is left out (default 4)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument("--output", default="profile.json", help="where to write the profile (default profile.json)")
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from pipeloom.tune.presets import load_model
+
+    model = load_model(args.model)
+    if model.params > 5e8:
+        raise ConfigError(f"{model.name} has {model.params / 1e9:.1f}B parameters: too large to run on this machine")
+    if not model.gated or model.kv_heads is not None or model.flash_attention:
+        raise ConfigError("the profiler runs pipeloom's LLaMA-style decoder: the model must be gated, without GQA")
+    sizes, layers = int_list(args.mbs, "--mbs"), int_list(args.layers, "--layers")
+    if len(layers) < 2 or min(layers) < 1 or not sizes or min(sizes) < 1 or args.steps < 2 or args.threads < 1:
+        raise ConfigError("profile needs at least two layer counts >= 1, micro-batch sizes >= 1 and --steps >= 2")
+    if not Path(args.output).resolve().parent.is_dir():
+        raise ConfigError(f"cannot write {args.output!r}: its directory does not exist")
+    from pipeloom.profile.profiler import profile_model
+    from pipeloom.tune.profiled import ProfiledCostModel, profile_costs_keys
+
+    profile = profile_model(model, sizes, layers, args.steps, args.threads, progress=progress_bar("profile"))
+    profile.update(profile_costs_keys(ProfiledCostModel(profile)))
+    Path(args.output).write_text(json.dumps(profile, indent=1) + "\n")
+    for size in sizes:
+        fit = profile["fits"][str(size)]
+        print(
+            f"mbs {size}: per layer F {fit['F']['per_layer']:.3f} ms, B {fit['B']['per_layer']:.3f} ms, "
+            f"W {fit['W']['per_layer']:.3f} ms, R {fit['R']['per_layer']:.3f} ms, "
+            f"activations {fit['M_B']['per_layer'] / 2**20:.2f} MiB; p2p {fit['p2p_ms']:.3f} ms"
+        )
+    print(f"profile written to {args.output}")
+    return 0

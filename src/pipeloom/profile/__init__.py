@@ -1,0 +1,1 @@
+"""Measuring the real model on this machine (torch)."""

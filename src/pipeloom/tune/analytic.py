@@ -1,0 +1,78 @@
+"""Analytic FLOPs and memory of one transformer layer (Zero Bubble Table 1, Korthikanti et al.).
+
+Per micro-batch of b sequences of s tokens, hidden h, a heads, tensor parallelism t, and P the
+layer's weights (4h² + 2h·ffn for GPT, 2·ffn·h + h·ffn more for a gated MLP, less K/V with GQA):
+
+* F = 2bs·P + 4bs²h, B = 2bs·P + 8bs²h (input gradients; attention's backward costs twice its
+  forward), W = 2bs·P (weight gradients) — for GPT's P = 12h² exactly Zero Bubble's
+  sbh(24h + 4s), sbh(24h + 8s), sbh(24h); all divided by t;
+* activations kept for B (16-bit): Korthikanti's sbh(10 + 24/t + 5as/(ht)), with the MLP's
+  part written for any ffn f — 4f per token, 8f when gated — so that GPT's ffn = 4h gives 34 + 5as/h
+  at t = 1; FlashAttention drops the 5as²b scores;
+* kept for W after B: the input and the output gradient of every weight GEMM, 2(in + out) bytes
+  per token and matrix — Zero Bubble's 32sbh for GPT;
+* a stage's input (what a checkpointed stage keeps): 2sbh;
+* the head: 2bs·hV FLOPs per pass and fp32 logits, 4bsV bytes; the embedding is a lookup;
+* static memory per weight: 16-bit weights (2 bytes), fp32 gradients (4) and fp32 master weights
+  plus Adam's two moments (12), the last sharded over data parallelism (ZeRO-1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeloom.tune.presets import ModelSpec
+
+__all__ = ["LayerFigures", "layer_figures", "static_bytes_per_param"]
+
+
+@dataclass(frozen=True)
+class LayerFigures:
+    """One transformer layer (or the head) on one tensor-parallel rank, per micro-batch."""
+
+    forward_flops: float
+    backward_flops: float
+    weight_flops: float
+    activation_bytes: float
+    weight_grad_bytes: float
+    params: float
+
+
+def layer_figures(model: ModelSpec, micro_batch: int, tp: int = 1) -> LayerFigures:
+    b, s, h, a = micro_batch, model.seq_len, model.hidden, model.heads
+    tokens = b * s
+    linear = 2 * tokens * model.layer_params
+    scores = 0.0 if model.flash_attention else 5 * a * s * s * b
+    mlp = (8 if model.gated else 4) * model.ffn
+    return LayerFigures(
+        forward_flops=(linear + 4 * tokens * s * h) / tp,
+        backward_flops=(linear + 8 * tokens * s * h) / tp,
+        weight_flops=linear / tp,
+        activation_bytes=tokens * (10 * h + (8 * h + mlp) / tp) + scores / tp,
+        weight_grad_bytes=tokens * sum(2 * (i + o) for i, o in model.linears()) / tp,
+        params=model.layer_params / tp,
+    )
+
+
+def head_figures(model: ModelSpec, micro_batch: int, tp: int = 1) -> LayerFigures:
+    """The output projection and loss: one GEMM of h × vocab per pass, fp32 logits kept."""
+    tokens = micro_batch * model.seq_len
+    flops = 2 * tokens * model.hidden * model.vocab / tp
+    return LayerFigures(
+        forward_flops=flops,
+        backward_flops=flops,
+        weight_flops=flops,
+        activation_bytes=4 * tokens * model.vocab / tp,
+        weight_grad_bytes=2 * tokens * (model.hidden + model.vocab) / tp,
+        params=model.hidden * model.vocab / tp,
+    )
+
+
+def stage_input_bytes(model: ModelSpec, micro_batch: int) -> float:
+    """The hidden states entering a stage: what a checkpointed stage keeps, and what p2p moves."""
+    return 2 * micro_batch * model.seq_len * model.hidden
+
+
+def static_bytes_per_param(dp: int) -> float:
+    """16-bit weights, fp32 gradients, fp32 master weights and Adam moments sharded over dp."""
+    return 2 + 4 + 12 / dp

@@ -1,0 +1,129 @@
+"""Costs of a concrete plan — layers per stage, micro-batch size, dp — in milliseconds and bytes.
+
+`AnalyticCostModel` derives them from a model and a hardware preset (`analytic`); the profiler
+writes a `ProfiledCostModel` measured on this machine (`pipeloom.tune.profiled`). Both answer the
+same questions, so the tuner does not care where the numbers come from:
+
+* per-stage Costs for a partition (what the simulator needs), including T-Offload's bytes;
+* per-layer and end-stage times and memory, for the partitioner;
+* what a step adds after the pipeline: the data-parallel gradient all-reduce and the optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from pipeloom.costs import Costs
+from pipeloom.tune.analytic import head_figures, layer_figures, stage_input_bytes, static_bytes_per_param
+from pipeloom.tune.presets import HardwareSpec, ModelSpec
+
+__all__ = ["CostModel", "AnalyticCostModel", "ADAM_FLOPS_PER_PARAM"]
+
+ADAM_FLOPS_PER_PARAM = 16
+"""Arithmetic of one AdamW update per weight (moments, bias correction, decay, step)."""
+
+
+class CostModel(Protocol):
+    model: ModelSpec
+    source: str
+    """Where the numbers come from: a hardware preset's name, or "profile"."""
+
+    def stage_costs(self, counts: Sequence[int], micro_batch: int, pp: int, dp: int) -> Costs: ...
+
+    def layer_time(self, micro_batch: int) -> float: ...
+
+    def end_times(self, micro_batch: int) -> tuple[float, float]: ...
+
+    def layer_memory(self, micro_batch: int, dp: int) -> tuple[float, float]: ...
+
+    def stage_params(self, counts: Sequence[int]) -> list[float]: ...
+
+    def allreduce_time(self, params: float, pp: int, dp: int) -> float: ...
+
+    def optimizer_time(self, params: float, dp: int) -> float: ...
+
+    def to_dict(self) -> dict: ...
+
+
+@dataclass(frozen=True)
+class AnalyticCostModel:
+    model: ModelSpec
+    hardware: HardwareSpec
+    tp: int = 1
+
+    @property
+    def source(self) -> str:
+        return self.hardware.name
+
+    def _ms(self, flops: float) -> float:
+        return 1e3 * flops / (self.hardware.peak_flops * self.hardware.efficiency)
+
+    def layer_time(self, micro_batch: int) -> float:
+        layer = layer_figures(self.model, micro_batch, self.tp)
+        return self._ms(layer.forward_flops + layer.backward_flops + layer.weight_flops)
+
+    def end_times(self, micro_batch: int) -> tuple[float, float]:
+        """Extra time of the first stage (embedding: a lookup) and the last (head and loss)."""
+        head = head_figures(self.model, micro_batch, self.tp)
+        return 0.0, self._ms(head.forward_flops + head.backward_flops + head.weight_flops)
+
+    def layer_memory(self, micro_batch: int, dp: int) -> tuple[float, float]:
+        """(activation bytes, static bytes) of one layer."""
+        layer = layer_figures(self.model, micro_batch, self.tp)
+        return layer.activation_bytes, layer.params * static_bytes_per_param(dp)
+
+    def stage_params(self, counts: Sequence[int]) -> list[float]:
+        layer = self.model.layer_params / self.tp
+        embedding = self.model.vocab * self.model.hidden / self.tp
+        last = len(counts) - 1
+        return [n * layer + embedding * ((i == 0) + (i == last)) for i, n in enumerate(counts)]
+
+    def stage_costs(self, counts: Sequence[int], micro_batch: int, pp: int, dp: int) -> Costs:
+        layer = layer_figures(self.model, micro_batch, self.tp)
+        head = head_figures(self.model, micro_batch, self.tp)
+        last = len(counts) - 1
+
+        def per_stage(per_layer: float, on_last: float) -> list[float]:
+            return [n * per_layer + (on_last if i == last else 0.0) for i, n in enumerate(counts)]
+
+        params = self.stage_params(counts)
+        hw = self.hardware
+        forward = per_stage(self._ms(layer.forward_flops), self._ms(head.forward_flops))
+        return Costs(
+            F=forward,
+            B=per_stage(self._ms(layer.backward_flops), self._ms(head.backward_flops)),
+            W=per_stage(self._ms(layer.weight_flops), self._ms(head.weight_flops)),
+            R=forward,
+            comm=1e3 * (hw.latency + stage_input_bytes(self.model, micro_batch) / self._link(pp)),
+            M_B=per_stage(layer.activation_bytes, head.activation_bytes),
+            M_W=per_stage(layer.weight_grad_bytes, head.weight_grad_bytes),
+            M_ckpt=[stage_input_bytes(self.model, micro_batch)] * len(counts),
+            M_static=[n * static_bytes_per_param(dp) for n in params],
+            offload_bytes=[4 * n for n in params],
+            reload_bytes=[2 * n for n in params],
+            host_step_flops=[ADAM_FLOPS_PER_PARAM * n for n in params],
+            M_offload=[n * (4 + 12 / dp) for n in params],
+            host_bandwidth=hw.host_bandwidth / 1e3,
+            host_flops=hw.host_flops / 1e3,
+        )
+
+    def _link(self, ranks: int) -> float:
+        """Bandwidth between neighbours of a group of `ranks` GPUs (times tp): NVLink within a node."""
+        hw = self.hardware
+        return hw.nvlink_bandwidth if ranks * self.tp <= hw.gpus_per_node else hw.network_bandwidth
+
+    def allreduce_time(self, params: float, pp: int, dp: int) -> float:
+        """Ring all-reduce of fp32 gradients across the dp replicas of a stage."""
+        if dp == 1:
+            return 0.0
+        link = self._link(pp * dp)
+        return 1e3 * (2 * (dp - 1) / dp * 4 * params / link + 2 * (dp - 1) * self.hardware.latency)
+
+    def optimizer_time(self, params: float, dp: int) -> float:
+        """AdamW is memory-bound: read and write this rank's fp32 master weights, moments, gradients."""
+        return 1e3 * (params / dp) * 2 * 16 / self.hardware.hbm_bandwidth
+
+    def to_dict(self) -> dict:
+        return {"source": "analytic", "hardware": self.hardware.to_dict(), "tp": self.tp}

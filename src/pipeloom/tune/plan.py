@@ -1,0 +1,153 @@
+"""A plan: what `tune` chose and `train --plan` runs — exchange format ``pipeloom.plan/1``.
+
+    {"format": "pipeloom.plan/1",
+     "model": {...ModelSpec...}, "cost_model": {"source": ..., ...},
+     "devices": 8, "pp": 4, "dp": 2, "tp": 1, "micro_batch_size": 2, "global_batch": 64,
+     "num_microbatches": 16, "scheme": "1f1b", "chunks": 1, "slices": 1, "passes": ["mario"],
+     "partition": [3, 4, 4, 3], "layout": "Ettt|tttt|tttt|tttL",
+     "schedule": {...pipeloom.schedule/1...}, "costs": {...Costs keys...},
+     "predicted": {"step_time_ms": ..., "pipeline_ms": ..., "allreduce_ms": ..., "optimizer_ms": ...,
+                   "throughput": ..., "bubble_rate": ..., "peak_memory": [...], "static_memory": [...],
+                   "peak_activation_memory": [...]}}
+
+Times are milliseconds, memory bytes, throughput samples per second. Readers ignore extra keys.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from os import PathLike
+from typing import Any
+
+from pipeloom.costs import Costs
+from pipeloom.errors import ConfigError
+from pipeloom.files import read_json
+from pipeloom.ir.schedule import Schedule
+from pipeloom.tune.partition import layout_string
+from pipeloom.tune.presets import ModelSpec, model_from_config
+from pipeloom.tune.search import Evaluation, TuneResult
+
+__all__ = ["PLAN_FORMAT", "Plan", "plan_from_evaluation"]
+
+PLAN_FORMAT = "pipeloom.plan/1"
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelSpec
+    cost_model: dict
+    devices: int
+    pp: int
+    dp: int
+    tp: int
+    micro_batch_size: int
+    global_batch: int
+    scheme: str
+    chunks: int
+    slices: int
+    passes: tuple[str, ...]
+    partition: tuple[int, ...]
+    schedule: Schedule
+    costs: Costs
+    predicted: dict
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.schedule.num_microbatches
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT,
+            "model": self.model.to_dict(),
+            "cost_model": self.cost_model,
+            "devices": self.devices,
+            "pp": self.pp,
+            "dp": self.dp,
+            "tp": self.tp,
+            "micro_batch_size": self.micro_batch_size,
+            "global_batch": self.global_batch,
+            "num_microbatches": self.num_microbatches,
+            "scheme": self.scheme,
+            "chunks": self.chunks,
+            "slices": self.slices,
+            "passes": list(self.passes),
+            "partition": list(self.partition),
+            "layout": layout_string(self.partition),
+            "schedule": self.schedule.to_dict(),
+            "costs": self.costs.to_dict(),
+            "predicted": self.predicted,
+        }
+
+    def save(self, path: str | PathLike[str]) -> None:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(self.to_dict(), handle, indent=1)
+            handle.write("\n")
+
+    @classmethod
+    def load(cls, path: str | PathLike[str]) -> Plan:
+        data = read_json(path, "plan", ConfigError)
+        try:
+            return cls.from_dict(data)
+        except (KeyError, TypeError, ValueError) as error:
+            raise ConfigError(f"plan {str(path)!r} is not a {PLAN_FORMAT} file: {error}") from None
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Plan:
+        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+            raise ConfigError(
+                f"not a {PLAN_FORMAT} plan (format: {data.get('format') if isinstance(data, dict) else None!r})"
+            )
+        return cls(
+            model=model_from_config(data["model"]),
+            cost_model=dict(data.get("cost_model", {})),
+            devices=int(data["devices"]),
+            pp=int(data["pp"]),
+            dp=int(data["dp"]),
+            tp=int(data.get("tp", 1)),
+            micro_batch_size=int(data["micro_batch_size"]),
+            global_batch=int(data["global_batch"]),
+            scheme=str(data["scheme"]),
+            chunks=int(data.get("chunks", 1)),
+            slices=int(data.get("slices", 1)),
+            passes=tuple(data.get("passes", ())),
+            partition=tuple(int(n) for n in data["partition"]),
+            schedule=Schedule.from_dict(data["schedule"]),
+            costs=Costs.from_mapping(data["costs"]),
+            predicted=dict(data.get("predicted", {})),
+        )
+
+
+def plan_from_evaluation(
+    evaluation: Evaluation, result: TuneResult, model: ModelSpec, cost_model: dict, tp: int
+) -> Plan:
+    candidate = evaluation.candidate
+    timeline = evaluation.timeline
+    return Plan(
+        model=model,
+        cost_model=cost_model,
+        devices=candidate.pp * candidate.dp * tp,
+        pp=candidate.pp,
+        dp=candidate.dp,
+        tp=tp,
+        micro_batch_size=candidate.micro_batch,
+        global_batch=result.global_batch,
+        scheme=candidate.scheme,
+        chunks=candidate.chunks,
+        slices=candidate.slices,
+        passes=candidate.passes,
+        partition=tuple(evaluation.partition),
+        schedule=evaluation.schedule,
+        costs=evaluation.costs,
+        predicted={
+            "step_time_ms": evaluation.step_time,
+            "pipeline_ms": evaluation.pipeline_time,
+            "allreduce_ms": evaluation.allreduce_time,
+            "optimizer_ms": evaluation.optimizer_time,
+            "throughput": result.throughput(evaluation),
+            "bubble_rate": timeline.bubble_rate,
+            "peak_memory": list(evaluation.peak_memory),
+            "static_memory": list(evaluation.static_memory),
+            "peak_activation_memory": list(timeline.peak_activation_memory),
+        },
+    )

@@ -1,0 +1,156 @@
+"""Costs measured on this machine (`pipeloom profile`), as a cost model the tuner can use.
+
+A profile holds, per micro-batch size and per pass (F, B, W, R) and memory (M_B, M_ckpt), a slope
+per layer and an intercept per stage position (first: embedding; last: head and loss; middle:
+neither, taken as the cheaper end; single: both, taken as the dearer end). Other micro-batch sizes are interpolated linearly between the profiled
+ones (extrapolated past the ends). Static memory is the runtime's: 16 bytes per parameter (fp32
+weights, gradients and AdamW moments). The runtime does not count a pending W's inputs in its
+stash, so M_W is 0 here. The file also carries plain Costs keys — a two-device split of the
+model at the first profiled micro-batch size — so `simulate --costs profile.json` reads it too.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from os import PathLike
+
+from pipeloom.costs import Costs
+from pipeloom.errors import ConfigError
+from pipeloom.files import read_json
+from pipeloom.tune.presets import ModelSpec, model_from_config
+
+__all__ = ["PROFILE_FORMAT", "ProfiledCostModel", "fit_positions", "profile_costs_keys"]
+
+PROFILE_FORMAT = "pipeloom.profile/1"
+_TIMES = ("F", "B", "W", "R")
+
+
+def fit_positions(points: Sequence[tuple[str, int, float]]) -> dict[str, float]:
+    """Least squares of value = slope·n + intercept[position] over (position, n, value) points,
+    with the middle and single intercepts derived from the first and last."""
+    by_position: dict[str, list[tuple[int, float]]] = {}
+    for position, n, value in points:
+        by_position.setdefault(position, []).append((n, value))
+    means = {
+        pos: (statistics.fmean(n for n, _ in xs), statistics.fmean(v for _, v in xs)) for pos, xs in by_position.items()
+    }
+    spread = sum((n - means[pos][0]) ** 2 for pos, xs in by_position.items() for n, _ in xs)
+    slope = (
+        sum((n - means[pos][0]) * (v - means[pos][1]) for pos, xs in by_position.items() for n, v in xs) / spread
+        if spread
+        else 0.0
+    )
+    fit = {"per_layer": slope, **{pos: mean_v - slope * mean_n for pos, (mean_n, mean_v) in means.items()}}
+    if {"first", "last"} <= fit.keys():
+        # A middle stage has neither embedding nor head; the embedding is a lookup, so the cheaper
+        # end is the closer estimate. A single stage has both.
+        fit["middle"] = min(fit["first"], fit["last"])
+        fit["single"] = max(fit["first"], fit["last"])
+    return fit
+
+
+class ProfiledCostModel:
+    def __init__(self, profile: dict, tp: int = 1):
+        if tp != 1:
+            raise ConfigError("a profile is measured without tensor parallelism; tune it with --tp 1")
+        if not isinstance(profile, dict) or profile.get("format") != PROFILE_FORMAT:
+            raise ConfigError(f"not a {PROFILE_FORMAT} file (run `pipeloom profile` to make one)")
+        try:
+            self.model: ModelSpec = model_from_config(profile["model"])
+            self.sizes = sorted(int(size) for size in profile["fits"])
+            self.fits = {int(size): fit for size, fit in profile["fits"].items()}
+            self.params = profile["params"]
+            self.bytes_per_param = float(profile["static_bytes_per_param"])
+            self.bandwidth = float(profile["p2p_bandwidth"])
+            self.overhead = profile.get("step_overhead", {"base_ms": 0.0, "per_param_ms": 0.0})
+        except (KeyError, TypeError, ValueError) as error:
+            raise ConfigError(f"profile is incomplete: {error}") from None
+        self.profile = profile
+        self.source = "profile"
+
+    @classmethod
+    def load(cls, path: str | PathLike[str], tp: int = 1) -> ProfiledCostModel:
+        return cls(read_json(path, "profile", ConfigError), tp)
+
+    def _value(self, key: str, field: str, micro_batch: int) -> float:
+        """A fitted coefficient at `micro_batch`, linear between the profiled sizes."""
+        sizes = self.sizes
+        if len(sizes) == 1:
+            return self.fits[sizes[0]][key][field] * micro_batch / sizes[0]
+        low = max([s for s in sizes if s <= micro_batch], default=sizes[0])
+        high = min([s for s in sizes if s > low], default=None)
+        if high is None:
+            low, high = sizes[-2], sizes[-1]
+        a, b = self.fits[low][key][field], self.fits[high][key][field]
+        return max(0.0, a + (b - a) * (micro_batch - low) / (high - low))
+
+    def _p2p(self, micro_batch: int) -> float:
+        sizes = self.sizes
+        values = [self.fits[s]["p2p_ms"] for s in sizes]
+        if len(sizes) == 1:
+            return values[0]
+        slope = (values[-1] - values[0]) / (sizes[-1] - sizes[0])
+        return max(values[0] + slope * (micro_batch - sizes[0]), 0.0)
+
+    @staticmethod
+    def _position(stage: int, stages: int) -> str:
+        if stages == 1:
+            return "single"
+        return "first" if stage == 0 else "last" if stage == stages - 1 else "middle"
+
+    def _per_stage(self, key: str, counts: Sequence[int], micro_batch: int) -> list[float]:
+        slope = self._value(key, "per_layer", micro_batch)
+        return [n * slope + self._value(key, self._position(i, len(counts)), micro_batch) for i, n in enumerate(counts)]
+
+    def stage_costs(self, counts: Sequence[int], micro_batch: int, pp: int, dp: int) -> Costs:
+        times = {key: self._per_stage(key, counts, micro_batch) for key in _TIMES}
+        memory = self._per_stage("M_B", counts, micro_batch)
+        kept = [self._value("M_ckpt", self._position(i, len(counts)), micro_batch) for i in range(len(counts))]
+        return Costs(
+            **times,
+            comm=self._p2p(micro_batch),
+            M_B=memory,
+            M_W=0.0,
+            M_ckpt=[min(k, m) for k, m in zip(kept, memory)],
+            M_static=[n * self.bytes_per_param for n in self.stage_params(counts)],
+        )
+
+    def layer_time(self, micro_batch: int) -> float:
+        return sum(self._value(key, "per_layer", micro_batch) for key in ("F", "B", "W"))
+
+    def end_times(self, micro_batch: int) -> tuple[float, float]:
+        def extra(position: str) -> float:
+            return sum(
+                self._value(key, position, micro_batch) - self._value(key, "middle", micro_batch)
+                for key in ("F", "B", "W")
+            )
+
+        return max(0.0, extra("first")), max(0.0, extra("last"))
+
+    def layer_memory(self, micro_batch: int, dp: int) -> tuple[float, float]:
+        return self._value("M_B", "per_layer", micro_batch), self.params["layer"] * self.bytes_per_param
+
+    def stage_params(self, counts: Sequence[int]) -> list[float]:
+        last = len(counts) - 1
+        return [
+            n * self.params["layer"] + self.params["first"] * (i == 0) + self.params["last"] * (i == last)
+            for i, n in enumerate(counts)
+        ]
+
+    def allreduce_time(self, params: float, pp: int, dp: int) -> float:
+        return 0.0 if dp == 1 else 2 * (dp - 1) / dp * 4 * params / self.bandwidth
+
+    def optimizer_time(self, params: float, dp: int) -> float:
+        """What a step adds beyond the pipeline, as measured: data, loss all-reduce, AdamW."""
+        return self.overhead["base_ms"] + self.overhead["per_param_ms"] * params
+
+    def to_dict(self) -> dict:
+        return {"source": "profile", "device": self.profile.get("device", "")}
+
+
+def profile_costs_keys(model: ProfiledCostModel) -> dict:
+    """Plain Costs keys for `simulate --costs`: two devices, layers split evenly, first size."""
+    half = max(1, model.model.layers // 2)
+    costs = model.stage_costs([half, model.model.layers - half], model.sizes[0], 2, 1)
+    return {key: value for key, value in costs.to_dict().items()}

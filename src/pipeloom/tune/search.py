@@ -1,0 +1,305 @@
+"""The tuner (Mario §5.3): grid search over the plan space, every point simulated, with pruning.
+
+For each candidate the layers are partitioned to balance stage time given the embedding and head
+(`partition`), the cost model gives per-stage Costs, and then, cheapest check first:
+
+1. static memory (weights, gradients, optimizer state) over the limit on some device → rejected;
+2. a lower bound on the step — the busiest device's compute, plus the all-reduce and optimizer —
+   no better than the `keep`-th best plan so far → pruned (candidates run in order of this bound,
+   so good plans come early and prune the rest);
+3. the schedule is built (memory-driven generators get the activation budget left after static
+   memory) and simulated; over the limit, the scheme's memory-saving passes are tried in turn
+   (Mario, T-Recomp, T-Offload), and the first that fits is kept.
+
+Step time = the simulated pipeline (with offload lanes) + the data-parallel all-reduce of the
+gradients + the optimizer step; throughput = global batch / step time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from pipeloom.costs import Costs
+from pipeloom.errors import InfeasibleError, PipeloomError
+from pipeloom.ir.schedule import Schedule
+from pipeloom.passes.mario import mario
+from pipeloom.passes.offload import OffloadTimeline, simulate_offload, t_offload
+from pipeloom.passes.trecomp import t_recomp
+from pipeloom.passes.weight_parts import weight_parts
+from pipeloom.schedules.registry import build_schedule
+from pipeloom.schedules.svpp import table3_forwards
+from pipeloom.sim.simulate import Timeline, simulate
+from pipeloom.tune.cost_model import CostModel
+from pipeloom.tune.partition import partition_layers
+from pipeloom.tune.space import DEFAULT_SCHEMES, SCHEMES, Candidate, candidates
+
+__all__ = ["Evaluation", "TuneResult", "tune", "evaluate"]
+
+_EPS = 1e-9
+SLICED_OPS_LIMIT = 4_000
+"""SVPP's list scheduler runs a dozen greedy passes in Python; beyond this many ops it is skipped."""
+
+
+@dataclass
+class Evaluation:
+    candidate: Candidate
+    feasible: bool = False
+    reason: str = ""
+    """Why it was rejected or pruned; empty when it fits."""
+    partition: list[int] = field(default_factory=list)
+    costs: Costs | None = None
+    schedule: Schedule | None = None
+    timeline: Timeline | None = None
+    offload: OffloadTimeline | None = None
+    pipeline_time: float = math.inf
+    allreduce_time: float = 0.0
+    optimizer_time: float = 0.0
+    static_memory: list[float] = field(default_factory=list)
+    peak_memory: list[float] = field(default_factory=list)
+    unfit: list[tuple[str, float, str]] = field(default_factory=list)
+    """(plan, step time, why) of the pass chains tried here that did not fit."""
+
+    @property
+    def step_time(self) -> float:
+        return self.pipeline_time + self.allreduce_time + self.optimizer_time
+
+    @property
+    def bubble_rate(self) -> float:
+        return self.timeline.bubble_rate if self.timeline else math.nan
+
+
+@dataclass
+class TuneResult:
+    ranked: list[Evaluation]
+    """Plans that fit, fastest first (at most `keep`)."""
+    rejected: list[Evaluation]
+    """Candidates that do not fit, with the reason."""
+    global_batch: int
+    memory: float
+    evaluated: int = 0
+    pruned: int = 0
+
+    @property
+    def best(self) -> Evaluation:
+        return self.ranked[0]
+
+    def throughput(self, evaluation: Evaluation) -> float:
+        """Samples per second."""
+        return self.global_batch / (evaluation.step_time / 1e3)
+
+
+def tune(
+    cost_model: CostModel,
+    devices: int,
+    memory: float,
+    global_batch: int,
+    *,
+    tp: int = 1,
+    schemes: Sequence[str] = DEFAULT_SCHEMES,
+    pp_values: Sequence[int] | None = None,
+    micro_batches: Sequence[int] = (1, 2, 4, 8, 16, 32),
+    keep: int = 10,
+    memory_passes: bool = True,
+    exhaustive: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> TuneResult:
+    """The `keep` fastest plans that fit `memory` bytes per device; InfeasibleError if none does,
+    naming the binding constraint. `memory_passes=False` leaves out Mario, T-Recomp and T-Offload;
+    `exhaustive` turns pruning off (for checking the pruning)."""
+    points = list(
+        candidates(
+            devices,
+            global_batch,
+            tp=tp,
+            schemes=schemes,
+            pp_values=pp_values,
+            micro_batches=micro_batches,
+            num_layers=cost_model.model.layers,
+        )
+    )
+    if not points:
+        raise InfeasibleError(
+            f"no configuration of {devices} devices divides the global batch {global_batch} "
+            f"(dp × micro-batch size must divide it, and the stages must not outnumber {cost_model.model.layers} layers)"
+        )
+    prepared = [_prepare(point, cost_model, memory) for point in points]
+    prepared.sort(key=lambda item: item[1])
+    ranked: list[Evaluation] = []
+    rejected: list[Evaluation] = []
+    evaluated = pruned = 0
+    for done, (evaluation, bound) in enumerate(prepared, 1):
+        if not evaluation.reason:
+            threshold = ranked[keep - 1].step_time if len(ranked) >= keep and not exhaustive else math.inf
+            if bound >= threshold - _EPS:
+                pruned += 1
+                if progress:
+                    progress(done, len(prepared))
+                continue
+            evaluated += 1
+            if not _simulate_candidate(evaluation, memory, threshold, memory_passes):
+                pruned += 1
+                if progress:
+                    progress(done, len(prepared))
+                continue
+        if evaluation.feasible:
+            ranked.append(evaluation)
+            ranked.sort(key=lambda e: e.step_time)
+            del ranked[keep:]
+        else:
+            rejected.append(evaluation)
+        if progress:
+            progress(done, len(prepared))
+    if not ranked:
+        raise InfeasibleError(_binding_constraint(rejected, memory))
+    return TuneResult(ranked, rejected, global_batch, memory, evaluated, pruned)
+
+
+def evaluate(candidate: Candidate, cost_model: CostModel, memory: float, memory_passes: bool = True) -> Evaluation:
+    """One candidate, fully (no pruning)."""
+    evaluation, _ = _prepare(candidate, cost_model, memory)
+    if not evaluation.reason:
+        _simulate_candidate(evaluation, memory, memory_passes=memory_passes)
+    return evaluation
+
+
+def _prepare(candidate: Candidate, cost_model: CostModel, memory: float) -> tuple[Evaluation, float]:
+    """Partition, costs, static memory, and a lower bound on the step time."""
+    evaluation = Evaluation(candidate)
+    stages = candidate.num_stages
+    ops = 2 * stages * candidate.num_microbatches * candidate.slices
+    if candidate.slices > 1 and ops > SLICED_OPS_LIMIT:
+        evaluation.reason = f"size: {ops} slice ops, beyond the {SLICED_OPS_LIMIT} the tuner builds SVPP for"
+        return evaluation, math.inf
+    mbs = candidate.micro_batch
+    per_layer = cost_model.layer_time(mbs)
+    first, last = cost_model.end_times(mbs)
+    try:
+        evaluation.partition = partition_layers(
+            cost_model.model.layers,
+            [per_layer] * stages,
+            [first] + [0.0] * (stages - 2) + [last] if stages > 1 else [first + last],
+        )
+    except InfeasibleError as error:
+        evaluation.reason = f"layers: {error}"
+        return evaluation, math.inf
+    costs = evaluation.costs = cost_model.stage_costs(evaluation.partition, mbs, candidate.pp, candidate.dp)
+    placement = _placement(candidate)
+    evaluation.static_memory = [sum(costs.M_static[s] for s in stages_on) for stages_on in placement]
+    params = cost_model.stage_params(evaluation.partition)
+    on_device = max(sum(params[s] for s in stages_on) for stages_on in placement)
+    replicas = candidate.dp * (2 if candidate.scheme == "chimera" else 1)  # Chimera: two copies per pipeline
+    evaluation.allreduce_time = cost_model.allreduce_time(on_device, candidate.pp, replicas)
+    evaluation.optimizer_time = cost_model.optimizer_time(on_device, candidate.dp)
+    worst = max(evaluation.static_memory)
+    if worst > memory:
+        device = evaluation.static_memory.index(worst)
+        evaluation.reason = (
+            f"memory: static {_gib(worst)} on device {device} exceeds {_gib(memory)} before any activation"
+        )
+        return evaluation, math.inf
+    share = 0.5 if candidate.scheme == "chimera" else 1.0  # each replica sees half the micro-batches
+    work = max(
+        sum(costs.F[s] + costs.B[s] + costs.W[s] for s in stages_on) * candidate.num_microbatches * share
+        for stages_on in placement
+    )
+    return evaluation, work + evaluation.allreduce_time + evaluation.optimizer_time
+
+
+def _placement(candidate: Candidate) -> list[list[int]]:
+    p, stages = candidate.pp, candidate.num_stages
+    if candidate.scheme == "zb-v":
+        return [[d, 2 * p - 1 - d] for d in range(p)]
+    if candidate.scheme == "chimera":
+        return [[d, p - 1 - d] for d in range(p)]
+    return [list(range(d, stages, p)) for d in range(p)]
+
+
+def _simulate_candidate(
+    evaluation: Evaluation, memory: float, threshold: float = math.inf, memory_passes: bool = True
+) -> bool:
+    """Build, simulate, and fall back to memory-saving passes; False if it cannot beat `threshold`
+    (the plain schedule, which every pass only lengthens, already takes that long)."""
+    candidate, costs = evaluation.candidate, evaluation.costs
+    spec = SCHEMES[candidate.scheme]
+    budget = [memory - static for static in evaluation.static_memory]
+    try:
+        schedule = _generate(candidate, costs, budget)
+    except PipeloomError as error:
+        evaluation.reason = f"schedule: {error.summary}"
+        return True
+    for passes in ((),) + (spec.fallbacks if memory_passes else ()):
+        if passes and evaluation.step_time >= threshold - _EPS:
+            return False
+        try:
+            current = schedule
+            for name in candidate.passes + passes:
+                current = _apply(name, current, costs, budget)
+        except PipeloomError as error:
+            evaluation.reason = f"memory: {error.summary}"
+            continue
+        if "offload" in passes:
+            offload = simulate_offload(t_offload(current), costs)
+            timeline, pipeline = offload.timeline, offload.step_time
+        else:
+            offload, timeline = None, simulate(current, costs)
+            pipeline = timeline.makespan
+        peaks = timeline.peak_memory
+        evaluation.candidate = candidate.with_passes(candidate.passes + passes)
+        evaluation.schedule, evaluation.timeline, evaluation.offload = current, timeline, offload
+        evaluation.pipeline_time, evaluation.peak_memory = pipeline, peaks
+        evaluation.static_memory = list(timeline.static_memory)
+        if max(peaks) <= memory + _EPS:
+            evaluation.feasible, evaluation.reason = True, ""
+            return True
+        device = peaks.index(max(peaks))
+        evaluation.reason = f"memory: device {device} peaks at {_gib(peaks[device])} > {_gib(memory)}"
+        evaluation.unfit.append((evaluation.candidate.label, evaluation.step_time, evaluation.reason))
+    return True
+
+
+def _generate(candidate: Candidate, costs: Costs, budget: list[float]) -> Schedule:
+    spec = SCHEMES[candidate.scheme]
+    kwargs: dict = {}
+    if candidate.chunks > 1 or spec.generator in ("svpp",):
+        kwargs["num_chunks"] = candidate.chunks
+    if spec.generator == "svpp":
+        kwargs["num_slices"] = candidate.slices
+    if spec.generator in ("zb-auto", "v-auto", "svpp"):
+        kwargs["costs"] = costs
+    if spec.generator == "svpp":  # Table 3's variant: one build, where searching f would take many
+        kwargs["forwards"] = table3_forwards(candidate.pp, candidate.chunks, candidate.slices)
+    elif spec.budgeted:
+        kwargs["mem_limit"] = budget
+    return build_schedule(spec.generator, candidate.pp, candidate.num_microbatches, **kwargs)
+
+
+def _apply(name: str, schedule: Schedule, costs: Costs, budget: list[float]) -> Schedule:
+    if name == "mario":
+        return mario(schedule, costs, budget)
+    if name == "trecomp":
+        return t_recomp(schedule)
+    if name == "wparts":
+        return weight_parts(schedule, costs, mem_limit=budget)
+    if name == "offload":
+        return schedule  # a plan layer, simulated beside the schedule
+    raise AssertionError(name)
+
+
+def _binding_constraint(rejected: list[Evaluation], memory: float) -> str:
+    """The constraint that ruled out the configuration closest to fitting."""
+    measured = [e for e in rejected if e.peak_memory or e.static_memory]
+    if measured:
+        closest = min(measured, key=lambda e: max(e.peak_memory or e.static_memory))
+        need = max(closest.peak_memory or closest.static_memory)
+        return (
+            f"no plan fits {_gib(memory)} per device: the least any configuration needs is {_gib(need)} "
+            f"({closest.candidate.label}; {closest.reason})"
+        )
+    reasons = sorted({e.reason.split(":")[0] for e in rejected})
+    return f"no plan fits: every configuration was ruled out ({', '.join(reasons)}); e.g. {rejected[0].reason}"
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2**30:.2f} GiB"

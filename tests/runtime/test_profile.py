@@ -1,0 +1,91 @@
+"""The profiler's output round-trips into simulate and tune; a tuned plan round-trips into train."""
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+from pipeloom.cli import main  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MODEL = {
+    "name": "nano",
+    "hidden_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+    "vocab_size": 64,
+    "max_position_embeddings": 16,
+    "hidden_act": "silu",
+}
+
+
+def test_profile_simulate_tune_train(tmp_path, capsys):
+    model = tmp_path / "nano.json"
+    model.write_text(json.dumps(MODEL))
+    profile, plan = tmp_path / "profile.json", tmp_path / "plan.json"
+    assert (
+        main(
+            [
+                "profile",
+                "--model",
+                str(model),
+                "--mbs",
+                "1,2",
+                "--layers",
+                "1,2",
+                "--steps",
+                "3",
+                "--output",
+                str(profile),
+            ]
+        )
+        == 0
+    )
+    data = json.loads(profile.read_text())
+    assert data["format"] == "pipeloom.profile/1" and data["model"]["hidden"] == 32
+    for size in ("1", "2"):
+        fit = data["fits"][size]
+        assert fit["F"]["per_layer"] > 0 and fit["M_B"]["per_layer"] > 0 and fit["p2p_ms"] > 0
+        assert set(fit["F"]) >= {"per_layer", "first", "last", "single", "middle"}
+    # activations grow with the micro-batch (the rotary tables do not: nearly, not exactly, twice)
+    assert data["fits"]["2"]["M_B"]["per_layer"] == pytest.approx(2 * data["fits"]["1"]["M_B"]["per_layer"], rel=0.05)
+
+    assert main(["simulate", "1f1b", "-p", "2", "-m", "4", "--costs", str(profile), "--json"]) == 0
+    simulated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert simulated["makespan"] > 0 and simulated["peak_activation_memory"][0] > 0
+
+    assert (
+        main(
+            [
+                "tune",
+                "--costs",
+                str(profile),
+                "--devices",
+                "2",
+                "--memory",
+                "1GiB",
+                "--global-batch",
+                "4",
+                "--schemes",
+                "1f1b,zb-h1,chimera,zb-auto",  # two stages: the positions the profile measured
+                "--max-mbs",
+                "2",
+                "--pp",
+                "2",
+                "--output",
+                str(plan),
+            ]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    assert main(["train", "--plan", str(plan), "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "fidelity" in out and "step time" in out
+    saved = json.loads(plan.read_text())
+    for device in range(saved["pp"]):  # the stash the runtime measured is what the plan predicted
+        line = next(line for line in out.splitlines() if line.strip().startswith(f"device {device} activations"))
+        assert "(+0.0%)" in line or "(-0.0%)" in line

@@ -1,0 +1,66 @@
+"""The tuner: feasible whenever brute force finds a plan, Mario fits what 1F1B cannot, clear refusals."""
+
+import pytest
+
+from pipeloom import InfeasibleError
+from pipeloom.tune.cost_model import AnalyticCostModel
+from pipeloom.tune.plan import Plan, plan_from_evaluation
+from pipeloom.tune.presets import load_hardware, load_model
+from pipeloom.tune.search import evaluate, tune
+from pipeloom.tune.space import Candidate, candidates
+
+GIB = 2**30
+SMALL = AnalyticCostModel(load_model("zb-1.5b"), load_hardware("rtx-4090"))
+TINY_SPACE = {"schemes": ["1f1b", "zb-h1", "interleaved", "chimera", "tpipe"], "micro_batches": [1, 2, 4]}
+
+
+@pytest.mark.parametrize("memory", [6, 8, 10, 14, 24])
+def test_feasible_whenever_brute_force_finds_a_plan(memory):
+    def run(exhaustive):
+        try:
+            return tune(SMALL, 8, memory * GIB, 16, exhaustive=exhaustive, keep=3, **TINY_SPACE)
+        except InfeasibleError:
+            return None
+
+    pruned, brute = run(False), run(True)
+    assert (pruned is None) == (brute is None)
+    if brute is not None:
+        assert pruned.best.step_time == pytest.approx(brute.best.step_time)
+        assert pruned.best.candidate.label == brute.best.candidate.label
+        assert max(brute.best.peak_memory) <= memory * GIB
+        every = [evaluate(c, SMALL, memory * GIB) for c in candidates(8, 16, num_layers=22, **TINY_SPACE)]
+        fits = [e for e in every if e.feasible]
+        assert min(e.step_time for e in fits) == pytest.approx(brute.best.step_time)
+        assert pruned.evaluated + pruned.pruned + len(pruned.rejected) >= len(every) - 1
+
+
+@pytest.mark.parametrize("scheme", ["1f1b", "chimera"])
+def test_mario_fits_what_the_plain_schedule_cannot_mario_table_5(scheme):
+    """GPT3-13B on 32 A100-40G, global batch 128, micro-batch 2 (Mario Table 5: V-base and X-base OOM)."""
+    model = AnalyticCostModel(load_model("gpt3-13b"), load_hardware("a100-40g"))
+    space = {"schemes": [scheme], "pp_values": [32], "micro_batches": [2]}
+    with pytest.raises(InfeasibleError, match="no plan fits 40.00 GiB"):
+        tune(model, 32, 40 * GIB, 128, memory_passes=False, **space)
+    result = tune(model, 32, 40 * GIB, 128, **space)
+    assert result.best.candidate.passes == ("mario",)
+    assert max(result.best.peak_memory) <= 40 * GIB
+    plain = evaluate(Candidate(scheme, 32, 1, 2, 64), model, 40 * GIB, memory_passes=False)
+    assert not plain.feasible and max(plain.peak_memory) > 100 * GIB  # Table 5 measures 122 and 124 GB
+
+
+def test_infeasible_requests_name_the_binding_constraint():
+    model = AnalyticCostModel(load_model("gpt3-175b"), load_hardware("a100-40g"))
+    with pytest.raises(InfeasibleError, match=r"no plan fits 40.00 GiB .*static"):
+        tune(model, 8, 40 * GIB, 64, schemes=["1f1b"])
+    with pytest.raises(InfeasibleError, match="divides the global batch"):
+        tune(SMALL, 8, 24 * GIB, 3, schemes=["1f1b"], pp_values=[2])
+
+
+def test_plan_round_trips(tmp_path):
+    result = tune(SMALL, 8, 24 * GIB, 16, **TINY_SPACE)
+    plan = plan_from_evaluation(result.best, result, SMALL.model, SMALL.to_dict(), 1)
+    plan.save(tmp_path / "plan.json")
+    back = Plan.load(tmp_path / "plan.json")
+    assert back.schedule.devices == plan.schedule.devices and back.partition == plan.partition
+    assert back.predicted == plan.predicted and back.costs == plan.costs
+    assert sum(back.partition) == 22 and back.pp * back.dp == 8
