@@ -53,11 +53,13 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def _rotary(x: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels by position-dependent angles (x: batch, heads, seq, head_dim)."""
+def _rotary(x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """Rotate pairs of channels by position-dependent angles (x: batch, heads, seq, head_dim);
+    positions start at `offset` (a slice's place in the sequence)."""
     seq, dim = x.shape[-2], x.shape[-1]
     inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim))
-    angles = torch.arange(seq, dtype=torch.float32, device=x.device)[:, None] * inv_freq[None, :]
+    positions = torch.arange(offset, offset + seq, dtype=torch.float32, device=x.device)
+    angles = positions[:, None] * inv_freq[None, :]
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
@@ -76,12 +78,26 @@ class DecoderLayer(nn.Module):
         self.down = nn.Linear(config.ffn, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_slice(x, None, None)[0]
+
+    def forward_slice(
+        self, x: torch.Tensor, past_k: torch.Tensor | None, past_v: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One causal slice of the sequence after `past_k`/`past_v` (the keys and values of the
+        earlier slices, rotated): returns the output and this slice's rotated keys and values."""
         b, s, h = x.shape
+        offset = 0 if past_k is None else past_k.shape[-2]
         q, k, v = self.qkv(self.attn_norm(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        attention = F.scaled_dot_product_attention(_rotary(q), _rotary(k), v, is_causal=True)
+        q, k = _rotary(q, offset), _rotary(k, offset)
+        if past_k is None:
+            attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            keys, values = torch.cat((past_k, k), dim=-2), torch.cat((past_v, v), dim=-2)
+            visible = torch.ones(s, offset + s, dtype=torch.bool, device=x.device).tril(diagonal=offset)
+            attention = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
         x = x + self.out(attention.transpose(1, 2).reshape(b, s, h))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        return x + self.down(F.silu(gate) * up), k, v
 
 
 class Stage(nn.Module):
@@ -95,13 +111,23 @@ class Stage(nn.Module):
         self.head = nn.Linear(config.hidden, config.vocab, bias=False) if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_slice(x, [])[0]
+
+    def forward_slice(
+        self, x: torch.Tensor, past: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """A slice of the sequence, given each layer's keys and values of the earlier slices
+        (empty for the first slice): the output and each layer's keys and values of this slice."""
         if self.embed is not None:
             x = self.embed(x)
-        for layer in self.layers:
-            x = layer(x)
+        kv = []
+        for index, layer in enumerate(self.layers):
+            past_k, past_v = past[index] if past else (None, None)
+            x, k, v = layer.forward_slice(x, past_k, past_v)
+            kv.append((k, v))
         if self.head is not None:
             x = self.head(self.norm(x))
-        return x
+        return x, kv
 
 
 def stage_layer_counts(config: LlamaConfig, num_stages: int, counts: Sequence[int] | None = None) -> list[int]:

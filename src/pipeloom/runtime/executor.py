@@ -8,6 +8,14 @@ scaled by 1 / (micro-batches × data-parallel replicas), so gradients accumulate
 Activations cross devices through `comm.plan_messages` (receives posted ahead) and stay in
 memory between two stages of one device. The executor records every op's start and end and the
 bytes its stash holds, for the trace and for checking the simulator.
+
+With slices (MEPipe, TeraPipe) a micro-batch's sequence is cut into causal pieces. A slice's F
+reads the keys and values its stage computed for the earlier slices of that micro-batch; each F
+hands them on as fresh leaves, so the later slices' backwards accumulate their gradients there,
+and the slice's own B back-propagates its output gradient together with those accumulated key
+and value gradients — after every later slice's B, as the dependencies require. The keys and
+values of a slice are dropped with its B, the last op that reads them. A W in parts runs its
+share of the queued GEMMs.
 """
 
 from __future__ import annotations
@@ -76,7 +84,12 @@ class DeviceExecutor:
         self.ops = schedule.devices[device]
         self.stages, self.queue = stages, queue
         self.rank_of = rank_of
+        self.num_slices = schedule.num_slices
         self.shape = tuple(activation_shape)
+        if self.num_slices > 1:  # (batch, sequence, hidden): a slice is a piece of the sequence
+            batch, seq, hidden = self.shape
+            self.slice_len = seq // self.num_slices
+            self.shape = (batch, self.slice_len, hidden)
         self.loss_scale = loss_scale
         self.loss_fn = loss
         self.concat_w = concat_w
@@ -92,7 +105,9 @@ class DeviceExecutor:
         )
         if any(op.kind is _W for op in self.ops) and not self._has_split_linears and stages:
             raise ConfigError(f"device {device} runs W ops but its linears are not split (split_linears)")
-        self._saved_bytes: dict[tuple[OpKind, int], int] = {}  # measured once per (F or R, stage)
+        self._saved_bytes: dict[tuple[OpKind, int, int], int] = {}  # once per (F or R, stage, slice)
+        if self.num_slices > 1 and not all(hasattr(module, "forward_slice") for module in stages.values()):
+            raise ConfigError("slices need stages with forward_slice (the LLaMA-style decoder's)")
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -103,6 +118,7 @@ class DeviceExecutor:
         sends: list[tuple[dist.Work, str]] = []
         handed: dict[tuple[bool, int, int], torch.Tensor] = {}  # in-memory hand-over on this device
         stash: dict[tuple[int, int, int], _Entry] = {}
+        kv: dict[tuple[int, int, int], tuple[list, list]] = {}  # slice key -> (keys/values, their leaves)
         held = 0
         skip_until = -1
 
@@ -116,37 +132,42 @@ class DeviceExecutor:
             if index <= skip_until:
                 continue
             start = time.perf_counter() - began
-            stage, mb, _ = op.key
+            stage, mb, slice_ = op.key
             module = self.stages[stage]
+            past = self._past(kv, op) if self.num_slices > 1 and op.kind in (_F, _R) else None
+            target = self._cut(targets[mb], slice_) if stage == self.last_stage else None
             if op.kind is _F:
-                x = inputs[mb] if stage == 0 else self._take(pending, handed, False, stage, mb)
+                x = self._cut(inputs[mb], slice_) if stage == 0 else self._take(pending, handed, False, op)
                 start = time.perf_counter() - began  # the op's own time starts once its input is here
                 entry = _Entry(inputs=x)
                 if op.ckpt:
                     with torch.no_grad():
-                        out = module(x)
-                    entry.bytes = _nbytes(x)
+                        out, new_kv = self._run(module, x, past)
+                    entry.bytes = _nbytes(x) + sum(_nbytes(k) + _nbytes(v) for k, v in new_kv)
                 else:
-                    out, entry.inputs, entry.bytes = self._forward(
-                        module, op, x, targets[mb] if stage == self.last_stage else None
-                    )
+                    out, entry.inputs, entry.bytes, new_kv = self._forward(module, op, x, target, past)
                     entry.output = out
+                if past is not None:
+                    kv[op.key] = (
+                        new_kv,
+                        [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in new_kv],
+                    )
                 if stage == self.last_stage:
-                    loss = out if not op.ckpt else self._loss(out, targets[mb])
+                    loss = out if not op.ckpt else self._loss(out, target)
                     record.loss += float(loss.detach())
                 else:
-                    self._give(sends, handed, False, stage + 1, mb, out.detach())
+                    self._give(sends, handed, False, stage + 1, mb, slice_, out.detach())
                 stash[op.key] = entry
                 record.entry_bytes[op.text] = entry.bytes
                 note(entry.bytes)
             elif op.kind is _R:
                 entry = stash[op.key]
                 if op.after_grad and stage != self.last_stage:  # recompute inside the backward
-                    entry.grad = self._take(pending, handed, True, stage, mb)
+                    entry.grad = self._take(pending, handed, True, op)
                     start = time.perf_counter() - began
-                entry.output, entry.inputs, saved = self._forward(
-                    module, op, entry.inputs, targets[mb] if stage == self.last_stage else None
-                )
+                entry.output, entry.inputs, saved, new_kv = self._forward(module, op, entry.inputs, target, past)
+                if past is not None:
+                    kv[op.key] = (new_kv, kv[op.key][1])  # the later slices read the F's leaves
                 record.recomputes += 1
                 record.entry_bytes[op.text] = saved
                 note(saved)
@@ -155,23 +176,33 @@ class DeviceExecutor:
                 entry = stash.pop(op.key)
                 grad = entry.grad
                 if grad is None and stage != self.last_stage:
-                    grad = self._take(pending, handed, True, stage, mb)
+                    grad = self._take(pending, handed, True, op)
                     start = time.perf_counter() - began
                 before = len(self.queue)
-                torch.autograd.backward(entry.output, grad)
+                outputs, grads = [entry.output], [grad]
+                if self.num_slices > 1:  # and the gradients later slices sent into this slice's keys/values
+                    graph, leaves = kv.pop(op.key)
+                    for pair, leaf_pair in zip(graph, leaves):
+                        for tensor, leaf in zip(pair, leaf_pair):
+                            if leaf.grad is not None:
+                                outputs.append(tensor)
+                                grads.append(leaf.grad)
+                torch.autograd.backward(outputs, grads)
                 note(-entry.bytes)
                 if stage > 0:
-                    self._give(sends, handed, True, stage - 1, mb, entry.inputs.grad)
+                    self._give(sends, handed, True, stage - 1, mb, slice_, entry.inputs.grad)
                 if op.kind is _BW:
                     self.queue.run(op.key)  # with plain linears autograd did it already: nothing queued
                 elif len(self.queue) == before and self._has_split_linears:
                     raise RuntimeFault(f"{op.text}: no weight gradients were queued")
+            elif op.kind is _W and op.parts > 1:
+                self.queue.run_part(op.key, op.part, op.parts)
             elif op.kind is _W:
                 keys = [op.key]
                 if self.concat_w:
                     while index + len(keys) < len(self.ops):
                         following = self.ops[index + len(keys)]
-                        if following.kind is not _W or following.stage != stage:
+                        if following.kind is not _W or following.stage != stage or following.parts > 1:
                             break
                         keys.append(following.key)
                     skip_until = index + len(keys) - 1
@@ -182,23 +213,51 @@ class DeviceExecutor:
                 work.wait()
             except RuntimeError as error:
                 raise self._fault(description, error) from None
-        if stash or len(self.queue):
+        if stash or kv or len(self.queue):
             raise RuntimeFault(f"device {self.device}: the step ended with work left (stash {list(stash)})")
         return record
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _forward(self, module: nn.Module, op: Op, x: torch.Tensor, targets: torch.Tensor | None):
+    def _cut(self, tensor: torch.Tensor, slice_: int) -> torch.Tensor:
+        """A micro-batch's tokens or targets, cut to one slice of the sequence."""
+        if self.num_slices == 1:
+            return tensor
+        return tensor[:, slice_ * self.slice_len : (slice_ + 1) * self.slice_len]
+
+    @staticmethod
+    def _past(kv: dict, op: Op) -> list:
+        """Per layer, the keys and values (leaves) of the earlier slices of the op's micro-batch."""
+        earlier = [kv[(op.stage, op.microbatch, s)][1] for s in range(op.slice)]
+        if not earlier:
+            return []
+        return [
+            (
+                torch.cat([layers[i][0] for layers in earlier], dim=-2),
+                torch.cat([layers[i][1] for layers in earlier], dim=-2),
+            )
+            for i in range(len(earlier[0]))
+        ]
+
+    @staticmethod
+    def _run(module: nn.Module, x: torch.Tensor, past: list | None):
+        """(output, this slice's keys and values per layer); unsliced: (output, [])."""
+        return module.forward_slice(x, past) if past is not None else (module(x), [])
+
+    def _forward(
+        self, module: nn.Module, op: Op, x: torch.Tensor, targets: torch.Tensor | None, past: list | None = None
+    ):
         """Forward with autograd under the op's key, from a fresh leaf for the input so that B can
         read the input's gradient. Returns (output, or the loss on the last stage; that leaf; the
-        bytes it keeps: tensors saved for backward, and the input itself for an F)."""
+        bytes it keeps: tensors saved for backward, and the input itself for an F; the slice's
+        keys and values)."""
         if x.is_floating_point():
             x = x.detach().requires_grad_(True)
-        known = self._saved_bytes.get((op.kind, op.stage))
+        known = self._saved_bytes.get((op.kind, op.stage, op.slice))
         if known is not None:  # shapes repeat: the saved bytes of a stage's pass do too
             self.queue.current = op.key
-            out = module(x)
-            return (self._loss(out, targets) if targets is not None else out), x, known
+            out, new_kv = self._run(module, x, past)
+            return (self._loss(out, targets) if targets is not None else out), x, known, new_kv
         saved = [_nbytes(x) if op.kind is _F else 0]
         seen: set[int] = {x.data_ptr()}
 
@@ -211,11 +270,11 @@ class DeviceExecutor:
 
         self.queue.current = op.key
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            out = module(x)
+            out, new_kv = self._run(module, x, past)
             if targets is not None:
                 out = self._loss(out, targets)
-        self._saved_bytes[(op.kind, op.stage)] = saved[0]
-        return out, x, saved[0]
+        self._saved_bytes[(op.kind, op.stage, op.slice)] = saved[0]
+        return out, x, saved[0], new_kv
 
     def _loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(output, targets) * self.loss_scale
@@ -233,11 +292,12 @@ class DeviceExecutor:
                 work = dist.irecv(buffer, src=self.rank_of(message.src), group=group, tag=self.plan.tag(message))
             except RuntimeError as error:  # the pair is already broken: its peer is gone
                 raise self._fault(f"posting a receive from rank {self.rank_of(message.src)}", error) from None
-            pending[(message.grad, message.stage, message.microbatch)] = (buffer, work, message.src)
+            pending[(message.grad, message.stage, message.microbatch, message.slice)] = (buffer, work, message.src)
         return pending
 
-    def _take(self, pending, handed, grad: bool, stage: int, mb: int) -> torch.Tensor:
-        key = (grad, stage, mb)
+    def _take(self, pending, handed, grad: bool, op: Op) -> torch.Tensor:
+        stage, mb, slice_ = op.key
+        key = (grad, stage, mb, slice_)
         if key in handed:
             return handed.pop(key)
         buffer, work, src = pending.pop(key)
@@ -250,13 +310,13 @@ class DeviceExecutor:
             ) from None
         return buffer
 
-    def _give(self, sends, handed, grad: bool, stage: int, mb: int, tensor: torch.Tensor) -> None:
+    def _give(self, sends, handed, grad: bool, stage: int, mb: int, slice_: int, tensor: torch.Tensor) -> None:
         table = self.plan.backward_device if grad else self.plan.forward_device
-        consumer = table[(stage, mb, 0)]
+        consumer = table[(stage, mb, slice_)]
         if consumer == self.device:
-            handed[(grad, stage, mb)] = tensor.detach()
+            handed[(grad, stage, mb, slice_)] = tensor.detach()
             return
-        message = Message(grad, stage, mb, 0, self.device, consumer)
+        message = Message(grad, stage, mb, slice_, self.device, consumer)
         group = self.pair_groups.get((self.device, consumer))
         payload = tensor.detach().contiguous()
         what = f"the gradient for B{stage}" if grad else f"the activation for F{stage}"

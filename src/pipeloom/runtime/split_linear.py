@@ -23,6 +23,8 @@ class WeightGradQueue:
     def __init__(self) -> None:
         self.current: tuple | None = None
         self._pending: dict[tuple, list[tuple[nn.Linear, torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        self._split: dict[tuple, list] = {}  # a key whose W runs in parts: all its GEMMs
+        self._parts_done: dict[tuple, set[int]] = {}
 
     def push(self, key: tuple, layer: nn.Linear, inputs: torch.Tensor, grad_output: torch.Tensor) -> None:
         self._pending[key].append((layer, inputs, grad_output))
@@ -47,8 +49,22 @@ class WeightGradQueue:
                 bias_grad = gy.sum(0)
                 layer.bias.grad = bias_grad if layer.bias.grad is None else layer.bias.grad.add_(bias_grad)
 
+    def run_part(self, key: tuple, part: int, parts: int) -> None:
+        """Part `part` of `parts` of `key`'s GEMMs (MEPipe's fine-grained W): the queued GEMMs in
+        B's order, cut into `parts` runs as even as possible; the last part clears the key."""
+        entries = self._split.setdefault(key, self._pending.pop(key, []))
+        share = entries[part * len(entries) // parts : (part + 1) * len(entries) // parts]
+        if share:
+            self._pending[key] = share
+            self.run(key)
+        done = self._parts_done.setdefault(key, set())
+        done.add(part)
+        if len(done) == parts:
+            del self._split[key], self._parts_done[key]
+
     def __len__(self) -> int:
-        return sum(len(entries) for entries in self._pending.values())
+        pending = sum(len(entries) for entries in self._pending.values())
+        return pending + sum(len(entries) for entries in self._split.values())
 
 
 class _InputGradOnly(torch.autograd.Function):

@@ -69,10 +69,11 @@ class RankResult:
 def check_spec(spec: TrainSpec, world_size: int | None = None) -> None:
     """Refuse before any compute: invalid schedule, wrong world size, uncuttable layers."""
     validate(spec.schedule)
-    if spec.schedule.num_slices != 1 or any(op.parts != 1 for _, _, op in spec.schedule.ops()):
-        raise ConfigError(
-            f"train: {spec.schedule.name!r} has slices or W parts, which the runtime does not run yet (issue 7)"
-        )
+    slices = spec.schedule.num_slices
+    if slices > 1 and spec.workload is not None:
+        raise ConfigError("train: slices need the LLaMA-style decoder (its attention reads earlier slices' keys)")
+    if slices > 1 and spec.config.seq_len % slices:
+        raise ConfigError(f"train: sequence length {spec.config.seq_len} does not split into {slices} equal slices")
     if spec.dp < 1:
         raise ConfigError(f"train: data-parallel size must be at least 1, got {spec.dp}")
     if spec.backend not in ("gloo", "nccl"):
@@ -141,7 +142,7 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
         rank_of=lambda d: replica * p + d,
         activation_shape=work.activation_shape,
         loss=work.loss,
-        loss_scale=1.0 / (schedule.num_microbatches * spec.dp),
+        loss_scale=1.0 / (schedule.num_microbatches * spec.dp * schedule.num_slices),
         concat_w=spec.concat_w,
         pair_groups=pair_groups,
         device_type=where,
