@@ -14,6 +14,7 @@ _SCHEDULE_FLAGS = ("name", "p", "m", "chunks", "slices", "forwards", "schedule_f
 
 def spec_from_plan(args: argparse.Namespace):
     """The TrainSpec of a plan; schedule and model flags would contradict it, so they are refused."""
+    from pipeloom.cli_train import checkpointing
     from pipeloom.profile.profiler import llama_config
     from pipeloom.runtime.training import TrainSpec
     from pipeloom.tune.plan import Plan
@@ -42,6 +43,7 @@ def spec_from_plan(args: argparse.Namespace):
         timeout_s=args.timeout,
         report=True,
         backend=args.backend,
+        **checkpointing(args),
     )
 
 

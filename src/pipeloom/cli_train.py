@@ -68,6 +68,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU, default) or nccl (one GPU per rank)"
     )
+    parser.add_argument("--save", metavar="DIR", help="write checkpoints (torch.distributed.checkpoint) into DIR")
+    parser.add_argument("--save-every", type=int, default=0, metavar="K", help="with --save: every K steps")
+    parser.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue from the newest complete checkpoint in DIR (or a DIR/step-N) up to --steps",
+    )
     parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every rank's ops")
     parser.add_argument("--summary", metavar="PATH", help="write a JSON summary: losses, step times, stash bytes")
 
@@ -118,9 +125,17 @@ def train_spec_from_args(args: argparse.Namespace, report: bool = False):
         timeout_s=args.timeout,
         report=report,
         backend=args.backend,
+        **checkpointing(args),
     )
     check_spec(spec)
     return spec
+
+
+def checkpointing(args: argparse.Namespace) -> dict:
+    """TrainSpec's checkpoint fields from --save, --save-every and --resume."""
+    if bool(args.save) != bool(args.save_every):
+        raise ConfigError("--save DIR and --save-every K go together")
+    return {"save_every": args.save_every, "save_dir": args.save, "resume_dir": args.resume}
 
 
 def write_train_outputs(results, spec, args: argparse.Namespace) -> None:

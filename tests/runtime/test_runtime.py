@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pipeloom import Costs, OpKind, Schedule, build_schedule, simulate  # noqa: E402
-from pipeloom.errors import ConfigError, ScheduleError  # noqa: E402
+from pipeloom.errors import ConfigError, RuntimeFault, ScheduleError  # noqa: E402
 from pipeloom.models.llama import LlamaConfig  # noqa: E402
 from pipeloom.passes import apply_checkpoint, mario, split_backward, t_recomp  # noqa: E402
 from pipeloom.runtime.local import _worker, run_local  # noqa: E402
@@ -174,6 +174,38 @@ def test_a_killed_rank_makes_the_others_fail_without_hanging():
         reason = Path(directory, "rank0.error").read_text()
         # who failed, and on whom it waited: the peer of a receive or send, or the ranks of a collective
         assert reason.startswith("rank 0") and re.search(r"rank 1\b|ranks \[0, 1\]", reason), reason
+
+
+class _StallOnRankOne(torch.nn.Module):
+    """Passes its input through, but on rank 1, from its fourth call on, stops for ten minutes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        self.calls += 1
+        if dist.is_initialized() and dist.get_rank() == 1 and self.calls > 3:
+            time.sleep(600)
+        return x
+
+
+def test_a_stalled_rank_makes_the_others_fail_within_the_timeout():
+    from pipeloom.runtime.workload import blocks_workload
+
+    def blocks():
+        return [*mlp_blocks(), _StallOnRankOne()]
+
+    work = blocks_workload(blocks, regression_batch, torch.nn.functional.mse_loss, (3, 8), microbatch_size=3)
+    spec = TrainSpec(build_schedule("1f1b", 2, 4), steps=3, workload=work, timeout_s=3)
+    began = time.monotonic()
+    with pytest.raises(RuntimeFault) as failure:
+        run_local(spec, timeout_s=120)
+    assert time.monotonic() - began < 60, "the stalled peer was not detected by the timeout"
+    reason = str(failure.value)
+    assert reason.startswith("rank 0 failed: rank 0") and "from rank 1" in reason, reason
 
 
 def test_bad_runs_are_refused_before_any_compute():

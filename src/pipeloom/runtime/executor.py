@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -79,6 +80,7 @@ class DeviceExecutor:
         concat_w: bool = False,
         pair_groups: dict[tuple[int, int], dist.ProcessGroup] | None = None,
         device_type: torch.device | None = None,
+        timeout_s: float = 60.0,
     ) -> None:
         self.schedule, self.plan, self.device = schedule, plan, device
         self.ops = schedule.devices[device]
@@ -99,6 +101,7 @@ class DeviceExecutor:
         # pair's operations in order on one stream).
         self.pair_groups = pair_groups or {}
         self.torch_device = device_type or torch.device("cpu")
+        self.timeout = timedelta(seconds=timeout_s)  # a stalled peer fails the wait instead of hanging it
         self._parameter_ptrs = {p.data_ptr() for module in stages.values() for p in module.parameters()}
         self._has_split_linears = any(
             type(m).__name__ == "SplitLinear" for module in stages.values() for m in module.modules()
@@ -210,7 +213,7 @@ class DeviceExecutor:
             record.ops.append((op.text, start, time.perf_counter() - began))
         for work, description in sends:
             try:
-                work.wait()
+                work.wait(self.timeout)
             except RuntimeError as error:
                 raise self._fault(description, error) from None
         if stash or kv or len(self.queue):
@@ -302,7 +305,7 @@ class DeviceExecutor:
             return handed.pop(key)
         buffer, work, src = pending.pop(key)
         try:
-            work.wait()
+            work.wait(self.timeout)
         except RuntimeError as error:
             what = "gradient for B" if grad else "activation for F"
             raise self._fault(

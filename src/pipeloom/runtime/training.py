@@ -23,6 +23,7 @@ from pipeloom.ir.ops import OpKind
 from pipeloom.ir.schedule import Schedule
 from pipeloom.ir.validate import validate
 from pipeloom.models.llama import LlamaConfig, stage_layer_counts
+from pipeloom.runtime.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from pipeloom.runtime.comm import plan_messages
 from pipeloom.runtime.executor import DeviceExecutor, StepRecord, peer_failure
 from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
@@ -49,6 +50,11 @@ class TrainSpec:
     """gloo (CPU) or nccl (one GPU per rank, LOCAL_RANK picks it)."""
     workload: Workload | None = None
     """Any model, data and loss; None: the LLaMA-style decoder of `config`."""
+    save_every: int = 0
+    """Write a checkpoint every this many steps into `save_dir` (0: never)."""
+    save_dir: str | None = None
+    resume_dir: str | None = None
+    """Continue from a checkpoint (a step-N directory, or the newest in this directory) up to `steps`."""
 
     def resolved_workload(self) -> Workload:
         return self.workload or llama_workload(self.config, self.seed, self.layer_counts)
@@ -87,6 +93,12 @@ def check_spec(spec: TrainSpec, world_size: int | None = None) -> None:
         )
     if spec.workload is None:
         stage_layer_counts(spec.config, spec.schedule.num_stages, spec.layer_counts)
+    if (spec.save_dir is None) != (spec.save_every == 0) or spec.save_every < 0:
+        raise ConfigError("train: checkpoints need both a directory (--save) and a period (--save-every >= 1)")
+    if spec.resume_dir is not None:
+        _, done = find_checkpoint(spec.resume_dir, expected, spec.schedule.name)
+        if done >= spec.steps:
+            raise ConfigError(f"train: the checkpoint is already {done} steps in; ask for more than {done} --steps")
 
 
 def train_rank(spec: TrainSpec, rank: int, world_size: int, init_method: str, gather: bool = False) -> RankResult:
@@ -146,10 +158,15 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
         concat_w=spec.concat_w,
         pair_groups=pair_groups,
         device_type=where,
+        timeout_s=spec.timeout_s,
     )
     result = RankResult(rank)
     m, b = schedule.num_microbatches, work.microbatch_size
-    for step in range(spec.steps):
+    first = 0
+    if spec.resume_dir is not None:
+        path, _ = find_checkpoint(spec.resume_dir, dist.get_world_size(), schedule.name)
+        first = load_checkpoint(path, stages, optimizer)
+    for step in range(first, spec.steps):
         began = time.perf_counter()
         tokens, targets = work.batch(spec.dp * m * b, step)
         tokens, targets = tokens.to(where), targets.to(where)
@@ -177,6 +194,8 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
         result.records.append(record)
         if spec.report and rank == 0:
             print(f"step {step}: loss {result.losses[-1]:.6f}  time {result.step_seconds[-1] * 1e3:.1f} ms", flush=True)
+        if spec.save_every and (step + 1) % spec.save_every == 0:
+            save_checkpoint(spec.save_dir, step + 1, stages, optimizer, schedule.name)
     result.parameters = {s: {n: t.detach().cpu().clone() for n, t in stages[s].named_parameters()} for s in hosted}
     return result
 

@@ -1,0 +1,120 @@
+"""Checkpoint and resume with torch.distributed.checkpoint: model, optimizer, data position, RNG.
+
+A checkpoint of the state after n steps is the directory ``DIR/step-n``. Every rank writes its
+stages' parameters and AdamW state (keyed by stage and parameter name, so data-parallel and
+Chimera copies of a stage are one entry, and split linears read what plain ones wrote), the step
+and its RNG state into ``DIR/step-n.partial``; after a barrier
+rank 0 renames it to ``DIR/step-n`` and only then writes the ``COMPLETE`` marker (JSON: step,
+world size, schedule). A crash at any point leaves either a ``.partial`` directory, ignored, or a
+directory without its marker — a torn checkpoint, which resuming refuses — and never touches an
+earlier complete checkpoint. The synthetic data of step n depends only on the seed and n, so the
+step is the data position.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from pipeloom.errors import ConfigError
+
+__all__ = ["find_checkpoint", "save_checkpoint", "load_checkpoint"]
+
+_STEP = re.compile(r"^step-(\d+)$")
+MARKER = "COMPLETE"
+
+
+def find_checkpoint(path: str | os.PathLike[str], world_size: int, schedule: str) -> tuple[Path, int]:
+    """(directory, steps done) of the checkpoint at `path` — a ``step-n`` directory, or the newest
+    one inside `path` — or ConfigError if it is missing, torn, or from another run's shape."""
+    path = Path(path)
+    if _STEP.match(path.name):
+        chosen = path
+    else:
+        found = sorted(
+            (int(m.group(1)), p) for p in (path.iterdir() if path.is_dir() else []) if (m := _STEP.match(p.name))
+        )
+        if not found:
+            raise ConfigError(f"no checkpoint in {str(path)!r} (expected step-N directories written by --save)")
+        chosen = found[-1][1]
+    marker = chosen / MARKER
+    if not chosen.is_dir():
+        raise ConfigError(f"checkpoint {str(chosen)!r} does not exist")
+    if not marker.is_file() or not (chosen / ".metadata").is_file():
+        raise ConfigError(f"checkpoint {str(chosen)!r} is torn (no {MARKER} marker or metadata): it was not finished")
+    try:
+        facts = json.loads(marker.read_text())
+        step = int(facts["step"])
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"checkpoint {str(chosen)!r} has an unreadable {MARKER} marker") from None
+    if facts.get("world_size") != world_size or facts.get("schedule") != schedule:
+        raise ConfigError(
+            f"checkpoint {str(chosen)!r} was written by {facts.get('world_size')} ranks running "
+            f"{facts.get('schedule')!r}, not {world_size} ranks running {schedule!r}"
+        )
+    return chosen, step
+
+
+def _state(stages: dict[int, nn.Module], optimizer) -> dict:
+    """Tensors to save or to load into, in place: each parameter (by stage and name) and its
+    AdamW state. A fresh optimizer's state is created zeroed, as AdamW's first step would."""
+    state: dict = {}
+    for stage, module in stages.items():
+        for name, parameter in module.named_parameters():
+            key = f"stage{stage}.{name}"
+            state[f"model.{key}"] = parameter.data
+            if optimizer is None:
+                continue
+            slot = optimizer.state[parameter]
+            if not slot:
+                slot.update(
+                    step=torch.tensor(0.0),
+                    exp_avg=torch.zeros_like(parameter, memory_format=torch.preserve_format),
+                    exp_avg_sq=torch.zeros_like(parameter, memory_format=torch.preserve_format),
+                )
+            for field in ("step", "exp_avg", "exp_avg_sq"):
+                state[f"optim.{key}.{field}"] = slot[field]
+    return state
+
+
+def save_checkpoint(
+    directory: str | os.PathLike[str], step: int, stages: dict[int, nn.Module], optimizer, schedule: str
+) -> None:
+    """Collective: every rank calls it after the same step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    final = Path(directory) / f"step-{step}"
+    partial = Path(directory) / f"step-{step}.partial"
+    if rank == 0:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+    dist.barrier()
+    state = _state(stages, optimizer)
+    state[f"rng.rank{rank}"] = torch.get_rng_state()
+    state["step"] = torch.tensor(step)
+    dcp.save(state, checkpoint_id=partial)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)  # a torn one left by a crash: never a complete one
+        partial.rename(final)
+        (final / MARKER).write_text(json.dumps({"step": step, "world_size": world, "schedule": schedule}))
+    dist.barrier()
+
+
+def load_checkpoint(path: Path, stages: dict[int, nn.Module], optimizer) -> int:
+    """Restore this rank's stages, optimizer and RNG in place; return the steps done."""
+    rank = dist.get_rank()
+    state = _state(stages, optimizer)
+    state[f"rng.rank{rank}"] = torch.get_rng_state()
+    state["step"] = torch.tensor(0)
+    with torch.no_grad():
+        dcp.load(state, checkpoint_id=path)  # in place: into the parameters and optimizer state
+    torch.set_rng_state(state[f"rng.rank{rank}"])
+    return int(state["step"])

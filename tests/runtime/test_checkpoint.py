@@ -1,0 +1,56 @@
+"""Checkpoint and resume (torch.distributed.checkpoint): bit-identical continuation, torn ones refused."""
+
+import shutil
+
+import pytest
+
+pytest.importorskip("torch")
+
+from pipeloom import ConfigError, build_schedule  # noqa: E402
+from pipeloom.models.llama import LlamaConfig  # noqa: E402
+from pipeloom.runtime.local import run_local  # noqa: E402
+from pipeloom.runtime.training import TrainSpec, check_spec  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+CONFIG = LlamaConfig(layers=4, hidden=32, heads=2, ffn=64, vocab=64, seq_len=16)
+
+
+@pytest.mark.parametrize("name, dp", [("zb-h1", 1), ("1f1b", 2)])
+def test_resume_continues_bit_identically(tmp_path, name, dp):
+    schedule = build_schedule(name, 2, 4)
+    whole = run_local(TrainSpec(schedule, config=CONFIG, steps=4, dp=dp))
+    first = run_local(TrainSpec(schedule, config=CONFIG, steps=2, dp=dp, save_every=1, save_dir=str(tmp_path)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-2"]
+    resumed = run_local(TrainSpec(schedule, config=CONFIG, steps=4, dp=dp, resume_dir=str(tmp_path)))
+    assert first[0].losses + resumed[0].losses == whole[0].losses  # exactly, not approximately
+    for rank, result in enumerate(resumed):
+        for stage, parameters in result.parameters.items():
+            for key, value in parameters.items():
+                assert (value == whole[rank].parameters[stage][key]).all()
+    from_one = run_local(TrainSpec(schedule, config=CONFIG, steps=4, dp=dp, resume_dir=str(tmp_path / "step-1")))
+    assert from_one[0].losses == whole[0].losses[1:]
+
+
+def test_torn_missing_and_mismatched_checkpoints_are_refused(tmp_path):
+    schedule = build_schedule("1f1b", 2, 4)
+    run_local(TrainSpec(schedule, config=CONFIG, steps=2, save_every=2, save_dir=str(tmp_path)))
+
+    def refused(message, steps=4):
+        spec = TrainSpec(schedule, config=CONFIG, steps=steps, resume_dir=str(tmp_path))
+        with pytest.raises(ConfigError, match=message):
+            check_spec(spec)
+
+    refused("already 2 steps in", steps=2)
+    shutil.copytree(tmp_path / "step-2", tmp_path / "step-3")  # a newer checkpoint, torn mid-write
+    (tmp_path / "step-3" / "COMPLETE").unlink()
+    refused("step-3' is torn")
+    shutil.rmtree(tmp_path / "step-3")
+    (tmp_path / "step-4.partial").mkdir()  # an unfinished write is not a checkpoint at all
+    check_spec(TrainSpec(schedule, config=CONFIG, steps=4, resume_dir=str(tmp_path)))
+    with pytest.raises(ConfigError, match="written by 2 ranks running '1f1b', not 2 ranks running 'zb-h1'"):
+        check_spec(TrainSpec(build_schedule("zb-h1", 2, 4), config=CONFIG, steps=4, resume_dir=str(tmp_path)))
+    with pytest.raises(ConfigError, match="no checkpoint in"):
+        check_spec(TrainSpec(schedule, config=CONFIG, steps=4, resume_dir=str(tmp_path / "empty")))
+    with pytest.raises(ConfigError, match="go together|need both"):
+        check_spec(TrainSpec(schedule, config=CONFIG, steps=4, save_every=2))
