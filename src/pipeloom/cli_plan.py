@@ -15,6 +15,7 @@ _SCHEDULE_FLAGS = ("name", "p", "m", "chunks", "slices", "forwards", "schedule_f
 def spec_from_plan(args: argparse.Namespace):
     """The TrainSpec of a plan; schedule and model flags would contradict it, so they are refused."""
     from pipeloom.cli_train import checkpointing
+    from pipeloom.passes.offload import t_offload
     from pipeloom.profile.profiler import llama_config
     from pipeloom.runtime.training import TrainSpec
     from pipeloom.tune.plan import Plan
@@ -23,14 +24,15 @@ def spec_from_plan(args: argparse.Namespace):
     if given or args.ckpt != "none" or args.dp != 1:
         raise ConfigError("--plan fixes the schedule, the model and dp: drop the other schedule options")
     plan = Plan.load(args.plan)
-    if "offload" in plan.passes:
-        raise ConfigError("the runtime does not run T-Offload yet (issue 7); tune with --runnable")
     model = plan.model
     if not model.gated or model.kv_heads is not None or model.params > 5e8:
         raise ConfigError(
             f"the runtime trains a small LLaMA-style decoder; plan model {model.name!r} is not one "
             "(gated, without GQA, under 0.5B parameters)"
         )
+    fields = checkpointing(args)
+    if "offload" in plan.passes:
+        fields.setdefault("offload_stages", t_offload(plan.schedule).stages)
     return TrainSpec(
         schedule=plan.schedule,
         config=llama_config(model, model.layers, plan.micro_batch_size),
@@ -43,7 +45,7 @@ def spec_from_plan(args: argparse.Namespace):
         timeout_s=args.timeout,
         report=True,
         backend=args.backend,
-        **checkpointing(args),
+        **fields,
     )
 
 

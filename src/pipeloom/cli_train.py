@@ -10,7 +10,7 @@ from pipeloom.cli import (
     _costs_from_args,
     _schedule_from_args,
 )
-from pipeloom.cli_args import add_ckpt, add_costs, add_schedule_source
+from pipeloom.cli_args import add_ckpt, add_costs, add_schedule_source, int_list
 from pipeloom.cli_passes import checkpointed
 from pipeloom.errors import ConfigError
 
@@ -68,6 +68,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU, default) or nccl (one GPU per rank)"
     )
+    parser.add_argument(
+        "--offload-stages", metavar="LIST", help="T-Offload: run these stages' optimizer on the host, off the compute thread"
+    )
+    parser.add_argument("--reload-bf16", action="store_true", help="with --offload-stages: reload weights through bfloat16")
     parser.add_argument("--save", metavar="DIR", help="write checkpoints (torch.distributed.checkpoint) into DIR")
     parser.add_argument("--save-every", type=int, default=0, metavar="K", help="with --save: every K steps")
     parser.add_argument(
@@ -132,10 +136,17 @@ def train_spec_from_args(args: argparse.Namespace, report: bool = False):
 
 
 def checkpointing(args: argparse.Namespace) -> dict:
-    """TrainSpec's checkpoint fields from --save, --save-every and --resume."""
+    """TrainSpec's checkpoint and offload fields from --save, --save-every, --resume, --offload-stages."""
     if bool(args.save) != bool(args.save_every):
         raise ConfigError("--save DIR and --save-every K go together")
-    return {"save_every": args.save_every, "save_dir": args.save, "resume_dir": args.resume}
+    fields = {"save_every": args.save_every, "save_dir": args.save, "resume_dir": args.resume}
+    if args.offload_stages:
+        fields["offload_stages"] = tuple(int_list(args.offload_stages, "--offload-stages"))
+    if args.reload_bf16:
+        if not args.offload_stages:
+            raise ConfigError("--reload-bf16 applies to --offload-stages")
+        fields["reload_bits"] = 16
+    return fields
 
 
 def write_train_outputs(results, spec, args: argparse.Namespace) -> None:

@@ -81,6 +81,7 @@ class DeviceExecutor:
         pair_groups: dict[tuple[int, int], dist.ProcessGroup] | None = None,
         device_type: torch.device | None = None,
         timeout_s: float = 60.0,
+        before_forward: Callable[[int], None] | None = None,
     ) -> None:
         self.schedule, self.plan, self.device = schedule, plan, device
         self.ops = schedule.devices[device]
@@ -102,6 +103,8 @@ class DeviceExecutor:
         self.pair_groups = pair_groups or {}
         self.torch_device = device_type or torch.device("cpu")
         self.timeout = timedelta(seconds=timeout_s)  # a stalled peer fails the wait instead of hanging it
+        self.before_forward = before_forward
+        """Called with the stage before each F: T-Offload's RELOAD of weights stepped on the host."""
         self._parameter_ptrs = {p.data_ptr() for module in stages.values() for p in module.parameters()}
         self._has_split_linears = any(
             type(m).__name__ == "SplitLinear" for module in stages.values() for m in module.modules()
@@ -141,6 +144,8 @@ class DeviceExecutor:
             target = self._cut(targets[mb], slice_) if stage == self.last_stage else None
             if op.kind is _F:
                 x = self._cut(inputs[mb], slice_) if stage == 0 else self._take(pending, handed, False, op)
+                if self.before_forward is not None:
+                    self.before_forward(stage)
                 start = time.perf_counter() - began  # the op's own time starts once its input is here
                 entry = _Entry(inputs=x)
                 if op.ckpt:

@@ -26,6 +26,7 @@ from pipeloom.models.llama import LlamaConfig, stage_layer_counts
 from pipeloom.runtime.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from pipeloom.runtime.comm import plan_messages
 from pipeloom.runtime.executor import DeviceExecutor, StepRecord, peer_failure
+from pipeloom.runtime.offload import HostOffload
 from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
 from pipeloom.runtime.workload import Workload, llama_workload
 
@@ -50,6 +51,10 @@ class TrainSpec:
     """gloo (CPU) or nccl (one GPU per rank, LOCAL_RANK picks it)."""
     workload: Workload | None = None
     """Any model, data and loss; None: the LLaMA-style decoder of `config`."""
+    offload_stages: tuple[int, ...] = ()
+    """T-Offload: these stages' optimizer runs on the host (`runtime.offload`)."""
+    reload_bits: int = 32
+    """Weights come back exactly (32) or rounded through bfloat16 (16)."""
     save_every: int = 0
     """Write a checkpoint every this many steps into `save_dir` (0: never)."""
     save_dir: str | None = None
@@ -68,6 +73,8 @@ class RankResult:
     records: list[StepRecord] = field(default_factory=list)
     parameters: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     """Stage → its parameters after the last step (this rank's copy)."""
+    offload_events: list[tuple[str, float, float]] = field(default_factory=list)
+    """T-Offload's OFFLOAD, HOST_STEP and RELOAD on this rank (perf_counter seconds)."""
     all_results: list | None = None
     """On rank 0 of a gathered run: every rank's result."""
 
@@ -93,6 +100,11 @@ def check_spec(spec: TrainSpec, world_size: int | None = None) -> None:
         )
     if spec.workload is None:
         stage_layer_counts(spec.config, spec.schedule.num_stages, spec.layer_counts)
+    bad = sorted(set(spec.offload_stages) - set(range(spec.schedule.num_stages)))
+    if bad or spec.reload_bits not in (16, 32):
+        raise ConfigError(f"train: offload stages must be among the schedule's and reload bits 16 or 32 (got {bad}, {spec.reload_bits})")
+    if spec.offload_stages and (spec.save_every or spec.resume_dir):
+        raise ConfigError("train: checkpoints do not carry host-side optimizer state yet; drop --save/--resume or offload")
     if (spec.save_dir is None) != (spec.save_every == 0) or spec.save_every < 0:
         raise ConfigError("train: checkpoints need both a directory (--save) and a period (--save-every >= 1)")
     if spec.resume_dir is not None:
@@ -140,7 +152,10 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
     if any(op.kind is OpKind.W for op in schedule.devices[device]):  # fused backwards keep plain linears
         for module in stages.values():
             split_linears(module, queue)
-    parameters = [p_ for s in hosted for p_ in stages[s].parameters()]
+    offloaded = [s for s in hosted if s in spec.offload_stages]
+    host = HostOffload(stages, offloaded, spec.lr, spec.reload_bits) if offloaded else None
+    parameters = [p_ for s in hosted if s not in offloaded for p_ in stages[s].parameters()]
+    every_parameter = [p_ for s in hosted for p_ in stages[s].parameters()]
     optimizer = torch.optim.AdamW(parameters, lr=spec.lr) if parameters else None
     groups = _gradient_groups(schedule, spec.dp)
     plan = plan_messages(schedule)
@@ -159,6 +174,7 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
         pair_groups=pair_groups,
         device_type=where,
         timeout_s=spec.timeout_s,
+        before_forward=host.reload if host else None,
     )
     result = RankResult(rank)
     m, b = schedule.num_microbatches, work.microbatch_size
@@ -171,7 +187,7 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
         tokens, targets = work.batch(spec.dp * m * b, step)
         tokens, targets = tokens.to(where), targets.to(where)
         rows = [slice((replica * m + j) * b, (replica * m + j + 1) * b) for j in range(m)]
-        for parameter in parameters:
+        for parameter in every_parameter:
             parameter.grad = None
         record = executor.run_step([tokens[r] for r in rows], [targets[r] for r in rows])
         for stage in hosted:
@@ -183,6 +199,8 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
                 stages[stage],
                 group,
             )
+        if host is not None:
+            host.offload_and_step()  # the host steps these stages while this rank goes on
         if optimizer is not None:
             optimizer.step()
         loss = torch.tensor([record.loss], dtype=torch.float64, device=where)
@@ -196,6 +214,9 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
             print(f"step {step}: loss {result.losses[-1]:.6f}  time {result.step_seconds[-1] * 1e3:.1f} ms", flush=True)
         if spec.save_every and (step + 1) % spec.save_every == 0:
             save_checkpoint(spec.save_dir, step + 1, stages, optimizer, schedule.name)
+    if host is not None:
+        host.finish()
+        result.offload_events = host.events
     result.parameters = {s: {n: t.detach().cpu().clone() for n, t in stages[s].named_parameters()} for s in hosted}
     return result
 

@@ -46,7 +46,7 @@ SCHEMES: dict[str, SchemeSpec] = {
 }
 DEFAULT_SCHEMES = ("1f1b", "interleaved", "chimera", "zb-h1", "zb-auto", "zb-v", "tpipe", "svpp")
 RUNNABLE_SCHEMES = ("1f1b", "gpipe", "interleaved", "chimera", "zb-h1", "zb-auto", "zb-v", "tpipe", "svpp")
-"""What the runtime executes (plans with T-Offload are refused until it runs them)."""
+"""What the runtime executes: every scheme (offload, slices and W parts included)."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,81 @@
+"""T-Offload in the runtime (TPipe §5): deep stages' optimizer on the host, off the compute thread.
+
+For each offloaded stage a rank keeps host buffers of its own — fp32 master weights, gradients and
+the AdamW state — and the device keeps only the weights its passes use. At the end of a step,
+once gradients are reduced, OFFLOAD copies the stage's gradients into the host buffers and drops
+them on the device; HOST_STEP then runs AdamW on the host copies in a worker thread while the
+rank goes on (the next step's other stages, its data); RELOAD waits for that step and copies the
+new weights back just before the stage's first forward of the next step — optionally rounded
+through bfloat16 (`reload_bits=16`), as a quantized reload would be. Without a GPU the buffers are
+still separate tensors, so every copy is real and the final parameters must equal a run without
+offload exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import nn
+
+__all__ = ["HostOffload"]
+
+
+class HostOffload:
+    def __init__(self, stages: dict[int, nn.Module], offloaded: Sequence[int], lr: float, reload_bits: int = 32):
+        self.device_params = {s: list(stages[s].parameters()) for s in offloaded}
+        self.master = {s: [p.detach().to("cpu", copy=True) for p in params] for s, params in self.device_params.items()}
+        for masters in self.master.values():
+            for master in masters:
+                master.grad = torch.zeros_like(master)
+        self.optimizer = torch.optim.AdamW([m for masters in self.master.values() for m in masters], lr=lr)
+        self.reload_bits = reload_bits
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-step")
+        self._step: Future | None = None
+        self._stale: set[int] = set()
+        self.events: list[tuple[str, float, float]] = []
+        """(op text, start, end) in perf_counter seconds: OFFLOAD, HOST_STEP, RELOAD of each stage."""
+
+    @property
+    def stages(self) -> list[int]:
+        return list(self.device_params)
+
+    def offload_and_step(self) -> None:
+        """OFFLOAD every offloaded stage's gradients, then start HOST_STEP in the worker."""
+        for stage, params in self.device_params.items():
+            began = time.perf_counter()
+            for parameter, master in zip(params, self.master[stage]):
+                if parameter.grad is None:
+                    master.grad.zero_()
+                else:
+                    master.grad.copy_(parameter.grad)
+                parameter.grad = None  # the device no longer holds this stage's gradients
+            self.events.append((f"{stage}OFFLOAD", began, time.perf_counter()))
+        self._stale = set(self.device_params)
+        self._step = self._worker.submit(self._host_step)
+
+    def _host_step(self) -> None:
+        began = time.perf_counter()
+        self.optimizer.step()
+        self.events.append(("HOST_STEP", began, time.perf_counter()))
+
+    def reload(self, stage: int) -> None:
+        """RELOAD a stage's new weights, if the host has stepped it since the last reload."""
+        if stage not in self._stale:
+            return
+        self._step.result()
+        began = time.perf_counter()
+        with torch.no_grad():
+            for parameter, master in zip(self.device_params[stage], self.master[stage]):
+                weights = master if self.reload_bits == 32 else master.to(torch.bfloat16).float()
+                parameter.copy_(weights)
+        self._stale.discard(stage)
+        self.events.append((f"{stage}RELOAD", began, time.perf_counter()))
+
+    def finish(self) -> None:
+        """Reload what is still on the host (after the last step) and stop the worker."""
+        for stage in list(self._stale):
+            self.reload(stage)
+        self._worker.shutdown()
