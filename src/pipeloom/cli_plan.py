@@ -14,7 +14,7 @@ _SCHEDULE_FLAGS = ("name", "p", "m", "chunks", "slices", "forwards", "schedule_f
 
 def spec_from_plan(args: argparse.Namespace):
     """The TrainSpec of a plan; schedule and model flags would contradict it, so they are refused."""
-    from pipeloom.cli_train import checkpointing
+    from pipeloom.cli_train import run_options
     from pipeloom.passes.offload import t_offload
     from pipeloom.profile.profiler import llama_config
     from pipeloom.runtime.training import TrainSpec
@@ -30,7 +30,7 @@ def spec_from_plan(args: argparse.Namespace):
             f"the runtime trains a small LLaMA-style decoder; plan model {model.name!r} is not one "
             "(gated, without GQA, under 0.5B parameters)"
         )
-    fields = checkpointing(args)
+    fields = run_options(args)
     if "offload" in plan.passes:
         fields.setdefault("offload_stages", t_offload(plan.schedule).stages)
     return TrainSpec(

@@ -69,9 +69,21 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU, default) or nccl (one GPU per rank)"
     )
     parser.add_argument(
-        "--offload-stages", metavar="LIST", help="T-Offload: run these stages' optimizer on the host, off the compute thread"
+        "--offload-stages",
+        metavar="LIST",
+        help="T-Offload: run these stages' optimizer on the host, off the compute thread",
     )
-    parser.add_argument("--reload-bf16", action="store_true", help="with --offload-stages: reload weights through bfloat16")
+    parser.add_argument(
+        "--reload-bf16", action="store_true", help="with --offload-stages: reload weights through bfloat16"
+    )
+    parser.add_argument(
+        "--clip-norm", type=float, metavar="X", help="clip gradients to this global norm; skip NaN/Inf steps"
+    )
+    parser.add_argument(
+        "--post-validation",
+        action="store_true",
+        help="step under the partially reduced norm and NaN state, validate and roll back later (Zero Bubble §4)",
+    )
     parser.add_argument("--save", metavar="DIR", help="write checkpoints (torch.distributed.checkpoint) into DIR")
     parser.add_argument("--save-every", type=int, default=0, metavar="K", help="with --save: every K steps")
     parser.add_argument(
@@ -129,17 +141,23 @@ def train_spec_from_args(args: argparse.Namespace, report: bool = False):
         timeout_s=args.timeout,
         report=report,
         backend=args.backend,
-        **checkpointing(args),
+        **run_options(args),
     )
     check_spec(spec)
     return spec
 
 
-def checkpointing(args: argparse.Namespace) -> dict:
-    """TrainSpec's checkpoint and offload fields from --save, --save-every, --resume, --offload-stages."""
+def run_options(args: argparse.Namespace) -> dict:
+    """TrainSpec's checkpoint, offload and optimizer fields from their flags."""
     if bool(args.save) != bool(args.save_every):
         raise ConfigError("--save DIR and --save-every K go together")
-    fields = {"save_every": args.save_every, "save_dir": args.save, "resume_dir": args.resume}
+    fields = {
+        "save_every": args.save_every,
+        "save_dir": args.save,
+        "resume_dir": args.resume,
+        "clip_norm": args.clip_norm,
+        "post_validation": args.post_validation,
+    }
     if args.offload_stages:
         fields["offload_stages"] = tuple(int_list(args.offload_stages, "--offload-stages"))
     if args.reload_bf16:

@@ -27,6 +27,7 @@ from pipeloom.runtime.checkpoint import find_checkpoint, load_checkpoint, save_c
 from pipeloom.runtime.comm import plan_messages
 from pipeloom.runtime.executor import DeviceExecutor, StepRecord, peer_failure
 from pipeloom.runtime.offload import HostOffload
+from pipeloom.runtime.optimizer_sync import OptimizerSync
 from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
 from pipeloom.runtime.workload import Workload, llama_workload
 
@@ -55,6 +56,15 @@ class TrainSpec:
     """T-Offload: these stages' optimizer runs on the host (`runtime.offload`)."""
     reload_bits: int = 32
     """Weights come back exactly (32) or rounded through bfloat16 (16)."""
+    clip_norm: float | None = None
+    """Clip gradients to this global norm (over every stage); a step with NaN/Inf gradients is
+    skipped whenever clipping or post-validation is on."""
+    post_validation: bool = False
+    """Step under a partially reduced state and validate afterwards (Zero Bubble §4) instead of
+    all-reducing it first."""
+    gradient_faults: tuple[tuple[int, int, str, float], ...] = ()
+    """For tests of the above: (step, stage, "nan" or "scale", factor) applied to that stage's
+    gradients after they are reduced."""
     save_every: int = 0
     """Write a checkpoint every this many steps into `save_dir` (0: never)."""
     save_dir: str | None = None
@@ -73,6 +83,9 @@ class RankResult:
     records: list[StepRecord] = field(default_factory=list)
     parameters: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     """Stage → its parameters after the last step (this rank's copy)."""
+    rollbacks: int = 0
+    """Optimizer steps post-validation rolled back and redone."""
+    skipped_steps: int = 0
     offload_events: list[tuple[str, float, float]] = field(default_factory=list)
     """T-Offload's OFFLOAD, HOST_STEP and RELOAD on this rank (perf_counter seconds)."""
     all_results: list | None = None
@@ -102,9 +115,17 @@ def check_spec(spec: TrainSpec, world_size: int | None = None) -> None:
         stage_layer_counts(spec.config, spec.schedule.num_stages, spec.layer_counts)
     bad = sorted(set(spec.offload_stages) - set(range(spec.schedule.num_stages)))
     if bad or spec.reload_bits not in (16, 32):
-        raise ConfigError(f"train: offload stages must be among the schedule's and reload bits 16 or 32 (got {bad}, {spec.reload_bits})")
+        raise ConfigError(
+            f"train: offload stages must be among the schedule's and reload bits 16 or 32 (got {bad}, {spec.reload_bits})"
+        )
+    if spec.offload_stages and (spec.clip_norm is not None or spec.post_validation):
+        raise ConfigError("train: clipping and post-validation do not cover host-stepped (offloaded) stages yet")
+    if spec.clip_norm is not None and spec.clip_norm <= 0:
+        raise ConfigError(f"train: the clipping norm must be positive, got {spec.clip_norm}")
     if spec.offload_stages and (spec.save_every or spec.resume_dir):
-        raise ConfigError("train: checkpoints do not carry host-side optimizer state yet; drop --save/--resume or offload")
+        raise ConfigError(
+            "train: checkpoints do not carry host-side optimizer state yet; drop --save/--resume or offload"
+        )
     if (spec.save_dir is None) != (spec.save_every == 0) or spec.save_every < 0:
         raise ConfigError("train: checkpoints need both a directory (--save) and a period (--save-every >= 1)")
     if spec.resume_dir is not None:
@@ -176,6 +197,7 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
         timeout_s=spec.timeout_s,
         before_forward=host.reload if host else None,
     )
+    sync = _optimizer_sync(spec, optimizer, stages, device, replica)
     result = RankResult(rank)
     m, b = schedule.num_microbatches, work.microbatch_size
     first = 0
@@ -187,6 +209,8 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
         tokens, targets = work.batch(spec.dp * m * b, step)
         tokens, targets = tokens.to(where), targets.to(where)
         rows = [slice((replica * m + j) * b, (replica * m + j + 1) * b) for j in range(m)]
+        if sync is not None:
+            sync.validate()  # the previous step, against the full state the last device sent back
         for parameter in every_parameter:
             parameter.grad = None
         record = executor.run_step([tokens[r] for r in rows], [targets[r] for r in rows])
@@ -199,9 +223,12 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
                 stages[stage],
                 group,
             )
+        _inject_faults(spec, step, stages)
         if host is not None:
             host.offload_and_step()  # the host steps these stages while this rank goes on
-        if optimizer is not None:
+        if sync is not None:
+            sync.step(step)
+        elif optimizer is not None:
             optimizer.step()
         loss = torch.tensor([record.loss], dtype=torch.float64, device=where)
         _collective(
@@ -213,12 +240,50 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
         if spec.report and rank == 0:
             print(f"step {step}: loss {result.losses[-1]:.6f}  time {result.step_seconds[-1] * 1e3:.1f} ms", flush=True)
         if spec.save_every and (step + 1) % spec.save_every == 0:
+            if sync is not None:
+                sync.validate()
             save_checkpoint(spec.save_dir, step + 1, stages, optimizer, schedule.name)
+    if sync is not None:
+        sync.validate()
+        result.rollbacks, result.skipped_steps = sync.rollbacks, sync.skipped
     if host is not None:
         host.finish()
         result.offload_events = host.events
     result.parameters = {s: {n: t.detach().cpu().clone() for n, t in stages[s].named_parameters()} for s in hosted}
     return result
+
+
+def _optimizer_sync(spec: TrainSpec, optimizer, stages: dict, device: int, replica: int) -> OptimizerSync | None:
+    """Global clipping / skipping, if asked for; its process groups are made on every rank alike."""
+    if spec.clip_norm is None and not spec.post_validation:
+        return None
+    schedule, p = spec.schedule, spec.schedule.num_devices
+    groups = [dist.new_group([r * p + d for d in range(p)]) for r in range(spec.dp)]
+    owners = {s: min(d for d in range(p) if s in schedule.stages_on(d)) for s in range(schedule.num_stages)}
+    owned = [module for s, module in stages.items() if owners[s] == device]
+    return OptimizerSync(
+        optimizer,
+        owned,
+        spec.clip_norm,
+        spec.post_validation,
+        device,
+        p,
+        lambda d: replica * p + d,
+        groups[replica],
+        spec.timeout_s,
+    )
+
+
+def _inject_faults(spec: TrainSpec, step: int, stages: dict) -> None:
+    for when, stage, kind, factor in spec.gradient_faults:
+        if when != step or stage not in stages:
+            continue
+        grads = [p_.grad for p_ in stages[stage].parameters() if p_.grad is not None]
+        if kind == "nan":
+            grads[0].view(-1)[0] = float("nan")
+        else:
+            for grad in grads:
+                grad.mul_(factor)
 
 
 def _pair_groups(plan, dp: int, p: int) -> list[dict[tuple[int, int], dist.ProcessGroup]]:
