@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(PY) bench/svpp.py
 	$(PY) bench/tune_speed.py
 	$(PY) bench/fidelity.py
+	$(PY) bench/slices.py
 	$(PY) bench/runtime_vs_torch.py
 
 clean:
