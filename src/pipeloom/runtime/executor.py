@@ -122,7 +122,7 @@ class DeviceExecutor:
         began = time.perf_counter()
         pending = self._post_receives()
         sends: list[tuple[dist.Work, str]] = []
-        handed: dict[tuple[bool, int, int], torch.Tensor] = {}  # in-memory hand-over on this device
+        handed: dict[tuple[bool, int, int, int], torch.Tensor] = {}  # in-memory hand-over on this device
         stash: dict[tuple[int, int, int], _Entry] = {}
         kv: dict[tuple[int, int, int], tuple[list, list]] = {}  # slice key -> (keys/values, their leaves)
         held = 0
