@@ -96,6 +96,7 @@ def plot_timeline(
 def _draw_ops(ax, timeline: Timeline) -> None:
     num_devices = timeline.num_devices
     label = timeline.graph.num_ops <= _MAX_LABELS
+    sliced = timeline.schedule.num_slices > 1  # label micro-batch.slice
     min_label_width = timeline.makespan / 90 if timeline.makespan else 0
     for device in range(num_devices):
         chunk_of = {stage: i for i, stage in enumerate(timeline.schedule.stages_on(device))}
@@ -110,7 +111,7 @@ def _draw_ops(ax, timeline: Timeline) -> None:
                 ax.text(
                     timing.start + width / 2,
                     device,
-                    str(op.microbatch),
+                    f"{op.microbatch}.{op.slice}" if sliced else str(op.microbatch),
                     ha="center",
                     va="center",
                     fontsize=6,
