@@ -68,6 +68,9 @@ class ProfiledCostModel:
             raise ConfigError(f"profile is incomplete: {error}") from None
         self.profile = profile
         self.source = "profile"
+        self.models_slices = False
+        """The probes run whole micro-batches: a slice's fixed costs and attention share are not
+        measured, so the tuner leaves slice-level schedules out rather than guess."""
 
     @classmethod
     def load(cls, path: str | PathLike[str], tp: int = 1) -> ProfiledCostModel:

@@ -169,6 +169,9 @@ def _prepare(candidate: Candidate, cost_model: CostModel, memory: float) -> tupl
     evaluation = Evaluation(candidate)
     stages = candidate.num_stages
     ops = 2 * stages * candidate.num_microbatches * candidate.slices
+    if candidate.slices > 1 and not getattr(cost_model, "models_slices", True):
+        evaluation.reason = "cost model: the profile timed whole micro-batches, not slices of them"
+        return evaluation, math.inf
     if candidate.slices > 1 and ops > SLICED_OPS_LIMIT:
         evaluation.reason = f"size: {ops} slice ops, beyond the {SLICED_OPS_LIMIT} the tuner builds SVPP for"
         return evaluation, math.inf
