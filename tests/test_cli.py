@@ -367,91 +367,23 @@ def test_tune_on_presets_writes_plan_and_timeline(capsys, tmp_path):
     assert len(ranked) == 3 and ranked[0]["step_time_ms"] <= ranked[1]["step_time_ms"]
 
 
+TUNE = ["tune", "--model", "gpt3-13b", "--hardware", "h100", "--devices", "8", "--global-batch", "8"]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["tune", "--model", "gpt5", "--hardware", "h100", "--devices", "8", "--global-batch", "8"], "unknown model"),
         (["tune", "--model", "gpt3-13b", "--devices", "8", "--global-batch", "8"], "needs --hardware"),
+        ([*TUNE, "--costs", "p.json"], "not allowed with"),
         (
-            [
-                "tune",
-                "--model",
-                "gpt3-13b",
-                "--hardware",
-                "h100",
-                "--costs",
-                "p.json",
-                "--devices",
-                "8",
-                "--global-batch",
-                "8",
-            ],
-            "not allowed with",
-        ),
-        (
-            [
-                "tune",
-                "--model",
-                "gpt3-175b",
-                "--hardware",
-                "a100-40g",
-                "--devices",
-                "8",
-                "--global-batch",
-                "8",
-                "--schemes",
-                "1f1b",
-            ],
+            ["tune", "--model", "gpt3-175b", "--hardware", "a100-40g", "--devices", "8", "--global-batch", "8"]
+            + ["--schemes", "1f1b"],
             "no plan fits",
         ),
-        (
-            [
-                "tune",
-                "--model",
-                "gpt3-13b",
-                "--hardware",
-                "h100",
-                "--devices",
-                "8",
-                "--global-batch",
-                "8",
-                "--schemes",
-                "dualpipe",
-            ],
-            "unknown scheme",
-        ),
-        (
-            [
-                "tune",
-                "--model",
-                "gpt3-13b",
-                "--hardware",
-                "h100",
-                "--devices",
-                "8",
-                "--global-batch",
-                "8",
-                "--memory",
-                "lots",
-            ],
-            "memory budget",
-        ),
-        (
-            [
-                "tune",
-                "--model",
-                "gpt3-13b",
-                "--hardware",
-                "h100",
-                "--devices",
-                "8",
-                "--global-batch",
-                "8",
-                "--output",
-                "no/dir/p.json",
-            ],
-            "does not exist",
-        ),
+        ([*TUNE, "--schemes", "dualpipe"], "unknown scheme"),
+        ([*TUNE, "--memory", "lots"], "memory budget"),
+        ([*TUNE, "--output", "no/dir/p.json"], "does not exist"),
         (["train", "--plan", "missing.json"], "cannot read plan"),
         (["profile", "--model", "gpt3-13b"], "too large"),
     ],

@@ -37,14 +37,8 @@ def spec_from_plan(args: argparse.Namespace):
         schedule=plan.schedule,
         config=llama_config(model, model.layers, plan.micro_batch_size),
         dp=plan.dp,
-        steps=args.steps,
-        seed=args.seed,
-        lr=args.lr,
         layer_counts=plan.partition,
-        threads=args.threads,
-        timeout_s=args.timeout,
         report=True,
-        backend=args.backend,
         **fields,
     )
 

@@ -125,22 +125,15 @@ def train_spec_from_args(args: argparse.Namespace, report: bool = False):
             raise ConfigError(
                 f"--layer-counts must be integers separated by commas, got {args.layer_counts!r}"
             ) from None
-    for name in ("dp", "steps", "threads"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.dp < 1:
+        raise ConfigError(f"--dp must be at least 1, got {args.dp}")
     spec = TrainSpec(
         schedule=schedule,
         config=config,
         dp=args.dp,
-        steps=args.steps,
-        seed=args.seed,
-        lr=args.lr,
         layer_counts=counts,
         concat_w=args.concat_w,
-        threads=args.threads,
-        timeout_s=args.timeout,
         report=report,
-        backend=args.backend,
         **run_options(args),
     )
     check_spec(spec)
@@ -148,10 +141,20 @@ def train_spec_from_args(args: argparse.Namespace, report: bool = False):
 
 
 def run_options(args: argparse.Namespace) -> dict:
-    """TrainSpec's checkpoint, offload and optimizer fields from their flags."""
+    """TrainSpec's fields that do not depend on where the schedule comes from (flags or a plan):
+    the run, checkpoints, offload, the optimizer's global state."""
+    for name in ("steps", "threads"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}")
     if bool(args.save) != bool(args.save_every):
         raise ConfigError("--save DIR and --save-every K go together")
     fields = {
+        "steps": args.steps,
+        "seed": args.seed,
+        "lr": args.lr,
+        "threads": args.threads,
+        "timeout_s": args.timeout,
+        "backend": args.backend,
         "save_every": args.save_every,
         "save_dir": args.save,
         "resume_dir": args.resume,
