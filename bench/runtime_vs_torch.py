@@ -25,6 +25,7 @@ from torch.distributed import pipelining
 from pipeloom import Costs, build_schedule, parse_op, simulate
 from pipeloom.models.llama import LlamaConfig
 from pipeloom.runtime.comm import plan_messages
+from pipeloom.runtime.boundary import TensorSpec
 from pipeloom.runtime.executor import DeviceExecutor
 from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
 from pipeloom.runtime.workload import llama_workload
@@ -57,8 +58,10 @@ def _rank(rank: int, world: int, directory: str, case: str, steps: int) -> None:
     plan = plan_messages(schedule)
     pairs = sorted({(msg.src, msg.dst) for sends in plan.sends for msg in sends})
     groups = {pair: dist.new_group(list(pair)) for pair in pairs}
+    activation_shape = (b, CONFIG.seq_len, CONFIG.hidden)
+    boundaries = [(TensorSpec(activation_shape, torch.float32),)] * schedule.num_stages
     executor = DeviceExecutor(
-        schedule, plan, rank, own, queue, lambda d: d, work.activation_shape, 1.0 / m, work.loss, pair_groups=groups
+        schedule, plan, rank, own, queue, lambda d: d, boundaries, 1.0 / m, work.loss, pair_groups=groups
     )
 
     # torch.distributed.pipelining
@@ -76,7 +79,7 @@ def _rank(rank: int, world: int, directory: str, case: str, steps: int) -> None:
     holds_last = schedule.num_stages - 1 in stages_of(rank, p)
 
     # p2p time of one activation, for the simulator
-    probe = torch.randn(work.activation_shape)
+    probe = torch.randn(activation_shape)
     pings = []
     for _ in range(5):
         dist.barrier()
@@ -95,7 +98,7 @@ def _rank(rank: int, world: int, directory: str, case: str, steps: int) -> None:
         dist.barrier()
         began = time.perf_counter()
         record = executor.run_step(
-            [tokens[j * b : (j + 1) * b] for j in range(m)], [targets[j * b : (j + 1) * b] for j in range(m)]
+            [(tokens[j * b : (j + 1) * b],) for j in range(m)], [targets[j * b : (j + 1) * b] for j in range(m)]
         )
         dist.barrier()
         ours.append(time.perf_counter() - began)

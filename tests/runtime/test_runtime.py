@@ -50,12 +50,14 @@ def spec_for(schedule, **changes):
 def assert_matches_reference(spec, results):
     losses, reference = reference_training(spec)
     assert results[0].losses == pytest.approx(losses, rel=1e-5)
-    sliced = spec.schedule.num_slices > 1  # attention sums in another order, slice by slice
+    # Slice by slice, attention sums in another order; AdamW normalises each update, so where a
+    # gradient is near zero that rounding can move a weight by up to a few 1e-5 after two steps.
+    sliced = spec.schedule.num_slices > 1
     for result in results:
         for stage, parameters in result.parameters.items():
             for name, value in parameters.items():
                 torch.testing.assert_close(
-                    value, reference[stage][name], rtol=1e-4 if sliced else 1e-5, atol=1e-5 if sliced else 1e-6
+                    value, reference[stage][name], rtol=1e-4 if sliced else 1e-5, atol=5e-5 if sliced else 1e-6
                 )
 
 

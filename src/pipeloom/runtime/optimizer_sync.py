@@ -69,7 +69,7 @@ class OptimizerSync:
     def __init__(
         self,
         optimizer: torch.optim.AdamW | None,
-        owned: list[nn.Module],
+        owned: list[nn.Parameter],
         clip_norm: float | None,
         post_validation: bool,
         device: int,
@@ -77,6 +77,7 @@ class OptimizerSync:
         rank_of,
         pipeline_group,
         timeout_s: float,
+        on_decision=None,
     ) -> None:
         self.optimizer, self.owned, self.clip_norm = optimizer, owned, clip_norm
         self.post_validation = post_validation
@@ -86,19 +87,20 @@ class OptimizerSync:
         self.pending: _Pending | None = None
         self.rollbacks = 0
         self.skipped = 0
+        self.on_decision = on_decision
+        """Called once per step with its final decision (stepped or skipped): fp16's loss scale."""
 
     def _local(self) -> torch.Tensor:
         """[sum of squared gradients, count of non-finite values] of the stages this rank owns."""
         squares = torch.zeros((), dtype=torch.float64)
         bad = torch.zeros((), dtype=torch.float64)
-        for module in self.owned:
-            for parameter in module.parameters():
-                if parameter.grad is not None:
-                    grad = parameter.grad.detach().double()
-                    finite = torch.isfinite(grad)
-                    bad += (~finite).sum()
-                    squares += torch.where(finite, grad, torch.zeros_like(grad)).pow(2).sum()
-        return torch.stack((squares, bad))
+        for parameter in self.owned:
+            if parameter.grad is not None:
+                grad = parameter.grad.detach().double()
+                finite = torch.isfinite(grad)
+                bad += (~finite).sum().cpu()
+                squares += torch.where(finite, grad, torch.zeros_like(grad)).pow(2).sum().cpu()
+        return torch.stack((squares, bad)).to(self._device)
 
     def _apply(self, stepped: bool, coefficient: float) -> None:
         if not stepped:
@@ -113,17 +115,27 @@ class OptimizerSync:
                         parameter.grad.mul_(coefficient)
         self.optimizer.step()
 
+    def _decided(self, stepped: bool) -> None:
+        if self.on_decision is not None:
+            self.on_decision(stepped)
+
+    @property
+    def _device(self) -> torch.device:
+        return self.owned[0].device if self.owned else torch.device("cpu")
+
     def step(self, step: int) -> None:
         """Instead of optimizer.step(), once this rank's gradients are final."""
         local = self._local()
         if not self.post_validation:
             dist.all_reduce(local, group=self.group)
-            self._apply(*decide(float(local[0]), float(local[1]) == 0, self.clip_norm))
+            stepped, coefficient = decide(float(local[0]), float(local[1]) == 0, self.clip_norm)
+            self._apply(stepped, coefficient)
+            self._decided(stepped)
             return
         tag = _TAG + 4 * step
         partial = local.clone()
         if self.device > 0:
-            received = torch.zeros(2, dtype=torch.float64)
+            received = torch.zeros(2, dtype=torch.float64, device=self._device)
             dist.irecv(received, src=self.rank_of(self.device - 1), tag=tag).wait(self.timeout)
             partial += received
         if self.device < self.p - 1:
@@ -135,7 +147,7 @@ class OptimizerSync:
             if self.device > 0:
                 dist.isend(full.clone(), dst=self.rank_of(self.device - 1), tag=tag + 1).wait(self.timeout)
         else:
-            full = torch.zeros(2, dtype=torch.float64)
+            full = torch.zeros(2, dtype=torch.float64, device=self._device)
             work = dist.irecv(full, src=self.rank_of(self.device + 1), tag=tag + 1)
         self.pending = _Pending(stepped, coefficient, full, (work, tag + 1))
 
@@ -151,6 +163,7 @@ class OptimizerSync:
             if self.device > 0:
                 dist.isend(pending.full.clone(), dst=self.rank_of(self.device - 1), tag=tag).wait(self.timeout)
         stepped, coefficient = decide(float(pending.full[0]), float(pending.full[1]) == 0, self.clip_norm)
+        self._decided(stepped)
         if (stepped, coefficient) == (pending.stepped, pending.coefficient):
             return
         self.rollbacks += 1

@@ -12,24 +12,51 @@ from pipeloom.runtime.training import RankResult
 __all__ = ["summary", "write_summary", "write_trace"]
 
 
-def summary(results: Sequence[RankResult], **context) -> dict:
-    """Losses per step, median step time (first step left out when there are more), peak stash
-    bytes per rank, recomputes per rank over the run."""
+def summary(results: Sequence[RankResult], peak_tflops: float | None = None, **context) -> dict:
+    """Losses per step, median step time (first step left out when there are more), tokens/s,
+    per rank: achieved TFLOP/s and MFU, peak stash bytes, GPU peak memory, bytes sent per step,
+    recomputes over the run."""
+    from pipeloom.runtime.metrics import median_step, throughput
+
     first = results[0]
-    times = first.step_seconds[1:] or first.step_seconds
+    median = median_step(first)
+    ranks = []
+    for result in results:
+        own = throughput(result, median_step(result), peak_tflops)
+        ranks.append(
+            {
+                "rank": result.rank,
+                "median_step_seconds": median_step(result),
+                "tflops": own["tflops"],
+                "mfu": own["mfu"],
+                "peak_stash_bytes": max((r.peak_stash_bytes for r in result.records), default=0),
+                "peak_memory_bytes": result.peak_memory_bytes,
+                "sent_bytes_per_step": result.records[-1].sent_bytes if result.records else 0,
+                "sent_dtypes": list(result.records[-1].sent_dtypes) if result.records else [],
+            }
+        )
     return {
         **context,
         "losses": first.losses,
         "step_seconds": first.step_seconds,
-        "median_step_seconds": statistics.median(times) if times else None,
-        "peak_stash_bytes": [max((r.peak_stash_bytes for r in result.records), default=0) for result in results],
+        "median_step_seconds": median if first.step_seconds else None,
+        "tokens_per_second": throughput(first, median, None)["tokens_per_second"],
+        "sample_tokens": first.sample_tokens,
+        "samples_per_step": first.samples_per_step,
+        "tflops_per_rank": [rank["tflops"] for rank in ranks],
+        "mfu_per_rank": [rank["mfu"] for rank in ranks],
+        "peak_tflops": peak_tflops,
+        "peak_stash_bytes": [rank["peak_stash_bytes"] for rank in ranks],
+        "peak_memory_bytes": [rank["peak_memory_bytes"] for rank in ranks],
+        "loss_scales": first.loss_scales,
         "recomputes": [sum(r.recomputes for r in result.records) for result in results],
+        "ranks": ranks,
     }
 
 
-def write_summary(results: Sequence[RankResult], path: str | PathLike[str], **context) -> None:
+def write_summary(results: Sequence[RankResult], path: str | PathLike[str], peak_tflops=None, **context) -> None:
     with open(path, "w") as handle:
-        json.dump(summary(results, **context), handle, indent=2)
+        json.dump(summary(results, peak_tflops, **context), handle, indent=2)
 
 
 def write_trace(results: Sequence[RankResult], path: str | PathLike[str]) -> None:

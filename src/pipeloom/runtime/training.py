@@ -23,13 +23,16 @@ from pipeloom.ir.ops import OpKind
 from pipeloom.ir.schedule import Schedule
 from pipeloom.ir.validate import validate
 from pipeloom.models.llama import LlamaConfig, stage_layer_counts
+from pipeloom.runtime.boundary import StageProbe, probe_stages
 from pipeloom.runtime.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from pipeloom.runtime.comm import plan_messages
-from pipeloom.runtime.executor import DeviceExecutor, StepRecord, peer_failure
+from pipeloom.runtime.executor import DeviceExecutor, StepRecord, peer_failure, run_stage
+from pipeloom.runtime.gradients import GradientBuckets, unique_parameters
 from pipeloom.runtime.offload import HostOffload
 from pipeloom.runtime.optimizer_sync import OptimizerSync
+from pipeloom.runtime.precision import LossScaler, Precision
 from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
-from pipeloom.runtime.workload import Workload, llama_workload
+from pipeloom.runtime.workload import Workload, llama_workload, rows_of
 
 __all__ = ["TrainSpec", "check_spec", "train_rank", "reference_training", "RankResult"]
 
@@ -47,9 +50,18 @@ class TrainSpec:
     threads: int = 1
     timeout_s: float = 60.0
     report: bool = False
-    """Rank 0 prints each step's loss and time."""
-    backend: str = "gloo"
-    """gloo (CPU) or nccl (one GPU per rank, LOCAL_RANK picks it)."""
+    """Rank 0 shows each step's loss, time, tokens/s, TFLOP/s and MFU as it goes."""
+    backend: str | None = None
+    """gloo (CPU) or nccl (GPUs); None: the device's natural one."""
+    device: str | None = None
+    """cpu or cuda (rank → LOCAL_RANK's GPU); None: cuda if the backend is nccl, else cpu."""
+    dtype: str = "fp32"
+    """Compute and p2p type: fp32, bf16 or fp16 (with a dynamic loss scale); master weights,
+    AdamW state and the gradient reduction stay fp32."""
+    initial_loss_scale: float = 2.0**16
+    loss_scale_growth_interval: int = 2000
+    peak_tflops: float | None = None
+    """Per-rank peak of the compute type, for MFU; None leaves MFU out."""
     workload: Workload | None = None
     """Any model, data and loss; None: the LLaMA-style decoder of `config`."""
     offload_stages: tuple[int, ...] = ()
@@ -74,6 +86,14 @@ class TrainSpec:
     def resolved_workload(self) -> Workload:
         return self.workload or llama_workload(self.config, self.seed, self.layer_counts)
 
+    @property
+    def torch_device_type(self) -> str:
+        return self.device or ("cuda" if self.backend == "nccl" else "cpu")
+
+    @property
+    def resolved_backend(self) -> str:
+        return self.backend or ("nccl" if self.torch_device_type == "cuda" else "gloo")
+
 
 @dataclass
 class RankResult:
@@ -86,6 +106,15 @@ class RankResult:
     rollbacks: int = 0
     """Optimizer steps post-validation rolled back and redone."""
     skipped_steps: int = 0
+    loss_scales: list[float] = field(default_factory=list)
+    """fp16: the loss scale each step ran under."""
+    forward_flops: float = 0.0
+    """Model FLOPs of one forward of every micro-batch through this rank's stages in a step."""
+    samples_per_step: int = 0
+    """Samples (sequences, images) of a step over all replicas."""
+    sample_tokens: int = 1
+    peak_memory_bytes: int | None = None
+    """torch.cuda.max_memory_allocated on this rank's GPU; None on CPU."""
     offload_events: list[tuple[str, float, float]] = field(default_factory=list)
     """T-Offload's OFFLOAD, HOST_STEP and RELOAD on this rank (perf_counter seconds)."""
     all_results: list | None = None
@@ -96,16 +125,15 @@ def check_spec(spec: TrainSpec, world_size: int | None = None) -> None:
     """Refuse before any compute: invalid schedule, wrong world size, uncuttable layers."""
     validate(spec.schedule)
     slices = spec.schedule.num_slices
-    if slices > 1 and spec.workload is not None:
-        raise ConfigError("train: slices need the LLaMA-style decoder (its attention reads earlier slices' keys)")
-    if slices > 1 and spec.config.seq_len % slices:
-        raise ConfigError(f"train: sequence length {spec.config.seq_len} does not split into {slices} equal slices")
+    seq_len = spec.workload.sample_tokens if spec.workload is not None else spec.config.seq_len
+    if slices > 1 and seq_len % slices:
+        raise ConfigError(f"train: sequence length {seq_len} does not split into {slices} equal slices")
     if spec.dp < 1:
         raise ConfigError(f"train: data-parallel size must be at least 1, got {spec.dp}")
-    if spec.backend not in ("gloo", "nccl"):
-        raise ConfigError(f"train: backend must be gloo or nccl, got {spec.backend!r}")
-    if spec.backend == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("train: the nccl backend needs CUDA GPUs; use gloo on CPU")
+    check_device(spec)
+    Precision(spec.dtype)
+    if spec.dtype == "fp16" and spec.offload_stages:
+        raise ConfigError("train: fp16's loss scale does not cover host-stepped (offloaded) stages; use bf16")
     expected = spec.schedule.num_devices * spec.dp
     if world_size is not None and world_size != expected:
         raise ConfigError(
@@ -134,15 +162,37 @@ def check_spec(spec: TrainSpec, world_size: int | None = None) -> None:
             raise ConfigError(f"train: the checkpoint is already {done} steps in; ask for more than {done} --steps")
 
 
+def check_device(spec: TrainSpec) -> None:
+    """Backend, device and dtype that this machine can run."""
+    device, backend = spec.torch_device_type, spec.resolved_backend
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"train: device must be cpu or cuda, got {device!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ConfigError(f"train: backend must be gloo or nccl, got {backend!r}")
+    if (device, backend) not in (("cpu", "gloo"), ("cuda", "nccl")):
+        raise ConfigError(f"train: the {backend} backend does not carry {device} tensors here; use cpu+gloo or cuda+nccl")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train: --device cuda, but this machine has no CUDA GPU (torch sees none); use --device cpu")
+    if device == "cuda" and spec.dtype == "bf16" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("train: this GPU does not support bf16; use --dtype fp16 or fp32")
+    if device == "cpu" and spec.dtype != "fp32":
+        probe = torch.ones(2, 2)
+        try:
+            with torch.autocast("cpu", dtype=Precision(spec.dtype).dtype):
+                probe @ probe
+        except RuntimeError:
+            raise ConfigError(f"train: this torch build cannot compute in {spec.dtype} on CPU; use fp32 or bf16") from None
+
+
 def train_rank(spec: TrainSpec, rank: int, world_size: int, init_method: str, gather: bool = False) -> RankResult:
     """Run `spec` as one rank of the process group; ranks return their own results, and with
     `gather` rank 0's result also carries every rank's (`all_results`)."""
     check_spec(spec, world_size)
     torch.set_num_threads(spec.threads)
-    if spec.backend == "nccl":
+    if spec.torch_device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count()))))
     dist.init_process_group(
-        spec.backend,
+        spec.resolved_backend,
         init_method=init_method,
         rank=rank,
         world_size=world_size,
@@ -165,9 +215,12 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
     schedule, work = spec.schedule, spec.resolved_workload()
     p = schedule.num_devices
     replica, device = divmod(rank, p)
-    where = torch.device("cuda", torch.cuda.current_device()) if spec.backend == "nccl" else torch.device("cpu")
+    where = torch.device("cuda", torch.cuda.current_device()) if spec.torch_device_type == "cuda" else torch.device("cpu")
+    precision = Precision(spec.dtype)
     all_stages = work.build(schedule.num_stages)
+    probe = _probe(spec, work, all_stages, precision)
     hosted = schedule.stages_on(device)
+    buckets = GradientBuckets(schedule, spec.dp, all_stages, rank)
     queue = WeightGradQueue()
     stages = {s: all_stages[s].to(where) for s in hosted}
     if any(op.kind is OpKind.W for op in schedule.devices[device]):  # fused backwards keep plain linears
@@ -175,10 +228,10 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
             split_linears(module, queue)
     offloaded = [s for s in hosted if s in spec.offload_stages]
     host = HostOffload(stages, offloaded, spec.lr, spec.reload_bits) if offloaded else None
-    parameters = [p_ for s in hosted if s not in offloaded for p_ in stages[s].parameters()]
-    every_parameter = [p_ for s in hosted for p_ in stages[s].parameters()]
+    on_host = {id(p_) for s in offloaded for p_ in stages[s].parameters()}
+    every_parameter = unique_parameters([stages[s] for s in hosted])
+    parameters = [p_ for p_ in every_parameter if id(p_) not in on_host]
     optimizer = torch.optim.AdamW(parameters, lr=spec.lr) if parameters else None
-    groups = _gradient_groups(schedule, spec.dp)
     plan = plan_messages(schedule)
     pair_groups = _pair_groups(plan, spec.dp, p)[replica]
     executor = DeviceExecutor(
@@ -188,7 +241,7 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
         stages,
         queue,
         rank_of=lambda d: replica * p + d,
-        activation_shape=work.activation_shape,
+        boundaries=probe.boundaries,
         loss=work.loss,
         loss_scale=1.0 / (schedule.num_microbatches * spec.dp * schedule.num_slices),
         concat_w=spec.concat_w,
@@ -196,33 +249,39 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
         device_type=where,
         timeout_s=spec.timeout_s,
         before_forward=host.reload if host else None,
+        precision=precision,
     )
-    sync = _optimizer_sync(spec, optimizer, stages, device, replica)
-    result = RankResult(rank)
+    scaler = LossScaler(spec.initial_loss_scale, spec.loss_scale_growth_interval) if spec.dtype == "fp16" else None
+    sync = _optimizer_sync(spec, optimizer, all_stages, stages, device, replica, scaler)
     m, b = schedule.num_microbatches, work.microbatch_size
+    result = RankResult(rank, sample_tokens=work.sample_tokens, samples_per_step=spec.dp * m * b)
+    result.forward_flops = m * sum(probe.forward_flops[s] for s in hosted)
+    progress = _progress(spec, rank, result)
     first = 0
     if spec.resume_dir is not None:
         path, _ = find_checkpoint(spec.resume_dir, dist.get_world_size(), schedule.name)
         first = load_checkpoint(path, stages, optimizer)
+    if where.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(where)
     for step in range(first, spec.steps):
         began = time.perf_counter()
-        tokens, targets = work.batch(spec.dp * m * b, step)
-        tokens, targets = tokens.to(where), targets.to(where)
+        inputs, targets = work.batch(spec.dp * m * b, step)
         rows = [slice((replica * m + j) * b, (replica * m + j + 1) * b) for j in range(m)]
+        micro_inputs = [tuple(t.to(where) for t in rows_of(inputs, r)) for r in rows]
+        micro_targets = [targets[r].to(where) for r in rows]
         if sync is not None:
             sync.validate()  # the previous step, against the full state the last device sent back
         for parameter in every_parameter:
             parameter.grad = None
-        record = executor.run_step([tokens[r] for r in rows], [targets[r] for r in rows])
-        for stage in hosted:
-            group, ranks = groups[stage]
-            _collective(
-                rank,
-                f"the all-reduce of stage {stage}'s gradients with ranks {ranks}",
-                _reduce_gradients,
-                stages[stage],
-                group,
-            )
+        if scaler is not None:
+            executor.grad_scale = scaler.scale
+            result.loss_scales.append(scaler.scale)
+        record = executor.run_step(micro_inputs, micro_targets)
+        _collective(rank, f"the all-reduce of gradients with ranks {buckets.describe()}", buckets.reduce)
+        if scaler is not None:
+            for parameter in every_parameter:
+                if parameter.grad is not None:
+                    parameter.grad.div_(scaler.scale)
         _inject_faults(spec, step, stages)
         if host is not None:
             host.offload_and_step()  # the host steps these stages while this rank goes on
@@ -237,8 +296,8 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
         result.losses.append(float(loss))
         result.step_seconds.append(time.perf_counter() - began)
         result.records.append(record)
-        if spec.report and rank == 0:
-            print(f"step {step}: loss {result.losses[-1]:.6f}  time {result.step_seconds[-1] * 1e3:.1f} ms", flush=True)
+        if progress is not None:
+            progress(step)
         if spec.save_every and (step + 1) % spec.save_every == 0:
             if sync is not None:
                 sync.validate()
@@ -246,21 +305,57 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
     if sync is not None:
         sync.validate()
         result.rollbacks, result.skipped_steps = sync.rollbacks, sync.skipped
+    if progress is not None:
+        progress(None)
     if host is not None:
         host.finish()
         result.offload_events = host.events
+    if where.type == "cuda":
+        result.peak_memory_bytes = int(torch.cuda.max_memory_allocated(where))
     result.parameters = {s: {n: t.detach().cpu().clone() for n, t in stages[s].named_parameters()} for s in hosted}
     return result
 
 
-def _optimizer_sync(spec: TrainSpec, optimizer, stages: dict, device: int, replica: int) -> OptimizerSync | None:
-    """Global clipping / skipping, if asked for; its process groups are made on every rank alike."""
-    if spec.clip_norm is None and not spec.post_validation:
+def _probe(spec: TrainSpec, work: Workload, all_stages, precision: Precision) -> StageProbe:
+    """Boundary shapes and forward FLOPs from one micro-batch of step 0 (a slice, with slices)."""
+    inputs, _ = work.batch(work.microbatch_size, 0)
+    example = rows_of(inputs, slice(0, work.microbatch_size))
+    slices = spec.schedule.num_slices
+    if slices > 1:
+        example = tuple(t[:, : t.shape[1] // slices] for t in example)
+    past = [] if slices > 1 else None
+    cpu = torch.device("cpu")
+    return probe_stages(all_stages, example, lambda module, x: run_stage(module, x, past, precision, cpu, True)[0])
+
+
+def _progress(spec: TrainSpec, rank: int, result: RankResult):
+    if not spec.report or rank != 0:
+        return None
+    from pipeloom.runtime.metrics import StepReporter
+
+    return StepReporter(result, spec.steps, spec.peak_tflops)
+
+
+def _optimizer_sync(
+    spec: TrainSpec, optimizer, all_stages, stages: dict, device: int, replica: int, scaler: LossScaler | None
+) -> OptimizerSync | None:
+    """Global clipping / skipping (also fp16's overflow skip), if asked for; its process groups
+    are made on every rank alike. Each parameter counts once: on the lowest device hosting its
+    first stage."""
+    if spec.clip_norm is None and not spec.post_validation and scaler is None:
         return None
     schedule, p = spec.schedule, spec.schedule.num_devices
     groups = [dist.new_group([r * p + d for d in range(p)]) for r in range(spec.dp)]
     owners = {s: min(d for d in range(p) if s in schedule.stages_on(d)) for s in range(schedule.num_stages)}
-    owned = [module for s, module in stages.items() if owners[s] == device]
+    first_stage: dict[int, int] = {}
+    for s, module in enumerate(all_stages):
+        for parameter in module.parameters():
+            first_stage.setdefault(id(parameter), s)
+    owned = [
+        parameter
+        for parameter in unique_parameters([stages[s] for s in sorted(stages)])
+        if owners[first_stage[id(parameter)]] == device
+    ]
     return OptimizerSync(
         optimizer,
         owned,
@@ -271,6 +366,7 @@ def _optimizer_sync(spec: TrainSpec, optimizer, stages: dict, device: int, repli
         lambda d: replica * p + d,
         groups[replica],
         spec.timeout_s,
+        on_decision=scaler.update if scaler is not None else None,
     )
 
 
@@ -281,6 +377,8 @@ def _inject_faults(spec: TrainSpec, step: int, stages: dict) -> None:
         grads = [p_.grad for p_ in stages[stage].parameters() if p_.grad is not None]
         if kind == "nan":
             grads[0].view(-1)[0] = float("nan")
+        elif kind == "inf":
+            grads[0].view(-1)[0] = float("inf")
         else:
             for grad in grads:
                 grad.mul_(factor)
@@ -293,18 +391,6 @@ def _pair_groups(plan, dp: int, p: int) -> list[dict[tuple[int, int], dist.Proce
     return [{(a, b): dist.new_group([replica * p + a, replica * p + b]) for a, b in pairs} for replica in range(dp)]
 
 
-def _gradient_groups(schedule: Schedule, dp: int) -> dict[int, tuple[dist.ProcessGroup | None, list[int]]]:
-    """Per stage, the group of every rank holding a copy of it (created in the same order on all
-    ranks, as `new_group` requires; None when a stage has one copy) and those ranks."""
-    p = schedule.num_devices
-    groups: dict[int, tuple[dist.ProcessGroup | None, list[int]]] = {}
-    for stage in range(schedule.num_stages):
-        devices = [d for d in range(p) if stage in schedule.stages_on(d)]
-        ranks = sorted(replica * p + d for replica in range(dp) for d in devices)
-        groups[stage] = (dist.new_group(ranks) if len(ranks) > 1 else None, ranks)
-    return groups
-
-
 def _collective(rank: int, what: str, call, *args, **kwargs) -> None:
     try:
         call(*args, **kwargs)
@@ -312,39 +398,25 @@ def _collective(rank: int, what: str, call, *args, **kwargs) -> None:
         raise RuntimeFault(f"rank {rank}: {what}: {peer_failure(error)}") from None
 
 
-def _reduce_gradients(module: torch.nn.Module, group) -> None:
-    if group is None:
-        return
-    for parameter in module.parameters():
-        if parameter.grad is None:
-            parameter.grad = torch.zeros_like(parameter)
-    flat = torch.cat([parameter.grad.reshape(-1) for parameter in module.parameters()])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for parameter in module.parameters():
-        size = parameter.numel()
-        parameter.grad.copy_(flat[offset : offset + size].view_as(parameter))
-        offset += size
-
-
 def reference_training(spec: TrainSpec) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
-    """Single-process training of the same model on the same data: (losses, parameters per stage)."""
+    """Single-process training of the same model on the same data, in the same precision (stage
+    outputs cast to the compute type as the pipeline sends them): (losses, parameters per stage)."""
     schedule, work = spec.schedule, spec.resolved_workload()
+    precision, cpu = Precision(spec.dtype), torch.device("cpu")
     stages = work.build(schedule.num_stages)
-    parameters = [p for stage in stages for p in stage.parameters()]
-    optimizer = torch.optim.AdamW(parameters, lr=spec.lr)
+    optimizer = torch.optim.AdamW(unique_parameters(stages), lr=spec.lr)
     micro = schedule.num_microbatches * spec.dp
     b = work.microbatch_size
     losses = []
     for step in range(spec.steps):
-        tokens, targets = work.batch(micro * b, step)
+        inputs, targets = work.batch(micro * b, step)
         optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), dtype=torch.float64)
         for j in range(micro):
-            x = tokens[j * b : (j + 1) * b]
-            for stage in stages:
-                x = stage(x)
-            loss = work.loss(x, targets[j * b : (j + 1) * b])
+            x = rows_of(inputs, slice(j * b, (j + 1) * b))
+            for index, stage in enumerate(stages):
+                x, _ = run_stage(stage, x, None, precision, cpu, hand_on=index < len(stages) - 1)
+            loss = work.loss(x[0] if len(x) == 1 else x, targets[j * b : (j + 1) * b]).float()
             (loss / micro).backward()
             total += float(loss.detach()) / micro
         optimizer.step()

@@ -1,8 +1,12 @@
 """What the runtime trains: stage modules, the data of a step, the loss — for any model.
 
 `llama_workload` is the default (the small LLaMA-style decoder on synthetic tokens);
-`blocks_workload` cuts any list of nn.Module blocks into stages. Every rank calls `build` and
-must get identical stages (seed inside it), so that all copies start from the same weights.
+`blocks_workload` cuts any list of nn.Module blocks into stages; `pipeloom.models.hf` and
+`pipeloom.models.vision` build Hugging Face and torchvision models the same way. Every rank calls
+`build` and must get identical stages (seed inside it), so that all copies start from the same
+weights. Parameters shared between stages (tied input and output embeddings) are found by
+identity, so nothing needs declaring. What crosses each stage boundary is inferred from one
+example micro-batch (`runtime.boundary`), so boundaries may differ in shape and carry tuples.
 """
 
 from __future__ import annotations
@@ -16,61 +20,95 @@ from torch import nn
 from pipeloom.errors import ConfigError
 from pipeloom.models.llama import LlamaConfig, build_stages, synthetic_batch
 
-__all__ = ["Workload", "llama_workload", "blocks_workload", "token_loss"]
+__all__ = ["Workload", "llama_workload", "blocks_workload", "token_loss", "cut_blocks", "rows_of"]
+
+Batch = tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class Workload:
     build: Callable[[int], list[nn.Module]]
     """Number of stages → the stage modules, identical on every call."""
-    batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
-    """(rows, step) → inputs and targets of a step, identical on every rank."""
+    batch: Callable[[int, int], Batch]
+    """(rows, step) → inputs (a tensor or a tuple of them) and targets of a step, identical on every
+    rank; replica k trains rows k·m·b .. (k+1)·m·b − 1."""
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """Last stage's output and targets of one micro-batch → its mean loss."""
-    activation_shape: tuple[int, ...]
-    """What crosses between stages for one micro-batch."""
     microbatch_size: int
+    sample_tokens: int = 1
+    """Tokens per sample (the sequence length), for tokens/s; 1 for images."""
+    name: str = "model"
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    """Mean cross-entropy over the positions whose target is not -100 (masked LM's convention)."""
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
-def llama_workload(config: LlamaConfig, seed: int, layer_counts: Sequence[int] | None = None) -> Workload:
+def rows_of(inputs: torch.Tensor | tuple[torch.Tensor, ...], rows: slice) -> tuple[torch.Tensor, ...]:
+    """The rows of a step's inputs that form one micro-batch, always as a tuple."""
+    if isinstance(inputs, torch.Tensor):
+        return (inputs[rows],)
+    return tuple(t[rows] for t in inputs)
+
+
+def llama_workload(config: LlamaConfig, seed: int, layer_counts: Sequence[int] | None = None, data=None) -> Workload:
+    """The built-in decoder; `data` (a `pipeloom.data` source) replaces the synthetic tokens."""
+    batch = data.batch if data is not None else (lambda rows, step: synthetic_batch(config, rows, seed, step))
     return Workload(
         build=lambda num_stages: build_stages(config, num_stages, seed, layer_counts),
-        batch=lambda rows, step: synthetic_batch(config, rows, seed, step),
+        batch=batch,
         loss=token_loss,
-        activation_shape=(config.microbatch_size, config.seq_len, config.hidden),
         microbatch_size=config.microbatch_size,
+        sample_tokens=config.seq_len,
+        name="llama (built-in)",
     )
+
+
+def cut_blocks(made: Sequence[nn.Module], num_stages: int, counts: Sequence[int] | None = None) -> list[list[nn.Module]]:
+    """Consecutive blocks per stage: as counted, or balanced (the earlier stages take the remainder)."""
+    sizes = list(counts) if counts is not None else None
+    if sizes is None:
+        if len(made) < num_stages:
+            raise ConfigError(f"{len(made)} blocks cannot be cut into {num_stages} stages; use fewer stages")
+        base, extra = divmod(len(made), num_stages)
+        sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
+    if len(sizes) != num_stages or sum(sizes) != len(made) or min(sizes) < 0:
+        raise ConfigError(f"block counts {sizes} must be {num_stages} non-negative numbers summing to {len(made)}")
+    out, first = [], 0
+    for size in sizes:
+        out.append(list(made[first : first + size]))
+        first += size
+    return out
+
+
+class BlockStage(nn.Sequential):
+    """Consecutive blocks; a block may take and return a tuple, which is unpacked into the next."""
+
+    def forward(self, *inputs):
+        x = inputs
+        for block in self:
+            x = block(*x) if isinstance(x, tuple) else block(x)
+        return x
 
 
 def blocks_workload(
     blocks: Callable[[], Sequence[nn.Module]],
-    batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+    batch: Callable[[int, int], Batch],
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    activation_shape: Sequence[int],
-    microbatch_size: int,
+    activation_shape: Sequence[int] | None = None,
+    microbatch_size: int = 1,
     counts: Sequence[int] | None = None,
+    sample_tokens: int = 1,
+    name: str = "blocks",
 ) -> Workload:
-    """Any model given as consecutive blocks: stage s runs blocks counts[0..s) onwards (balanced
-    by default, the earlier stages taking the remainder)."""
+    """Any model given as consecutive blocks: stage s runs its share of them (balanced by default,
+    the earlier stages taking the remainder, or `counts` per stage). What crosses each boundary
+    — shapes, dtypes, tuples — is inferred from one micro-batch, so `activation_shape` is not
+    needed (accepted for older callers and ignored)."""
+    del activation_shape
 
     def build(num_stages: int) -> list[nn.Module]:
-        made = list(blocks())
-        sizes = list(counts) if counts is not None else None
-        if sizes is None:
-            if len(made) < num_stages:
-                raise ConfigError(f"{len(made)} blocks cannot be cut into {num_stages} stages")
-            base, extra = divmod(len(made), num_stages)
-            sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
-        if len(sizes) != num_stages or sum(sizes) != len(made) or min(sizes) < 0:
-            raise ConfigError(f"block counts {sizes} must be {num_stages} numbers summing to {len(made)}")
-        stages, first = [], 0
-        for size in sizes:
-            stages.append(nn.Sequential(*made[first : first + size]))
-            first += size
-        return stages
+        return [BlockStage(*share) for share in cut_blocks(list(blocks()), num_stages, counts)]
 
-    return Workload(build, batch, loss, tuple(activation_shape), microbatch_size)
+    return Workload(build, batch, loss, microbatch_size, sample_tokens, name)

@@ -1,0 +1,85 @@
+"""What crosses each stage boundary — shapes and dtypes, inferred from one example micro-batch.
+
+A stage may take and return a tensor or a tuple of tensors, and boundaries may differ in shape
+(a ResNet's feature maps shrink, a model may hand a mask along with its hidden states). Rather
+than asking the user to spell them out, the runtime runs one example micro-batch through the
+stages once, without autograd and in eval mode (so batch-norm statistics do not move), and
+records what each stage hands to the next. Receive buffers are then allocated from these specs;
+gradients travel for the floating tensors only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["TensorSpec", "StageProbe", "as_tuple", "probe_stages"]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def empty(self, device: torch.device) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
+
+    @property
+    def floating(self) -> bool:
+        return self.dtype.is_floating_point
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * torch.empty((), dtype=self.dtype).element_size()
+
+
+def as_tuple(value: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return (value,) if isinstance(value, torch.Tensor) else tuple(value)
+
+
+@dataclass(frozen=True)
+class StageProbe:
+    boundaries: list[tuple[TensorSpec, ...]]
+    """Per stage s, the specs of its input (index 0: the data)."""
+    forward_flops: list[float]
+    """Per stage, the FLOPs of one micro-batch's forward (matrix products, convolutions,
+    attention, as torch's FlopCounterMode counts them); training costs three times that."""
+
+
+def probe_stages(
+    stages: Sequence[nn.Module],
+    example: tuple[torch.Tensor, ...],
+    run: Callable[[nn.Module, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]],
+) -> StageProbe:
+    """Run one example micro-batch through every stage. `run(stage, inputs)` is how the executor
+    calls a stage (slices, precision), returning its outputs as handed on."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    specs = [tuple(TensorSpec(tuple(t.shape), t.dtype) for t in example)]
+    flops = []
+    modes = [module.training for stage in stages for module in stage.modules()]
+    try:
+        for stage in stages:
+            stage.eval()
+        x = example
+        with torch.no_grad():
+            for index, stage in enumerate(stages):
+                counter = FlopCounterMode(display=False)
+                with counter:
+                    out = run(stage, x)
+                flops.append(float(counter.get_total_flops()))
+                if index < len(stages) - 1:
+                    x = out
+                    specs.append(tuple(TensorSpec(tuple(t.shape), t.dtype) for t in x))
+    finally:
+        flags = iter(modes)
+        for stage in stages:
+            for module in stage.modules():
+                module.training = next(flags)
+    return StageProbe(specs, flops)

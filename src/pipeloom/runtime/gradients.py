@@ -1,0 +1,89 @@
+"""Summing gradients over every copy of a parameter: data-parallel replicas, Chimera's second
+pipeline, and parameters shared between stages (tied input and output embeddings).
+
+A parameter's copies live on the ranks that host any stage using it. Every rank builds the whole
+model, so each knows which stages share a parameter object (a tie) and which devices host each
+stage; parameters with the same set of holder ranks form one bucket, all-reduced as one flat fp32
+tensor in a group of exactly those ranks — as Megatron sums the embedding's gradient over the
+first and last pipeline ranks before the optimizer. Two stages of one rank that share a parameter
+hold one object, whose gradient autograd already summed; it is reduced once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeloom.ir.schedule import Schedule
+
+__all__ = ["GradientBuckets", "tie_groups", "unique_parameters"]
+
+
+def unique_parameters(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """Parameters of `modules` in order, each shared one once."""
+    seen: set[int] = set()
+    out = []
+    for module in modules:
+        for parameter in module.parameters():
+            if id(parameter) not in seen:
+                seen.add(id(parameter))
+                out.append(parameter)
+    return out
+
+
+def tie_groups(stages: Sequence[nn.Module]) -> list[list[tuple[int, str]]]:
+    """(stage, parameter name) of every parameter object that more than one stage holds."""
+    holders: dict[int, list[tuple[int, str]]] = {}
+    for stage, module in enumerate(stages):
+        for name, parameter in module.named_parameters(remove_duplicate=False):
+            places = holders.setdefault(id(parameter), [])
+            if all(s != stage for s, _ in places):
+                places.append((stage, name))
+    return [places for places in holders.values() if len(places) > 1]
+
+
+class GradientBuckets:
+    """This rank's part of the plan; built identically (same group order) on every rank."""
+
+    def __init__(self, schedule: Schedule, dp: int, all_stages: Sequence[nn.Module], rank: int) -> None:
+        p = schedule.num_devices
+        stage_ranks = {
+            s: {replica * p + d for replica in range(dp) for d in range(p) if s in schedule.stages_on(d)}
+            for s in range(schedule.num_stages)
+        }
+        # A logical parameter: its first (stage, name); its holders: every rank hosting a user.
+        logical: dict[int, tuple[tuple[int, str], set[int]]] = {}
+        for stage, module in enumerate(all_stages):
+            for name, parameter in module.named_parameters(remove_duplicate=False):
+                key, ranks = logical.setdefault(id(parameter), ((stage, name), set()))
+                ranks |= stage_ranks[stage]
+        by_ranks: dict[tuple[int, ...], list[tuple[int, str]]] = {}
+        for key, ranks in logical.values():
+            by_ranks.setdefault(tuple(sorted(ranks)), []).append(key)
+        self.buckets: list[tuple[dist.ProcessGroup, list[int], list[nn.Parameter]]] = []
+        lookup = {(s, n): prm for s, m in enumerate(all_stages) for n, prm in m.named_parameters(remove_duplicate=False)}
+        for ranks, keys in sorted(by_ranks.items()):
+            if len(ranks) < 2:
+                continue
+            group = dist.new_group(list(ranks))  # every rank creates every group, in this order
+            if rank in ranks:
+                self.buckets.append((group, list(ranks), [lookup[key] for key in sorted(keys)]))
+
+    def reduce(self) -> None:
+        for group, _, parameters in self.buckets:
+            for parameter in parameters:
+                if parameter.grad is None:
+                    parameter.grad = torch.zeros_like(parameter)
+            flat = torch.cat([parameter.grad.reshape(-1).float() for parameter in parameters])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for parameter in parameters:
+                size = parameter.numel()
+                parameter.grad.copy_(flat[offset : offset + size].view_as(parameter))
+                offset += size
+
+    def describe(self) -> list[list[int]]:
+        return [ranks for _, ranks, _ in self.buckets]

@@ -1,0 +1,86 @@
+"""What a trainer prints: per step loss, step time, tokens/s, achieved TFLOP/s and MFU; a table at
+the end. FLOPs are model FLOPs — three times the forward's matrix products, convolutions and
+attention, counted once by torch's FlopCounterMode on an example micro-batch — so recomputation
+does not inflate them (MFU, as PaLM and Megatron report it). MFU needs a peak: `--peak-tflops`
+or a `--hardware` preset's 16-bit peak; without one it is left out rather than guessed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections.abc import Sequence
+
+__all__ = ["StepReporter", "throughput", "final_table"]
+
+
+def throughput(result, seconds: float, peak_tflops: float | None) -> dict:
+    """Tokens/s of the whole run and this rank's TFLOP/s and MFU for a step of `seconds`."""
+    tokens = result.samples_per_step * result.sample_tokens
+    tflops = 3 * result.forward_flops / seconds / 1e12 if seconds > 0 else 0.0
+    return {
+        "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
+        "tflops": tflops,
+        "mfu": tflops / peak_tflops if peak_tflops else None,
+    }
+
+
+class StepReporter:
+    """Rank 0's live line: a tqdm bar on a terminal, one printed line per step otherwise."""
+
+    def __init__(self, result, steps: int, peak_tflops: float | None) -> None:
+        self.result, self.peak = result, peak_tflops
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=steps, desc="train", unit="step", file=sys.stderr, leave=True)
+
+    def __call__(self, step: int | None) -> None:
+        if step is None:
+            if self.bar is not None:
+                self.bar.close()
+            return
+        seconds = self.result.step_seconds[-1]
+        facts = throughput(self.result, seconds, self.peak)
+        unit = "tokens/s" if self.result.sample_tokens > 1 else "samples/s"
+        parts = [
+            f"loss {self.result.losses[-1]:.4f}",
+            f"{seconds * 1e3:.1f} ms",
+            f"{facts['tokens_per_second']:,.0f} {unit}",
+            f"{facts['tflops']:.3f} TFLOP/s (rank 0)",
+        ]
+        if facts["mfu"] is not None:
+            parts.append(f"MFU {facts['mfu']:.1%}")
+        if self.result.loss_scales:
+            parts.append(f"loss scale {self.result.loss_scales[-1]:g}")
+        if self.bar is not None:
+            self.bar.set_postfix_str("  ".join(parts), refresh=False)
+            self.bar.update(1)
+        else:
+            print(f"step {step}: " + "  ".join(parts), flush=True)
+
+
+def final_table(results: Sequence, facts: dict) -> str:
+    """Per rank: median step, TFLOP/s, MFU, peak stash and (GPU) peak memory."""
+    lines = [
+        f"{'rank':>4}  {'step ms':>9}  {'TFLOP/s':>8}  {'MFU':>6}  {'stash MiB':>10}  {'GPU peak MiB':>12}  {'sent MiB/step':>13}"
+    ]
+    for result, rank in zip(results, facts["ranks"]):
+        mfu = f"{rank['mfu']:.1%}" if rank["mfu"] is not None else "n/a"
+        gpu = f"{rank['peak_memory_bytes'] / 2**20:.1f}" if rank["peak_memory_bytes"] is not None else "n/a"
+        lines.append(
+            f"{result.rank:>4}  {rank['median_step_seconds'] * 1e3:>9.1f}  {rank['tflops']:>8.3f}  {mfu:>6}  "
+            f"{rank['peak_stash_bytes'] / 2**20:>10.2f}  {gpu:>12}  {rank['sent_bytes_per_step'] / 2**20:>13.2f}"
+        )
+    unit = "tokens/s" if facts["sample_tokens"] > 1 else "samples/s"
+    lines.append(
+        f"median step {facts['median_step_seconds'] * 1e3:.1f} ms, {facts['tokens_per_second']:,.0f} {unit}, "
+        f"final loss {facts['losses'][-1]:.4f}" if facts["losses"] else ""
+    )
+    return "\n".join(lines)
+
+
+def median_step(result) -> float:
+    times = result.step_seconds[1:] or result.step_seconds
+    return statistics.median(times) if times else 0.0
