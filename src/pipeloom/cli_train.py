@@ -11,6 +11,7 @@ from pipeloom.cli import (
     _schedule_from_args,
 )
 from pipeloom.cli_args import add_ckpt, add_costs, add_schedule_source, int_list
+from pipeloom.cli_model import add_model_arguments, workload_from_args
 from pipeloom.cli_passes import checkpointed
 from pipeloom.errors import ConfigError
 
@@ -65,9 +66,21 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add_costs(parser)
     parser.add_argument("--concat-w", action="store_true", help="run consecutive W of a stage as one GEMM (2BP)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a peer before failing")
-    parser.add_argument(
-        "--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU, default) or nccl (one GPU per rank)"
+    add_model_arguments(parser)
+    run = parser.add_argument_group("precision, devices, reporting")
+    run.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        default="fp32",
+        help="compute and p2p type (bf16/fp16 halve the p2p bytes); master weights and AdamW stay fp32; "
+        "fp16 adds a dynamic loss scale (default fp32)",
     )
+    run.add_argument("--device", choices=("cpu", "cuda"), help="cpu (default) or cuda: rank → LOCAL_RANK's GPU")
+    run.add_argument(
+        "--backend", choices=("gloo", "nccl"), help="default: nccl with --device cuda, gloo on CPU"
+    )
+    run.add_argument("--peak-tflops", type=float, metavar="X", help="per-rank peak TFLOP/s of the compute type, for MFU")
+    run.add_argument("--hardware", metavar="NAME", help="a hardware preset (h100, a100-80g, ...) whose 16-bit peak gives MFU")
     parser.add_argument(
         "--offload-stages",
         metavar="LIST",
@@ -108,15 +121,6 @@ def train_spec_from_args(args: argparse.Namespace, report: bool = False):
         return spec
     costs = _costs_from_args(args)
     schedule = checkpointed(_schedule_from_args(args, costs, budget_is_used=args.ckpt == "mario"), costs, args)
-    config = LlamaConfig(
-        vocab=args.vocab,
-        hidden=args.hidden,
-        layers=args.layers,
-        heads=args.heads,
-        ffn=args.ffn,
-        seq_len=args.seq_len,
-        microbatch_size=args.microbatch_size,
-    )
     counts = None
     if args.layer_counts:
         try:
@@ -127,9 +131,11 @@ def train_spec_from_args(args: argparse.Namespace, report: bool = False):
             ) from None
     if args.dp < 1:
         raise ConfigError(f"--dp must be at least 1, got {args.dp}")
+    workload, config = workload_from_args(args, counts)
     spec = TrainSpec(
         schedule=schedule,
-        config=config,
+        config=config or LlamaConfig(),
+        workload=workload,
         dp=args.dp,
         layer_counts=counts,
         concat_w=args.concat_w,
@@ -160,6 +166,9 @@ def run_options(args: argparse.Namespace) -> dict:
         "resume_dir": args.resume,
         "clip_norm": args.clip_norm,
         "post_validation": args.post_validation,
+        "dtype": args.dtype,
+        "device": args.device,
+        "peak_tflops": _peak_tflops(args),
     }
     if args.offload_stages:
         fields["offload_stages"] = tuple(int_list(args.offload_stages, "--offload-stages"))
@@ -170,16 +179,40 @@ def run_options(args: argparse.Namespace) -> dict:
     return fields
 
 
+def _peak_tflops(args: argparse.Namespace) -> float | None:
+    if args.peak_tflops is not None and args.hardware:
+        raise ConfigError("give --peak-tflops or --hardware, not both")
+    if args.peak_tflops is not None:
+        if args.peak_tflops <= 0:
+            raise ConfigError(f"--peak-tflops must be positive, got {args.peak_tflops}")
+        return args.peak_tflops
+    if args.hardware:
+        from pipeloom.tune.presets import load_hardware
+
+        return load_hardware(args.hardware).peak_flops / 1e12
+    return None
+
+
 def write_train_outputs(results, spec, args: argparse.Namespace) -> None:
+    from pipeloom.runtime.metrics import final_table
     from pipeloom.runtime.report import summary, write_summary, write_trace
 
     if args.trace:
         write_trace(results, args.trace)
-    context = {"schedule": spec.schedule.name, "p": spec.schedule.num_devices, "dp": spec.dp}
+    work = spec.resolved_workload()
+    context = {
+        "schedule": spec.schedule.name,
+        "p": spec.schedule.num_devices,
+        "dp": spec.dp,
+        "model": work.name,
+        "dtype": spec.dtype,
+        "device": spec.torch_device_type,
+    }
     if args.summary:
-        write_summary(results, args.summary, **context)
-    facts = summary(results, **context)
+        write_summary(results, args.summary, spec.peak_tflops, **context)
+    facts = summary(results, spec.peak_tflops, **context)
     print(
-        f"{facts['schedule']}: p={facts['p']} dp={facts['dp']}, median step {facts['median_step_seconds'] * 1e3:.1f} ms, "
-        f"peak stash per rank {facts['peak_stash_bytes']} bytes, recomputes {facts['recomputes']}"
+        f"{facts['model']} · {facts['schedule']}: p={facts['p']} dp={facts['dp']} {facts['dtype']} on {facts['device']}, "
+        f"recomputes {facts['recomputes']}"
     )
+    print(final_table(results, facts))

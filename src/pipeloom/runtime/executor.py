@@ -142,11 +142,11 @@ class DeviceExecutor:
         self.before_forward = before_forward
         """Called with the stage before each F: T-Offload's RELOAD of weights stepped on the host."""
         self._parameter_ptrs = {p.data_ptr() for module in stages.values() for p in module.parameters()}
-        self._has_split_linears = any(
-            type(m).__name__ == "SplitLinear" for module in stages.values() for m in module.modules()
-        )
-        if any(op.kind is _W for op in self.ops) and not self._has_split_linears and stages:
-            raise ConfigError(f"device {device} runs W ops but its linears are not split (split_linears)")
+        # Stages whose weight gradients wait for W (a stage of convolutions only computes its
+        # weight gradients in B, and its W has nothing to do).
+        self._split_stages = {
+            s for s, module in stages.items() if any(type(m).__name__ == "SplitLinear" for m in module.modules())
+        }
         self._saved_bytes: dict[tuple[OpKind, int, int], int] = {}  # once per (F or R, stage, slice)
         if self.num_slices > 1 and not all(hasattr(module, "forward_slice") for module in stages.values()):
             raise ConfigError("slices need stages with forward_slice (the LLaMA-style decoder's, or a Hugging Face causal LM's)")
@@ -262,7 +262,7 @@ class DeviceExecutor:
             self.mail.give(True, stage - 1, mb, slice_, input_grads)
         if op.kind is _BW:
             self.queue.run(op.key)  # with plain linears autograd did it already: nothing queued
-        elif len(self.queue) == before and self._has_split_linears:
+        elif len(self.queue) == before and stage in self._split_stages:
             raise RuntimeFault(f"{op.text}: no weight gradients were queued")
 
     def _weight_op(self, step: _Step, index: int) -> int:

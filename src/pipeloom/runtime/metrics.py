@@ -48,7 +48,7 @@ class StepReporter:
             f"loss {self.result.losses[-1]:.4f}",
             f"{seconds * 1e3:.1f} ms",
             f"{facts['tokens_per_second']:,.0f} {unit}",
-            f"{facts['tflops']:.3f} TFLOP/s (rank 0)",
+            f"{facts["tflops"]:.4g} TFLOP/s (rank 0)",
         ]
         if facts["mfu"] is not None:
             parts.append(f"MFU {facts['mfu']:.1%}")
@@ -70,7 +70,7 @@ def final_table(results: Sequence, facts: dict) -> str:
         mfu = f"{rank['mfu']:.1%}" if rank["mfu"] is not None else "n/a"
         gpu = f"{rank['peak_memory_bytes'] / 2**20:.1f}" if rank["peak_memory_bytes"] is not None else "n/a"
         lines.append(
-            f"{result.rank:>4}  {rank['median_step_seconds'] * 1e3:>9.1f}  {rank['tflops']:>8.3f}  {mfu:>6}  "
+            f"{result.rank:>4}  {rank['median_step_seconds'] * 1e3:>9.1f}  {rank['tflops']:>8.4g}  {mfu:>6}  "
             f"{rank['peak_stash_bytes'] / 2**20:>10.2f}  {gpu:>12}  {rank['sent_bytes_per_step'] / 2**20:>13.2f}"
         )
     unit = "tokens/s" if facts["sample_tokens"] > 1 else "samples/s"

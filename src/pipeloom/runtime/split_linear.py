@@ -41,13 +41,11 @@ class WeightGradQueue:
         for layer, inputs, grad_outputs in by_layer.values():
             x = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
             gy = grad_outputs[0] if len(grad_outputs) == 1 else torch.cat(grad_outputs)
-            if layer.weight.grad is None:
-                layer.weight.grad = gy.t() @ x
-            else:
-                layer.weight.grad.addmm_(gy.t(), x)
+            # In the compute type under mixed precision, accumulated into the fp32 master gradient.
+            grad = (x.t() @ gy) if layer.transposed else (gy.t() @ x)
+            _accumulate(layer.weight, grad)
             if layer.bias is not None:
-                bias_grad = gy.sum(0)
-                layer.bias.grad = bias_grad if layer.bias.grad is None else layer.bias.grad.add_(bias_grad)
+                _accumulate(layer.bias, gy.sum(0))
 
     def run_part(self, key: tuple, part: int, parts: int) -> None:
         """Part `part` of `parts` of `key`'s GEMMs (MEPipe's fine-grained W): the queued GEMMs in
@@ -67,6 +65,14 @@ class WeightGradQueue:
         return pending + sum(len(entries) for entries in self._split.values())
 
 
+def _accumulate(parameter: nn.Parameter, grad: torch.Tensor) -> None:
+    grad = grad.to(parameter.dtype)
+    if parameter.grad is None:
+        parameter.grad = grad
+    else:
+        parameter.grad.add_(grad)
+
+
 class _InputGradOnly(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, queue):  # noqa: D401 - autograd signature
@@ -78,31 +84,48 @@ class _InputGradOnly(torch.autograd.Function):
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
         ctx.queue.push(ctx.key, ctx.layer, x.detach(), grad_output.detach())
-        grad_input = grad_output @ weight if ctx.needs_input_grad[0] else None
+        grad_input = grad_output @ weight.to(grad_output.dtype) if ctx.needs_input_grad[0] else None
         return grad_input, None, None, None, None
 
 
 class SplitLinear(nn.Module):
-    """An nn.Linear whose weight gradient waits in `queue` for the W op."""
+    """An nn.Linear (or a Hugging Face Conv1D, whose weight is stored transposed) whose weight
+    gradient waits in `queue` for the W op."""
 
-    def __init__(self, linear: nn.Linear, queue: WeightGradQueue) -> None:
+    def __init__(self, linear: nn.Module, queue: WeightGradQueue, transposed: bool = False) -> None:
         super().__init__()
         self.weight = linear.weight
         self.bias = linear.bias
         self.queue = queue
+        self.transposed = transposed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.t() if self.transposed else self.weight
+        bias = self.bias
+        if torch.is_autocast_enabled(x.device.type):  # the product in the compute type, as autocast would
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
         if not torch.is_grad_enabled():
-            return nn.functional.linear(x, self.weight, self.bias)
-        return _InputGradOnly.apply(x, self.weight, self.bias, self, self.queue)
+            return nn.functional.linear(x, weight, bias)
+        return _InputGradOnly.apply(x, weight, bias, self, self.queue)
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2): a linear layer with its weight as (in, out)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
 
 
 def split_linears(module: nn.Module, queue: WeightGradQueue) -> int:
-    """Replace every nn.Linear inside `module` by a SplitLinear on `queue`; return how many."""
+    """Replace every nn.Linear (and transformers Conv1D) inside `module` by a SplitLinear on
+    `queue`; return how many."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
             setattr(module, name, SplitLinear(child, queue))
+            count += 1
+        elif _is_conv1d(child):
+            setattr(module, name, SplitLinear(child, queue, transposed=True))
             count += 1
         else:
             count += split_linears(child, queue)

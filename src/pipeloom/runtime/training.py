@@ -141,6 +141,8 @@ def check_spec(spec: TrainSpec, world_size: int | None = None) -> None:
         )
     if spec.workload is None:
         stage_layer_counts(spec.config, spec.schedule.num_stages, spec.layer_counts)
+    elif spec.workload.check is not None:
+        spec.workload.check(spec.schedule.num_stages)
     bad = sorted(set(spec.offload_stages) - set(range(spec.schedule.num_stages)))
     if bad or spec.reload_bits not in (16, 32):
         raise ConfigError(

@@ -38,6 +38,8 @@ class Workload:
     sample_tokens: int = 1
     """Tokens per sample (the sequence length), for tokens/s; 1 for images."""
     name: str = "model"
+    check: Callable[[int], None] | None = None
+    """Number of stages → raises ConfigError if the model cannot be cut so (before any compute)."""
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,158 @@
+"""Training data: synthetic tokens, a flat token file read by numpy memmap, or plain text
+tokenized once with a local tokenizer — all sampled deterministically.
+
+Every source answers `batch(rows, step)` with (tokens, next-token targets) of `rows` sequences,
+drawn from (seed, step) alone; data-parallel replica k trains rows k·m·b .. (k+1)·m·b − 1 of it.
+So every rank, the single-process reference and a resumed run see exactly the same samples, and
+a run resumed at step n continues on step n's samples. The token file is the nanoGPT / Megatron
+`.bin` layout: token ids back to back, uint16 or uint32, no header.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeloom.errors import ConfigError
+
+__all__ = ["SyntheticTokens", "TokenFile", "TextTokens", "open_tokens", "masked_lm", "write_token_file"]
+
+_DTYPES = {"uint16": 2, "uint32": 4}
+
+
+class SyntheticTokens:
+    """Uniform random token ids from (seed, step): the default, needing no file."""
+
+    def __init__(self, vocab: int, seq_len: int, seed: int) -> None:
+        self.vocab, self.seq_len, self.seed = vocab, seq_len, seed
+        self.vocab_limit = vocab
+
+    def batch(self, rows: int, step: int):
+        import torch
+
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        tokens = torch.randint(0, self.vocab, (rows, self.seq_len + 1), generator=generator)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+class _Sampled:
+    """Windows of seq_len + 1 tokens at offsets drawn from (seed, step)."""
+
+    seq_len: int
+    seed: int
+
+    def _tokens(self):
+        raise NotImplementedError
+
+    def batch(self, rows: int, step: int):
+        import numpy as np
+        import torch
+
+        tokens = self._tokens()
+        rng = np.random.default_rng([self.seed, step])
+        starts = rng.integers(0, len(tokens) - self.seq_len, size=rows)
+        windows = np.stack([np.asarray(tokens[s : s + self.seq_len + 1], dtype=np.int64) for s in starts])
+        window = torch.from_numpy(windows)
+        return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+    def _check_length(self, count: int, what: str) -> None:
+        if count < self.seq_len + 1:
+            raise ConfigError(f"data: {what} holds {count} tokens, fewer than one sequence of {self.seq_len} + 1")
+
+
+class TokenFile(_Sampled):
+    """A flat file of uint16 or uint32 token ids, memory-mapped (never read whole)."""
+
+    def __init__(self, path: str | Path, seq_len: int, seed: int, dtype: str | None = None) -> None:
+        import numpy as np
+
+        self.path, self.seq_len, self.seed = Path(path), seq_len, seed
+        if not self.path.is_file():
+            raise ConfigError(f"data: token file {str(self.path)!r} does not exist")
+        self.dtype = dtype or ("uint32" if self.path.suffix in (".u32", ".uint32") else "uint16")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"data: token dtype must be uint16 or uint32, got {self.dtype!r}")
+        size = self.path.stat().st_size
+        if size % _DTYPES[self.dtype]:
+            raise ConfigError(
+                f"data: {str(self.path)!r} has {size} bytes, not a multiple of {self.dtype}'s {_DTYPES[self.dtype]}"
+                " (wrong --data-dtype, or a truncated file)"
+            )
+        self._memmap = np.memmap(self.path, dtype=self.dtype, mode="r")
+        self._check_length(len(self._memmap), repr(str(self.path)))
+        self.vocab_limit = int(_chunked_max(self._memmap)) + 1
+
+    def _tokens(self):
+        return self._memmap
+
+
+class TextTokens(_Sampled):
+    """A plain-text file, tokenized once (per process) with a tokenizer from a local directory."""
+
+    def __init__(self, path: str | Path, tokenizer_dir: str | Path, seq_len: int, seed: int) -> None:
+        import numpy as np
+
+        self.seq_len, self.seed = seq_len, seed
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"data: text file {str(path)!r} does not exist")
+        tokenizer = load_tokenizer(tokenizer_dir)
+        ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"))["input_ids"]
+        self._ids = np.asarray(ids, dtype=np.int64)
+        self._check_length(len(self._ids), f"{str(path)!r} tokenized")
+        self.vocab_limit = int(self._ids.max()) + 1
+
+    def _tokens(self):
+        return self._ids
+
+
+def load_tokenizer(directory: str | Path):
+    from pipeloom.models.compat import import_transformers
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ConfigError(f"data: tokenizer directory {str(directory)!r} does not exist")
+    transformers = import_transformers()
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"data: no tokenizer in {str(directory)!r}: {str(error).splitlines()[0]}") from None
+
+
+def open_tokens(path: str | Path, seq_len: int, seed: int, tokenizer: str | Path | None = None, dtype: str | None = None):
+    """`--data PATH [--tokenizer DIR]`: a token file, or text when a tokenizer is given."""
+    if tokenizer is not None:
+        return TextTokens(path, tokenizer, seq_len, seed)
+    if Path(path).suffix in (".txt", ".md", ".text"):
+        raise ConfigError(f"data: {str(path)!r} looks like text; give --tokenizer DIR to tokenize it")
+    return TokenFile(path, seq_len, seed, dtype)
+
+
+def write_token_file(path: str | Path, ids, dtype: str = "uint16") -> Path:
+    """Write token ids in the flat `.bin` layout (for tests, demos and converting corpora)."""
+    import numpy as np
+
+    path = Path(path)
+    np.asarray(ids, dtype=dtype).tofile(path)
+    return path
+
+
+def masked_lm(source, vocab: int, seed: int, probability: float = 0.15):
+    """BERT's objective over a token source: a share of positions replaced by the mask id (the
+    last id of the vocabulary), targets the original ids there and -100 (ignored) elsewhere; at
+    least one masked position per sequence. Positions are drawn from (seed, step)."""
+    import torch
+
+    def batch(rows: int, step: int):
+        tokens, _ = source.batch(rows, step)
+        generator = torch.Generator().manual_seed(seed * 7_919 + step)
+        chosen = torch.rand(tokens.shape, generator=generator) < probability
+        chosen[:, 0] |= ~chosen.any(dim=1)
+        inputs = torch.where(chosen, torch.full_like(tokens, vocab - 1), tokens)
+        targets = torch.where(chosen, tokens, torch.full_like(tokens, -100))
+        return inputs, targets
+
+    return batch
+
+
+def _chunked_max(array, chunk: int = 1 << 24) -> int:
+    return max(int(array[i : i + chunk].max()) for i in range(0, len(array), chunk))

@@ -1,0 +1,247 @@
+"""Hugging Face `transformers` models cut into pipeline stages (`--model hf:PATH`).
+
+The model is the library's own code: built from the directory's config.json under a fixed seed,
+or loaded from its local safetensors files when it has them (never from a hub). It is cut by the
+plan's layer counts — embeddings on the first stage, decoder layers in order, final norm and
+head on the last — and each stage calls the library's layers directly:
+
+* LLaMA, Mistral, Qwen2 (rotary: each stage computes the position embeddings of its positions
+  from the model's own rotary module), GPT-2 (learned positions, Conv1D projections);
+* BERT as a masked LM (bidirectional, so no slices), Mamba through its pure-torch path.
+
+Tied input and output embeddings stay one parameter object in the model, so the runtime finds
+the tie by identity and sums its gradients over the ranks holding the two ends. Dropout is set
+to zero: a pipeline (and a recompute) draws random numbers in another order than one process,
+so with dropout no schedule could equal single-process training. Causal LMs also run slice by
+slice (MEPipe, TeraPipe): a slice's layers read the keys and values of the earlier slices
+through a `DynamicCache` seeded with them, under an explicit causal mask.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pipeloom.errors import ConfigError
+from pipeloom.models.compat import import_transformers
+
+__all__ = ["FAMILIES", "load_hf_config", "hf_workload", "HFStage", "has_weights"]
+
+CAUSAL = ("llama", "mistral", "qwen2", "gpt2", "mamba")
+FAMILIES = (*CAUSAL, "bert")
+
+
+def _config_path(path: str | Path) -> Path:
+    path = Path(path)
+    config = path / "config.json" if path.is_dir() else path
+    if not path.exists():
+        raise ConfigError(f"hf: {str(path)!r} does not exist (give a model directory or its config.json)")
+    if not config.is_file():
+        raise ConfigError(f"hf: {str(path)!r} has no config.json")
+    return config
+
+
+def load_hf_config(path: str | Path, layers: int | None = None):
+    """The transformers config of a directory or config.json, checked to be a family we cut."""
+    config_file = _config_path(path)
+    try:
+        data = json.loads(config_file.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"hf: cannot read {str(config_file)!r}: {error}") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ConfigError(f"hf: {str(config_file)!r} is not a transformers config (no model_type)")
+    family = data["model_type"]
+    if family not in FAMILIES:
+        raise ConfigError(f"hf: model type {family!r} is not supported; supported: {', '.join(FAMILIES)}")
+    transformers = import_transformers()
+    try:
+        config = transformers.AutoConfig.for_model(**data)
+    except (ValueError, TypeError, KeyError) as error:
+        raise ConfigError(f"hf: {str(config_file)!r} is malformed: {error}") from None
+    for key, value in list(config.to_dict().items()):
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    if layers is not None:
+        config.num_hidden_layers = layers
+    return config
+
+
+def has_weights(path: str | Path) -> bool:
+    path = Path(path)
+    return path.is_dir() and any(path.glob("*.safetensors"))
+
+
+def _build(path: str | Path, config, seed: int) -> nn.Module:
+    transformers = import_transformers()
+    auto = transformers.AutoModelForMaskedLM if config.model_type == "bert" else transformers.AutoModelForCausalLM
+    options = {} if config.model_type == "mamba" else {"attn_implementation": "sdpa"}
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        if has_weights(path):
+            model = auto.from_pretrained(str(path), config=config, local_files_only=True, dtype=torch.float32, **options)
+        else:
+            model = auto.from_config(config, dtype=torch.float32, **options)
+    finally:
+        torch.random.set_rng_state(state)
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model.train()
+
+
+def _parts(model: nn.Module, family: str) -> dict:
+    """The library's modules by role: embed, (positions), layers, norm, head, (rotary)."""
+    if family in ("llama", "mistral", "qwen2"):
+        inner = model.model
+        return {"embed": inner.embed_tokens, "layers": inner.layers, "norm": inner.norm, "head": model.lm_head,
+                "rotary": inner.rotary_emb}
+    if family == "gpt2":
+        inner = model.transformer
+        return {"embed": inner.wte, "positions": inner.wpe, "layers": inner.h, "norm": inner.ln_f, "head": model.lm_head}
+    if family == "mamba":
+        inner = model.backbone
+        return {"embed": inner.embeddings, "layers": inner.layers, "norm": inner.norm_f, "head": model.lm_head}
+    return {"embed": model.bert.embeddings, "layers": model.bert.encoder.layer, "head": model.cls}
+
+
+class HFStage(nn.Module):
+    """One stage of a transformers model: optional embeddings, some of its layers, optional
+    final norm and head — the library's modules, shared with (not copied from) the model."""
+
+    def __init__(self, parts: dict, family: str, layers: Sequence[nn.Module], first: bool, last: bool) -> None:
+        super().__init__()
+        self.family = family
+        self.embed = parts["embed"] if first else None
+        self.positions = parts.get("positions") if first else None
+        self.layers = nn.ModuleList(layers)
+        self.norm = parts.get("norm") if last else None
+        self.head = parts["head"] if last else None
+        self.rotary = parts.get("rotary") if layers else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(x, None)[0]
+
+    def forward_slice(self, x: torch.Tensor, past: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+        """A causal slice after the earlier slices' keys and values (per layer): the output and
+        this slice's keys and values per layer."""
+        if self.family not in ("llama", "mistral", "qwen2", "gpt2"):
+            raise ConfigError(f"hf: {self.family} models do not run slice by slice (attention-free or bidirectional)")
+        return self._run(x, list(past))
+
+    def _run(self, x: torch.Tensor, past: list | None):
+        offset = past[0][0].shape[-2] if past else 0
+        seq = x.shape[1]
+        positions = torch.arange(offset, offset + seq, device=x.device).unsqueeze(0)
+        if self.embed is not None:
+            x = self.embed(x)
+            if self.positions is not None:
+                x = x + self.positions(positions)
+        cache, mask = None, None
+        if past is not None:
+            cache = import_transformers().DynamicCache()
+            for layer, (k, v) in zip(self.layers, past):
+                cache.update(k, v, _layer_index(layer))
+            if offset:  # the slice sees every earlier position and itself causally
+                mask = torch.ones(seq, offset + seq, dtype=torch.bool, device=x.device).tril(offset)[None, None]
+        extra = {}
+        if self.rotary is not None and self.layers:
+            extra["position_embeddings"] = self.rotary(x, positions)
+        for layer in self.layers:
+            x = self._layer(layer, x, mask, positions, cache, extra)
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.head is not None:
+            x = self.head(x)
+        kv = []
+        if cache is not None:
+            for layer in self.layers:
+                entry = cache.layers[_layer_index(layer)]
+                kv.append((entry.keys[..., offset:, :], entry.values[..., offset:, :]))
+        return x, kv
+
+    def _layer(self, layer, x, mask, positions, cache, extra):
+        if self.family == "gpt2":
+            return _tensor(layer(x, cache, mask, position_ids=positions))
+        if self.family == "mamba":
+            return _tensor(layer(x))
+        if self.family == "bert":
+            return _tensor(layer(x))
+        return _tensor(layer(x, attention_mask=mask, position_ids=positions, past_key_values=cache, **extra))
+
+
+def _tensor(out) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _layer_index(layer: nn.Module) -> int:
+    attention = getattr(layer, "self_attn", None) or getattr(layer, "attn", None)
+    return attention.layer_idx
+
+
+def layer_counts_for(num_layers: int, num_stages: int, counts: Sequence[int] | None) -> list[int]:
+    if counts is not None:
+        counts = list(counts)
+        if len(counts) != num_stages or min(counts) < 0 or sum(counts) != num_layers:
+            raise ConfigError(f"hf: layer counts {counts} must be {num_stages} non-negative numbers summing to {num_layers}")
+        return counts
+    if num_layers < num_stages:
+        raise ConfigError(f"hf: {num_layers} layers cannot be cut into {num_stages} stages; use fewer stages")
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if s < extra else 0) for s in range(num_stages)]
+
+
+def build_hf_stages(path, config, seed: int, num_stages: int, counts: Sequence[int] | None = None) -> list[HFStage]:
+    model = _build(path, config, seed)
+    family = config.model_type
+    parts = _parts(model, family)
+    sizes = layer_counts_for(len(parts["layers"]), num_stages, counts)
+    stages, first = [], 0
+    for s, size in enumerate(sizes):
+        layers = list(parts["layers"][first : first + size])
+        stages.append(HFStage(parts, family, layers, first=s == 0, last=s == num_stages - 1))
+        first += size
+    return stages
+
+
+def hf_workload(
+    path: str | Path,
+    seed: int = 0,
+    microbatch_size: int = 1,
+    seq_len: int = 64,
+    layer_counts: Sequence[int] | None = None,
+    data=None,
+    layers: int | None = None,
+):
+    """The Workload of a transformers model directory: causal LMs learn the next token, BERT the
+    masked ones; `data` (a `pipeloom.data` source) replaces synthetic tokens."""
+    from pipeloom.data import SyntheticTokens, masked_lm
+    from pipeloom.runtime.workload import Workload, token_loss
+
+    config = load_hf_config(path, layers)
+    family = config.model_type
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit is not None and seq_len > limit:
+        raise ConfigError(f"hf: sequence length {seq_len} exceeds the model's {limit} positions; lower --seq-len")
+    window = getattr(config, "sliding_window", None)
+    if family == "mistral" and window is not None and seq_len > window:
+        raise ConfigError(f"hf: sequence length {seq_len} exceeds Mistral's sliding window {window}; lower --seq-len")
+    source = data if data is not None else SyntheticTokens(config.vocab_size, seq_len, seed)
+    if source.vocab_limit is not None and source.vocab_limit > config.vocab_size:
+        raise ConfigError(
+            f"data: token ids reach {source.vocab_limit - 1}, beyond the model's vocabulary of {config.vocab_size}"
+        )
+    batch = masked_lm(source, config.vocab_size, seed) if family == "bert" else source.batch
+    return Workload(
+        build=lambda num_stages: build_hf_stages(path, config, seed, num_stages, layer_counts),
+        batch=batch,
+        loss=token_loss,
+        microbatch_size=microbatch_size,
+        sample_tokens=seq_len,
+        name=f"hf:{family}",
+        check=lambda num_stages: layer_counts_for(config.num_hidden_layers, num_stages, layer_counts),
+    )
