@@ -48,7 +48,7 @@ class StepReporter:
             f"loss {self.result.losses[-1]:.4f}",
             f"{seconds * 1e3:.1f} ms",
             f"{facts['tokens_per_second']:,.0f} {unit}",
-            f"{facts["tflops"]:.4g} TFLOP/s (rank 0)",
+            f"{facts['tflops']:.4g} TFLOP/s (rank 0)",
         ]
         if facts["mfu"] is not None:
             parts.append(f"MFU {facts['mfu']:.1%}")
