@@ -12,178 +12,26 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from pipeloom.errors import ConfigError, RuntimeFault
+from pipeloom.errors import RuntimeFault
 from pipeloom.ir.ops import OpKind
-from pipeloom.ir.schedule import Schedule
-from pipeloom.ir.validate import validate
-from pipeloom.models.llama import LlamaConfig, stage_layer_counts
 from pipeloom.runtime.boundary import StageProbe, probe_stages
 from pipeloom.runtime.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from pipeloom.runtime.comm import plan_messages
-from pipeloom.runtime.executor import DeviceExecutor, StepRecord, peer_failure, run_stage
+from pipeloom.runtime.executor import DeviceExecutor, peer_failure, run_stage
 from pipeloom.runtime.gradients import GradientBuckets, unique_parameters
 from pipeloom.runtime.offload import HostOffload
 from pipeloom.runtime.optimizer_sync import OptimizerSync
 from pipeloom.runtime.precision import LossScaler, Precision
 from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
-from pipeloom.runtime.workload import Workload, llama_workload, rows_of
+from pipeloom.runtime.spec import RankResult, TrainSpec, check_device, check_spec
+from pipeloom.runtime.workload import Workload, rows_of
 
-__all__ = ["TrainSpec", "check_spec", "train_rank", "reference_training", "RankResult"]
-
-
-@dataclass(frozen=True)
-class TrainSpec:
-    schedule: Schedule
-    config: LlamaConfig = LlamaConfig()
-    dp: int = 1
-    steps: int = 2
-    seed: int = 0
-    lr: float = 1e-3
-    layer_counts: tuple[int, ...] | None = None
-    concat_w: bool = False
-    threads: int = 1
-    timeout_s: float = 60.0
-    report: bool = False
-    """Rank 0 shows each step's loss, time, tokens/s, TFLOP/s and MFU as it goes."""
-    backend: str | None = None
-    """gloo (CPU) or nccl (GPUs); None: the device's natural one."""
-    device: str | None = None
-    """cpu or cuda (rank → LOCAL_RANK's GPU); None: cuda if the backend is nccl, else cpu."""
-    dtype: str = "fp32"
-    """Compute and p2p type: fp32, bf16 or fp16 (with a dynamic loss scale); master weights,
-    AdamW state and the gradient reduction stay fp32."""
-    initial_loss_scale: float = 2.0**16
-    loss_scale_growth_interval: int = 2000
-    peak_tflops: float | None = None
-    """Per-rank peak of the compute type, for MFU; None leaves MFU out."""
-    workload: Workload | None = None
-    """Any model, data and loss; None: the LLaMA-style decoder of `config`."""
-    offload_stages: tuple[int, ...] = ()
-    """T-Offload: these stages' optimizer runs on the host (`runtime.offload`)."""
-    reload_bits: int = 32
-    """Weights come back exactly (32) or rounded through bfloat16 (16)."""
-    clip_norm: float | None = None
-    """Clip gradients to this global norm (over every stage); a step with NaN/Inf gradients is
-    skipped whenever clipping or post-validation is on."""
-    post_validation: bool = False
-    """Step under a partially reduced state and validate afterwards (Zero Bubble §4) instead of
-    all-reducing it first."""
-    gradient_faults: tuple[tuple[int, int, str, float], ...] = ()
-    """For tests of the above: (step, stage, "nan" or "scale", factor) applied to that stage's
-    gradients after they are reduced."""
-    save_every: int = 0
-    """Write a checkpoint every this many steps into `save_dir` (0: never)."""
-    save_dir: str | None = None
-    resume_dir: str | None = None
-    """Continue from a checkpoint (a step-N directory, or the newest in this directory) up to `steps`."""
-
-    def resolved_workload(self) -> Workload:
-        return self.workload or llama_workload(self.config, self.seed, self.layer_counts)
-
-    @property
-    def torch_device_type(self) -> str:
-        return self.device or ("cuda" if self.backend == "nccl" else "cpu")
-
-    @property
-    def resolved_backend(self) -> str:
-        return self.backend or ("nccl" if self.torch_device_type == "cuda" else "gloo")
-
-
-@dataclass
-class RankResult:
-    rank: int
-    losses: list[float] = field(default_factory=list)
-    step_seconds: list[float] = field(default_factory=list)
-    records: list[StepRecord] = field(default_factory=list)
-    parameters: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    """Stage → its parameters after the last step (this rank's copy)."""
-    rollbacks: int = 0
-    """Optimizer steps post-validation rolled back and redone."""
-    skipped_steps: int = 0
-    loss_scales: list[float] = field(default_factory=list)
-    """fp16: the loss scale each step ran under."""
-    forward_flops: float = 0.0
-    """Model FLOPs of one forward of every micro-batch through this rank's stages in a step."""
-    samples_per_step: int = 0
-    """Samples (sequences, images) of a step over all replicas."""
-    sample_tokens: int = 1
-    peak_memory_bytes: int | None = None
-    """torch.cuda.max_memory_allocated on this rank's GPU; None on CPU."""
-    offload_events: list[tuple[str, float, float]] = field(default_factory=list)
-    """T-Offload's OFFLOAD, HOST_STEP and RELOAD on this rank (perf_counter seconds)."""
-    all_results: list | None = None
-    """On rank 0 of a gathered run: every rank's result."""
-
-
-def check_spec(spec: TrainSpec, world_size: int | None = None) -> None:
-    """Refuse before any compute: invalid schedule, wrong world size, uncuttable layers."""
-    validate(spec.schedule)
-    slices = spec.schedule.num_slices
-    seq_len = spec.workload.sample_tokens if spec.workload is not None else spec.config.seq_len
-    if slices > 1 and seq_len % slices:
-        raise ConfigError(f"train: sequence length {seq_len} does not split into {slices} equal slices")
-    if spec.dp < 1:
-        raise ConfigError(f"train: data-parallel size must be at least 1, got {spec.dp}")
-    check_device(spec)
-    Precision(spec.dtype)
-    if spec.dtype == "fp16" and spec.offload_stages:
-        raise ConfigError("train: fp16's loss scale does not cover host-stepped (offloaded) stages; use bf16")
-    expected = spec.schedule.num_devices * spec.dp
-    if world_size is not None and world_size != expected:
-        raise ConfigError(
-            f"train: world size {world_size} does not match p × dp = {spec.schedule.num_devices} × {spec.dp} = {expected}"
-        )
-    if spec.workload is None:
-        stage_layer_counts(spec.config, spec.schedule.num_stages, spec.layer_counts)
-    elif spec.workload.check is not None:
-        spec.workload.check(spec.schedule.num_stages)
-    bad = sorted(set(spec.offload_stages) - set(range(spec.schedule.num_stages)))
-    if bad or spec.reload_bits not in (16, 32):
-        raise ConfigError(
-            f"train: offload stages must be among the schedule's and reload bits 16 or 32 (got {bad}, {spec.reload_bits})"
-        )
-    if spec.offload_stages and (spec.clip_norm is not None or spec.post_validation):
-        raise ConfigError("train: clipping and post-validation do not cover host-stepped (offloaded) stages yet")
-    if spec.clip_norm is not None and spec.clip_norm <= 0:
-        raise ConfigError(f"train: the clipping norm must be positive, got {spec.clip_norm}")
-    if spec.offload_stages and (spec.save_every or spec.resume_dir):
-        raise ConfigError(
-            "train: checkpoints do not carry host-side optimizer state yet; drop --save/--resume or offload"
-        )
-    if (spec.save_dir is None) != (spec.save_every == 0) or spec.save_every < 0:
-        raise ConfigError("train: checkpoints need both a directory (--save) and a period (--save-every >= 1)")
-    if spec.resume_dir is not None:
-        _, done = find_checkpoint(spec.resume_dir, expected, spec.schedule.name)
-        if done >= spec.steps:
-            raise ConfigError(f"train: the checkpoint is already {done} steps in; ask for more than {done} --steps")
-
-
-def check_device(spec: TrainSpec) -> None:
-    """Backend, device and dtype that this machine can run."""
-    device, backend = spec.torch_device_type, spec.resolved_backend
-    if device not in ("cpu", "cuda"):
-        raise ConfigError(f"train: device must be cpu or cuda, got {device!r}")
-    if backend not in ("gloo", "nccl"):
-        raise ConfigError(f"train: backend must be gloo or nccl, got {backend!r}")
-    if (device, backend) not in (("cpu", "gloo"), ("cuda", "nccl")):
-        raise ConfigError(f"train: the {backend} backend does not carry {device} tensors here; use cpu+gloo or cuda+nccl")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train: --device cuda, but this machine has no CUDA GPU (torch sees none); use --device cpu")
-    if device == "cuda" and spec.dtype == "bf16" and not torch.cuda.is_bf16_supported():
-        raise ConfigError("train: this GPU does not support bf16; use --dtype fp16 or fp32")
-    if device == "cpu" and spec.dtype != "fp32":
-        probe = torch.ones(2, 2)
-        try:
-            with torch.autocast("cpu", dtype=Precision(spec.dtype).dtype):
-                probe @ probe
-        except RuntimeError:
-            raise ConfigError(f"train: this torch build cannot compute in {spec.dtype} on CPU; use fp32 or bf16") from None
+__all__ = ["TrainSpec", "check_spec", "check_device", "train_rank", "reference_training", "RankResult"]
 
 
 def train_rank(spec: TrainSpec, rank: int, world_size: int, init_method: str, gather: bool = False) -> RankResult:
@@ -285,6 +133,11 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
                 if parameter.grad is not None:
                     parameter.grad.div_(scaler.scale)
         _inject_faults(spec, step, stages)
+        if spec.record_gradients:
+            result.gradients = {
+                s: {n: t.grad.detach().cpu().clone() for n, t in stages[s].named_parameters() if t.grad is not None}
+                for s in hosted
+            }
         if host is not None:
             host.offload_and_step()  # the host steps these stages while this rank goes on
         if sync is not None:
@@ -400,9 +253,19 @@ def _collective(rank: int, what: str, call, *args, **kwargs) -> None:
         raise RuntimeFault(f"rank {rank}: {what}: {peer_failure(error)}") from None
 
 
-def reference_training(spec: TrainSpec) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+def reference_training(spec: TrainSpec, gradients: list | None = None) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """Single-process training of the same model on the same data, in the same precision (stage
-    outputs cast to the compute type as the pipeline sends them): (losses, parameters per stage)."""
+    outputs cast to the compute type as the pipeline sends them): (losses, parameters per stage).
+    A `gradients` list receives the last step's gradients per stage."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(spec.threads)  # the ranks' kernels, blocked and summed as they are
+    try:
+        return _reference(spec, gradients)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(spec: TrainSpec, gradients: list | None):
     schedule, work = spec.schedule, spec.resolved_workload()
     precision, cpu = Precision(spec.dtype), torch.device("cpu")
     stages = work.build(schedule.num_stages)
@@ -421,6 +284,10 @@ def reference_training(spec: TrainSpec) -> tuple[list[float], list[dict[str, tor
             loss = work.loss(x[0] if len(x) == 1 else x, targets[j * b : (j + 1) * b]).float()
             (loss / micro).backward()
             total += float(loss.detach()) / micro
+        if gradients is not None:
+            gradients[:] = [
+                {n: t.grad.detach().clone() for n, t in stage.named_parameters() if t.grad is not None} for stage in stages
+            ]
         optimizer.step()
         losses.append(float(total))
     return losses, [{n: t.detach().clone() for n, t in stage.named_parameters()} for stage in stages]
