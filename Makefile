@@ -15,7 +15,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml constraints.txt | $(PY)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,plot,exact,runtime]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,plot,exact,runtime,models]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -14,7 +14,10 @@ from pathlib import Path
 
 from pipeloom.errors import ConfigError
 
-__all__ = ["SyntheticTokens", "TokenFile", "TextTokens", "open_tokens", "masked_lm", "write_token_file"]
+__all__ = [
+    "SyntheticTokens", "TokenFile", "TextTokens", "open_tokens", "masked_lm", "write_token_file", "sample_corpus",
+    "train_tokenizer", "load_tokenizer",
+]
 
 _DTYPES = {"uint16": 2, "uint32": 4}
 
@@ -156,3 +159,38 @@ def masked_lm(source, vocab: int, seed: int, probability: float = 0.15):
 
 def _chunked_max(array, chunk: int = 1 << 24) -> int:
     return max(int(array[i : i + chunk].max()) for i in range(0, len(array), chunk))
+
+
+def sample_corpus(max_chars: int = 400_000) -> str:
+    """English text this machine already has, for tests and demos (nothing is downloaded): the
+    Python license and the docstrings of standard-library modules, in a fixed order."""
+    import importlib
+    import os
+
+    parts = []
+    license_file = Path(os.__file__).parent / "LICENSE.txt"
+    if license_file.is_file():
+        parts.append(license_file.read_text(encoding="utf-8", errors="replace"))
+    for name in ("argparse", "json", "textwrap", "collections", "functools", "itertools", "pathlib", "logging",
+                 "unittest", "email", "http.client", "subprocess", "threading", "dataclasses"):
+        module = importlib.import_module(name)
+        parts += [obj.__doc__ for obj in [module, *vars(module).values()] if isinstance(getattr(obj, "__doc__", None), str)]
+    return "\n\n".join(parts)[:max_chars]
+
+
+def train_tokenizer(directory: str | Path, text: str, vocab_size: int = 2048) -> Path:
+    """A byte-level BPE tokenizer trained on `text` with the `tokenizers` library and saved as a
+    transformers tokenizer directory (for `--tokenizer`, tests and the demo)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from pipeloom.models.compat import import_transformers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([text], trainer=trainer)
+    fast = import_transformers().PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+    directory = Path(directory)
+    fast.save_pretrained(str(directory))
+    return directory

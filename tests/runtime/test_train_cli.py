@@ -1,0 +1,91 @@
+"""`pipeloom train` on real models and data: one-line errors with exit status 2 for bad input,
+and a run on a text file tokenized by a local tokenizer that prints the trainer's table."""
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from pipeloom.cli import main  # noqa: E402
+from pipeloom.data import TokenFile, masked_lm, sample_corpus, train_tokenizer, write_token_file  # noqa: E402
+from pipeloom.errors import ConfigError  # noqa: E402
+
+LLAMA = {"model_type": "llama", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 2, "max_position_embeddings": 64}
+BASE = ["train", "--nproc", "2", "--schedule", "1f1b", "-p", "2", "-m", "2", "--steps", "1", "--seq-len", "16"]
+
+
+@pytest.fixture
+def llama(tmp_path):
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(LLAMA))
+    return tmp_path / "llama"
+
+
+def refused(capsys, *argv):
+    code = main([*BASE, *argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+def test_bad_models_data_and_devices_exit_2_with_one_line(capsys, tmp_path, llama):
+    assert "does not exist" in refused(capsys, "--model", f"hf:{tmp_path / 'nowhere'}")
+    (tmp_path / "empty").mkdir()
+    assert "has no config.json" in refused(capsys, "--model", f"hf:{tmp_path / 'empty'}")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
+    assert "cannot read" in refused(capsys, "--model", f"hf:{tmp_path / 'broken'}")
+    (tmp_path / "t5").mkdir()
+    (tmp_path / "t5" / "config.json").write_text('{"model_type": "t5"}')
+    assert "'t5' is not supported" in refused(capsys, "--model", f"hf:{tmp_path / 't5'}")
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x02\x03")
+    assert "not a multiple of uint16" in refused(capsys, "--model", f"hf:{llama}", "--data", str(tmp_path / "odd.bin"))
+    write_token_file(tmp_path / "big.bin", list(range(600)))
+    assert "beyond the model's vocabulary of 512" in refused(
+        capsys, "--model", f"hf:{llama}", "--data", str(tmp_path / "big.bin")
+    )
+    if not torch.cuda.is_available():
+        assert "no CUDA GPU" in refused(capsys, "--device", "cuda")
+    assert "2 layers cannot be cut into 4 stages" in refused(capsys, "--model", f"hf:{llama}", "-p", "4", "-m", "4")
+
+
+def test_text_data_through_a_local_tokenizer_trains_and_reports(capsys, tmp_path, llama):
+    text = tmp_path / "corpus.txt"
+    text.write_text(sample_corpus(40_000))
+    tokenizer = train_tokenizer(tmp_path / "tokenizer", text.read_text(), vocab_size=512)
+    summary = tmp_path / "summary.json"
+    code = main(
+        [*BASE, "--steps", "3", "--model", f"hf:{llama}", "--data", str(text), "--tokenizer", str(tokenizer),
+         "--dtype", "bf16", "--peak-tflops", "1", "--summary", str(summary)]
+    )
+    out, _ = capsys.readouterr()
+    assert code == 0
+    assert "tokens/s" in out and "TFLOP/s" in out and "MFU" in out and "hf:llama" in out
+    facts = json.loads(summary.read_text())
+    assert facts["tokens_per_second"] > 0 and len(facts["tflops_per_rank"]) == 2
+    assert all(0 < mfu < 1 for mfu in facts["mfu_per_rank"])
+    assert facts["ranks"][0]["sent_dtypes"] == ["bfloat16"] and facts["dtype"] == "bf16"
+
+
+def test_token_samples_are_deterministic_and_per_replica(tmp_path):
+    path = write_token_file(tmp_path / "t.u32", list(range(70_000)), "uint32")
+    data = TokenFile(path, seq_len=8, seed=1)
+    assert data.dtype == "uint32" and data.vocab_limit == 70_000
+    first, targets = data.batch(6, step=3)
+    again, _ = data.batch(6, step=3)
+    assert torch.equal(first, again) and not torch.equal(first, data.batch(6, step=4)[0])
+    assert torch.equal(first[:, 1:], targets[:, :-1])  # next-token targets from one window
+    with pytest.raises(ConfigError, match="fewer than one sequence"):
+        TokenFile(write_token_file(tmp_path / "short.bin", [1, 2, 3]), seq_len=8, seed=0)
+
+
+def test_masked_lm_masks_some_positions_and_ignores_the_rest(tmp_path):
+    data = TokenFile(write_token_file(tmp_path / "t.bin", [i % 50 for i in range(5000)]), seq_len=32, seed=0)
+    inputs, targets = masked_lm(data, vocab=64, seed=0)(8, 0)
+    masked = targets != -100
+    assert masked.any(dim=1).all() and 0.05 < masked.float().mean() < 0.3
+    assert (inputs[masked] == 63).all() and (inputs[~masked] < 50).all()
