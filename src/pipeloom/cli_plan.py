@@ -25,14 +25,21 @@ def spec_from_plan(args: argparse.Namespace):
         raise ConfigError("--plan fixes the schedule, the model and dp: drop the other schedule options")
     plan = Plan.load(args.plan)
     model = plan.model
-    if not model.gated or model.kv_heads is not None or model.params > 5e8:
-        raise ConfigError(
-            f"the runtime trains a small LLaMA-style decoder; plan model {model.name!r} is not one "
-            "(gated, without GQA, under 0.5B parameters)"
-        )
+    source = args.model or plan.cost_model.get("model")
     fields = run_options(args)
     if "offload" in plan.passes:
         fields.setdefault("offload_stages", t_offload(plan.schedule).stages)
+    if source and source.startswith("hf:"):  # the profiled Hugging Face model, cut as planned
+        from pipeloom.cli_model import workload_from_args
+
+        args.model, args.seq_len = source, model.seq_len
+        work, _ = workload_from_args(args, plan.partition, plan.micro_batch_size)
+        return TrainSpec(schedule=plan.schedule, workload=work, dp=plan.dp, report=True, **fields)
+    if not model.gated or model.kv_heads is not None or model.params > 5e8:
+        raise ConfigError(
+            f"the built-in decoder is a small LLaMA-style one; plan model {model.name!r} is not one "
+            "(gated, without GQA, under 0.5B parameters): give --model hf:DIR, or plan from its profile"
+        )
     return TrainSpec(
         schedule=plan.schedule,
         config=llama_config(model, model.layers, plan.micro_batch_size),

@@ -89,3 +89,21 @@ def test_masked_lm_masks_some_positions_and_ignores_the_rest(tmp_path):
     masked = targets != -100
     assert masked.any(dim=1).all() and 0.05 < masked.float().mean() < 0.3
     assert (inputs[masked] == 63).all() and (inputs[~masked] < 50).all()
+
+
+def test_profile_tune_and_train_a_hugging_face_model(capsys, tmp_path, llama):
+    """profile --model hf:DIR times the model's own layers; the plan tuned on it trains that model
+    (not the built-in decoder) and its activation memory is predicted to the byte."""
+    profile, plan = tmp_path / "profile.json", tmp_path / "plan.json"
+    assert main(["profile", "--model", f"hf:{llama}", "--mbs", "1", "--layers", "1,2", "--seq-len", "16",
+                 "--steps", "2", "--output", str(profile)]) == 0
+    facts = json.loads(profile.read_text())
+    assert facts["source"] == f"hf:{llama}" and facts["params"]["first"] == 512 * 32
+    assert main(["tune", "--costs", str(profile), "--devices", "2", "--memory", "1GiB", "--global-batch", "4",
+                 "--runnable", "--max-mbs", "1", "--schemes", "1f1b", "--output", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["train", "--plan", str(plan), "--steps", "2"]) == 0
+    out, _ = capsys.readouterr()
+    assert "hf:llama" in out
+    activations = [line for line in out.splitlines() if "activations" in line]
+    assert len(activations) == 2 and all(line.endswith("(+0.0%)") for line in activations)

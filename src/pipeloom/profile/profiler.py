@@ -60,8 +60,12 @@ def profile_model(
     steps: int = 6,
     threads: int = 1,
     progress: Callable[[int, int], None] | None = None,
+    workload_for: Callable[[int, int], object] | None = None,
+    dtype: str = "fp32",
 ) -> dict:
-    """The profile (format ``pipeloom.profile/1``) as a dict."""
+    """The profile (format ``pipeloom.profile/1``) as a dict. `workload_for(layers, micro-batch
+    size)` builds another model to probe (a Hugging Face one: `models.hf.hf_workload`); by
+    default it is the built-in LLaMA-style decoder of `model`'s shape."""
     from pipeloom.runtime.local import run_local
     from pipeloom.runtime.training import TrainSpec
 
@@ -70,7 +74,13 @@ def profile_model(
     for done, (mbs, n, p) in enumerate(probes, 1):
         schedule = probe_schedule(p)
         spec = TrainSpec(
-            schedule, config=llama_config(model, n * p, mbs), steps=steps, layer_counts=(n,) * p, threads=threads
+            schedule,
+            config=llama_config(model, n * p, mbs),
+            steps=steps,
+            layer_counts=(n,) * p,
+            threads=threads,
+            workload=workload_for(n * p, mbs) if workload_for else None,
+            dtype=dtype,
         )
         results = run_local(spec)
         runs.append((mbs, n, p, schedule, results))
@@ -90,10 +100,10 @@ def profile_model(
     profile = {
         "format": PROFILE_FORMAT,
         "model": model.to_dict(),
-        "device": f"cpu, {threads} thread(s) per rank",
+        "device": f"cpu, {threads} thread(s) per rank, {dtype}",
         "micro_batch_sizes": list(micro_batches),
         "fits": fits,
-        "params": _params(model),
+        "params": _params(model, workload_for),
         "static_bytes_per_param": STATIC_BYTES_PER_PARAM,
         "p2p_bandwidth": _bandwidth(model, micro_batches[0], fits[str(micro_batches[0])]["p2p_ms"]),
     }
@@ -138,14 +148,19 @@ def _measurements(results) -> list[tuple[str, int, float]]:
     return out
 
 
-def _params(model: ModelSpec) -> dict:
-    """Parameters of one decoder layer, of the first stage's extras and of the last stage's."""
-    config = llama_config(model, 1, 1)
-    stages = build_stages(config, 1, seed=0)
-    layer = sum(t.numel() for t in stages[0].layers[0].parameters())
-    first = sum(t.numel() for t in stages[0].embed.parameters())
-    last = sum(t.numel() for t in stages[0].head.parameters()) + sum(t.numel() for t in stages[0].norm.parameters())
-    return {"layer": layer, "first": first, "last": last}
+def _params(model: ModelSpec, workload_for=None) -> dict:
+    """Parameters of one decoder layer, of the first stage's extras (embeddings) and of the last
+    stage's (final norm and head; a tied head counts on both ends, as each end holds a copy)."""
+    if workload_for is None:
+        stage = build_stages(llama_config(model, 1, 1), 1, seed=0)[0]
+    else:
+        stage = workload_for(1, 1).build(1)[0]
+
+    def count(*modules) -> int:
+        return sum(t.numel() for module in modules if module is not None for t in module.parameters())
+
+    first = count(stage.embed, getattr(stage, "positions", None))
+    return {"layer": count(stage.layers[0]), "first": first, "last": count(stage.norm, stage.head)}
 
 
 def _bandwidth(model: ModelSpec, micro_batch: int, p2p_ms: float) -> float:

@@ -149,7 +149,10 @@ class ProfiledCostModel:
         return self.overhead["base_ms"] + self.overhead["per_param_ms"] * params
 
     def to_dict(self) -> dict:
-        return {"source": "profile", "device": self.profile.get("device", "")}
+        facts = {"source": "profile", "device": self.profile.get("device", "")}
+        if self.profile.get("source"):  # the profiled model itself (hf:DIR), for `train --plan`
+            facts["model"] = self.profile["source"]
+        return facts
 
 
 def profile_costs_keys(model: ProfiledCostModel) -> dict:
