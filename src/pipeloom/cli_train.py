@@ -25,6 +25,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     expected = spec.schedule.num_devices * spec.dp
     if args.nproc is None and not args.plan:
         raise ConfigError("train needs --nproc (= p × dp ranks) or --plan")
+    if spec.torch_device_type == "cuda":  # CUDA cannot be shared with forked children
+        raise ConfigError(
+            f"--device cuda runs one process per GPU: torchrun --nproc-per-node {expected} -m pipeloom.train <same flags>"
+        )
     if args.nproc is not None and args.nproc != expected:
         raise ConfigError(
             f"--nproc {args.nproc} does not match p × dp = {spec.schedule.num_devices} × {spec.dp} = {expected}"

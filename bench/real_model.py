@@ -1,0 +1,187 @@
+"""A ~100M-parameter LLaMA-style Hugging Face model on a token file: pipeloom against
+torch.distributed.pipelining, same model, schedule and micro-batches, in one run.
+
+The model is transformers' LlamaForCausalLM (hidden 768, 12 layers, SwiGLU 2048, 12 heads,
+vocabulary 8192: about 100M parameters), built from a config.json written here; the data is a
+flat uint16 token file made from text this machine ships (the Python license and standard-library
+docstrings), tokenized by a byte-level BPE trained on it. Both runtimes get the same stage
+modules (pipeloom's cut of the model) and the same micro-batches, and alternate step by step on the
+same ranks. Printed: median step time and tokens/s of each, their ratio (goal ≤ 1.0), and the step
+the simulator predicts from the op times pipeloom measured (predicted vs measured).
+
+    python bench/real_model.py [--steps 5] [--seq-len 128] [--microbatches 4] [--schedules 1f1b zb-v]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed import pipelining
+
+from pipeloom import Costs, build_schedule, parse_op, simulate
+from pipeloom.data import TextTokens, sample_corpus, train_tokenizer
+from pipeloom.models.hf import hf_workload
+from pipeloom.runtime.boundary import probe_stages
+from pipeloom.runtime.comm import plan_messages
+from pipeloom.runtime.executor import DeviceExecutor, run_stage
+from pipeloom.runtime.precision import Precision
+from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
+
+CONFIG = {
+    "model_type": "llama", "vocab_size": 8192, "hidden_size": 768, "intermediate_size": 2048,
+    "num_hidden_layers": 12, "num_attention_heads": 12, "max_position_embeddings": 1024,
+}
+CASES = {  # pipeloom generator -> (kwargs, torch schedule class, stages of rank d)
+    "1f1b": ({}, pipelining.Schedule1F1B, lambda d, p: [d]),
+    "zb-v": ({"costs": Costs(F=1, B=1, W=1)}, pipelining.ScheduleZBVZeroBubble, lambda d, p: [d, 2 * p - 1 - d]),
+}
+
+
+def _rank(rank: int, world: int, directory: str, args, case: str) -> None:
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"file://{directory}/store-{case}", rank=rank, world_size=world)
+    kwargs, torch_class, stages_of = CASES[case]
+    p, m, b = world, args.microbatches, args.microbatch_size
+    schedule = build_schedule(case, p, m, **kwargs)
+    data = TextTokens(Path(directory, "corpus.txt"), Path(directory, "tokenizer"), args.seq_len, seed=0)
+    work = hf_workload(Path(directory, "model"), seed=0, microbatch_size=b, seq_len=args.seq_len, data=data)
+
+    stages = work.build(schedule.num_stages)
+    inputs, _ = work.batch(b, 0)
+    probe = probe_stages(stages, (inputs,), lambda s, x: run_stage(s, x, None, Precision(), torch.device("cpu"), True)[0])
+    queue = WeightGradQueue()
+    own = {s: stages[s] for s in schedule.stages_on(rank)}
+    if any(op.kind.value == "W" for op in schedule.devices[rank]):
+        for module in own.values():
+            split_linears(module, queue)
+    plan = plan_messages(schedule)
+    pairs = sorted({(msg.src, msg.dst) for sends in plan.sends for msg in sends})
+    groups = {pair: dist.new_group(list(pair)) for pair in pairs}
+    executor = DeviceExecutor(schedule, plan, rank, own, queue, lambda d: d, probe.boundaries, 1.0 / m, work.loss,
+                              pair_groups=groups)
+
+    theirs_modules = work.build(schedule.num_stages)
+    torch_stages = [pipelining.PipelineStage(theirs_modules[i], i, schedule.num_stages, torch.device("cpu"))
+                    for i in stages_of(rank, p)]
+    torch_schedule = (torch_class(torch_stages[0], m, loss_fn=work.loss) if len(torch_stages) == 1
+                      else torch_class(torch_stages, m, loss_fn=work.loss))
+    holds_first, holds_last = 0 in stages_of(rank, p), schedule.num_stages - 1 in stages_of(rank, p)
+
+    probe_tensor = torch.randn(b, args.seq_len, CONFIG["hidden_size"])
+    pings = []
+    for _ in range(5):
+        dist.barrier()
+        began = time.perf_counter()
+        if rank == 0:
+            dist.send(probe_tensor, 1)
+            dist.recv(probe_tensor, 1)
+        elif rank == 1:
+            dist.recv(probe_tensor, 0)
+            dist.send(probe_tensor, 0)
+        pings.append((time.perf_counter() - began) / 2)
+
+    ours, theirs, records = [], [], []
+    for step in range(args.steps):
+        tokens, targets = work.batch(m * b, step)
+        dist.barrier()
+        began = time.perf_counter()
+        records.append(executor.run_step([(tokens[j * b:(j + 1) * b],) for j in range(m)],
+                                         [targets[j * b:(j + 1) * b] for j in range(m)]))
+        dist.barrier()
+        ours.append(time.perf_counter() - began)
+        for module in [*own.values(), *theirs_modules]:
+            module.zero_grad(set_to_none=True)
+        dist.barrier()
+        began = time.perf_counter()
+        if holds_first and holds_last:
+            torch_schedule.step(tokens, target=targets)
+        elif holds_first:
+            torch_schedule.step(tokens)
+        elif holds_last:
+            torch_schedule.step(target=targets)
+        else:
+            torch_schedule.step()
+        dist.barrier()
+        theirs.append(time.perf_counter() - began)
+    durations: dict[str, list[float]] = {}
+    for record in records[1:]:
+        for text, start, end in record.ops:
+            op = parse_op(text)
+            kind = "B" if op.kind.value == "BW" else op.kind.value
+            durations.setdefault(f"{kind}{op.stage}", []).append(end - start)
+    Path(directory, f"{case}-rank{rank}.json").write_text(json.dumps(
+        {"ours": ours, "theirs": theirs, "durations": durations, "ping": statistics.median(pings),
+         "params": sum(t.numel() for s in stages for t in s.parameters())}))
+    dist.destroy_process_group()
+
+
+def run_case(directory: str, args, case: str) -> dict:
+    context = multiprocessing.get_context("fork")
+    processes = [context.Process(target=_rank, args=(r, 2, directory, args, case)) for r in range(2)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join()
+    if any(process.exitcode for process in processes):
+        raise SystemExit(f"{case} failed")
+    results = [json.loads(Path(directory, f"{case}-rank{r}.json").read_text()) for r in range(2)]
+    durations: dict[str, list[float]] = {}
+    for result in results:
+        for key, values in result["durations"].items():
+            durations.setdefault(key, []).extend(values)
+    schedule = build_schedule(case, 2, args.microbatches, **CASES[case][0])
+    stages = range(schedule.num_stages)
+    measured = Costs(
+        F=[statistics.median(durations[f"F{s}"]) for s in stages],
+        B=[statistics.median(durations[f"B{s}"]) for s in stages],
+        W=[statistics.median(durations.get(f"W{s}", [0.0])) for s in stages],
+        comm=results[0]["ping"],
+    )
+    return {
+        "ours": statistics.median(results[0]["ours"][1:]),
+        "theirs": statistics.median(results[0]["theirs"][1:]),
+        "predicted": simulate(schedule, measured).makespan,
+        "params": results[0]["params"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--microbatch-size", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--schedules", nargs="+", default=["1f1b", "zb-v"], choices=list(CASES))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="pipeloom-real-") as directory:
+        began = time.perf_counter()
+        text = sample_corpus()
+        Path(directory, "corpus.txt").write_text(text)
+        train_tokenizer(Path(directory, "tokenizer"), text, vocab_size=CONFIG["vocab_size"])
+        Path(directory, "model").mkdir()
+        Path(directory, "model", "config.json").write_text(json.dumps(CONFIG))
+        print(f"corpus {len(text):,} characters, tokenizer trained in {time.perf_counter() - began:.1f} s")
+        tokens = args.microbatches * args.microbatch_size * args.seq_len
+        print(f"2 ranks × {args.threads} thread(s), {args.microbatches} micro-batches of {args.microbatch_size} × "
+              f"{args.seq_len} tokens ({tokens} tokens a step), median of steps 2..{args.steps}")
+        print(f"{'schedule':<9} {'pipeloom ms':>12} {'torch ms':>9} {'pipeloom tok/s':>15} {'torch tok/s':>12} "
+              f"{'ratio':>6} {'predicted ms':>13} {'error':>7}")
+        for case in args.schedules:
+            r = run_case(directory, args, case)
+            print(f"{case:<9} {r['ours'] * 1e3:>12.1f} {r['theirs'] * 1e3:>9.1f} {tokens / r['ours']:>15.1f} "
+                  f"{tokens / r['theirs']:>12.1f} {r['ours'] / r['theirs']:>6.3f} {r['predicted'] * 1e3:>13.1f} "
+                  f"{r['predicted'] / r['ours'] - 1:>+7.1%}")
+        print(f"model: transformers LlamaForCausalLM, {r['params'] / 1e6:.1f}M parameters")
+
+
+if __name__ == "__main__":
+    main()
