@@ -43,6 +43,8 @@ bench: $(STAMP)
 	$(PY) bench/fidelity.py
 	$(PY) bench/slices.py
 	$(PY) bench/runtime_vs_torch.py
+	$(PY) bench/real_model.py
+	$(PY) bench/real_model.py --model resnet152 --microbatch-size 2
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) build src/*.egg-info .pytest_cache

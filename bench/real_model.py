@@ -1,5 +1,5 @@
-"""A ~100M-parameter LLaMA-style Hugging Face model on a token file: pipeloom against
-torch.distributed.pipelining, same model, schedule and micro-batches, in one run.
+"""A ~100M-parameter LLaMA-style Hugging Face model on a token file (and torchvision's ResNet-152):
+pipeloom against torch.distributed.pipelining, same model, schedule and micro-batches, in one run.
 
 The model is transformers' LlamaForCausalLM (hidden 768, 12 layers, SwiGLU 2048, 12 heads,
 vocabulary 8192: about 100M parameters), built from a config.json written here; the data is a
@@ -9,7 +9,11 @@ modules (pipeloom's cut of the model) and the same micro-batches, and alternate 
 same ranks. Printed: median step time and tokens/s of each, their ratio (goal ≤ 1.0), and the step
 the simulator predicts from the op times pipeloom measured (predicted vs measured).
 
-    python bench/real_model.py [--steps 5] [--seq-len 128] [--microbatches 4] [--schedules 1f1b zb-v]
+`--model resnet152` runs torchvision's ResNet-152 (2BP's CNN) on synthetic 64×64 images instead,
+cut into balanced runs of its residual blocks; throughput is then in images/s.
+
+    python bench/real_model.py [--model llama|resnet152] [--steps 5] [--seq-len 128] [--microbatches 4]
+                               [--schedules 1f1b zb-v]
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from torch.distributed import pipelining
 from pipeloom import Costs, build_schedule, parse_op, simulate
 from pipeloom.data import TextTokens, sample_corpus, train_tokenizer
 from pipeloom.models.hf import hf_workload
+from pipeloom.models.vision import resnet_workload
 from pipeloom.runtime.boundary import probe_stages
 from pipeloom.runtime.comm import plan_messages
 from pipeloom.runtime.executor import DeviceExecutor, run_stage
@@ -51,8 +56,11 @@ def _rank(rank: int, world: int, directory: str, args, case: str) -> None:
     kwargs, torch_class, stages_of = CASES[case]
     p, m, b = world, args.microbatches, args.microbatch_size
     schedule = build_schedule(case, p, m, **kwargs)
-    data = TextTokens(Path(directory, "corpus.txt"), Path(directory, "tokenizer"), args.seq_len, seed=0)
-    work = hf_workload(Path(directory, "model"), seed=0, microbatch_size=b, seq_len=args.seq_len, data=data)
+    if args.model == "llama":
+        data = TextTokens(Path(directory, "corpus.txt"), Path(directory, "tokenizer"), args.seq_len, seed=0)
+        work = hf_workload(Path(directory, "model"), seed=0, microbatch_size=b, seq_len=args.seq_len, data=data)
+    else:
+        work = resnet_workload(args.model, microbatch_size=b, image_size=args.image_size)
 
     stages = work.build(schedule.num_stages)
     inputs, _ = work.batch(b, 0)
@@ -75,7 +83,7 @@ def _rank(rank: int, world: int, directory: str, args, case: str) -> None:
                       else torch_class(torch_stages, m, loss_fn=work.loss))
     holds_first, holds_last = 0 in stages_of(rank, p), schedule.num_stages - 1 in stages_of(rank, p)
 
-    probe_tensor = torch.randn(b, args.seq_len, CONFIG["hidden_size"])
+    probe_tensor = torch.empty(probe.boundaries[1][0].shape)  # what stage 0 sends
     pings = []
     for _ in range(5):
         dist.barrier()
@@ -155,6 +163,8 @@ def run_case(directory: str, args, case: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("llama", "resnet152", "resnet50", "resnet18"), default="llama")
+    parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--microbatches", type=int, default=4)
@@ -163,24 +173,30 @@ def main() -> None:
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "zb-v"], choices=list(CASES))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="pipeloom-real-") as directory:
-        began = time.perf_counter()
-        text = sample_corpus()
-        Path(directory, "corpus.txt").write_text(text)
-        train_tokenizer(Path(directory, "tokenizer"), text, vocab_size=CONFIG["vocab_size"])
-        Path(directory, "model").mkdir()
-        Path(directory, "model", "config.json").write_text(json.dumps(CONFIG))
-        print(f"corpus {len(text):,} characters, tokenizer trained in {time.perf_counter() - began:.1f} s")
-        tokens = args.microbatches * args.microbatch_size * args.seq_len
+        if args.model == "llama":
+            began = time.perf_counter()
+            text = sample_corpus()
+            Path(directory, "corpus.txt").write_text(text)
+            train_tokenizer(Path(directory, "tokenizer"), text, vocab_size=CONFIG["vocab_size"])
+            Path(directory, "model").mkdir()
+            Path(directory, "model", "config.json").write_text(json.dumps(CONFIG))
+            print(f"corpus {len(text):,} characters, tokenizer trained in {time.perf_counter() - began:.1f} s")
+            tokens, unit = args.microbatches * args.microbatch_size * args.seq_len, "tok/s"
+            sample = f"{args.seq_len} tokens"
+        else:
+            tokens, unit = args.microbatches * args.microbatch_size, "img/s"
+            sample = f"{args.image_size}×{args.image_size} images"
         print(f"2 ranks × {args.threads} thread(s), {args.microbatches} micro-batches of {args.microbatch_size} × "
-              f"{args.seq_len} tokens ({tokens} tokens a step), median of steps 2..{args.steps}")
-        print(f"{'schedule':<9} {'pipeloom ms':>12} {'torch ms':>9} {'pipeloom tok/s':>15} {'torch tok/s':>12} "
+              f"{sample} ({tokens} a step), median of steps 2..{args.steps}")
+        print(f"{'schedule':<9} {'pipeloom ms':>12} {'torch ms':>9} {'pipeloom ' + unit:>15} {'torch ' + unit:>12} "
               f"{'ratio':>6} {'predicted ms':>13} {'error':>7}")
         for case in args.schedules:
             r = run_case(directory, args, case)
             print(f"{case:<9} {r['ours'] * 1e3:>12.1f} {r['theirs'] * 1e3:>9.1f} {tokens / r['ours']:>15.1f} "
                   f"{tokens / r['theirs']:>12.1f} {r['ours'] / r['theirs']:>6.3f} {r['predicted'] * 1e3:>13.1f} "
                   f"{r['predicted'] / r['ours'] - 1:>+7.1%}")
-        print(f"model: transformers LlamaForCausalLM, {r['params'] / 1e6:.1f}M parameters")
+        what = "transformers LlamaForCausalLM" if args.model == "llama" else f"torchvision {args.model}"
+        print(f"model: {what}, {r['params'] / 1e6:.1f}M parameters")
 
 
 if __name__ == "__main__":
