@@ -70,4 +70,12 @@ def fidelity_report(plan, results) -> str:
                 f"  device {device} activations {peaks[device] / 2**20:8.2f} MiB vs {stash / 2**20:8.2f} MiB "
                 f"({stash / peaks[device] - 1:+.1%})"
             )
+    totals = predicted.get("peak_memory") or []
+    for device in range(p):  # on GPUs: everything the rank allocated, against static + activations
+        gpu = [results[replica * p + device].peak_memory_bytes for replica in range(plan.dp)]
+        if device < len(totals) and totals[device] and all(value is not None for value in gpu):
+            lines.append(
+                f"  device {device} GPU peak    {totals[device] / 2**20:8.2f} MiB vs {max(gpu) / 2**20:8.2f} MiB "
+                f"({max(gpu) / totals[device] - 1:+.1%}; torch.cuda.max_memory_allocated)"
+            )
     return "\n".join(lines)
