@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +29,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import pipelining
 
-from pipeloom import Costs, build_schedule, parse_op, simulate
+from pipelining_race import ping_seconds, race, summarise  # noqa: I001 - bench/ is on the path
+
+from pipeloom import Costs, build_schedule
 from pipeloom.data import TextTokens, sample_corpus, train_tokenizer
 from pipeloom.models.hf import hf_workload
 from pipeloom.models.vision import resnet_workload
@@ -83,51 +84,11 @@ def _rank(rank: int, world: int, directory: str, args, case: str) -> None:
                       else torch_class(torch_stages, m, loss_fn=work.loss))
     holds_first, holds_last = 0 in stages_of(rank, p), schedule.num_stages - 1 in stages_of(rank, p)
 
-    probe_tensor = torch.empty(probe.boundaries[1][0].shape)  # what stage 0 sends
-    pings = []
-    for _ in range(5):
-        dist.barrier()
-        began = time.perf_counter()
-        if rank == 0:
-            dist.send(probe_tensor, 1)
-            dist.recv(probe_tensor, 1)
-        elif rank == 1:
-            dist.recv(probe_tensor, 0)
-            dist.send(probe_tensor, 0)
-        pings.append((time.perf_counter() - began) / 2)
-
-    ours, theirs, records = [], [], []
-    for step in range(args.steps):
-        tokens, targets = work.batch(m * b, step)
-        dist.barrier()
-        began = time.perf_counter()
-        records.append(executor.run_step([(tokens[j * b:(j + 1) * b],) for j in range(m)],
-                                         [targets[j * b:(j + 1) * b] for j in range(m)]))
-        dist.barrier()
-        ours.append(time.perf_counter() - began)
-        for module in [*own.values(), *theirs_modules]:
-            module.zero_grad(set_to_none=True)
-        dist.barrier()
-        began = time.perf_counter()
-        if holds_first and holds_last:
-            torch_schedule.step(tokens, target=targets)
-        elif holds_first:
-            torch_schedule.step(tokens)
-        elif holds_last:
-            torch_schedule.step(target=targets)
-        else:
-            torch_schedule.step()
-        dist.barrier()
-        theirs.append(time.perf_counter() - began)
-    durations: dict[str, list[float]] = {}
-    for record in records[1:]:
-        for text, start, end in record.ops:
-            op = parse_op(text)
-            kind = "B" if op.kind.value == "BW" else op.kind.value
-            durations.setdefault(f"{kind}{op.stage}", []).append(end - start)
-    Path(directory, f"{case}-rank{rank}.json").write_text(json.dumps(
-        {"ours": ours, "theirs": theirs, "durations": durations, "ping": statistics.median(pings),
-         "params": sum(t.numel() for s in stages for t in s.parameters())}))
+    outcome = race(executor, torch_schedule, work.batch, m, b, args.steps, holds_first, holds_last,
+                   modules=[*own.values(), *theirs_modules])
+    outcome["ping"] = ping_seconds(rank, torch.empty(probe.boundaries[1][0].shape))  # what stage 0 sends
+    outcome["params"] = sum(t.numel() for s in stages for t in s.parameters())
+    Path(directory, f"{case}-rank{rank}.json").write_text(json.dumps(outcome))
     dist.destroy_process_group()
 
 
@@ -141,24 +102,8 @@ def run_case(directory: str, args, case: str) -> dict:
     if any(process.exitcode for process in processes):
         raise SystemExit(f"{case} failed")
     results = [json.loads(Path(directory, f"{case}-rank{r}.json").read_text()) for r in range(2)]
-    durations: dict[str, list[float]] = {}
-    for result in results:
-        for key, values in result["durations"].items():
-            durations.setdefault(key, []).extend(values)
     schedule = build_schedule(case, 2, args.microbatches, **CASES[case][0])
-    stages = range(schedule.num_stages)
-    measured = Costs(
-        F=[statistics.median(durations[f"F{s}"]) for s in stages],
-        B=[statistics.median(durations[f"B{s}"]) for s in stages],
-        W=[statistics.median(durations.get(f"W{s}", [0.0])) for s in stages],
-        comm=results[0]["ping"],
-    )
-    return {
-        "ours": statistics.median(results[0]["ours"][1:]),
-        "theirs": statistics.median(results[0]["theirs"][1:]),
-        "predicted": simulate(schedule, measured).makespan,
-        "params": results[0]["params"],
-    }
+    return {**summarise(results, schedule), "params": results[0]["params"]}
 
 
 def main() -> None:

@@ -13,16 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed import pipelining
 
-from pipeloom import Costs, build_schedule, parse_op, simulate
+from pipelining_race import ping_seconds, race, summarise  # noqa: I001 - bench/ is on the path
+
+from pipeloom import Costs, build_schedule
 from pipeloom.models.llama import LlamaConfig
 from pipeloom.runtime.comm import plan_messages
 from pipeloom.runtime.boundary import TensorSpec
@@ -78,51 +78,10 @@ def _rank(rank: int, world: int, directory: str, case: str, steps: int) -> None:
     holds_first = 0 in stages_of(rank, p)
     holds_last = schedule.num_stages - 1 in stages_of(rank, p)
 
-    # p2p time of one activation, for the simulator
-    probe = torch.randn(activation_shape)
-    pings = []
-    for _ in range(5):
-        dist.barrier()
-        began = time.perf_counter()
-        if rank == 0:
-            dist.send(probe, 1)
-            dist.recv(probe, 1)
-        elif rank == 1:
-            dist.recv(probe, 0)
-            dist.send(probe, 0)
-        pings.append((time.perf_counter() - began) / 2)
-
-    ours, theirs, records = [], [], []
-    for step in range(steps):
-        tokens, targets = work.batch(m * b, step)
-        dist.barrier()
-        began = time.perf_counter()
-        record = executor.run_step(
-            [(tokens[j * b : (j + 1) * b],) for j in range(m)], [targets[j * b : (j + 1) * b] for j in range(m)]
-        )
-        dist.barrier()
-        ours.append(time.perf_counter() - began)
-        records.append(record)
-        dist.barrier()
-        began = time.perf_counter()
-        if holds_first and holds_last:
-            torch_schedule.step(tokens, target=targets)
-        elif holds_first:
-            torch_schedule.step(tokens)
-        elif holds_last:
-            torch_schedule.step(target=targets)
-        else:
-            torch_schedule.step()
-        dist.barrier()
-        theirs.append(time.perf_counter() - began)
-    durations: dict[str, list[float]] = {}
-    for record in records[1:]:
-        for text, start, end in record.ops:
-            op = parse_op(text)
-            kind = "B" if op.kind.value == "BW" else op.kind.value  # a fused backward is B with W = 0
-            durations.setdefault(f"{kind}{op.stage}", []).append(end - start)
+    outcome = race(executor, torch_schedule, work.batch, m, b, steps, holds_first, holds_last)
+    outcome["ping"] = ping_seconds(rank, torch.randn(activation_shape))
     Path(directory, f"rank{rank}.json").write_text(
-        json.dumps({"ours": ours, "theirs": theirs, "durations": durations, "ping": statistics.median(pings)})
+        json.dumps(outcome)
     )
     dist.destroy_process_group()
 
@@ -138,23 +97,9 @@ def run_case(case: str, world: int, steps: int) -> dict:
         if any(process.exitcode for process in processes):
             raise SystemExit(f"{case} with {world} ranks failed")
         results = [json.loads(Path(directory, f"rank{r}.json").read_text()) for r in range(world)]
-    ours = statistics.median(results[0]["ours"][1:])
-    theirs = statistics.median(results[0]["theirs"][1:])
-    durations: dict[str, list[float]] = {}
-    for result in results:
-        for key, values in result["durations"].items():
-            durations.setdefault(key, []).extend(values)
     name, kwargs, _, _ = CASES[case]
     schedule = build_schedule(name, world, 2 * world, **({"costs": Costs(F=1, B=1, W=1)} if name == "zb-v" else kwargs))
-    stages = range(schedule.num_stages)
-    measured = Costs(
-        F=[statistics.median(durations[f"F{s}"]) for s in stages],
-        B=[statistics.median(durations[f"B{s}"]) for s in stages],
-        W=[statistics.median(durations.get(f"W{s}", [0.0])) for s in stages],
-        comm=results[0]["ping"],
-    )
-    predicted = simulate(schedule, measured).makespan
-    return {"ours": ours, "theirs": theirs, "predicted": predicted}
+    return summarise(results, schedule)
 
 
 def main() -> None:

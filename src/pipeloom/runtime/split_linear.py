@@ -41,9 +41,8 @@ class WeightGradQueue:
         for layer, inputs, grad_outputs in by_layer.values():
             x = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
             gy = grad_outputs[0] if len(grad_outputs) == 1 else torch.cat(grad_outputs)
-            # In the compute type under mixed precision, accumulated into the fp32 master gradient.
-            grad = (x.t() @ gy) if layer.transposed else (gy.t() @ x)
-            _accumulate(layer.weight, grad)
+            a, b = (x.t(), gy) if layer.transposed else (gy.t(), x)
+            _accumulate_product(layer.weight, a, b)
             if layer.bias is not None:
                 _accumulate(layer.bias, gy.sum(0))
 
@@ -63,6 +62,15 @@ class WeightGradQueue:
     def __len__(self) -> int:
         pending = sum(len(entries) for entries in self._pending.values())
         return pending + sum(len(entries) for entries in self._split.values())
+
+
+def _accumulate_product(parameter: nn.Parameter, a: torch.Tensor, b: torch.Tensor) -> None:
+    """parameter.grad += a @ b, in place when the types agree; under mixed precision the product
+    runs in the compute type and is added to the fp32 master gradient."""
+    if parameter.grad is not None and a.dtype == parameter.grad.dtype:
+        parameter.grad.addmm_(a, b)
+    else:
+        _accumulate(parameter, a @ b)
 
 
 def _accumulate(parameter: nn.Parameter, grad: torch.Tensor) -> None:

@@ -1,0 +1,85 @@
+"""What bench/runtime_vs_torch.py and bench/real_model.py share: one rank's alternating race of
+pipeloom's executor against a torch.distributed.pipelining schedule, and the simulator's
+prediction of pipeloom's step from the op times it measured."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from pipeloom import Costs, parse_op, simulate
+
+
+def ping_seconds(rank: int, tensor: torch.Tensor, repeats: int = 5) -> float:
+    """Median one-way time of `tensor` between ranks 0 and 1."""
+    samples = []
+    for _ in range(repeats):
+        dist.barrier()
+        began = time.perf_counter()
+        if rank == 0:
+            dist.send(tensor, 1)
+            dist.recv(tensor, 1)
+        elif rank == 1:
+            dist.recv(tensor, 0)
+            dist.send(tensor, 0)
+        samples.append((time.perf_counter() - began) / 2)
+    return statistics.median(samples)
+
+
+def race(executor, torch_schedule, batch, m: int, b: int, steps: int, holds_first: bool, holds_last: bool,
+         modules=()) -> dict:
+    """Step by step, pipeloom then torch, between barriers: both step times and pipeloom's op
+    durations by kind and stage (a fused backward counts as B, W = 0)."""
+    ours, theirs, records = [], [], []
+    for step in range(steps):
+        tokens, targets = batch(m * b, step)
+        dist.barrier()
+        began = time.perf_counter()
+        records.append(executor.run_step([(tokens[j * b:(j + 1) * b],) for j in range(m)],
+                                         [targets[j * b:(j + 1) * b] for j in range(m)]))
+        dist.barrier()
+        ours.append(time.perf_counter() - began)
+        for module in modules:
+            module.zero_grad(set_to_none=True)
+        dist.barrier()
+        began = time.perf_counter()
+        if holds_first and holds_last:
+            torch_schedule.step(tokens, target=targets)
+        elif holds_first:
+            torch_schedule.step(tokens)
+        elif holds_last:
+            torch_schedule.step(target=targets)
+        else:
+            torch_schedule.step()
+        dist.barrier()
+        theirs.append(time.perf_counter() - began)
+    durations: dict[str, list[float]] = {}
+    for record in records[1:]:
+        for text, start, end in record.ops:
+            op = parse_op(text)
+            kind = "B" if op.kind.value == "BW" else op.kind.value
+            durations.setdefault(f"{kind}{op.stage}", []).append(end - start)
+    return {"ours": ours, "theirs": theirs, "durations": durations}
+
+
+def summarise(results: list[dict], schedule) -> dict:
+    """Median steps of rank 0 (first step left out) and the simulated step from every rank's op times."""
+    durations: dict[str, list[float]] = {}
+    for result in results:
+        for key, values in result["durations"].items():
+            durations.setdefault(key, []).extend(values)
+    stages = range(schedule.num_stages)
+    measured = Costs(
+        F=[statistics.median(durations[f"F{s}"]) for s in stages],
+        B=[statistics.median(durations[f"B{s}"]) for s in stages],
+        W=[statistics.median(durations.get(f"W{s}", [0.0])) for s in stages],
+        comm=results[0]["ping"],
+    )
+    return {
+        "ours": statistics.median(results[0]["ours"][1:]),
+        "theirs": statistics.median(results[0]["theirs"][1:]),
+        "predicted": simulate(schedule, measured).makespan,
+    }
