@@ -29,8 +29,9 @@ def ping_seconds(rank: int, tensor: torch.Tensor, repeats: int = 5) -> float:
     return statistics.median(samples)
 
 
-def race(executor, torch_schedule, batch, m: int, b: int, steps: int, holds_first: bool, holds_last: bool,
-         modules=()) -> dict:
+def race(
+    executor, torch_schedule, batch, m: int, b: int, steps: int, holds_first: bool, holds_last: bool, modules=()
+) -> dict:
     """Step by step, pipeloom then torch, between barriers: both step times and pipeloom's op
     durations by kind and stage (a fused backward counts as B, W = 0)."""
     ours, theirs, records = [], [], []
@@ -38,8 +39,11 @@ def race(executor, torch_schedule, batch, m: int, b: int, steps: int, holds_firs
         tokens, targets = batch(m * b, step)
         dist.barrier()
         began = time.perf_counter()
-        records.append(executor.run_step([(tokens[j * b:(j + 1) * b],) for j in range(m)],
-                                         [targets[j * b:(j + 1) * b] for j in range(m)]))
+        records.append(
+            executor.run_step(
+                [(tokens[j * b : (j + 1) * b],) for j in range(m)], [targets[j * b : (j + 1) * b] for j in range(m)]
+            )
+        )
         dist.barrier()
         ours.append(time.perf_counter() - began)
         for module in modules:

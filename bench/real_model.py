@@ -42,8 +42,13 @@ from pipeloom.runtime.precision import Precision
 from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
 
 CONFIG = {
-    "model_type": "llama", "vocab_size": 8192, "hidden_size": 768, "intermediate_size": 2048,
-    "num_hidden_layers": 12, "num_attention_heads": 12, "max_position_embeddings": 1024,
+    "model_type": "llama",
+    "vocab_size": 8192,
+    "hidden_size": 768,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "max_position_embeddings": 1024,
 }
 CASES = {  # pipeloom generator -> (kwargs, torch schedule class, stages of rank d)
     "1f1b": ({}, pipelining.Schedule1F1B, lambda d, p: [d]),
@@ -65,7 +70,9 @@ def _rank(rank: int, world: int, directory: str, args, case: str) -> None:
 
     stages = work.build(schedule.num_stages)
     inputs, _ = work.batch(b, 0)
-    probe = probe_stages(stages, (inputs,), lambda s, x: run_stage(s, x, None, Precision(), torch.device("cpu"), True)[0])
+    probe = probe_stages(
+        stages, (inputs,), lambda s, x: run_stage(s, x, None, Precision(), torch.device("cpu"), True)[0]
+    )
     queue = WeightGradQueue()
     own = {s: stages[s] for s in schedule.stages_on(rank)}
     if any(op.kind.value == "W" for op in schedule.devices[rank]):
@@ -74,18 +81,33 @@ def _rank(rank: int, world: int, directory: str, args, case: str) -> None:
     plan = plan_messages(schedule)
     pairs = sorted({(msg.src, msg.dst) for sends in plan.sends for msg in sends})
     groups = {pair: dist.new_group(list(pair)) for pair in pairs}
-    executor = DeviceExecutor(schedule, plan, rank, own, queue, lambda d: d, probe.boundaries, 1.0 / m, work.loss,
-                              pair_groups=groups)
+    executor = DeviceExecutor(
+        schedule, plan, rank, own, queue, lambda d: d, probe.boundaries, 1.0 / m, work.loss, pair_groups=groups
+    )
 
     theirs_modules = work.build(schedule.num_stages)
-    torch_stages = [pipelining.PipelineStage(theirs_modules[i], i, schedule.num_stages, torch.device("cpu"))
-                    for i in stages_of(rank, p)]
-    torch_schedule = (torch_class(torch_stages[0], m, loss_fn=work.loss) if len(torch_stages) == 1
-                      else torch_class(torch_stages, m, loss_fn=work.loss))
+    torch_stages = [
+        pipelining.PipelineStage(theirs_modules[i], i, schedule.num_stages, torch.device("cpu"))
+        for i in stages_of(rank, p)
+    ]
+    torch_schedule = (
+        torch_class(torch_stages[0], m, loss_fn=work.loss)
+        if len(torch_stages) == 1
+        else torch_class(torch_stages, m, loss_fn=work.loss)
+    )
     holds_first, holds_last = 0 in stages_of(rank, p), schedule.num_stages - 1 in stages_of(rank, p)
 
-    outcome = race(executor, torch_schedule, work.batch, m, b, args.steps, holds_first, holds_last,
-                   modules=[*own.values(), *theirs_modules])
+    outcome = race(
+        executor,
+        torch_schedule,
+        work.batch,
+        m,
+        b,
+        args.steps,
+        holds_first,
+        holds_last,
+        modules=[*own.values(), *theirs_modules],
+    )
     outcome["ping"] = ping_seconds(rank, torch.empty(probe.boundaries[1][0].shape))  # what stage 0 sends
     outcome["params"] = sum(t.numel() for s in stages for t in s.parameters())
     Path(directory, f"{case}-rank{rank}.json").write_text(json.dumps(outcome))
@@ -131,15 +153,21 @@ def main() -> None:
         else:
             tokens, unit = args.microbatches * args.microbatch_size, "img/s"
             sample = f"{args.image_size}×{args.image_size} images"
-        print(f"2 ranks × {args.threads} thread(s), {args.microbatches} micro-batches of {args.microbatch_size} × "
-              f"{sample} ({tokens} a step), median of steps 2..{args.steps}")
-        print(f"{'schedule':<9} {'pipeloom ms':>12} {'torch ms':>9} {'pipeloom ' + unit:>15} {'torch ' + unit:>12} "
-              f"{'ratio':>6} {'predicted ms':>13} {'error':>7}")
+        print(
+            f"2 ranks × {args.threads} thread(s), {args.microbatches} micro-batches of {args.microbatch_size} × "
+            f"{sample} ({tokens} a step), median of steps 2..{args.steps}"
+        )
+        print(
+            f"{'schedule':<9} {'pipeloom ms':>12} {'torch ms':>9} {'pipeloom ' + unit:>15} {'torch ' + unit:>12} "
+            f"{'ratio':>6} {'predicted ms':>13} {'error':>7}"
+        )
         for case in args.schedules:
             r = run_case(directory, args, case)
-            print(f"{case:<9} {r['ours'] * 1e3:>12.1f} {r['theirs'] * 1e3:>9.1f} {tokens / r['ours']:>15.1f} "
-                  f"{tokens / r['theirs']:>12.1f} {r['ours'] / r['theirs']:>6.3f} {r['predicted'] * 1e3:>13.1f} "
-                  f"{r['predicted'] / r['ours'] - 1:>+7.1%}")
+            print(
+                f"{case:<9} {r['ours'] * 1e3:>12.1f} {r['theirs'] * 1e3:>9.1f} {tokens / r['ours']:>15.1f} "
+                f"{tokens / r['theirs']:>12.1f} {r['ours'] / r['theirs']:>6.3f} {r['predicted'] * 1e3:>13.1f} "
+                f"{r['predicted'] / r['ours'] - 1:>+7.1%}"
+            )
         what = "transformers LlamaForCausalLM" if args.model == "llama" else f"torchvision {args.model}"
         print(f"model: {what}, {r['params'] / 1e6:.1f}M parameters")
 

@@ -80,9 +80,7 @@ def _rank(rank: int, world: int, directory: str, case: str, steps: int) -> None:
 
     outcome = race(executor, torch_schedule, work.batch, m, b, steps, holds_first, holds_last)
     outcome["ping"] = ping_seconds(rank, torch.randn(activation_shape))
-    Path(directory, f"rank{rank}.json").write_text(
-        json.dumps(outcome)
-    )
+    Path(directory, f"rank{rank}.json").write_text(json.dumps(outcome))
     dist.destroy_process_group()
 
 

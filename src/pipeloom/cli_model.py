@@ -24,11 +24,17 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "local safetensors if present), torchvision:resnet18..resnet152, or a preset/JSON for the built-in decoder",
     )
     group.add_argument(
-        "--data", metavar="PATH", help="a flat token file (uint16/uint32 .bin, memory-mapped) or, with --tokenizer, text"
+        "--data",
+        metavar="PATH",
+        help="a flat token file (uint16/uint32 .bin, memory-mapped) or, with --tokenizer, text",
     )
-    group.add_argument("--data-dtype", choices=("uint16", "uint32"), help="token file id type (default: uint16; .u32 → uint32)")
+    group.add_argument(
+        "--data-dtype", choices=("uint16", "uint32"), help="token file id type (default: uint16; .u32 → uint32)"
+    )
     group.add_argument("--tokenizer", metavar="DIR", help="tokenize the --data text file with this local tokenizer")
-    group.add_argument("--image-size", type=int, default=32, help="torchvision models: image side in pixels (default 32)")
+    group.add_argument(
+        "--image-size", type=int, default=32, help="torchvision models: image side in pixels (default 32)"
+    )
 
 
 def _data(args, seq_len: int):

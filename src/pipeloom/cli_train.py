@@ -27,7 +27,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfigError("train needs --nproc (= p × dp ranks) or --plan")
     if spec.torch_device_type == "cuda":  # CUDA cannot be shared with forked children
         raise ConfigError(
-            f"--device cuda runs one process per GPU: torchrun --nproc-per-node {expected} -m pipeloom.train <same flags>"
+            "--device cuda runs one process per GPU: "
+            f"torchrun --nproc-per-node {expected} -m pipeloom.train <same flags>"
         )
     if args.nproc is not None and args.nproc != expected:
         raise ConfigError(
@@ -80,11 +81,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "fp16 adds a dynamic loss scale (default fp32)",
     )
     run.add_argument("--device", choices=("cpu", "cuda"), help="cpu (default) or cuda: rank → LOCAL_RANK's GPU")
+    run.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with --device cuda, gloo on CPU")
     run.add_argument(
-        "--backend", choices=("gloo", "nccl"), help="default: nccl with --device cuda, gloo on CPU"
+        "--peak-tflops", type=float, metavar="X", help="per-rank peak TFLOP/s of the compute type, for MFU"
     )
-    run.add_argument("--peak-tflops", type=float, metavar="X", help="per-rank peak TFLOP/s of the compute type, for MFU")
-    run.add_argument("--hardware", metavar="NAME", help="a hardware preset (h100, a100-80g, ...) whose 16-bit peak gives MFU")
+    run.add_argument(
+        "--hardware", metavar="NAME", help="a hardware preset (h100, a100-80g, ...) whose 16-bit peak gives MFU"
+    )
     parser.add_argument(
         "--offload-stages",
         metavar="LIST",
@@ -216,7 +219,8 @@ def write_train_outputs(results, spec, args: argparse.Namespace) -> None:
         write_summary(results, args.summary, spec.peak_tflops, **context)
     facts = summary(results, spec.peak_tflops, **context)
     print(
-        f"{facts['model']} · {facts['schedule']}: p={facts['p']} dp={facts['dp']} {facts['dtype']} on {facts['device']}, "
+        f"{facts['model']} · {facts['schedule']}: p={facts['p']} dp={facts['dp']} "
+        f"{facts['dtype']} on {facts['device']}, "
         f"recomputes {facts['recomputes']}"
     )
     print(final_table(results, facts))

@@ -12,8 +12,15 @@ from pipeloom.cli import main  # noqa: E402
 from pipeloom.data import TokenFile, masked_lm, sample_corpus, train_tokenizer, write_token_file  # noqa: E402
 from pipeloom.errors import ConfigError  # noqa: E402
 
-LLAMA = {"model_type": "llama", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-         "num_attention_heads": 2, "max_position_embeddings": 64}
+LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "max_position_embeddings": 64,
+}
 BASE = ["train", "--nproc", "2", "--schedule", "1f1b", "-p", "2", "-m", "2", "--steps", "1", "--seq-len", "16"]
 
 
@@ -59,8 +66,23 @@ def test_text_data_through_a_local_tokenizer_trains_and_reports(capsys, tmp_path
     tokenizer = train_tokenizer(tmp_path / "tokenizer", text.read_text(), vocab_size=512)
     summary = tmp_path / "summary.json"
     code = main(
-        [*BASE, "--steps", "3", "--model", f"hf:{llama}", "--data", str(text), "--tokenizer", str(tokenizer),
-         "--dtype", "bf16", "--peak-tflops", "1", "--summary", str(summary)]
+        [
+            *BASE,
+            "--steps",
+            "3",
+            "--model",
+            f"hf:{llama}",
+            "--data",
+            str(text),
+            "--tokenizer",
+            str(tokenizer),
+            "--dtype",
+            "bf16",
+            "--peak-tflops",
+            "1",
+            "--summary",
+            str(summary),
+        ]
     )
     out, _ = capsys.readouterr()
     assert code == 0
@@ -95,12 +117,51 @@ def test_profile_tune_and_train_a_hugging_face_model(capsys, tmp_path, llama):
     """profile --model hf:DIR times the model's own layers; the plan tuned on it trains that model
     (not the built-in decoder) and its activation memory is predicted to the byte."""
     profile, plan = tmp_path / "profile.json", tmp_path / "plan.json"
-    assert main(["profile", "--model", f"hf:{llama}", "--mbs", "1", "--layers", "1,2", "--seq-len", "16",
-                 "--steps", "2", "--output", str(profile)]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                "--model",
+                f"hf:{llama}",
+                "--mbs",
+                "1",
+                "--layers",
+                "1,2",
+                "--seq-len",
+                "16",
+                "--steps",
+                "2",
+                "--output",
+                str(profile),
+            ]
+        )
+        == 0
+    )
     facts = json.loads(profile.read_text())
     assert facts["source"] == f"hf:{llama}" and facts["params"]["first"] == 512 * 32
-    assert main(["tune", "--costs", str(profile), "--devices", "2", "--memory", "1GiB", "--global-batch", "4",
-                 "--runnable", "--max-mbs", "1", "--schemes", "1f1b", "--output", str(plan)]) == 0
+    assert (
+        main(
+            [
+                "tune",
+                "--costs",
+                str(profile),
+                "--devices",
+                "2",
+                "--memory",
+                "1GiB",
+                "--global-batch",
+                "4",
+                "--runnable",
+                "--max-mbs",
+                "1",
+                "--schemes",
+                "1f1b",
+                "--output",
+                str(plan),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert main(["train", "--plan", str(plan), "--steps", "2"]) == 0
     out, _ = capsys.readouterr()

@@ -15,8 +15,15 @@ from pathlib import Path
 from pipeloom.errors import ConfigError
 
 __all__ = [
-    "SyntheticTokens", "TokenFile", "TextTokens", "open_tokens", "masked_lm", "write_token_file", "sample_corpus",
-    "train_tokenizer", "load_tokenizer",
+    "SyntheticTokens",
+    "TokenFile",
+    "TextTokens",
+    "open_tokens",
+    "masked_lm",
+    "write_token_file",
+    "sample_corpus",
+    "train_tokenizer",
+    "load_tokenizer",
 ]
 
 _DTYPES = {"uint16": 2, "uint32": 4}
@@ -121,7 +128,9 @@ def load_tokenizer(directory: str | Path):
         raise ConfigError(f"data: no tokenizer in {str(directory)!r}: {str(error).splitlines()[0]}") from None
 
 
-def open_tokens(path: str | Path, seq_len: int, seed: int, tokenizer: str | Path | None = None, dtype: str | None = None):
+def open_tokens(
+    path: str | Path, seq_len: int, seed: int, tokenizer: str | Path | None = None, dtype: str | None = None
+):
     """`--data PATH [--tokenizer DIR]`: a token file, or text when a tokenizer is given."""
     if tokenizer is not None:
         return TextTokens(path, tokenizer, seq_len, seed)
@@ -171,10 +180,26 @@ def sample_corpus(max_chars: int = 400_000) -> str:
     license_file = Path(os.__file__).parent / "LICENSE.txt"
     if license_file.is_file():
         parts.append(license_file.read_text(encoding="utf-8", errors="replace"))
-    for name in ("argparse", "json", "textwrap", "collections", "functools", "itertools", "pathlib", "logging",
-                 "unittest", "email", "http.client", "subprocess", "threading", "dataclasses"):
+    for name in (
+        "argparse",
+        "json",
+        "textwrap",
+        "collections",
+        "functools",
+        "itertools",
+        "pathlib",
+        "logging",
+        "unittest",
+        "email",
+        "http.client",
+        "subprocess",
+        "threading",
+        "dataclasses",
+    ):
         module = importlib.import_module(name)
-        parts += [obj.__doc__ for obj in [module, *vars(module).values()] if isinstance(getattr(obj, "__doc__", None), str)]
+        parts += [
+            obj.__doc__ for obj in [module, *vars(module).values()] if isinstance(getattr(obj, "__doc__", None), str)
+        ]
     return "\n\n".join(parts)[:max_chars]
 
 

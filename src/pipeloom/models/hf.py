@@ -83,7 +83,9 @@ def _build(path: str | Path, config, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     try:
         if has_weights(path):
-            model = auto.from_pretrained(str(path), config=config, local_files_only=True, dtype=torch.float32, **options)
+            model = auto.from_pretrained(
+                str(path), config=config, local_files_only=True, dtype=torch.float32, **options
+            )
         else:
             model = auto.from_config(config, dtype=torch.float32, **options)
     finally:
@@ -98,11 +100,22 @@ def _parts(model: nn.Module, family: str) -> dict:
     """The library's modules by role: embed, (positions), layers, norm, head, (rotary)."""
     if family in ("llama", "mistral", "qwen2"):
         inner = model.model
-        return {"embed": inner.embed_tokens, "layers": inner.layers, "norm": inner.norm, "head": model.lm_head,
-                "rotary": inner.rotary_emb}
+        return {
+            "embed": inner.embed_tokens,
+            "layers": inner.layers,
+            "norm": inner.norm,
+            "head": model.lm_head,
+            "rotary": inner.rotary_emb,
+        }
     if family == "gpt2":
         inner = model.transformer
-        return {"embed": inner.wte, "positions": inner.wpe, "layers": inner.h, "norm": inner.ln_f, "head": model.lm_head}
+        return {
+            "embed": inner.wte,
+            "positions": inner.wpe,
+            "layers": inner.h,
+            "norm": inner.ln_f,
+            "head": model.lm_head,
+        }
     if family == "mamba":
         inner = model.backbone
         return {"embed": inner.embeddings, "layers": inner.layers, "norm": inner.norm_f, "head": model.lm_head}
@@ -187,7 +200,9 @@ def layer_counts_for(num_layers: int, num_stages: int, counts: Sequence[int] | N
     if counts is not None:
         counts = list(counts)
         if len(counts) != num_stages or min(counts) < 0 or sum(counts) != num_layers:
-            raise ConfigError(f"hf: layer counts {counts} must be {num_stages} non-negative numbers summing to {num_layers}")
+            raise ConfigError(
+                f"hf: layer counts {counts} must be {num_stages} non-negative numbers summing to {num_layers}"
+            )
         return counts
     if num_layers < num_stages:
         raise ConfigError(f"hf: {num_layers} layers cannot be cut into {num_stages} stages; use fewer stages")

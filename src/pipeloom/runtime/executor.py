@@ -118,7 +118,7 @@ class DeviceExecutor:
         device_type: torch.device | None = None,
         timeout_s: float = 60.0,
         before_forward: Callable[[int], None] | None = None,
-        precision: Precision = Precision(),
+        precision: Precision | None = None,
     ) -> None:
         self.schedule, self.device = schedule, device
         self.ops = schedule.devices[device]
@@ -130,7 +130,7 @@ class DeviceExecutor:
         """fp16's dynamic loss scale, set by the trainer every step; the recorded loss leaves it out."""
         self.loss_fn = loss
         self.concat_w = concat_w
-        self.precision = precision
+        self.precision = precision or Precision()
         self.last_stage = schedule.num_stages - 1
         self.torch_device = device_type or torch.device("cpu")
         # One group per ordered pair of devices: each carries one direction only, so posting its
@@ -149,7 +149,9 @@ class DeviceExecutor:
         }
         self._saved_bytes: dict[tuple[OpKind, int, int], int] = {}  # once per (F or R, stage, slice)
         if self.num_slices > 1 and not all(hasattr(module, "forward_slice") for module in stages.values()):
-            raise ConfigError("slices need stages with forward_slice (the LLaMA-style decoder's, or a Hugging Face causal LM's)")
+            raise ConfigError(
+                "slices need stages with forward_slice (the LLaMA-style decoder's, or a Hugging Face causal LM's)"
+            )
         self.slice_len = 0
         self._handlers = {_F: self._forward_op, _R: self._recompute_op, _B: self._backward_op, _BW: self._backward_op}
 

@@ -64,7 +64,9 @@ class GradientBuckets:
         for key, ranks in logical.values():
             by_ranks.setdefault(tuple(sorted(ranks)), []).append(key)
         self.buckets: list[tuple[dist.ProcessGroup, list[int], list[nn.Parameter]]] = []
-        lookup = {(s, n): prm for s, m in enumerate(all_stages) for n, prm in m.named_parameters(remove_duplicate=False)}
+        lookup = {
+            (s, n): prm for s, m in enumerate(all_stages) for n, prm in m.named_parameters(remove_duplicate=False)
+        }
         for ranks, keys in sorted(by_ranks.items()):
             if len(ranks) < 2:
                 continue

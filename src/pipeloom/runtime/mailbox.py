@@ -64,11 +64,17 @@ class Mailbox:
             for index, spec in enumerate(self.specs(message.grad, message.stage)):
                 buffer = spec.empty(self.torch_device)
                 try:
-                    works.append(dist.irecv(buffer, src=self.rank_of(message.src), group=group, tag=self._tag(message, index)))
+                    works.append(
+                        dist.irecv(buffer, src=self.rank_of(message.src), group=group, tag=self._tag(message, index))
+                    )
                 except RuntimeError as error:  # the pair is already broken: its peer is gone
                     raise self.fault(f"posting a receive from rank {self.rank_of(message.src)}", error) from None
                 buffers.append(buffer)
-            self.pending[(message.grad, message.stage, message.microbatch, message.slice)] = (buffers, works, message.src)
+            self.pending[(message.grad, message.stage, message.microbatch, message.slice)] = (
+                buffers,
+                works,
+                message.src,
+            )
 
     def take(self, grad: bool, stage: int, microbatch: int, slice_: int) -> tuple[torch.Tensor, ...]:
         key = (grad, stage, microbatch, slice_)

@@ -64,7 +64,8 @@ class StepReporter:
 def final_table(results: Sequence, facts: dict) -> str:
     """Per rank: median step, TFLOP/s, MFU, peak stash and (GPU) peak memory."""
     lines = [
-        f"{'rank':>4}  {'step ms':>9}  {'TFLOP/s':>8}  {'MFU':>6}  {'stash MiB':>10}  {'GPU peak MiB':>12}  {'sent MiB/step':>13}"
+        f"{'rank':>4}  {'step ms':>9}  {'TFLOP/s':>8}  {'MFU':>6}  {'stash MiB':>10}  "
+        f"{'GPU peak MiB':>12}  {'sent MiB/step':>13}"
     ]
     for result, rank in zip(results, facts["ranks"]):
         mfu = f"{rank['mfu']:.1%}" if rank["mfu"] is not None else "n/a"
@@ -76,7 +77,9 @@ def final_table(results: Sequence, facts: dict) -> str:
     unit = "tokens/s" if facts["sample_tokens"] > 1 else "samples/s"
     lines.append(
         f"median step {facts['median_step_seconds'] * 1e3:.1f} ms, {facts['tokens_per_second']:,.0f} {unit}, "
-        f"final loss {facts['losses'][-1]:.4f}" if facts["losses"] else ""
+        f"final loss {facts['losses'][-1]:.4f}"
+        if facts["losses"]
+        else ""
     )
     return "\n".join(lines)
 

@@ -159,7 +159,9 @@ def check_device(spec: TrainSpec) -> None:
     if backend not in ("gloo", "nccl"):
         raise ConfigError(f"train: backend must be gloo or nccl, got {backend!r}")
     if (device, backend) not in (("cpu", "gloo"), ("cuda", "nccl")):
-        raise ConfigError(f"train: the {backend} backend does not carry {device} tensors here; use cpu+gloo or cuda+nccl")
+        raise ConfigError(
+            f"train: the {backend} backend does not carry {device} tensors here; use cpu+gloo or cuda+nccl"
+        )
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train: --device cuda, but this machine has no CUDA GPU (torch sees none); use --device cpu")
     if device == "cuda" and spec.dtype == "bf16" and not torch.cuda.is_bf16_supported():
@@ -170,4 +172,6 @@ def check_device(spec: TrainSpec) -> None:
             with torch.autocast("cpu", dtype=Precision(spec.dtype).dtype):
                 probe @ probe
         except RuntimeError:
-            raise ConfigError(f"train: this torch build cannot compute in {spec.dtype} on CPU; use fp32 or bf16") from None
+            raise ConfigError(
+                f"train: this torch build cannot compute in {spec.dtype} on CPU; use fp32 or bf16"
+            ) from None

@@ -65,7 +65,9 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
     schedule, work = spec.schedule, spec.resolved_workload()
     p = schedule.num_devices
     replica, device = divmod(rank, p)
-    where = torch.device("cuda", torch.cuda.current_device()) if spec.torch_device_type == "cuda" else torch.device("cpu")
+    where = (
+        torch.device("cuda", torch.cuda.current_device()) if spec.torch_device_type == "cuda" else torch.device("cpu")
+    )
     precision = Precision(spec.dtype)
     all_stages = work.build(schedule.num_stages)
     probe = _probe(spec, work, all_stages, precision)
@@ -253,7 +255,9 @@ def _collective(rank: int, what: str, call, *args, **kwargs) -> None:
         raise RuntimeFault(f"rank {rank}: {what}: {peer_failure(error)}") from None
 
 
-def reference_training(spec: TrainSpec, gradients: list | None = None) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+def reference_training(
+    spec: TrainSpec, gradients: list | None = None
+) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """Single-process training of the same model on the same data, in the same precision (stage
     outputs cast to the compute type as the pipeline sends them): (losses, parameters per stage).
     A `gradients` list receives the last step's gradients per stage."""
@@ -286,7 +290,8 @@ def _reference(spec: TrainSpec, gradients: list | None):
             total += float(loss.detach()) / micro
         if gradients is not None:
             gradients[:] = [
-                {n: t.grad.detach().clone() for n, t in stage.named_parameters() if t.grad is not None} for stage in stages
+                {n: t.grad.detach().clone() for n, t in stage.named_parameters() if t.grad is not None}
+                for stage in stages
             ]
         optimizer.step()
         losses.append(float(total))

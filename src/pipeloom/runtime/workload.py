@@ -67,7 +67,9 @@ def llama_workload(config: LlamaConfig, seed: int, layer_counts: Sequence[int] |
     )
 
 
-def cut_blocks(made: Sequence[nn.Module], num_stages: int, counts: Sequence[int] | None = None) -> list[list[nn.Module]]:
+def cut_blocks(
+    made: Sequence[nn.Module], num_stages: int, counts: Sequence[int] | None = None
+) -> list[list[nn.Module]]:
     """Consecutive blocks per stage: as counted, or balanced (the earlier stages take the remainder)."""
     sizes = list(counts) if counts is not None else None
     if sizes is None:
