@@ -3,8 +3,8 @@
 A stage may take and return a tensor or a tuple of tensors, and boundaries may differ in shape
 (a ResNet's feature maps shrink, a model may hand a mask along with its hidden states). Rather
 than asking the user to spell them out, the runtime runs one example micro-batch through the
-stages once, without autograd and in eval mode (so batch-norm statistics do not move), and
-records what each stage hands to the next. Receive buffers are then allocated from these specs;
+stages once — on fake tensors, without autograd and in eval mode (so batch-norm statistics do not
+move) — and records what each stage hands to the next. Receive buffers are then allocated from these specs;
 gradients travel for the floating tensors only.
 """
 
@@ -58,28 +58,40 @@ def probe_stages(
     run: Callable[[nn.Module, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]],
 ) -> StageProbe:
     """Run one example micro-batch through every stage. `run(stage, inputs)` is how the executor
-    calls a stage (slices, precision), returning its outputs as handed on."""
-    from torch.utils.flop_counter import FlopCounterMode
+    calls a stage (slices, precision), returning its outputs as handed on. The pass runs on fake
+    tensors (shapes and dtypes only), so it costs nothing even for a model far larger than this
+    host's CPU could run; a model whose control flow reads tensor values is run for real."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    specs = [tuple(TensorSpec(tuple(t.shape), t.dtype) for t in example)]
-    flops = []
     modes = [module.training for stage in stages for module in stage.modules()]
     try:
         for stage in stages:
             stage.eval()
-        x = example
-        with torch.no_grad():
-            for index, stage in enumerate(stages):
-                counter = FlopCounterMode(display=False)
-                with counter:
-                    out = run(stage, x)
-                flops.append(float(counter.get_total_flops()))
-                if index < len(stages) - 1:
-                    x = out
-                    specs.append(tuple(TensorSpec(tuple(t.shape), t.dtype) for t in x))
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+                return _walk(stages, tuple(fake.from_tensor(t) for t in example), run)
+        except Exception:  # noqa: BLE001 - data-dependent control flow: fall back to a real pass
+            return _walk(stages, example, run)
     finally:
         flags = iter(modes)
         for stage in stages:
             for module in stage.modules():
                 module.training = next(flags)
+
+
+def _walk(stages, example, run) -> StageProbe:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    specs = [tuple(TensorSpec(tuple(t.shape), t.dtype) for t in example)]
+    flops = []
+    x = example
+    with torch.no_grad():
+        for index, stage in enumerate(stages):
+            counter = FlopCounterMode(display=False)
+            with counter:
+                out = run(stage, x)
+            flops.append(float(counter.get_total_flops()))
+            if index < len(stages) - 1:
+                x = out
+                specs.append(tuple(TensorSpec(tuple(t.shape), t.dtype) for t in x))
     return StageProbe(specs, flops)
