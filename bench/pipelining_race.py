@@ -10,7 +10,36 @@ import time
 import torch
 import torch.distributed as dist
 
+from torch.distributed import pipelining
+
 from pipeloom import Costs, parse_op, simulate
+from pipeloom.runtime.comm import plan_messages
+from pipeloom.runtime.executor import DeviceExecutor
+from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
+
+
+def pipeloom_executor(schedule, rank: int, stages, boundaries, loss) -> tuple[DeviceExecutor, list]:
+    """This rank's executor over its stages (split for W when its ops have W), and those modules."""
+    queue = WeightGradQueue()
+    own = {s: stages[s] for s in schedule.stages_on(rank)}
+    if any(op.kind.value == "W" for op in schedule.devices[rank]):
+        for module in own.values():
+            split_linears(module, queue)
+    plan = plan_messages(schedule)
+    pairs = sorted({(msg.src, msg.dst) for sends in plan.sends for msg in sends})
+    groups = {pair: dist.new_group(list(pair)) for pair in pairs}
+    m = schedule.num_microbatches
+    executor = DeviceExecutor(
+        schedule, plan, rank, own, queue, lambda d: d, boundaries, 1.0 / m, loss, pair_groups=groups
+    )
+    return executor, list(own.values())
+
+
+def torch_schedule_for(modules, stage_ids, num_stages: int, torch_class, m: int, loss):
+    """torch.distributed.pipelining's schedule over this rank's stages; (schedule, holds first, holds last)."""
+    stages = [pipelining.PipelineStage(modules[i], i, num_stages, torch.device("cpu")) for i in stage_ids]
+    schedule = torch_class(stages[0], m, loss_fn=loss) if len(stages) == 1 else torch_class(stages, m, loss_fn=loss)
+    return schedule, 0 in stage_ids, num_stages - 1 in stage_ids
 
 
 def ping_seconds(rank: int, tensor: torch.Tensor, repeats: int = 5) -> float:

@@ -29,17 +29,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed import pipelining
 
-from pipelining_race import ping_seconds, race, summarise  # noqa: I001 - bench/ is on the path
+from pipelining_race import pipeloom_executor, ping_seconds, race, summarise, torch_schedule_for  # noqa: I001 - bench/ is on the path
 
 from pipeloom import Costs, build_schedule
 from pipeloom.data import TextTokens, sample_corpus, train_tokenizer
 from pipeloom.models.hf import hf_workload
 from pipeloom.models.vision import resnet_workload
 from pipeloom.runtime.boundary import probe_stages
-from pipeloom.runtime.comm import plan_messages
-from pipeloom.runtime.executor import DeviceExecutor, run_stage
+from pipeloom.runtime.executor import run_stage
 from pipeloom.runtime.precision import Precision
-from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
 
 CONFIG = {
     "model_type": "llama",
@@ -73,29 +71,11 @@ def _rank(rank: int, world: int, directory: str, args, case: str) -> None:
     probe = probe_stages(
         stages, (inputs,), lambda s, x: run_stage(s, x, None, Precision(), torch.device("cpu"), True)[0]
     )
-    queue = WeightGradQueue()
-    own = {s: stages[s] for s in schedule.stages_on(rank)}
-    if any(op.kind.value == "W" for op in schedule.devices[rank]):
-        for module in own.values():
-            split_linears(module, queue)
-    plan = plan_messages(schedule)
-    pairs = sorted({(msg.src, msg.dst) for sends in plan.sends for msg in sends})
-    groups = {pair: dist.new_group(list(pair)) for pair in pairs}
-    executor = DeviceExecutor(
-        schedule, plan, rank, own, queue, lambda d: d, probe.boundaries, 1.0 / m, work.loss, pair_groups=groups
-    )
-
+    executor, own = pipeloom_executor(schedule, rank, stages, probe.boundaries, work.loss)
     theirs_modules = work.build(schedule.num_stages)
-    torch_stages = [
-        pipelining.PipelineStage(theirs_modules[i], i, schedule.num_stages, torch.device("cpu"))
-        for i in stages_of(rank, p)
-    ]
-    torch_schedule = (
-        torch_class(torch_stages[0], m, loss_fn=work.loss)
-        if len(torch_stages) == 1
-        else torch_class(torch_stages, m, loss_fn=work.loss)
+    torch_schedule, holds_first, holds_last = torch_schedule_for(
+        theirs_modules, stages_of(rank, p), schedule.num_stages, torch_class, m, work.loss
     )
-    holds_first, holds_last = 0 in stages_of(rank, p), schedule.num_stages - 1 in stages_of(rank, p)
 
     outcome = race(
         executor,
@@ -106,7 +86,7 @@ def _rank(rank: int, world: int, directory: str, args, case: str) -> None:
         args.steps,
         holds_first,
         holds_last,
-        modules=[*own.values(), *theirs_modules],
+        modules=[*own, *theirs_modules],
     )
     outcome["ping"] = ping_seconds(rank, torch.empty(probe.boundaries[1][0].shape))  # what stage 0 sends
     outcome["params"] = sum(t.numel() for s in stages for t in s.parameters())

@@ -20,14 +20,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import pipelining
 
-from pipelining_race import ping_seconds, race, summarise  # noqa: I001 - bench/ is on the path
+from pipelining_race import pipeloom_executor, ping_seconds, race, summarise, torch_schedule_for  # noqa: I001 - bench/ is on the path
 
 from pipeloom import Costs, build_schedule
 from pipeloom.models.llama import LlamaConfig
-from pipeloom.runtime.comm import plan_messages
 from pipeloom.runtime.boundary import TensorSpec
-from pipeloom.runtime.executor import DeviceExecutor
-from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
 from pipeloom.runtime.workload import llama_workload
 
 CONFIG = LlamaConfig(vocab=512, hidden=512, layers=8, heads=8, ffn=1024, seq_len=64, microbatch_size=2)
@@ -48,35 +45,13 @@ def _rank(rank: int, world: int, directory: str, case: str, steps: int) -> None:
     work = llama_workload(CONFIG, seed=0)
     b = CONFIG.microbatch_size
 
-    # pipeloom
     stages = work.build(schedule.num_stages)
-    queue = WeightGradQueue()
-    own = {s: stages[s] for s in schedule.stages_on(rank)}
-    if any(op.kind.value == "W" for op in schedule.devices[rank]):
-        for module in own.values():
-            split_linears(module, queue)
-    plan = plan_messages(schedule)
-    pairs = sorted({(msg.src, msg.dst) for sends in plan.sends for msg in sends})
-    groups = {pair: dist.new_group(list(pair)) for pair in pairs}
     activation_shape = (b, CONFIG.seq_len, CONFIG.hidden)
     boundaries = [(TensorSpec(activation_shape, torch.float32),)] * schedule.num_stages
-    executor = DeviceExecutor(
-        schedule, plan, rank, own, queue, lambda d: d, boundaries, 1.0 / m, work.loss, pair_groups=groups
+    executor, _ = pipeloom_executor(schedule, rank, stages, boundaries, work.loss)
+    torch_schedule, holds_first, holds_last = torch_schedule_for(
+        work.build(schedule.num_stages), stages_of(rank, p), schedule.num_stages, torch_class, m, work.loss
     )
-
-    # torch.distributed.pipelining
-    torch_modules = work.build(schedule.num_stages)
-    torch_stages = [
-        pipelining.PipelineStage(torch_modules[i], i, schedule.num_stages, torch.device("cpu"))
-        for i in stages_of(rank, p)
-    ]
-    torch_schedule = (
-        torch_class(torch_stages[0], m, loss_fn=work.loss)
-        if len(torch_stages) == 1
-        else torch_class(torch_stages, m, loss_fn=work.loss)
-    )
-    holds_first = 0 in stages_of(rank, p)
-    holds_last = schedule.num_stages - 1 in stages_of(rank, p)
 
     outcome = race(executor, torch_schedule, work.batch, m, b, steps, holds_first, holds_last)
     outcome["ping"] = ping_seconds(rank, torch.randn(activation_shape))

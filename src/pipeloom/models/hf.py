@@ -28,6 +28,7 @@ from torch import nn
 
 from pipeloom.errors import ConfigError
 from pipeloom.models.compat import import_transformers
+from pipeloom.models.cut import counts_per_stage
 
 __all__ = ["FAMILIES", "load_hf_config", "hf_workload", "HFStage", "has_weights"]
 
@@ -197,17 +198,7 @@ def _layer_index(layer: nn.Module) -> int:
 
 
 def layer_counts_for(num_layers: int, num_stages: int, counts: Sequence[int] | None) -> list[int]:
-    if counts is not None:
-        counts = list(counts)
-        if len(counts) != num_stages or min(counts) < 0 or sum(counts) != num_layers:
-            raise ConfigError(
-                f"hf: layer counts {counts} must be {num_stages} non-negative numbers summing to {num_layers}"
-            )
-        return counts
-    if num_layers < num_stages:
-        raise ConfigError(f"hf: {num_layers} layers cannot be cut into {num_stages} stages; use fewer stages")
-    base, extra = divmod(num_layers, num_stages)
-    return [base + (1 if s < extra else 0) for s in range(num_stages)]
+    return counts_per_stage(num_layers, num_stages, counts, "layers", "hf: ")
 
 
 def build_hf_stages(path, config, seed: int, num_stages: int, counts: Sequence[int] | None = None) -> list[HFStage]:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeloom.errors import ConfigError
+from pipeloom.models.cut import counts_per_stage
 
 __all__ = ["LlamaConfig", "build_stages", "synthetic_batch", "stage_layer_counts"]
 
@@ -132,20 +133,8 @@ class Stage(nn.Module):
 
 def stage_layer_counts(config: LlamaConfig, num_stages: int, counts: Sequence[int] | None = None) -> list[int]:
     """Decoder layers per stage: as given, or balanced (the earlier stages take the remainder)."""
-    if counts is not None:
-        counts = list(counts)
-        if len(counts) != num_stages or any(c < 0 for c in counts) or sum(counts) != config.layers:
-            raise ConfigError(
-                f"model: layer counts {counts} must be {num_stages} non-negative numbers summing to {config.layers}"
-            )
-        return counts
-    if config.layers < num_stages:
-        raise ConfigError(
-            f"model: {config.layers} decoder layers cannot be cut into {num_stages} stages; use at least "
-            f"{num_stages} layers (--layers) or fewer stages"
-        )
-    base, extra = divmod(config.layers, num_stages)
-    return [base + (1 if s < extra else 0) for s in range(num_stages)]
+    fix = f"use at least {num_stages} layers (--layers) or fewer stages"
+    return counts_per_stage(config.layers, num_stages, counts, "decoder layers", "model: ", fix)
 
 
 def build_stages(config: LlamaConfig, num_stages: int, seed: int, counts: Sequence[int] | None = None) -> list[Stage]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pipeloom.errors import ConfigError
+from pipeloom.models.cut import counts_per_stage
 from pipeloom.models.llama import LlamaConfig, build_stages, synthetic_batch
 
 __all__ = ["Workload", "llama_workload", "blocks_workload", "token_loss", "cut_blocks", "rows_of"]
@@ -71,14 +71,7 @@ def cut_blocks(
     made: Sequence[nn.Module], num_stages: int, counts: Sequence[int] | None = None
 ) -> list[list[nn.Module]]:
     """Consecutive blocks per stage: as counted, or balanced (the earlier stages take the remainder)."""
-    sizes = list(counts) if counts is not None else None
-    if sizes is None:
-        if len(made) < num_stages:
-            raise ConfigError(f"{len(made)} blocks cannot be cut into {num_stages} stages; use fewer stages")
-        base, extra = divmod(len(made), num_stages)
-        sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
-    if len(sizes) != num_stages or sum(sizes) != len(made) or min(sizes) < 0:
-        raise ConfigError(f"block counts {sizes} must be {num_stages} non-negative numbers summing to {len(made)}")
+    sizes = counts_per_stage(len(made), num_stages, counts, "blocks")
     out, first = [], 0
     for size in sizes:
         out.append(list(made[first : first + size]))
