@@ -89,6 +89,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--hardware", metavar="NAME", help="a hardware preset (h100, a100-80g, ...) whose 16-bit peak gives MFU"
     )
     parser.add_argument(
+        "--zero",
+        type=int,
+        choices=(0, 1, 2),
+        default=0,
+        help="static memory: 0 fp32 weights and full AdamW on every replica (default); 1 weights in the "
+        "compute type, fp32 master and AdamW sharded over --dp; 2 also reduce-scatters the gradients",
+    )
+    parser.add_argument(
         "--offload-stages",
         metavar="LIST",
         help="T-Offload: run these stages' optimizer on the host, off the compute thread",
@@ -175,6 +183,7 @@ def run_options(args: argparse.Namespace) -> dict:
         "post_validation": args.post_validation,
         "dtype": args.dtype,
         "device": args.device,
+        "zero": args.zero,
         "peak_tflops": _peak_tflops(args),
     }
     if args.offload_stages:
@@ -214,13 +223,14 @@ def write_train_outputs(results, spec, args: argparse.Namespace) -> None:
         "model": work.name,
         "dtype": spec.dtype,
         "device": spec.torch_device_type,
+        "zero": spec.zero,
     }
     if args.summary:
         write_summary(results, args.summary, spec.peak_tflops, **context)
     facts = summary(results, spec.peak_tflops, **context)
     print(
         f"{facts['model']} · {facts['schedule']}: p={facts['p']} dp={facts['dp']} "
-        f"{facts['dtype']} on {facts['device']}, "
+        f"{facts['dtype']} on {facts['device']}, ZeRO-{facts['zero']}, "
         f"recomputes {facts['recomputes']}"
     )
     print(final_table(results, facts))

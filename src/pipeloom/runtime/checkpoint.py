@@ -2,7 +2,9 @@
 
 A checkpoint of the state after n steps is the directory ``DIR/step-n``. Every rank writes its
 stages' parameters and AdamW state (keyed by stage and parameter name, so data-parallel and
-Chimera copies of a stage are one entry, and split linears read what plain ones wrote), the step
+Chimera copies of a stage are one entry, and split linears read what plain ones wrote; under ZeRO
+each replica writes its own shard of the fp32 master weights and moments, keyed by device and
+shard, and resuming needs the same ZeRO level and data-parallel size), the step
 and its RNG state into ``DIR/step-n.partial``; after a barrier
 rank 0 renames it to ``DIR/step-n`` and only then writes the ``COMPLETE`` marker (JSON: step,
 world size, schedule). A crash at any point leaves either a ``.partial`` directory, ignored, or a
@@ -32,7 +34,7 @@ _STEP = re.compile(r"^step-(\d+)$")
 MARKER = "COMPLETE"
 
 
-def find_checkpoint(path: str | os.PathLike[str], world_size: int, schedule: str) -> tuple[Path, int]:
+def find_checkpoint(path: str | os.PathLike[str], world_size: int, schedule: str, zero: int = 0) -> tuple[Path, int]:
     """(directory, steps done) of the checkpoint at `path` — a ``step-n`` directory, or the newest
     one inside `path` — or ConfigError if it is missing, torn, or from another run's shape."""
     path = Path(path)
@@ -60,33 +62,31 @@ def find_checkpoint(path: str | os.PathLike[str], world_size: int, schedule: str
             f"checkpoint {str(chosen)!r} was written by {facts.get('world_size')} ranks running "
             f"{facts.get('schedule')!r}, not {world_size} ranks running {schedule!r}"
         )
+    if facts.get("zero", 0) != zero:
+        raise ConfigError(
+            f"checkpoint {str(chosen)!r} holds ZeRO-{facts.get('zero', 0)} optimizer state, not ZeRO-{zero}: "
+            f"resume with --zero {facts.get('zero', 0)}"
+        )
     return chosen, step
 
 
-def _state(stages: dict[int, nn.Module], optimizer) -> dict:
-    """Tensors to save or to load into, in place: each parameter (by stage and name) and its
-    AdamW state. A fresh optimizer's state is created zeroed, as AdamW's first step would."""
+def _state(stages: dict[int, nn.Module], stepper) -> dict:
+    """Tensors to save or to load into, in place: each parameter (by stage and name) and the
+    optimizer's state (`pipeloom.runtime.zero`)."""
     state: dict = {}
+    keys: dict[int, str] = {}
     for stage, module in stages.items():
         for name, parameter in module.named_parameters():
             key = f"stage{stage}.{name}"
             state[f"model.{key}"] = parameter.data
-            if optimizer is None:
-                continue
-            slot = optimizer.state[parameter]
-            if not slot:
-                slot.update(
-                    step=torch.tensor(0.0),
-                    exp_avg=torch.zeros_like(parameter, memory_format=torch.preserve_format),
-                    exp_avg_sq=torch.zeros_like(parameter, memory_format=torch.preserve_format),
-                )
-            for field in ("step", "exp_avg", "exp_avg_sq"):
-                state[f"optim.{key}.{field}"] = slot[field]
+            keys.setdefault(id(parameter), key)
+    if stepper is not None:
+        state.update(stepper.checkpoint_state(keys))
     return state
 
 
 def save_checkpoint(
-    directory: str | os.PathLike[str], step: int, stages: dict[int, nn.Module], optimizer, schedule: str
+    directory: str | os.PathLike[str], step: int, stages: dict[int, nn.Module], stepper, schedule: str, zero: int = 0
 ) -> None:
     """Collective: every rank calls it after the same step."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -96,7 +96,7 @@ def save_checkpoint(
         final.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
-    state = _state(stages, optimizer)
+    state = _state(stages, stepper)
     state[f"rng.rank{rank}"] = torch.get_rng_state()
     state["step"] = torch.tensor(step)
     dcp.save(state, checkpoint_id=partial)
@@ -104,17 +104,19 @@ def save_checkpoint(
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)  # a torn one left by a crash: never a complete one
         partial.rename(final)
-        (final / MARKER).write_text(json.dumps({"step": step, "world_size": world, "schedule": schedule}))
+        (final / MARKER).write_text(json.dumps({"step": step, "world_size": world, "schedule": schedule, "zero": zero}))
     dist.barrier()
 
 
-def load_checkpoint(path: Path, stages: dict[int, nn.Module], optimizer) -> int:
+def load_checkpoint(path: Path, stages: dict[int, nn.Module], stepper) -> int:
     """Restore this rank's stages, optimizer and RNG in place; return the steps done."""
     rank = dist.get_rank()
-    state = _state(stages, optimizer)
+    state = _state(stages, stepper)
     state[f"rng.rank{rank}"] = torch.get_rng_state()
     state["step"] = torch.tensor(0)
     with torch.no_grad():
         dcp.load(state, checkpoint_id=path)  # in place: into the parameters and optimizer state
     torch.set_rng_state(state[f"rng.rank{rank}"])
+    if stepper is not None:
+        stepper.after_load()
     return int(state["step"])

@@ -6,7 +6,9 @@ model, so each knows which stages share a parameter object (a tie) and which dev
 stage; parameters with the same set of holder ranks form one bucket, all-reduced as one flat fp32
 tensor in a group of exactly those ranks — as Megatron sums the embedding's gradient over the
 first and last pipeline ranks before the optimizer. Two stages of one rank that share a parameter
-hold one object, whose gradient autograd already summed; it is reduced once.
+hold one object, whose gradient autograd already summed; it is reduced once. Under ZeRO the
+buckets sum only the copies within a replica (ties, Chimera's second pipeline) and the optimizer
+does the data-parallel sum itself (`pipeloom.runtime.zero`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from torch import nn
 
 from pipeloom.ir.schedule import Schedule
 
-__all__ = ["GradientBuckets", "tie_groups", "unique_parameters"]
+__all__ = ["GradientBuckets", "grad_of", "tie_groups", "unique_parameters"]
+
+
+def grad_of(parameter: nn.Parameter) -> torch.Tensor | None:
+    """A parameter's accumulated gradient: its fp32 `main_grad` when its weights are kept in the
+    compute type (`pipeloom.runtime.zero`), else `.grad`."""
+    main = getattr(parameter, "main_grad", None)
+    return main if main is not None else parameter.grad
 
 
 def unique_parameters(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
@@ -48,21 +57,30 @@ def tie_groups(stages: Sequence[nn.Module]) -> list[list[tuple[int, str]]]:
 class GradientBuckets:
     """This rank's part of the plan; built identically (same group order) on every rank."""
 
-    def __init__(self, schedule: Schedule, dp: int, all_stages: Sequence[nn.Module], rank: int) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        dp: int,
+        all_stages: Sequence[nn.Module],
+        rank: int,
+        across_replicas: bool = True,
+    ) -> None:
         p = schedule.num_devices
-        stage_ranks = {
-            s: {replica * p + d for replica in range(dp) for d in range(p) if s in schedule.stages_on(d)}
-            for s in range(schedule.num_stages)
-        }
-        # A logical parameter: its first (stage, name); its holders: every rank hosting a user.
-        logical: dict[int, tuple[tuple[int, str], set[int]]] = {}
-        for stage, module in enumerate(all_stages):
-            for name, parameter in module.named_parameters(remove_duplicate=False):
-                key, ranks = logical.setdefault(id(parameter), ((stage, name), set()))
-                ranks |= stage_ranks[stage]
+        spans = [range(dp)] if across_replicas else [[replica] for replica in range(dp)]
         by_ranks: dict[tuple[int, ...], list[tuple[int, str]]] = {}
-        for key, ranks in logical.values():
-            by_ranks.setdefault(tuple(sorted(ranks)), []).append(key)
+        for replicas in spans:
+            stage_ranks = {
+                s: {replica * p + d for replica in replicas for d in range(p) if s in schedule.stages_on(d)}
+                for s in range(schedule.num_stages)
+            }
+            # A logical parameter: its first (stage, name); its holders: every rank hosting a user.
+            logical: dict[int, tuple[tuple[int, str], set[int]]] = {}
+            for stage, module in enumerate(all_stages):
+                for name, parameter in module.named_parameters(remove_duplicate=False):
+                    key, ranks = logical.setdefault(id(parameter), ((stage, name), set()))
+                    ranks |= stage_ranks[stage]
+            for key, ranks in logical.values():
+                by_ranks.setdefault(tuple(sorted(ranks)), []).append(key)
         self.buckets: list[tuple[dist.ProcessGroup, list[int], list[nn.Parameter]]] = []
         lookup = {
             (s, n): prm for s, m in enumerate(all_stages) for n, prm in m.named_parameters(remove_duplicate=False)
@@ -77,14 +95,14 @@ class GradientBuckets:
     def reduce(self) -> None:
         for group, _, parameters in self.buckets:
             for parameter in parameters:
-                if parameter.grad is None:
+                if grad_of(parameter) is None:
                     parameter.grad = torch.zeros_like(parameter)
-            flat = torch.cat([parameter.grad.reshape(-1).float() for parameter in parameters])
+            flat = torch.cat([grad_of(parameter).reshape(-1).float() for parameter in parameters])
             dist.all_reduce(flat, group=group)
             offset = 0
             for parameter in parameters:
                 size = parameter.numel()
-                parameter.grad.copy_(flat[offset : offset + size].view_as(parameter))
+                grad_of(parameter).copy_(flat[offset : offset + size].view_as(parameter))
                 offset += size
 
     def describe(self) -> list[list[int]]:

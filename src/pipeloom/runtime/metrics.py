@@ -62,17 +62,19 @@ class StepReporter:
 
 
 def final_table(results: Sequence, facts: dict) -> str:
-    """Per rank: median step, TFLOP/s, MFU, peak stash and (GPU) peak memory."""
+    """Per rank: median step, TFLOP/s, MFU, peak stash, (GPU) peak memory, bytes sent, and the
+    optimizer's bytes on the device, measured beside planned."""
     lines = [
         f"{'rank':>4}  {'step ms':>9}  {'TFLOP/s':>8}  {'MFU':>6}  {'stash MiB':>10}  "
-        f"{'GPU peak MiB':>12}  {'sent MiB/step':>13}"
+        f"{'GPU peak MiB':>12}  {'sent MiB/step':>13}  {'optimizer MiB (plan)':>20}"
     ]
     for result, rank in zip(results, facts["ranks"]):
         mfu = f"{rank['mfu']:.1%}" if rank["mfu"] is not None else "n/a"
         gpu = f"{rank['peak_memory_bytes'] / 2**20:.1f}" if rank["peak_memory_bytes"] is not None else "n/a"
         lines.append(
             f"{result.rank:>4}  {rank['median_step_seconds'] * 1e3:>9.1f}  {rank['tflops']:>8.4g}  {mfu:>6}  "
-            f"{rank['peak_stash_bytes'] / 2**20:>10.2f}  {gpu:>12}  {rank['sent_bytes_per_step'] / 2**20:>13.2f}"
+            f"{rank['peak_stash_bytes'] / 2**20:>10.2f}  {gpu:>12}  {rank['sent_bytes_per_step'] / 2**20:>13.2f}  "
+            f"{_optimizer_cell(rank):>20}"
         )
     unit = "tokens/s" if facts["sample_tokens"] > 1 else "samples/s"
     lines.append(
@@ -82,6 +84,13 @@ def final_table(results: Sequence, facts: dict) -> str:
         else ""
     )
     return "\n".join(lines)
+
+
+def _optimizer_cell(rank: dict) -> str:
+    measured, planned = rank.get("static_bytes") or {}, rank.get("planned_static_bytes") or {}
+    if "optimizer" not in measured:
+        return "n/a"
+    return f"{measured['optimizer'] / 2**20:.2f} ({planned.get('optimizer', 0) / 2**20:.2f})"
 
 
 def median_step(result) -> float:

@@ -1,14 +1,15 @@
 """T-Offload in the runtime (TPipe §5): deep stages' optimizer on the host, off the compute thread.
 
-For each offloaded stage a rank keeps host buffers of its own — fp32 master weights, gradients and
-the AdamW state — and the device keeps only the weights its passes use. At the end of a step,
-once gradients are reduced, OFFLOAD copies the stage's gradients into the host buffers and drops
-them on the device; HOST_STEP then runs AdamW on the host copies in a worker thread while the
+For each offloaded stage (any set of them) a rank keeps host buffers of its own — fp32 master
+weights, gradients and the AdamW state — and the device keeps only the weights its passes use (in
+the compute type under mixed precision) and an fp32 gradient buffer (`GradientStore`): 6 bytes per
+weight in bf16 where ZeRO-0 holds 16 (`pipeloom.tune.static_memory`). At the end of a step, once
+gradients are reduced, OFFLOAD copies the stage's gradients into the host buffers; HOST_STEP then runs AdamW on the host copies in a worker thread while the
 rank goes on (the next step's other stages, its data); RELOAD waits for that step and copies the
 new weights back just before the stage's first forward of the next step — optionally rounded
 through bfloat16 (`reload_bits=16`), as a quantized reload would be. Without a GPU the buffers are
-still separate tensors, so every copy is real and the final parameters must equal a run without
-offload exactly.
+still separate tensors, so every copy is real and, in fp32, the final parameters must equal a run
+without offload exactly.
 """
 
 from __future__ import annotations
@@ -20,16 +21,30 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
+from pipeloom.runtime.gradients import unique_parameters
+from pipeloom.runtime.zero import GradientStore
+
 __all__ = ["HostOffload"]
 
 
 class HostOffload:
-    def __init__(self, stages: dict[int, nn.Module], offloaded: Sequence[int], lr: float, reload_bits: int = 32):
+    def __init__(
+        self,
+        stages: dict[int, nn.Module],
+        offloaded: Sequence[int],
+        lr: float,
+        reload_bits: int = 32,
+        weight_dtype: torch.dtype = torch.float32,
+    ):
         self.device_params = {s: list(stages[s].parameters()) for s in offloaded}
         self.master = {s: [p.detach().to("cpu", copy=True) for p in params] for s, params in self.device_params.items()}
         for masters in self.master.values():
             for master in masters:
                 master.grad = torch.zeros_like(master)
+        with torch.no_grad():
+            for parameter in unique_parameters([stages[s] for s in offloaded]):
+                parameter.data = parameter.data.to(weight_dtype)
+        self.store = GradientStore(unique_parameters([stages[s] for s in offloaded]), torch.float32)
         self.optimizer = torch.optim.AdamW([m for masters in self.master.values() for m in masters], lr=lr)
         self.reload_bits = reload_bits
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-step")
@@ -42,16 +57,24 @@ class HostOffload:
     def stages(self) -> list[int]:
         return list(self.device_params)
 
+    def zero_grad(self) -> None:
+        self.store.zero()
+
+    @property
+    def host_bytes(self) -> int:
+        """fp32 master weights, their gradients and AdamW's two moments on the host, as allocated."""
+        masters = [m for masters in self.master.values() for m in masters]
+        held = [t for m in masters for t in (m, m.grad)] + [
+            v for slot in self.optimizer.state.values() for k, v in slot.items() if k != "step"
+        ]
+        return sum(t.numel() * t.element_size() for t in held)
+
     def offload_and_step(self) -> None:
         """OFFLOAD every offloaded stage's gradients, then start HOST_STEP in the worker."""
         for stage, params in self.device_params.items():
             began = time.perf_counter()
             for parameter, master in zip(params, self.master[stage]):
-                if parameter.grad is None:
-                    master.grad.zero_()
-                else:
-                    master.grad.copy_(parameter.grad)
-                parameter.grad = None  # the device no longer holds this stage's gradients
+                master.grad.copy_(self.store.grad_of(parameter))
             self.events.append((f"{stage}OFFLOAD", began, time.perf_counter()))
         self._stale = set(self.device_params)
         self._step = self._worker.submit(self._host_step)

@@ -20,7 +20,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 __all__ = ["OptimizerSync", "decide", "adamw_rollback"]
 
@@ -64,12 +63,12 @@ class _Pending:
 
 
 class OptimizerSync:
-    """Drives one rank's optimizer step under the global state (see the module docstring)."""
+    """Drives one rank's optimizer step under the global state (see the module docstring).
+    `stepper` is the rank's optimizer (`pipeloom.runtime.zero`): replicated or ZeRO-sharded."""
 
     def __init__(
         self,
-        optimizer: torch.optim.AdamW | None,
-        owned: list[nn.Parameter],
+        stepper,
         clip_norm: float | None,
         post_validation: bool,
         device: int,
@@ -79,7 +78,7 @@ class OptimizerSync:
         timeout_s: float,
         on_decision=None,
     ) -> None:
-        self.optimizer, self.owned, self.clip_norm = optimizer, owned, clip_norm
+        self.stepper, self.clip_norm = stepper, clip_norm
         self.post_validation = post_validation
         self.device, self.p, self.rank_of = device, num_devices, rank_of
         self.group = pipeline_group
@@ -90,42 +89,22 @@ class OptimizerSync:
         self.on_decision = on_decision
         """Called once per step with its final decision (stepped or skipped): fp16's loss scale."""
 
-    def _local(self) -> torch.Tensor:
-        """[sum of squared gradients, count of non-finite values] of the stages this rank owns."""
-        squares = torch.zeros((), dtype=torch.float64)
-        bad = torch.zeros((), dtype=torch.float64)
-        for parameter in self.owned:
-            if parameter.grad is not None:
-                grad = parameter.grad.detach().double()
-                finite = torch.isfinite(grad)
-                bad += (~finite).sum().cpu()
-                squares += torch.where(finite, grad, torch.zeros_like(grad)).pow(2).sum().cpu()
-        return torch.stack((squares, bad)).to(self._device)
-
     def _apply(self, stepped: bool, coefficient: float) -> None:
         if not stepped:
             self.skipped += 1
             return
-        if self.optimizer is None:
-            return
         if coefficient != 1.0:
-            for group in self.optimizer.param_groups:
-                for parameter in group["params"]:
-                    if parameter.grad is not None:
-                        parameter.grad.mul_(coefficient)
-        self.optimizer.step()
+            self.stepper.scale(coefficient)
+        self.stepper.step()
 
     def _decided(self, stepped: bool) -> None:
         if self.on_decision is not None:
             self.on_decision(stepped)
 
-    @property
-    def _device(self) -> torch.device:
-        return self.owned[0].device if self.owned else torch.device("cpu")
-
     def step(self, step: int) -> None:
         """Instead of optimizer.step(), once this rank's gradients are final."""
-        local = self._local()
+        local = self.stepper.local_state()
+        device = local.device
         if not self.post_validation:
             dist.all_reduce(local, group=self.group)
             stepped, coefficient = decide(float(local[0]), float(local[1]) == 0, self.clip_norm)
@@ -135,7 +114,7 @@ class OptimizerSync:
         tag = _TAG + 4 * step
         partial = local.clone()
         if self.device > 0:
-            received = torch.zeros(2, dtype=torch.float64, device=self._device)
+            received = torch.zeros(2, dtype=torch.float64, device=device)
             dist.irecv(received, src=self.rank_of(self.device - 1), tag=tag).wait(self.timeout)
             partial += received
         if self.device < self.p - 1:
@@ -147,7 +126,7 @@ class OptimizerSync:
             if self.device > 0:
                 dist.isend(full.clone(), dst=self.rank_of(self.device - 1), tag=tag + 1).wait(self.timeout)
         else:
-            full = torch.zeros(2, dtype=torch.float64, device=self._device)
+            full = torch.zeros(2, dtype=torch.float64, device=device)
             work = dist.irecv(full, src=self.rank_of(self.device + 1), tag=tag + 1)
         self.pending = _Pending(stepped, coefficient, full, (work, tag + 1))
 
@@ -168,15 +147,11 @@ class OptimizerSync:
             return
         self.rollbacks += 1
         if pending.stepped:
-            if self.optimizer is not None:
-                adamw_rollback(self.optimizer)
+            self.stepper.rollback()
             scale = 1.0 / pending.coefficient  # back to the unclipped gradients
         else:
             self.skipped -= 1
             scale = 1.0
-        if stepped and self.optimizer is not None and scale != 1.0:
-            for group in self.optimizer.param_groups:
-                for parameter in group["params"]:
-                    if parameter.grad is not None:
-                        parameter.grad.mul_(scale)
+        if stepped and scale != 1.0:
+            self.stepper.scale(scale)
         self._apply(stepped, coefficient)

@@ -14,7 +14,8 @@ __all__ = ["summary", "write_summary", "write_trace"]
 def summary(results: Sequence[RankResult], peak_tflops: float | None = None, **context) -> dict:
     """Losses per step, median step time (first step left out when there are more), tokens/s,
     per rank: achieved TFLOP/s and MFU, peak stash bytes, GPU peak memory, bytes sent per step,
-    recomputes over the run."""
+    static bytes (weights, gradients, optimizer, host) measured and as planned, recomputes over
+    the run."""
     from pipeloom.runtime.metrics import median_step, throughput
 
     first = results[0]
@@ -32,6 +33,8 @@ def summary(results: Sequence[RankResult], peak_tflops: float | None = None, **c
                 "peak_memory_bytes": result.peak_memory_bytes,
                 "sent_bytes_per_step": result.records[-1].sent_bytes if result.records else 0,
                 "sent_dtypes": list(result.records[-1].sent_dtypes) if result.records else [],
+                "static_bytes": result.static_bytes,
+                "planned_static_bytes": result.planned_static_bytes,
             }
         )
     return {

@@ -49,6 +49,10 @@ class TrainSpec:
     """Keep the last step's reduced gradients in the result (for tests against the reference)."""
     workload: Workload | None = None
     """Any model, data and loss; None: the LLaMA-style decoder of `config`."""
+    zero: int = 0
+    """Static memory (`pipeloom.runtime.zero`): 0 keeps fp32 weights and the whole AdamW state on
+    every replica; 1 keeps the weights in the compute type and shards the fp32 master weights and
+    AdamW over the data-parallel replicas; 2 also reduce-scatters the gradients."""
     offload_stages: tuple[int, ...] = ()
     """T-Offload: these stages' optimizer runs on the host (`runtime.offload`)."""
     reload_bits: int = 32
@@ -102,6 +106,10 @@ class RankResult:
     sample_tokens: int = 1
     peak_memory_bytes: int | None = None
     """torch.cuda.max_memory_allocated on this rank's GPU; None on CPU."""
+    static_bytes: dict[str, int] = field(default_factory=dict)
+    """Measured on this rank: weights, gradients, optimizer (device) and host bytes."""
+    planned_static_bytes: dict[str, float] = field(default_factory=dict)
+    """The same, as `pipeloom.tune.static_memory` plans them for this rank's weights."""
     offload_events: list[tuple[str, float, float]] = field(default_factory=list)
     """T-Offload's OFFLOAD, HOST_STEP and RELOAD on this rank (perf_counter seconds)."""
     all_results: list | None = None
@@ -117,6 +125,10 @@ def check_spec(spec: TrainSpec, world_size: int | None = None) -> None:
         raise ConfigError(f"train: sequence length {seq_len} does not split into {slices} equal slices")
     if spec.dp < 1:
         raise ConfigError(f"train: data-parallel size must be at least 1, got {spec.dp}")
+    if spec.zero not in (0, 1, 2):
+        raise ConfigError(f"train: the ZeRO level must be 0, 1 or 2, got {spec.zero!r}")
+    if spec.zero == 2 and spec.record_gradients:
+        raise ConfigError("train: ZeRO-2 keeps only a shard of the reduced gradients; record them with ZeRO-0 or 1")
     check_device(spec)
     Precision(spec.dtype)
     if spec.dtype == "fp16" and spec.offload_stages:
@@ -146,7 +158,7 @@ def check_spec(spec: TrainSpec, world_size: int | None = None) -> None:
     if (spec.save_dir is None) != (spec.save_every == 0) or spec.save_every < 0:
         raise ConfigError("train: checkpoints need both a directory (--save) and a period (--save-every >= 1)")
     if spec.resume_dir is not None:
-        _, done = find_checkpoint(spec.resume_dir, expected, spec.schedule.name)
+        _, done = find_checkpoint(spec.resume_dir, expected, spec.schedule.name, spec.zero)
         if done >= spec.steps:
             raise ConfigError(f"train: the checkpoint is already {done} steps in; ask for more than {done} --steps")
 

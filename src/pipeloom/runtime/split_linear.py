@@ -14,6 +14,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from pipeloom.runtime.gradients import grad_of
+
 __all__ = ["WeightGradQueue", "SplitLinear", "split_linears"]
 
 
@@ -66,14 +68,20 @@ class WeightGradQueue:
 
 def _accumulate_product(parameter: nn.Parameter, a: torch.Tensor, b: torch.Tensor) -> None:
     """parameter.grad += a @ b, in place when the types agree; under mixed precision the product
-    runs in the compute type and is added to the fp32 master gradient."""
-    if parameter.grad is not None and a.dtype == parameter.grad.dtype:
-        parameter.grad.addmm_(a, b)
+    runs in the compute type and is added to the fp32 gradient (`.grad` of fp32 weights, or the
+    `main_grad` of weights kept in the compute type)."""
+    grad = grad_of(parameter)
+    if grad is not None and a.dtype == grad.dtype:
+        grad.addmm_(a, b)
     else:
         _accumulate(parameter, a @ b)
 
 
 def _accumulate(parameter: nn.Parameter, grad: torch.Tensor) -> None:
+    main = getattr(parameter, "main_grad", None)
+    if main is not None:
+        main.add_(grad.to(main.dtype))
+        return
     grad = grad.to(parameter.dtype)
     if parameter.grad is None:
         parameter.grad = grad

@@ -23,13 +23,15 @@ from pipeloom.runtime.boundary import StageProbe, probe_stages
 from pipeloom.runtime.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from pipeloom.runtime.comm import plan_messages
 from pipeloom.runtime.executor import DeviceExecutor, peer_failure, run_stage
-from pipeloom.runtime.gradients import GradientBuckets, unique_parameters
+from pipeloom.runtime.gradients import GradientBuckets, grad_of, unique_parameters
 from pipeloom.runtime.offload import HostOffload
 from pipeloom.runtime.optimizer_sync import OptimizerSync
 from pipeloom.runtime.precision import LossScaler, Precision
 from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
 from pipeloom.runtime.spec import RankResult, TrainSpec, check_device, check_spec
 from pipeloom.runtime.workload import Workload, rows_of
+from pipeloom.runtime.zero import ReplicatedAdamW, ShardedAdamW
+from pipeloom.tune.static_memory import compute_bytes, static_bytes
 
 __all__ = ["TrainSpec", "check_spec", "check_device", "train_rank", "reference_training", "RankResult"]
 
@@ -72,18 +74,26 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
     all_stages = work.build(schedule.num_stages)
     probe = _probe(spec, work, all_stages, precision)
     hosted = schedule.stages_on(device)
-    buckets = GradientBuckets(schedule, spec.dp, all_stages, rank)
+    buckets = GradientBuckets(schedule, spec.dp, all_stages, rank, across_replicas=spec.zero == 0)
+    dp_groups = [dist.new_group([r * p + d for r in range(spec.dp)]) for d in range(p)] if spec.zero else None
     queue = WeightGradQueue()
     stages = {s: all_stages[s].to(where) for s in hosted}
     if any(op.kind is OpKind.W for op in schedule.devices[device]):  # fused backwards keep plain linears
         for module in stages.values():
             split_linears(module, queue)
     offloaded = [s for s in hosted if s in spec.offload_stages]
-    host = HostOffload(stages, offloaded, spec.lr, spec.reload_bits) if offloaded else None
+    host = (
+        HostOffload(stages, offloaded, spec.lr, spec.reload_bits, weight_dtype=precision.dtype) if offloaded else None
+    )
     on_host = {id(p_) for s in offloaded for p_ in stages[s].parameters()}
-    every_parameter = unique_parameters([stages[s] for s in hosted])
-    parameters = [p_ for p_ in every_parameter if id(p_) not in on_host]
-    optimizer = torch.optim.AdamW(parameters, lr=spec.lr) if parameters else None
+    parameters = [p_ for p_ in unique_parameters([stages[s] for s in hosted]) if id(p_) not in on_host]
+    owned = _owned(schedule, all_stages, device)
+    if spec.zero:
+        stepper = ShardedAdamW(
+            parameters, owned, spec.lr, spec.zero, dp_groups[device], precision.dtype, label=f"device{device}"
+        )
+    else:
+        stepper = ReplicatedAdamW(parameters, owned, spec.lr)
     plan = plan_messages(schedule)
     pair_groups = _pair_groups(plan, spec.dp, p)[replica]
     executor = DeviceExecutor(
@@ -104,15 +114,15 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
         precision=precision,
     )
     scaler = LossScaler(spec.initial_loss_scale, spec.loss_scale_growth_interval) if spec.dtype == "fp16" else None
-    sync = _optimizer_sync(spec, optimizer, all_stages, stages, device, replica, scaler)
+    sync = _optimizer_sync(spec, stepper, device, replica, scaler)
     m, b = schedule.num_microbatches, work.microbatch_size
     result = RankResult(rank, sample_tokens=work.sample_tokens, samples_per_step=spec.dp * m * b)
     result.forward_flops = m * sum(probe.forward_flops[s] for s in hosted)
     progress = _progress(spec, rank, result)
     first = 0
     if spec.resume_dir is not None:
-        path, _ = find_checkpoint(spec.resume_dir, dist.get_world_size(), schedule.name)
-        first = load_checkpoint(path, stages, optimizer)
+        path, _ = find_checkpoint(spec.resume_dir, dist.get_world_size(), schedule.name, spec.zero)
+        first = load_checkpoint(path, stages, stepper)
     if where.type == "cuda":
         torch.cuda.reset_peak_memory_stats(where)
     for step in range(first, spec.steps):
@@ -123,29 +133,29 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
         micro_targets = [targets[r].to(where) for r in rows]
         if sync is not None:
             sync.validate()  # the previous step, against the full state the last device sent back
-        for parameter in every_parameter:
-            parameter.grad = None
+        stepper.zero_grad()
+        if host is not None:
+            host.zero_grad()
         if scaler is not None:
             executor.grad_scale = scaler.scale
             result.loss_scales.append(scaler.scale)
         record = executor.run_step(micro_inputs, micro_targets)
         _collective(rank, f"the all-reduce of gradients with ranks {buckets.describe()}", buckets.reduce)
-        if scaler is not None:
-            for parameter in every_parameter:
-                if parameter.grad is not None:
-                    parameter.grad.div_(scaler.scale)
         _inject_faults(spec, step, stages)
+        _collective(rank, "the data-parallel reduction of the sharded gradients", stepper.reduce)
+        if scaler is not None:
+            stepper.scale(1.0 / scaler.scale)
         if spec.record_gradients:
             result.gradients = {
-                s: {n: t.grad.detach().cpu().clone() for n, t in stages[s].named_parameters() if t.grad is not None}
+                s: {n: grad_of(t).detach().float().cpu().clone() for n, t in stages[s].named_parameters() if grad_of(t) is not None}
                 for s in hosted
             }
         if host is not None:
             host.offload_and_step()  # the host steps these stages while this rank goes on
         if sync is not None:
             sync.step(step)
-        elif optimizer is not None:
-            optimizer.step()
+        else:
+            stepper.step()
         loss = torch.tensor([record.loss], dtype=torch.float64, device=where)
         _collective(
             rank, f"the all-reduce of the loss with ranks {list(range(dist.get_world_size()))}", dist.all_reduce, loss
@@ -158,7 +168,7 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
         if spec.save_every and (step + 1) % spec.save_every == 0:
             if sync is not None:
                 sync.validate()
-            save_checkpoint(spec.save_dir, step + 1, stages, optimizer, schedule.name)
+            save_checkpoint(spec.save_dir, step + 1, stages, stepper, schedule.name, spec.zero)
     if sync is not None:
         sync.validate()
         result.rollbacks, result.skipped_steps = sync.rollbacks, sync.skipped
@@ -169,6 +179,7 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
         result.offload_events = host.events
     if where.type == "cuda":
         result.peak_memory_bytes = int(torch.cuda.max_memory_allocated(where))
+    result.static_bytes, result.planned_static_bytes = _static_bytes(spec, stepper, host, parameters, precision)
     result.parameters = {s: {n: t.detach().cpu().clone() for n, t in stages[s].named_parameters()} for s in hosted}
     return result
 
@@ -193,29 +204,15 @@ def _progress(spec: TrainSpec, rank: int, result: RankResult):
     return StepReporter(result, spec.steps, spec.peak_tflops)
 
 
-def _optimizer_sync(
-    spec: TrainSpec, optimizer, all_stages, stages: dict, device: int, replica: int, scaler: LossScaler | None
-) -> OptimizerSync | None:
+def _optimizer_sync(spec: TrainSpec, stepper, device: int, replica: int, scaler: LossScaler | None):
     """Global clipping / skipping (also fp16's overflow skip), if asked for; its process groups
-    are made on every rank alike. Each parameter counts once: on the lowest device hosting its
-    first stage."""
+    are made on every rank alike."""
     if spec.clip_norm is None and not spec.post_validation and scaler is None:
         return None
-    schedule, p = spec.schedule, spec.schedule.num_devices
+    p = spec.schedule.num_devices
     groups = [dist.new_group([r * p + d for d in range(p)]) for r in range(spec.dp)]
-    owners = {s: min(d for d in range(p) if s in schedule.stages_on(d)) for s in range(schedule.num_stages)}
-    first_stage: dict[int, int] = {}
-    for s, module in enumerate(all_stages):
-        for parameter in module.parameters():
-            first_stage.setdefault(id(parameter), s)
-    owned = [
-        parameter
-        for parameter in unique_parameters([stages[s] for s in sorted(stages)])
-        if owners[first_stage[id(parameter)]] == device
-    ]
     return OptimizerSync(
-        optimizer,
-        owned,
+        stepper,
         spec.clip_norm,
         spec.post_validation,
         device,
@@ -225,6 +222,41 @@ def _optimizer_sync(
         spec.timeout_s,
         on_decision=scaler.update if scaler is not None else None,
     )
+
+
+def _owned(schedule, all_stages, device: int):
+    """Whether this device counts a parameter in the global gradient norm: each counts once, on
+    the lowest device hosting its first stage."""
+    owners = {s: min(d for d in range(schedule.num_devices) if s in schedule.stages_on(d)) for s in range(schedule.num_stages)}
+    first_stage: dict[int, int] = {}
+    for s, module in enumerate(all_stages):
+        for parameter in module.parameters():
+            first_stage.setdefault(id(parameter), s)
+    return lambda parameter: owners[first_stage[id(parameter)]] == device
+
+
+def _static_bytes(spec: TrainSpec, stepper, host, parameters, precision: Precision) -> tuple[dict, dict]:
+    """(measured, planned) weight, gradient, optimizer and host bytes of this rank: the tensors it
+    holds, beside `pipeloom.tune.static_memory`'s figures for as many weights."""
+    compute = compute_bytes(precision.name)
+    measured = {
+        "weights": sum(t.numel() * t.element_size() for t in parameters),
+        "gradients": stepper.gradient_bytes,
+        "optimizer": stepper.optimizer_bytes,
+        "host": 0,
+    }
+    planned = static_bytes(sum(t.numel() for t in parameters), spec.dp, spec.zero, compute=compute).to_dict()
+    planned.pop("device")
+    if host is not None:
+        on_host = [t for params in host.device_params.values() for t in params]
+        offloaded = static_bytes(sum(t.numel() for t in on_host), offloaded=True, compute=compute)
+        measured["weights"] += sum(t.numel() * t.element_size() for t in on_host)
+        measured["gradients"] += host.store.bytes
+        measured["host"] = host.host_bytes
+        planned["weights"] += offloaded.weights
+        planned["gradients"] += offloaded.gradients
+        planned["host"] = offloaded.host
+    return measured, planned
 
 
 def _inject_faults(spec: TrainSpec, step: int, stages: dict) -> None:

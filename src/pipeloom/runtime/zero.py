@@ -1,0 +1,290 @@
+"""Static memory as the planner counts it: gradient buffers, ZeRO-sharded AdamW, weights in the
+compute type.
+
+Three ways a rank steps the weights it holds, one interface (`local_state`, `reduce`, `scale`,
+`step`, `rollback`, `checkpoint_state`), so clipping, post-validation, the fp16 loss scale and
+checkpoints treat them alike:
+
+* `ReplicatedAdamW` (ZeRO-0): the weights are the fp32 master copy; every replica keeps the whole
+  AdamW state — 16 bytes per weight (4 weight, 4 gradient, 8 moments).
+* `ShardedAdamW` level 1 (ZeRO-1): the weights live in the compute type (2 bytes in bf16), the
+  gradients accumulate in one flat fp32 buffer (4) and are all-reduced over the stage's
+  data-parallel group; each replica keeps an fp32 master copy and AdamW's moments of its 1/dp of
+  that buffer (12/dp), steps it, and the new weights are all-gathered — 2 + 4 + 12/dp.
+* level 2 (ZeRO-2): the gradients accumulate in the compute type (2) and are reduce-scattered
+  into each replica's fp32 shard (4/dp), half the traffic of the all-reduce — 2 + 2 + 16/dp. In a
+  pipeline a stage's gradients build up over every micro-batch of the step, so the full buffer
+  lives through the step either way; what sharding saves is its width.
+
+The flat buffer is padded to a multiple of dp, so every shard has the same size and the bytes are
+exactly `static_bytes` (the planner's `pipeloom.tune.static_memory`). Sharding is elementwise and
+AdamW is elementwise, so a sharded step is the unsharded one. The collectives are torch's
+(`all_reduce`, `reduce_scatter_single`, `all_gather_single`) over the device's data-parallel group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeloom.runtime.optimizer_sync import adamw_rollback
+
+__all__ = ["GradientStore", "ReplicatedAdamW", "ShardedAdamW"]
+_CHUNK = 1 << 22
+"""Elements per reduce-scatter piece: the fp32 copy it needs stays small beside the buffer."""
+
+
+class GradientStore:
+    """The gradients of `parameters` as views of one flat buffer of `dtype`, padded to a multiple
+    of `multiple`. A parameter of that dtype accumulates straight into its view (its `.grad`);
+    one of another type (bf16 weights, fp32 gradients) gets a `main_grad` view that a hook adds
+    each freshly accumulated `.grad` into, freeing it at once."""
+
+    def __init__(self, parameters: Sequence[nn.Parameter], dtype: torch.dtype, multiple: int = 1) -> None:
+        self.parameters = list(parameters)
+        total = sum(p.numel() for p in self.parameters)
+        self.numel = total
+        padded = math.ceil(total / multiple) * multiple if total else 0
+        device = self.parameters[0].device if self.parameters else torch.device("cpu")
+        self.flat = torch.zeros(padded, dtype=dtype, device=device)
+        self.views: dict[int, torch.Tensor] = {}
+        self.offsets: list[tuple[nn.Parameter, int]] = []
+        offset = 0
+        for parameter in self.parameters:
+            view = self.flat[offset : offset + parameter.numel()].view_as(parameter)
+            self.views[id(parameter)] = view
+            self.offsets.append((parameter, offset))
+            offset += parameter.numel()
+            if parameter.dtype != dtype:
+                parameter.main_grad = view
+                parameter.register_post_accumulate_grad_hook(_fold_into_main_grad)
+        self.zero()
+
+    def zero(self) -> None:
+        self.flat.zero_()
+        for parameter in self.parameters:
+            view = self.views[id(parameter)]
+            parameter.grad = view if parameter.dtype == view.dtype else None
+
+    def grad_of(self, parameter: nn.Parameter) -> torch.Tensor:
+        return self.views[id(parameter)]
+
+    @property
+    def bytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+
+def _fold_into_main_grad(parameter: nn.Parameter) -> None:
+    if parameter.grad is not None:  # None when the weight's gradient waits for W (SplitLinear)
+        parameter.main_grad.add_(parameter.grad)
+        parameter.grad = None
+
+
+class ReplicatedAdamW:
+    """ZeRO-0: AdamW over every weight this rank holds, on every replica."""
+
+    level = 0
+
+    def __init__(self, parameters: Sequence[nn.Parameter], owned: Callable[[nn.Parameter], bool], lr: float) -> None:
+        self.parameters = list(parameters)
+        self.owned = [p for p in self.parameters if owned(p)]
+        self.optimizer = torch.optim.AdamW(self.parameters, lr=lr) if self.parameters else None
+
+    def zero_grad(self) -> None:
+        for parameter in self.parameters:
+            parameter.grad = None
+
+    def reduce(self) -> None:
+        """The data-parallel sum is part of the gradient buckets here."""
+
+    def local_state(self) -> torch.Tensor:
+        return _squares_and_bad([p.grad for p in self.owned if p.grad is not None], self._device)
+
+    def scale(self, factor: float) -> None:
+        for parameter in self.parameters:
+            if parameter.grad is not None:
+                parameter.grad.mul_(factor)
+
+    def step(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.step()
+
+    def rollback(self) -> None:
+        if self.optimizer is not None:
+            adamw_rollback(self.optimizer)
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """AdamW's two moments, as allocated (the weights are the master copy)."""
+        return _state_bytes(self.optimizer) if self.optimizer is not None else 0
+
+    @property
+    def gradient_bytes(self) -> int:
+        return sum(p.grad.numel() * p.grad.element_size() for p in self.parameters if p.grad is not None)
+
+    def checkpoint_state(self, keys: dict[int, str]) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = {}
+        if self.optimizer is None:
+            return state
+        for parameter in self.parameters:
+            slot = self.optimizer.state[parameter]
+            if not slot:  # created zeroed, as AdamW's first step would
+                slot.update(
+                    step=torch.tensor(0.0),
+                    exp_avg=torch.zeros_like(parameter, memory_format=torch.preserve_format),
+                    exp_avg_sq=torch.zeros_like(parameter, memory_format=torch.preserve_format),
+                )
+            for field in ("step", "exp_avg", "exp_avg_sq"):
+                state[f"optim.{keys[id(parameter)]}.{field}"] = slot[field]
+        return state
+
+    def after_load(self) -> None:
+        """The weights are the master copy: nothing to restore from."""
+
+    @property
+    def _device(self) -> torch.device:
+        return self.parameters[0].device if self.parameters else torch.device("cpu")
+
+
+class ShardedAdamW:
+    """ZeRO-1/2 over the data-parallel `group` of this rank's device (see the module docstring).
+    Built from the fp32 weights, which it then casts to `weight_dtype` in place."""
+
+    def __init__(
+        self,
+        parameters: Sequence[nn.Parameter],
+        owned: Callable[[nn.Parameter], bool],
+        lr: float,
+        level: int,
+        group: dist.ProcessGroup,
+        weight_dtype: torch.dtype,
+        label: str,
+    ) -> None:
+        assert level in (1, 2), level
+        self.level, self.group, self.label = level, group, label
+        self.size = dist.get_world_size(group)
+        self.index = dist.get_group_rank(group, dist.get_rank())
+        self.parameters = list(parameters)
+        device = self.parameters[0].device if self.parameters else torch.device("cpu")
+        total = sum(p.numel() for p in self.parameters)
+        self.shard = math.ceil(total / self.size) if total else 0
+        begin, end = self.index * self.shard, (self.index + 1) * self.shard
+        master = torch.zeros(self.shard, dtype=torch.float32, device=device)
+        mask = torch.zeros(self.shard, dtype=torch.bool, device=device)
+        offset = 0
+        with torch.no_grad():
+            for parameter in self.parameters:
+                low, high = max(offset, begin), min(offset + parameter.numel(), end)
+                if low < high:
+                    master[low - begin : high - begin] = parameter.detach().reshape(-1)[low - offset : high - offset]
+                    mask[low - begin : high - begin] = owned(parameter)
+                offset += parameter.numel()
+                parameter.data = parameter.data.to(weight_dtype)
+        self.owned_mask = mask
+        """Elements of the shard whose parameter this device counts in the global norm."""
+        self.master = nn.Parameter(master)
+        self.master.grad = torch.zeros_like(master)
+        self.optimizer = torch.optim.AdamW([self.master], lr=lr)
+        self.store = GradientStore(self.parameters, torch.float32 if level == 1 else weight_dtype, self.size)
+
+    def zero_grad(self) -> None:
+        self.store.zero()
+
+    def reduce(self) -> None:
+        """The data-parallel sum, into this replica's shard of the gradient."""
+        flat, begin = self.store.flat, self.index * self.shard
+        if not self.shard:
+            return
+        if self.level == 1:
+            dist.all_reduce(flat, group=self.group)
+            self.master.grad.copy_(flat[begin : begin + self.shard])
+            return
+        rows = flat.view(self.size, self.shard)
+        for low in range(0, self.shard, _CHUNK):
+            high = min(low + _CHUNK, self.shard)
+            piece = rows[:, low:high].float().contiguous().view(-1)  # rank r's part is row r
+            dist.reduce_scatter_single(self.master.grad[low:high], piece, group=self.group)
+
+    def local_state(self) -> torch.Tensor:
+        """[squares, non-finite count] of the owned elements, summed over the group's shards."""
+        grad = self.master.grad
+        finite = torch.isfinite(grad)
+        counted = self.owned_mask
+        squares = torch.where(finite & counted, grad, torch.zeros_like(grad)).double().pow(2).sum()
+        bad = (~finite & counted).sum().double()
+        state = torch.stack((squares, bad))
+        dist.all_reduce(state, group=self.group)
+        return state
+
+    def scale(self, factor: float) -> None:
+        self.master.grad.mul_(factor)
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self._gather_weights()
+
+    def rollback(self) -> None:
+        adamw_rollback(self.optimizer)
+        self._gather_weights()
+
+    def _gather_weights(self) -> None:
+        """Every replica's new shard, in the weights' type, into the weights — through the
+        gradient buffer, whose step is over, so the gather needs no memory of its own."""
+        if not self.shard:
+            return
+        dtype = self.parameters[0].dtype
+        buffer = self.store.flat.view(dtype)[: self.size * self.shard]
+        dist.all_gather_single(buffer, self.master.detach().to(dtype), group=self.group)
+        with torch.no_grad():
+            for parameter, offset in self.store.offsets:
+                parameter.copy_(buffer[offset : offset + parameter.numel()].view_as(parameter))
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """The fp32 master shard and its two moments, as allocated."""
+        return self.master.numel() * self.master.element_size() + _state_bytes(self.optimizer)
+
+    @property
+    def gradient_bytes(self) -> int:
+        """The accumulation buffer, and under ZeRO-2 the fp32 shard it is reduce-scattered into."""
+        shard = self.master.grad.numel() * self.master.grad.element_size() if self.level == 2 else 0
+        return self.store.bytes + shard
+
+    def checkpoint_state(self, keys: dict[int, str]) -> dict[str, torch.Tensor]:
+        slot = self.optimizer.state[self.master]
+        if not slot:
+            slot.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(self.master), exp_avg_sq=torch.zeros_like(self.master))
+        prefix = f"zero.{self.label}.shard{self.index}"
+        return {
+            f"{prefix}.master": self.master.data,
+            **{f"{prefix}.{field}": slot[field] for field in ("step", "exp_avg", "exp_avg_sq")},
+        }
+
+    def after_load(self) -> None:
+        """The loaded master shards are the truth; the weights follow from them."""
+        self._gather_weights()
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """AdamW's moments (its step counters are scalars, left out)."""
+    return sum(
+        value.numel() * value.element_size()
+        for slot in optimizer.state.values()
+        for key, value in slot.items()
+        if key != "step" and isinstance(value, torch.Tensor)
+    )
+
+
+def _squares_and_bad(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    squares = torch.zeros((), dtype=torch.float64)
+    bad = torch.zeros((), dtype=torch.float64)
+    for grad in grads:
+        grad = grad.detach().double()
+        finite = torch.isfinite(grad)
+        bad += (~finite).sum().cpu()
+        squares += torch.where(finite, grad, torch.zeros_like(grad)).pow(2).sum().cpu()
+    return torch.stack((squares, bad)).to(device)

@@ -1,0 +1,81 @@
+"""Static memory — weights, gradients, optimizer state — under each measure the runtime implements.
+
+The planner and the runtime (`pipeloom.runtime.zero`, `pipeloom.runtime.offload`) share these
+figures, so a plan's static memory is what the ranks hold. Per weight, with c the bytes of the
+compute type (2 for bf16/fp16, 4 for fp32) and dp the data-parallel size:
+
+| measure  | weights | gradients  | optimizer (fp32 master + AdamW moments) | host |
+|----------|---------|------------|-----------------------------------------|------|
+| ZeRO-0   | 4       | 4          | 8 (the weights are the master copy)     | 0    |
+| ZeRO-1   | c       | 4          | 12/dp                                   | 0    |
+| ZeRO-2   | c       | c + 4/dp   | 12/dp                                   | 0    |
+| offload  | c       | 4          | 0                                       | 16   |
+
+ZeRO-0 keeps fp32 weights and computes under autocast; the other measures keep the weights in
+the compute type and an fp32 master copy: sharded over the data-parallel replicas (ZeRO-1/2,
+each shard the same size, ceil(params/dp)), or on the host with the gradients' copy (offload,
+TPipe's T-Offload for any set of stages). ZeRO-2 accumulates the gradients in the compute type
+and reduce-scatters them into an fp32 shard.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["ZERO_LEVELS", "StaticBytes", "static_bytes", "compute_bytes", "collective_bytes"]
+
+ZERO_LEVELS = (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class StaticBytes:
+    weights: float
+    gradients: float
+    optimizer: float
+    host: float = 0.0
+
+    @property
+    def device(self) -> float:
+        return self.weights + self.gradients + self.optimizer
+
+    def to_dict(self) -> dict:
+        return {
+            "weights": self.weights,
+            "gradients": self.gradients,
+            "optimizer": self.optimizer,
+            "device": self.device,
+            "host": self.host,
+        }
+
+
+def compute_bytes(dtype: str) -> int:
+    """Bytes per element of a compute type name (bf16, fp16, fp32)."""
+    return 4 if dtype == "fp32" else 2
+
+
+def static_bytes(params: float, dp: int = 1, zero: int = 0, offloaded: bool = False, compute: int = 2) -> StaticBytes:
+    """Bytes of `params` weights under a measure (see the table). Whole weight counts give the
+    runtime's exact figure, padding of the shards included."""
+    if zero not in ZERO_LEVELS:
+        raise ValueError(f"ZeRO level must be one of {ZERO_LEVELS}, got {zero!r}")
+    if offloaded:
+        return StaticBytes(compute * params, 4 * params, 0.0, 16 * params)
+    if zero == 0:
+        return StaticBytes(4 * params, 4 * params, 8 * params)
+    shard = math.ceil(params / dp) if float(params).is_integer() else params / dp
+    padded = shard * dp  # the gradient buffer, padded to equal shards
+    gradients = 4 * padded if zero == 1 else compute * padded + 4 * shard
+    return StaticBytes(compute * params, gradients, 12 * shard)
+
+
+def collective_bytes(params: float, dp: int, zero: int, compute: int = 2) -> float:
+    """Bytes one rank moves per step to sum gradients over dp replicas (ring algorithms): an
+    all-reduce of fp32 gradients (ZeRO-0/1) or a reduce-scatter (ZeRO-2), plus the all-gather of
+    the new weights in the compute type (ZeRO-1/2)."""
+    if dp == 1:
+        return 0.0
+    share = (dp - 1) / dp
+    reduce = share * 4 * params * (2 if zero < 2 else 1)
+    gather = share * compute * params if zero else 0.0
+    return reduce + gather

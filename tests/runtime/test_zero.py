@@ -1,0 +1,96 @@
+"""ZeRO-1/2 and offloaded optimizers in the runtime: same training, the planned static bytes."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pipeloom import ConfigError, build_schedule  # noqa: E402
+from pipeloom.models.llama import LlamaConfig  # noqa: E402
+from pipeloom.runtime.local import run_local  # noqa: E402
+from pipeloom.runtime.training import TrainSpec, check_spec, reference_training  # noqa: E402
+from pipeloom.tune.static_memory import static_bytes  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+CONFIG = LlamaConfig(layers=4, hidden=32, heads=2, ffn=64, vocab=64, seq_len=16)
+
+
+def _close(results, reference_parameters, rtol=1e-5, atol=1e-6):
+    for result in results:
+        for stage, parameters in result.parameters.items():
+            for name, value in parameters.items():
+                torch.testing.assert_close(value.float(), reference_parameters[stage][name], rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("zero", [1, 2])
+def test_sharded_optimizer_trains_like_one_unsharded_process(name, zero):
+    spec = TrainSpec(build_schedule(name, 2, 4), config=CONFIG, steps=3, dp=2, zero=zero)
+    results = run_local(spec)
+    losses, parameters = reference_training(spec)
+    assert results[0].losses == pytest.approx(losses, rel=1e-5)
+    _close(results, parameters)
+    for result in results:  # every rank holds what the planner counts, the optimizer 1/dp of it
+        count = sum(v.numel() for stage in result.parameters.values() for v in stage.values())
+        planned = static_bytes(count, dp=2, zero=zero, compute=4)
+        assert result.static_bytes["optimizer"] == planned.optimizer == 12 * -(-count // 2)
+        assert result.static_bytes == result.planned_static_bytes
+
+
+def test_bf16_weights_with_sharded_fp32_masters_match_the_plan():
+    spec = TrainSpec(build_schedule("zb-h1", 2, 4), config=CONFIG, steps=3, dp=2, zero=1, dtype="bf16")
+    results = run_local(spec)
+    losses, _ = reference_training(spec)
+    assert results[0].losses == pytest.approx(losses, rel=2e-3)
+    for result in results:
+        assert all(v.dtype == torch.bfloat16 for stage in result.parameters.values() for v in stage.values())
+        count = sum(v.numel() for stage in result.parameters.values() for v in stage.values())
+        assert result.static_bytes["weights"] == 2 * count
+        assert result.static_bytes["gradients"] == 4 * 2 * -(-count // 2)  # fp32, padded to equal shards
+        assert result.static_bytes == result.planned_static_bytes
+
+
+def test_clipping_and_post_validation_see_the_whole_sharded_gradient():
+    base = dict(config=CONFIG, steps=3, dp=2, clip_norm=0.5, post_validation=True)
+    faults = ((1, 0, "scale", 100.0),)  # a blown-up step 1: clipped, rolled back on device 0
+    plain = run_local(TrainSpec(build_schedule("zb-h1", 2, 4), gradient_faults=faults, **base))
+    sharded = run_local(TrainSpec(build_schedule("zb-h1", 2, 4), gradient_faults=faults, zero=2, **base))
+    assert sharded[0].losses == pytest.approx(plain[0].losses, rel=1e-6)
+    assert [r.rollbacks for r in sharded] == [r.rollbacks for r in plain]
+    assert plain[0].rollbacks > 0
+    for result, other in zip(sharded, plain):
+        _close([result], other.parameters)
+
+
+def test_resume_from_a_sharded_checkpoint_is_bit_identical(tmp_path):
+    schedule = build_schedule("1f1b", 2, 4)
+    base = dict(config=CONFIG, dp=2, zero=2, dtype="bf16")
+    whole = run_local(TrainSpec(schedule, steps=4, **base))
+    first = run_local(TrainSpec(schedule, steps=2, save_every=2, save_dir=str(tmp_path), **base))
+    resumed = run_local(TrainSpec(schedule, steps=4, resume_dir=str(tmp_path), **base))
+    assert first[0].losses + resumed[0].losses == whole[0].losses
+    for rank, result in enumerate(resumed):
+        for stage, parameters in result.parameters.items():
+            for key, value in parameters.items():
+                assert torch.equal(value, whole[rank].parameters[stage][key])
+    with pytest.raises(ConfigError, match="ZeRO-2 optimizer state, not ZeRO-1"):
+        check_spec(TrainSpec(schedule, steps=4, resume_dir=str(tmp_path), **{**base, "zero": 1}))
+
+
+def test_every_stage_offloaded_keeps_weights_and_gradients_only():
+    schedule = build_schedule("interleaved", 2, 4, num_chunks=2)
+    spec = TrainSpec(schedule, config=CONFIG, steps=3, dtype="bf16", offload_stages=(0, 1, 2, 3))
+    results = run_local(spec)
+    losses, _ = reference_training(spec)
+    assert results[0].losses == pytest.approx(losses, rel=2e-3)
+    for result in results:
+        count = sum(v.numel() for stage in result.parameters.values() for v in stage.values())
+        assert result.static_bytes == {"weights": 2 * count, "gradients": 4 * count, "optimizer": 0, "host": 16 * count}
+        assert result.static_bytes == result.planned_static_bytes
+
+
+def test_bad_zero_levels_are_refused():
+    with pytest.raises(ConfigError, match="ZeRO level must be 0, 1 or 2"):
+        check_spec(TrainSpec(build_schedule("1f1b", 2, 4), config=CONFIG, zero=3))
+    with pytest.raises(ConfigError, match="ZeRO-2 keeps only a shard"):
+        check_spec(TrainSpec(build_schedule("1f1b", 2, 4), config=CONFIG, zero=2, record_gradients=True))
