@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) bench/tpipe.py
 	$(PY) bench/svpp.py
 	$(PY) bench/tune_speed.py
+	$(PY) bench/capacity.py
 	$(PY) bench/fidelity.py
 	$(PY) bench/slices.py
 	$(PY) bench/runtime_vs_torch.py

@@ -27,7 +27,11 @@ def spec_from_plan(args: argparse.Namespace):
     model = plan.model
     source = args.model or plan.cost_model.get("model")
     fields = run_options(args)
-    if "offload" in plan.passes:
+    if args.zero == 0:  # the plan's static-memory measures, unless the flags ask for others
+        fields["zero"] = plan.zero
+    if plan.offload_stages:
+        fields.setdefault("offload_stages", plan.offload_stages)
+    elif "offload" in plan.passes:
         fields.setdefault("offload_stages", t_offload(plan.schedule).stages)
     if source and source.startswith("hf:"):  # the profiled Hugging Face model, cut as planned
         from pipeloom.cli_model import workload_from_args

@@ -48,10 +48,19 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-memory-passes", action="store_true", help="do not try Mario, T-Recomp or T-Offload where memory is short"
     )
+    parser.add_argument(
+        "--no-static-measures",
+        action="store_true",
+        help="do not try ZeRO-1/2 or host-stepped optimizers where static memory is short",
+    )
     parser.add_argument("--top", type=int, default=10, help="plans to rank (default 10)")
     parser.add_argument("--output", default="plan.json", help="where to write the best plan (default plan.json)")
     parser.add_argument("--plot", help="the best plan's timeline (default: the output's name with .png)")
-    parser.add_argument("--explain", action="store_true", help="say why the runner-ups lost (memory or time)")
+    parser.add_argument(
+        "--explain",
+        action="store_true",
+        help="say which static-memory measures the best plan needs and what they cost, and why the runner-ups lost",
+    )
     parser.add_argument("--json", action="store_true", help="print the ranking as JSON")
 
 
@@ -84,6 +93,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         micro_batches=power_of_two_sizes(args.max_mbs),
         keep=args.top,
         memory_passes=not args.no_memory_passes,
+        static_measures=not args.no_static_measures,
         progress=progress_bar("tune"),
     )
     best = result.best
@@ -156,6 +166,8 @@ def _row_dict(e, result) -> dict:
         "chunks": e.candidate.chunks,
         "slices": e.candidate.slices,
         "passes": list(e.candidate.passes),
+        "zero": e.candidate.zero,
+        "static_memory": e.static_memory,
         "step_time_ms": e.step_time,
         "throughput": result.throughput(e),
         "peak_memory": e.peak_memory,
@@ -180,16 +192,43 @@ def _report(result, args, memory: float, cost_model) -> str:
 
 def _explain(result, memory: float) -> str:
     best = result.best
-    lines = ["", "why the others lost:"]
+    lines = ["", static_measures_line(best, memory), "", "why the others lost:"]
     for e in result.ranked[1:]:
         lines.append(f"  {e.candidate.label}: time, {e.step_time / best.step_time - 1:+.1%} step time")
     unfit = {label: (step, why) for e in result.ranked + result.rejected for label, step, why in e.unfit}
     faster = sorted((step, label, why) for label, (step, why) in unfit.items() if step < best.step_time)
     for step, label, why in faster[:5]:
         lines.append(f"  {label}: memory, would be {1 - step / best.step_time:.1%} faster but {why[8:]}")
-    if len(lines) == 2:
+    if len(lines) == 4:
         lines.append("  (no other candidate came close)")
     return "\n".join(lines)
+
+
+def static_measures_line(evaluation, memory: float) -> str:
+    """Which static-memory measure a plan needs, what it saves over none, and what it costs."""
+    chosen, options = evaluation.static_option, evaluation.options
+    if chosen is None or not options:
+        return "static memory: as planned by the cost model"
+    plain = options[0]
+    plain_gib, own_gib = max(plain.static_memory) / 2**30, max(evaluation.static_memory) / 2**30
+    if chosen is plain:
+        return (
+            f"static memory: no measure needed — fp32 weights and AdamW on every replica, {own_gib:.2f} GiB "
+            f"per device at most (ZeRO-0), within {memory / 2**30:.2f} GiB"
+        )
+    extra = chosen.allreduce_time + chosen.optimizer_time - plain.allreduce_time - plain.optimizer_time
+    if chosen.offload_all:
+        extra += evaluation.offload.delay if evaluation.offload else 0.0
+        what = "every stage's fp32 master weights and AdamW on the host, stepped in bubbles"
+    elif chosen.zero == 1:
+        what = f"bf16 weights, fp32 master weights and AdamW sharded over dp={evaluation.candidate.dp}"
+    else:
+        what = f"bf16 weights and gradients, master weights, AdamW and the fp32 gradient reduce-scattered over dp={evaluation.candidate.dp}"
+    return (
+        f"static memory: {chosen.label} — {what}: {own_gib:.2f} GiB per device at most instead of "
+        f"{plain_gib:.2f} GiB under ZeRO-0, for {extra:+.2f} ms per step "
+        f"({'host lanes' if chosen.offload_all else 'all-gather of the weights, smaller optimizer step'})"
+    )
 
 
 def add_profile_arguments(parser: argparse.ArgumentParser) -> None:

@@ -78,6 +78,8 @@ def test_text_data_through_a_local_tokenizer_trains_and_reports(capsys, tmp_path
             str(tokenizer),
             "--dtype",
             "bf16",
+            "--zero",
+            "1",
             "--peak-tflops",
             "1",
             "--summary",
@@ -87,10 +89,14 @@ def test_text_data_through_a_local_tokenizer_trains_and_reports(capsys, tmp_path
     out, _ = capsys.readouterr()
     assert code == 0
     assert "tokens/s" in out and "TFLOP/s" in out and "MFU" in out and "hf:llama" in out
+    assert "ZeRO-1" in out and "optimizer MiB (plan)" in out
     facts = json.loads(summary.read_text())
     assert facts["tokens_per_second"] > 0 and len(facts["tflops_per_rank"]) == 2
     assert all(0 < mfu < 1 for mfu in facts["mfu_per_rank"])
     assert facts["ranks"][0]["sent_dtypes"] == ["bfloat16"] and facts["dtype"] == "bf16"
+    for rank in facts["ranks"]:  # bf16 weights, fp32 gradients, the fp32 master and moments: as planned
+        assert rank["static_bytes"] == rank["planned_static_bytes"]
+        assert rank["static_bytes"]["optimizer"] == 6 * rank["static_bytes"]["weights"]
 
 
 def test_token_samples_are_deterministic_and_per_replica(tmp_path):

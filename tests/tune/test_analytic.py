@@ -44,7 +44,8 @@ def test_tensor_parallelism_divides_what_it_shards():
     assert two.forward_flops == one.forward_flops / 2
     assert two.activation_bytes == s * h * (10 + 24 / 2 + 5 * a * s / (h * 2))  # Korthikanti with t = 2
     assert head_figures(model, 1).activation_bytes == 4 * s * model.vocab
-    assert static_bytes_per_param(1) == 18 and static_bytes_per_param(4) == 9
+    assert static_bytes_per_param(1) == 16 and static_bytes_per_param(1, zero=1) == 18
+    assert static_bytes_per_param(4, zero=1) == 9 and static_bytes_per_param(4, zero=2) == 2 + 2 + 16 / 4
 
 
 def test_presets_and_hf_configs(tmp_path):

@@ -101,6 +101,7 @@ def profile_model(
         "format": PROFILE_FORMAT,
         "model": model.to_dict(),
         "device": f"cpu, {threads} thread(s) per rank, {dtype}",
+        "dtype": dtype,
         "micro_batch_sizes": list(micro_batches),
         "fits": fits,
         "params": _params(model, workload_for),

@@ -147,7 +147,11 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
             stepper.scale(1.0 / scaler.scale)
         if spec.record_gradients:
             result.gradients = {
-                s: {n: grad_of(t).detach().float().cpu().clone() for n, t in stages[s].named_parameters() if grad_of(t) is not None}
+                s: {
+                    n: grad_of(t).detach().float().cpu().clone()
+                    for n, t in stages[s].named_parameters()
+                    if grad_of(t) is not None
+                }
                 for s in hosted
             }
         if host is not None:
@@ -227,7 +231,9 @@ def _optimizer_sync(spec: TrainSpec, stepper, device: int, replica: int, scaler:
 def _owned(schedule, all_stages, device: int):
     """Whether this device counts a parameter in the global gradient norm: each counts once, on
     the lowest device hosting its first stage."""
-    owners = {s: min(d for d in range(schedule.num_devices) if s in schedule.stages_on(d)) for s in range(schedule.num_stages)}
+    owners = {
+        s: min(d for d in range(schedule.num_devices) if s in schedule.stages_on(d)) for s in range(schedule.num_stages)
+    }
     first_stage: dict[int, int] = {}
     for s, module in enumerate(all_stages):
         for parameter in module.parameters():
@@ -245,7 +251,9 @@ def _static_bytes(spec: TrainSpec, stepper, host, parameters, precision: Precisi
         "optimizer": stepper.optimizer_bytes,
         "host": 0,
     }
-    planned = static_bytes(sum(t.numel() for t in parameters), spec.dp, spec.zero, compute=compute).to_dict()
+    planned = static_bytes(
+        sum(t.numel() for t in parameters), spec.dp, spec.zero, compute=compute, padded=True
+    ).to_dict()
     planned.pop("device")
     if host is not None:
         on_host = [t for params in host.device_params.values() for t in params]

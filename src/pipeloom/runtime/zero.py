@@ -257,7 +257,9 @@ class ShardedAdamW:
     def checkpoint_state(self, keys: dict[int, str]) -> dict[str, torch.Tensor]:
         slot = self.optimizer.state[self.master]
         if not slot:
-            slot.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(self.master), exp_avg_sq=torch.zeros_like(self.master))
+            slot.update(
+                step=torch.tensor(0.0), exp_avg=torch.zeros_like(self.master), exp_avg_sq=torch.zeros_like(self.master)
+            )
         prefix = f"zero.{self.label}.shard{self.index}"
         return {
             f"{prefix}.master": self.master.data,

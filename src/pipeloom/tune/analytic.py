@@ -13,8 +13,8 @@ layer's weights (4h² + 2h·ffn for GPT, 2·ffn·h + h·ffn more for a gated MLP
   per token and matrix — Zero Bubble's 32sbh for GPT;
 * a stage's input (what a checkpointed stage keeps): 2sbh;
 * the head: 2bs·hV FLOPs per pass and fp32 logits, 4bsV bytes; the embedding is a lookup;
-* static memory per weight: 16-bit weights (2 bytes), fp32 gradients (4) and fp32 master weights
-  plus Adam's two moments (12), the last sharded over data parallelism (ZeRO-1).
+* static memory per weight: as the runtime holds it under each ZeRO level or offload
+  (`pipeloom.tune.static_memory`): 16 bytes under ZeRO-0, 2 + 4 + 12/dp under ZeRO-1 in bf16.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeloom.tune.presets import ModelSpec
+from pipeloom.tune.static_memory import static_bytes
 
 __all__ = ["LayerFigures", "layer_figures", "static_bytes_per_param"]
 
@@ -73,6 +74,6 @@ def stage_input_bytes(model: ModelSpec, micro_batch: int) -> float:
     return 2 * micro_batch * model.seq_len * model.hidden
 
 
-def static_bytes_per_param(dp: int) -> float:
-    """16-bit weights, fp32 gradients, fp32 master weights and Adam moments sharded over dp."""
-    return 2 + 4 + 12 / dp
+def static_bytes_per_param(dp: int, zero: int = 0) -> float:
+    """Device bytes per weight in bf16 training under a ZeRO level (`static_memory`)."""
+    return static_bytes(1.0, dp, zero).device

@@ -7,6 +7,10 @@ same questions, so the tuner does not care where the numbers come from:
 * per-stage Costs for a partition (what the simulator needs), including T-Offload's bytes;
 * per-layer and end-stage times and memory, for the partitioner;
 * what a step adds after the pipeline: the data-parallel gradient all-reduce and the optimizer.
+
+Static memory and those step additions depend on the ZeRO level (`zero`, see
+`pipeloom.tune.static_memory`): ZeRO-1/2 shrink the optimizer state by dp at the price of an
+all-gather of the new weights; M_offload is what offloading a stage's optimizer takes off the device.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Protocol
 from pipeloom.costs import Costs
 from pipeloom.tune.analytic import head_figures, layer_figures, stage_input_bytes, static_bytes_per_param
 from pipeloom.tune.presets import HardwareSpec, ModelSpec
+from pipeloom.tune.static_memory import collective_bytes, offload_saving, static_bytes
 
 __all__ = ["CostModel", "AnalyticCostModel", "ADAM_FLOPS_PER_PARAM"]
 
@@ -30,19 +35,19 @@ class CostModel(Protocol):
     source: str
     """Where the numbers come from: a hardware preset's name, or "profile"."""
 
-    def stage_costs(self, counts: Sequence[int], micro_batch: int, pp: int, dp: int) -> Costs: ...
+    def stage_costs(self, counts: Sequence[int], micro_batch: int, pp: int, dp: int, zero: int = 0) -> Costs: ...
 
     def layer_time(self, micro_batch: int) -> float: ...
 
     def end_times(self, micro_batch: int) -> tuple[float, float]: ...
 
-    def layer_memory(self, micro_batch: int, dp: int) -> tuple[float, float]: ...
+    def layer_memory(self, micro_batch: int, dp: int, zero: int = 0) -> tuple[float, float]: ...
 
     def stage_params(self, counts: Sequence[int]) -> list[float]: ...
 
-    def allreduce_time(self, params: float, pp: int, dp: int) -> float: ...
+    def allreduce_time(self, params: float, pp: int, dp: int, zero: int = 0) -> float: ...
 
-    def optimizer_time(self, params: float, dp: int) -> float: ...
+    def optimizer_time(self, params: float, dp: int, zero: int = 0) -> float: ...
 
     def to_dict(self) -> dict: ...
 
@@ -69,10 +74,10 @@ class AnalyticCostModel:
         head = head_figures(self.model, micro_batch, self.tp)
         return 0.0, self._ms(head.forward_flops + head.backward_flops + head.weight_flops)
 
-    def layer_memory(self, micro_batch: int, dp: int) -> tuple[float, float]:
+    def layer_memory(self, micro_batch: int, dp: int, zero: int = 0) -> tuple[float, float]:
         """(activation bytes, static bytes) of one layer."""
         layer = layer_figures(self.model, micro_batch, self.tp)
-        return layer.activation_bytes, layer.params * static_bytes_per_param(dp)
+        return layer.activation_bytes, layer.params * static_bytes_per_param(dp, zero)
 
     def stage_params(self, counts: Sequence[int]) -> list[float]:
         layer = self.model.layer_params / self.tp
@@ -80,7 +85,7 @@ class AnalyticCostModel:
         last = len(counts) - 1
         return [n * layer + embedding * ((i == 0) + (i == last)) for i, n in enumerate(counts)]
 
-    def stage_costs(self, counts: Sequence[int], micro_batch: int, pp: int, dp: int) -> Costs:
+    def stage_costs(self, counts: Sequence[int], micro_batch: int, pp: int, dp: int, zero: int = 0) -> Costs:
         layer = layer_figures(self.model, micro_batch, self.tp)
         head = head_figures(self.model, micro_batch, self.tp)
         last = len(counts) - 1
@@ -100,11 +105,11 @@ class AnalyticCostModel:
             M_B=per_stage(layer.activation_bytes, head.activation_bytes),
             M_W=per_stage(layer.weight_grad_bytes, head.weight_grad_bytes),
             M_ckpt=[stage_input_bytes(self.model, micro_batch)] * len(counts),
-            M_static=[n * static_bytes_per_param(dp) for n in params],
+            M_static=[static_bytes(n, dp, zero).device for n in params],
             offload_bytes=[4 * n for n in params],
             reload_bytes=[2 * n for n in params],
             host_step_flops=[ADAM_FLOPS_PER_PARAM * n for n in params],
-            M_offload=[n * (4 + 12 / dp) for n in params],
+            M_offload=[offload_saving(n, dp, zero) for n in params],
             host_bandwidth=hw.host_bandwidth / 1e3,
             host_flops=hw.host_flops / 1e3,
         )
@@ -114,16 +119,20 @@ class AnalyticCostModel:
         hw = self.hardware
         return hw.nvlink_bandwidth if ranks * self.tp <= hw.gpus_per_node else hw.network_bandwidth
 
-    def allreduce_time(self, params: float, pp: int, dp: int) -> float:
-        """Ring all-reduce of fp32 gradients across the dp replicas of a stage."""
+    def allreduce_time(self, params: float, pp: int, dp: int, zero: int = 0) -> float:
+        """Ring collectives across the dp replicas of a stage: the fp32 gradients' all-reduce
+        (reduce-scatter under ZeRO-2) and, under ZeRO-1/2, the new weights' all-gather."""
         if dp == 1:
             return 0.0
         link = self._link(pp * dp)
-        return 1e3 * (2 * (dp - 1) / dp * 4 * params / link + 2 * (dp - 1) * self.hardware.latency)
+        messages = 2 * (dp - 1) * (2 if zero else 1)
+        return 1e3 * (collective_bytes(params, dp, zero) / link + messages * self.hardware.latency)
 
-    def optimizer_time(self, params: float, dp: int) -> float:
-        """AdamW is memory-bound: read and write this rank's fp32 master weights, moments, gradients."""
-        return 1e3 * (params / dp) * 2 * 16 / self.hardware.hbm_bandwidth
+    def optimizer_time(self, params: float, dp: int, zero: int = 0) -> float:
+        """AdamW is memory-bound: read and write the fp32 master weights, moments and gradients
+        it steps — all of them under ZeRO-0, this rank's 1/dp shard under ZeRO-1/2."""
+        stepped = params / dp if zero else params
+        return 1e3 * stepped * 2 * 16 / self.hardware.hbm_bandwidth
 
     def to_dict(self) -> dict:
         return {"source": "analytic", "hardware": self.hardware.to_dict(), "tp": self.tp}

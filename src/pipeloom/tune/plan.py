@@ -4,6 +4,7 @@
      "model": {...ModelSpec...}, "cost_model": {"source": ..., ...},
      "devices": 8, "pp": 4, "dp": 2, "tp": 1, "micro_batch_size": 2, "global_batch": 64,
      "num_microbatches": 16, "scheme": "1f1b", "chunks": 1, "slices": 1, "passes": ["mario"],
+     "zero": 0, "offload_stages": [],
      "partition": [3, 4, 4, 3], "layout": "Ettt|tttt|tttt|tttL",
      "schedule": {...pipeloom.schedule/1...}, "costs": {...Costs keys...},
      "predicted": {"step_time_ms": ..., "pipeline_ms": ..., "allreduce_ms": ..., "optimizer_ms": ...,
@@ -11,6 +12,8 @@
                    "peak_activation_memory": [...]}}
 
 Times are milliseconds, memory bytes, throughput samples per second. Readers ignore extra keys.
+`zero` is the ZeRO level of the static memory and `offload_stages` the stages whose optimizer the
+host steps (`pipeloom.tune.static_memory`); both are absent from older plans and default to none.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ class Plan:
     schedule: Schedule
     costs: Costs
     predicted: dict
+    zero: int = 0
+    offload_stages: tuple[int, ...] = ()
 
     @property
     def num_microbatches(self) -> int:
@@ -72,6 +77,8 @@ class Plan:
             "chunks": self.chunks,
             "slices": self.slices,
             "passes": list(self.passes),
+            "zero": self.zero,
+            "offload_stages": list(self.offload_stages),
             "partition": list(self.partition),
             "layout": layout_string(self.partition),
             "schedule": self.schedule.to_dict(),
@@ -115,6 +122,8 @@ class Plan:
             schedule=Schedule.from_dict(data["schedule"]),
             costs=Costs.from_mapping(data["costs"]),
             predicted=dict(data.get("predicted", {})),
+            zero=int(data.get("zero", 0)),
+            offload_stages=tuple(int(s) for s in data.get("offload_stages", ())),
         )
 
 
@@ -150,4 +159,6 @@ def plan_from_evaluation(
             "static_memory": list(evaluation.static_memory),
             "peak_activation_memory": list(timeline.peak_activation_memory),
         },
+        zero=candidate.zero,
+        offload_stages=tuple(evaluation.offload.plan.stages) if evaluation.offload else (),
     )

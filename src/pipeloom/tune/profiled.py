@@ -4,7 +4,8 @@ A profile holds, per micro-batch size and per pass (F, B, W, R) and memory (M_B,
 per layer and an intercept per stage position (first: embedding; last: head and loss; middle:
 neither, taken as the cheaper end; single: both, taken as the dearer end). Other micro-batch sizes are interpolated linearly between the profiled
 ones (extrapolated past the ends). Static memory is the runtime's: 16 bytes per parameter (fp32
-weights, gradients and AdamW moments). The runtime does not count a pending W's inputs in its
+weights, gradients and AdamW moments) under ZeRO-0, `pipeloom.tune.static_memory`'s figures in the
+profile's compute type under ZeRO-1/2 and offload. The runtime does not count a pending W's inputs in its
 stash, so M_W is 0 here. The file also carries plain Costs keys — a two-device split of the
 model at the first profiled micro-batch size — so `simulate --costs profile.json` reads it too.
 """
@@ -19,6 +20,7 @@ from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError
 from pipeloom.files import read_json
 from pipeloom.tune.presets import ModelSpec, model_from_config
+from pipeloom.tune.static_memory import collective_bytes, compute_bytes, static_bytes
 
 __all__ = ["PROFILE_FORMAT", "ProfiledCostModel", "fit_positions", "profile_costs_keys"]
 
@@ -64,6 +66,7 @@ class ProfiledCostModel:
             self.bytes_per_param = float(profile["static_bytes_per_param"])
             self.bandwidth = float(profile["p2p_bandwidth"])
             self.overhead = profile.get("step_overhead", {"base_ms": 0.0, "per_param_ms": 0.0})
+            self.compute = compute_bytes(str(profile.get("dtype", "fp32")))
         except (KeyError, TypeError, ValueError) as error:
             raise ConfigError(f"profile is incomplete: {error}") from None
         self.profile = profile
@@ -106,7 +109,12 @@ class ProfiledCostModel:
         slope = self._value(key, "per_layer", micro_batch)
         return [n * slope + self._value(key, self._position(i, len(counts)), micro_batch) for i, n in enumerate(counts)]
 
-    def stage_costs(self, counts: Sequence[int], micro_batch: int, pp: int, dp: int) -> Costs:
+    def _static(self, params: float, dp: int, zero: int) -> float:
+        if zero == 0:
+            return params * self.bytes_per_param
+        return static_bytes(params, dp, zero, compute=self.compute).device
+
+    def stage_costs(self, counts: Sequence[int], micro_batch: int, pp: int, dp: int, zero: int = 0) -> Costs:
         times = {key: self._per_stage(key, counts, micro_batch) for key in _TIMES}
         memory = self._per_stage("M_B", counts, micro_batch)
         kept = [self._value("M_ckpt", self._position(i, len(counts)), micro_batch) for i in range(len(counts))]
@@ -116,8 +124,8 @@ class ProfiledCostModel:
             M_B=memory,
             M_W=0.0,
             M_ckpt=[min(k, m) for k, m in zip(kept, memory)],
-            M_static=[n * self.bytes_per_param for n in self.stage_params(counts)],
-        )
+            M_static=[self._static(n, dp, zero) for n in self.stage_params(counts)],
+        )  # no host link measured: offload is left out, not guessed
 
     def layer_time(self, micro_batch: int) -> float:
         return sum(self._value(key, "per_layer", micro_batch) for key in ("F", "B", "W"))
@@ -131,8 +139,8 @@ class ProfiledCostModel:
 
         return max(0.0, extra("first")), max(0.0, extra("last"))
 
-    def layer_memory(self, micro_batch: int, dp: int) -> tuple[float, float]:
-        return self._value("M_B", "per_layer", micro_batch), self.params["layer"] * self.bytes_per_param
+    def layer_memory(self, micro_batch: int, dp: int, zero: int = 0) -> tuple[float, float]:
+        return self._value("M_B", "per_layer", micro_batch), self._static(self.params["layer"], dp, zero)
 
     def stage_params(self, counts: Sequence[int]) -> list[float]:
         last = len(counts) - 1
@@ -141,12 +149,13 @@ class ProfiledCostModel:
             for i, n in enumerate(counts)
         ]
 
-    def allreduce_time(self, params: float, pp: int, dp: int) -> float:
-        return 0.0 if dp == 1 else 2 * (dp - 1) / dp * 4 * params / self.bandwidth
+    def allreduce_time(self, params: float, pp: int, dp: int, zero: int = 0) -> float:
+        return collective_bytes(params, dp, zero, self.compute) / self.bandwidth
 
-    def optimizer_time(self, params: float, dp: int) -> float:
-        """What a step adds beyond the pipeline, as measured: data, loss all-reduce, AdamW."""
-        return self.overhead["base_ms"] + self.overhead["per_param_ms"] * params
+    def optimizer_time(self, params: float, dp: int, zero: int = 0) -> float:
+        """What a step adds beyond the pipeline, as measured: data, loss all-reduce, AdamW (over
+        this rank's 1/dp shard under ZeRO-1/2)."""
+        return self.overhead["base_ms"] + self.overhead["per_param_ms"] * (params / dp if zero else params)
 
     def to_dict(self) -> dict:
         facts = {"source": "profile", "device": self.profile.get("device", "")}

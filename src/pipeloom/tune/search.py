@@ -3,13 +3,16 @@
 For each candidate the layers are partitioned to balance stage time given the embedding and head
 (`partition`), the cost model gives per-stage Costs, and then, cheapest check first:
 
-1. static memory (weights, gradients, optimizer state) over the limit on some device → rejected;
+1. static memory (weights, gradients, optimizer state) over the limit on some device under every
+   static-memory measure (ZeRO-0, ZeRO-1, ZeRO-2, every stage's optimizer offloaded) → rejected;
 2. a lower bound on the step — the busiest device's compute, plus the all-reduce and optimizer —
    no better than the `keep`-th best plan so far → pruned (candidates run in order of this bound,
    so good plans come early and prune the rest);
 3. the schedule is built (memory-driven generators get the activation budget left after static
    memory) and simulated; over the limit, the scheme's memory-saving passes are tried in turn
-   (Mario, T-Recomp, T-Offload), and the first that fits is kept.
+   (Mario, T-Recomp, T-Offload), and the first that fits is kept. Only when none fits is the next
+   static measure tried — each costs time (an all-gather of the weights, host copies), so a plan
+   takes one only when it needs it.
 
 Step time = the simulated pipeline (with offload lanes) + the data-parallel all-reduce of the
 gradients + the optimizer step; throughput = global batch / step time.
@@ -42,6 +45,23 @@ SLICED_OPS_LIMIT = 4_000
 """SVPP's list scheduler runs a dozen greedy passes in Python; beyond this many ops it is skipped."""
 
 
+@dataclass(frozen=True)
+class StaticOption:
+    """One static-memory measure for a candidate: its costs, static bytes per device (after any
+    offload) and what it adds to a step."""
+
+    zero: int
+    offload_all: bool
+    costs: Costs
+    static_memory: list[float]
+    allreduce_time: float
+    optimizer_time: float
+
+    @property
+    def label(self) -> str:
+        return "offload of every stage's optimizer" if self.offload_all else f"ZeRO-{self.zero}"
+
+
 @dataclass
 class Evaluation:
     candidate: Candidate
@@ -60,6 +80,9 @@ class Evaluation:
     peak_memory: list[float] = field(default_factory=list)
     unfit: list[tuple[str, float, str]] = field(default_factory=list)
     """(plan, step time, why) of the pass chains tried here that did not fit."""
+    options: list[StaticOption] = field(default_factory=list, repr=False)
+    """The static-memory measures, in the order they are tried, with their costs; the first is
+    ZeRO-0 (none)."""
 
     @property
     def step_time(self) -> float:
@@ -68,6 +91,13 @@ class Evaluation:
     @property
     def bubble_rate(self) -> float:
         return self.timeline.bubble_rate if self.timeline else math.nan
+
+    @property
+    def static_option(self) -> StaticOption | None:
+        """The static-memory measure this plan took."""
+        offload_all = "offload-all" in self.candidate.passes
+        chosen = [o for o in self.options if o.zero == self.candidate.zero and o.offload_all == offload_all]
+        return chosen[0] if chosen else None
 
 
 @dataclass
@@ -102,11 +132,13 @@ def tune(
     micro_batches: Sequence[int] = (1, 2, 4, 8, 16, 32),
     keep: int = 10,
     memory_passes: bool = True,
+    static_measures: bool = True,
     exhaustive: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> TuneResult:
     """The `keep` fastest plans that fit `memory` bytes per device; InfeasibleError if none does,
     naming the binding constraint. `memory_passes=False` leaves out Mario, T-Recomp and T-Offload;
+    `static_measures=False` leaves out ZeRO-1/2 and offloading every stage's optimizer;
     `exhaustive` turns pruning off (for checking the pruning)."""
     points = list(
         candidates(
@@ -124,7 +156,7 @@ def tune(
             f"no configuration of {devices} devices divides the global batch {global_batch} "
             f"(dp × micro-batch size must divide it, and the stages must not outnumber {cost_model.model.layers} layers)"
         )
-    prepared = [_prepare(point, cost_model, memory) for point in points]
+    prepared = [_prepare(point, cost_model, memory, static_measures) for point in points]
     prepared.sort(key=lambda item: item[1])
     ranked: list[Evaluation] = []
     rejected: list[Evaluation] = []
@@ -156,16 +188,24 @@ def tune(
     return TuneResult(ranked, rejected, global_batch, memory, evaluated, pruned)
 
 
-def evaluate(candidate: Candidate, cost_model: CostModel, memory: float, memory_passes: bool = True) -> Evaluation:
+def evaluate(
+    candidate: Candidate,
+    cost_model: CostModel,
+    memory: float,
+    memory_passes: bool = True,
+    static_measures: bool = True,
+) -> Evaluation:
     """One candidate, fully (no pruning)."""
-    evaluation, _ = _prepare(candidate, cost_model, memory)
+    evaluation, _ = _prepare(candidate, cost_model, memory, static_measures)
     if not evaluation.reason:
         _simulate_candidate(evaluation, memory, memory_passes=memory_passes)
     return evaluation
 
 
-def _prepare(candidate: Candidate, cost_model: CostModel, memory: float) -> tuple[Evaluation, float]:
-    """Partition, costs, static memory, and a lower bound on the step time."""
+def _prepare(
+    candidate: Candidate, cost_model: CostModel, memory: float, static_measures: bool = True
+) -> tuple[Evaluation, float]:
+    """Partition, the static-memory measures that fit, and a lower bound on the step time."""
     evaluation = Evaluation(candidate)
     stages = candidate.num_stages
     ops = 2 * stages * candidate.num_microbatches * candidate.slices
@@ -187,27 +227,70 @@ def _prepare(candidate: Candidate, cost_model: CostModel, memory: float) -> tupl
     except InfeasibleError as error:
         evaluation.reason = f"layers: {error}"
         return evaluation, math.inf
-    costs = evaluation.costs = cost_model.stage_costs(evaluation.partition, mbs, candidate.pp, candidate.dp)
-    placement = _placement(candidate)
-    evaluation.static_memory = [sum(costs.M_static[s] for s in stages_on) for stages_on in placement]
-    params = cost_model.stage_params(evaluation.partition)
-    on_device = max(sum(params[s] for s in stages_on) for stages_on in placement)
-    replicas = candidate.dp * (2 if candidate.scheme == "chimera" else 1)  # Chimera: two copies per pipeline
-    evaluation.allreduce_time = cost_model.allreduce_time(on_device, candidate.pp, replicas)
-    evaluation.optimizer_time = cost_model.optimizer_time(on_device, candidate.dp)
-    worst = max(evaluation.static_memory)
-    if worst > memory:
-        device = evaluation.static_memory.index(worst)
+    options = _static_options(candidate, cost_model, evaluation.partition, static_measures)
+    plain = options[0]
+    evaluation.costs, evaluation.static_memory = plain.costs, plain.static_memory
+    evaluation.allreduce_time, evaluation.optimizer_time = plain.allreduce_time, plain.optimizer_time
+    evaluation.options = options
+    fitting = [option for option in options if max(option.static_memory) <= memory]
+    if not fitting:
+        least = min(options, key=lambda option: max(option.static_memory))
+        worst = max(least.static_memory)
+        device = least.static_memory.index(worst)
+        evaluation.static_memory = least.static_memory
         evaluation.reason = (
             f"memory: static {_gib(worst)} on device {device} exceeds {_gib(memory)} before any activation"
+            + (f", even with {least.label}" if len(options) > 1 else "")
         )
         return evaluation, math.inf
+    costs = plain.costs
     share = 0.5 if candidate.scheme == "chimera" else 1.0  # each replica sees half the micro-batches
     work = max(
         sum(costs.F[s] + costs.B[s] + costs.W[s] for s in stages_on) * candidate.num_microbatches * share
-        for stages_on in placement
+        for stages_on in _placement(candidate)
     )
-    return evaluation, work + evaluation.allreduce_time + evaluation.optimizer_time
+    extra = min(option.allreduce_time + option.optimizer_time for option in fitting)
+    return evaluation, work + extra
+
+
+def _static_options(
+    candidate: Candidate, cost_model: CostModel, partition: list[int], static_measures: bool
+) -> list[StaticOption]:
+    """ZeRO-0, then (if allowed) ZeRO-1 and ZeRO-2 where dp shards something, then every stage's
+    optimizer on the host where the cost model prices the host link."""
+    placement = _placement(candidate)
+    params = cost_model.stage_params(partition)
+    on_device = max(sum(params[s] for s in stages_on) for stages_on in placement)
+    replicas = candidate.dp * (2 if candidate.scheme == "chimera" else 1)  # Chimera: two copies per pipeline
+    levels = [0] + ([1, 2] if static_measures and candidate.dp > 1 else [])
+    options = []
+    for zero in levels:
+        costs = cost_model.stage_costs(partition, candidate.micro_batch, candidate.pp, candidate.dp, zero=zero)
+        options.append(
+            StaticOption(
+                zero,
+                False,
+                costs,
+                [sum(costs.M_static[s] for s in stages_on) for stages_on in placement],
+                cost_model.allreduce_time(on_device, candidate.pp, replicas, zero=zero),
+                cost_model.optimizer_time(on_device, candidate.dp, zero=zero),
+            )
+        )
+    plain = options[0]
+    saved = plain.costs.M_offload
+    saved = list(saved) if isinstance(saved, tuple) else [saved] * candidate.num_stages
+    if static_measures and any(value > 0 for value in saved):
+        options.append(
+            StaticOption(
+                0,
+                True,
+                plain.costs,
+                [sum(plain.costs.M_static[s] - saved[s] for s in stages_on) for stages_on in placement],
+                plain.allreduce_time,
+                0.0,  # the host steps every stage, in the offload lanes
+            )
+        )
+    return options
 
 
 def _placement(candidate: Candidate) -> list[list[int]]:
@@ -219,46 +302,79 @@ def _placement(candidate: Candidate) -> list[list[int]]:
     return [list(range(d, stages, p)) for d in range(p)]
 
 
+_RESULT_FIELDS = (
+    "candidate", "costs", "schedule", "timeline", "offload", "pipeline_time", "allreduce_time",
+    "optimizer_time", "static_memory", "peak_memory",
+)  # fmt: skip
+
+
 def _simulate_candidate(
     evaluation: Evaluation, memory: float, threshold: float = math.inf, memory_passes: bool = True
 ) -> bool:
-    """Build, simulate, and fall back to memory-saving passes; False if it cannot beat `threshold`
-    (the plain schedule, which every pass only lengthens, already takes that long)."""
-    candidate, costs = evaluation.candidate, evaluation.costs
+    """Build and simulate under each static-memory measure in turn (ZeRO-0 first), falling back
+    to the scheme's memory-saving passes within each; keep the fastest plan that fits. A further
+    measure is tried only while memory is short: when the one before fits only with a
+    memory-saving pass (or not at all). False if it cannot beat `threshold` (the plain schedule,
+    which every pass only lengthens, already takes that long)."""
+    candidate = evaluation.candidate
     spec = SCHEMES[candidate.scheme]
-    budget = [memory - static for static in evaluation.static_memory]
-    try:
-        schedule = _generate(candidate, costs, budget)
-    except PipeloomError as error:
-        evaluation.reason = f"schedule: {error.summary}"
-        return True
-    for passes in ((),) + (spec.fallbacks if memory_passes else ()):
-        if passes and evaluation.step_time >= threshold - _EPS:
-            return False
+    chains = ((),) + (spec.fallbacks if memory_passes else ())
+    fitting = [option for option in evaluation.options if max(option.static_memory) <= memory]
+    best: dict | None = None
+    cut = []  # per measure tried: whether the bar cut its chains short
+    for option in fitting:
+        costs = evaluation.costs = option.costs
+        evaluation.allreduce_time, evaluation.optimizer_time = option.allreduce_time, option.optimizer_time
+        budget = [memory - static for static in option.static_memory]
         try:
-            current = schedule
-            for name in candidate.passes + passes:
-                current = _apply(name, current, costs, budget)
+            schedule = _generate(candidate, costs, budget)
         except PipeloomError as error:
-            evaluation.reason = f"memory: {error.summary}"
+            evaluation.reason = f"schedule: {error.summary}"
+            cut.append(False)
             continue
-        if "offload" in passes:
-            offload = simulate_offload(t_offload(current), costs)
-            timeline, pipeline = offload.timeline, offload.step_time
-        else:
-            offload, timeline = None, simulate(current, costs)
-            pipeline = timeline.makespan
-        peaks = timeline.peak_memory
-        evaluation.candidate = candidate.with_passes(candidate.passes + passes)
-        evaluation.schedule, evaluation.timeline, evaluation.offload = current, timeline, offload
-        evaluation.pipeline_time, evaluation.peak_memory = pipeline, peaks
-        evaluation.static_memory = list(timeline.static_memory)
-        if max(peaks) <= memory + _EPS:
-            evaluation.feasible, evaluation.reason = True, ""
-            return True
-        device = peaks.index(max(peaks))
-        evaluation.reason = f"memory: device {device} peaks at {_gib(peaks[device])} > {_gib(memory)}"
-        evaluation.unfit.append((evaluation.candidate.label, evaluation.step_time, evaluation.reason))
+        cut.append(False)
+        simulated = False  # this measure's first chain, which every later one only lengthens
+        bar = min(threshold, best["step_time"] if best else math.inf)
+        option_chains = [chain + ("offload-all",) for chain in chains] if option.offload_all else chains
+        for passes in option_chains:
+            if simulated and evaluation.step_time >= bar - _EPS:
+                cut[-1] = True
+                break
+            try:
+                current = schedule
+                for name in candidate.passes + passes:
+                    current = _apply(name, current, costs, budget)
+            except PipeloomError as error:
+                evaluation.reason = f"memory: {error.summary}"
+                continue
+            if "offload" in passes or "offload-all" in passes:
+                stages = range(current.num_stages) if "offload-all" in passes else None
+                offload = simulate_offload(t_offload(current, stages), costs)
+                timeline, pipeline = offload.timeline, offload.step_time
+            else:
+                offload, timeline = None, simulate(current, costs)
+                pipeline = timeline.makespan
+            peaks = timeline.peak_memory
+            simulated = True
+            evaluation.candidate = candidate.with_passes(candidate.passes + passes, zero=option.zero)
+            evaluation.schedule, evaluation.timeline, evaluation.offload = current, timeline, offload
+            evaluation.pipeline_time, evaluation.peak_memory = pipeline, peaks
+            evaluation.static_memory = list(timeline.static_memory)
+            if max(peaks) <= memory + _EPS:
+                if best is None or evaluation.step_time < best["step_time"] - _EPS:
+                    best = {name: getattr(evaluation, name) for name in _RESULT_FIELDS}
+                    best["step_time"] = evaluation.step_time
+                break
+            device = peaks.index(max(peaks))
+            evaluation.reason = f"memory: device {device} peaks at {_gib(peaks[device])} > {_gib(memory)}"
+            evaluation.unfit.append((evaluation.candidate.label, evaluation.step_time, evaluation.reason))
+        if best is not None and best["candidate"].passes == candidate.passes:
+            break  # fits without a memory-saving pass: no further measure is needed
+    if best is None:
+        return not (cut and all(cut))
+    for name in _RESULT_FIELDS:
+        setattr(evaluation, name, best[name])
+    evaluation.feasible, evaluation.reason = True, ""
     return True
 
 
@@ -285,7 +401,7 @@ def _apply(name: str, schedule: Schedule, costs: Costs, budget: list[float]) -> 
         return t_recomp(schedule)
     if name == "wparts":
         return weight_parts(schedule, costs, mem_limit=budget)
-    if name == "offload":
+    if name in ("offload", "offload-all"):
         return schedule  # a plan layer, simulated beside the schedule
     raise AssertionError(name)
 

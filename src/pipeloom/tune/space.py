@@ -2,13 +2,15 @@
 
 A `Candidate` is one point. Passes that trade time for memory (Mario, T-Recomp, T-Offload) are
 tried only when the plain schedule does not fit (`Candidate.fallbacks`): each makes the step
-longer, so a fitting schedule without them always wins.
+longer, so a fitting schedule without them always wins. Static-memory measures (ZeRO-1/2, every
+stage's optimizer offloaded: `pipeloom.tune.static_memory`) are tried the same way, after those
+passes fail at the level before.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipeloom.errors import ConfigError
 
@@ -59,6 +61,8 @@ class Candidate:
     chunks: int = 1
     slices: int = 1
     passes: tuple[str, ...] = ()
+    zero: int = 0
+    """ZeRO level of the static memory (0: none)."""
 
     @property
     def num_stages(self) -> int:
@@ -72,12 +76,12 @@ class Candidate:
             parts.append(f"v={self.chunks}")
         if self.slices > 1:
             parts.append(f"s={self.slices}")
+        if self.zero:
+            parts.append(f"+zero{self.zero}")
         return " ".join(parts + [f"+{p}" for p in self.passes])
 
-    def with_passes(self, passes: tuple[str, ...]) -> Candidate:
-        return Candidate(
-            self.scheme, self.pp, self.dp, self.micro_batch, self.num_microbatches, self.chunks, self.slices, passes
-        )
+    def with_passes(self, passes: tuple[str, ...], zero: int | None = None) -> Candidate:
+        return replace(self, passes=passes, zero=self.zero if zero is None else zero)
 
 
 def power_of_two_sizes(largest: int) -> list[int]:

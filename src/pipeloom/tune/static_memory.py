@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["ZERO_LEVELS", "StaticBytes", "static_bytes", "compute_bytes", "collective_bytes"]
+__all__ = ["ZERO_LEVELS", "StaticBytes", "collective_bytes", "compute_bytes", "offload_saving", "static_bytes"]
 
 ZERO_LEVELS = (0, 1, 2)
 
@@ -54,19 +54,27 @@ def compute_bytes(dtype: str) -> int:
     return 4 if dtype == "fp32" else 2
 
 
-def static_bytes(params: float, dp: int = 1, zero: int = 0, offloaded: bool = False, compute: int = 2) -> StaticBytes:
-    """Bytes of `params` weights under a measure (see the table). Whole weight counts give the
-    runtime's exact figure, padding of the shards included."""
+def static_bytes(
+    params: float, dp: int = 1, zero: int = 0, offloaded: bool = False, compute: int = 2, padded: bool = False
+) -> StaticBytes:
+    """Bytes of `params` weights under a measure (see the table); `padded`: a whole count of
+    weights cut into equal shards of ceil(params/dp), the runtime's exact figure."""
     if zero not in ZERO_LEVELS:
         raise ValueError(f"ZeRO level must be one of {ZERO_LEVELS}, got {zero!r}")
     if offloaded:
         return StaticBytes(compute * params, 4 * params, 0.0, 16 * params)
     if zero == 0:
         return StaticBytes(4 * params, 4 * params, 8 * params)
-    shard = math.ceil(params / dp) if float(params).is_integer() else params / dp
-    padded = shard * dp  # the gradient buffer, padded to equal shards
-    gradients = 4 * padded if zero == 1 else compute * padded + 4 * shard
+    shard = math.ceil(params / dp) if padded else params / dp
+    buffer = shard * dp  # the gradient buffer, padded to equal shards
+    gradients = 4 * buffer if zero == 1 else compute * buffer + 4 * shard
     return StaticBytes(compute * params, gradients, 12 * shard)
+
+
+def offload_saving(params: float, dp: int = 1, zero: int = 0, compute: int = 2) -> float:
+    """Device bytes that offloading a stage's optimizer frees, from its ZeRO level's figure."""
+    kept = static_bytes(params, dp, zero, compute=compute).device
+    return max(0.0, kept - static_bytes(params, offloaded=True, compute=compute).device)
 
 
 def collective_bytes(params: float, dp: int, zero: int, compute: int = 2) -> float:

@@ -1,0 +1,95 @@
+"""Static memory per measure (ZeRO-0/1/2, offload), and the tuner taking a measure only when needed."""
+
+import dataclasses
+import json
+
+import pytest
+
+from pipeloom.cli import main
+from pipeloom.errors import InfeasibleError
+from pipeloom.tune.cost_model import AnalyticCostModel
+from pipeloom.tune.plan import Plan, plan_from_evaluation
+from pipeloom.tune.presets import load_hardware, load_model
+from pipeloom.tune.search import tune
+from pipeloom.tune.static_memory import collective_bytes, offload_saving, static_bytes
+
+GIB = 2**30
+
+
+def test_bytes_per_weight_follow_the_table():
+    assert static_bytes(100).to_dict() == {
+        "weights": 400,
+        "gradients": 400,
+        "optimizer": 800,
+        "device": 1600,
+        "host": 0,
+    }
+    one, two = static_bytes(100, dp=4, zero=1), static_bytes(100, dp=4, zero=2)
+    assert (one.weights, one.gradients, one.optimizer) == (200, 400, 300)  # 2 + 4 + 12/dp in bf16
+    assert (two.weights, two.gradients, two.optimizer) == (200, 200 + 100, 300)  # 2 + (2 + 4/dp) + 12/dp
+    assert static_bytes(100, dp=4, zero=1, compute=4).weights == 400  # fp32 compute keeps 4-byte weights
+    off = static_bytes(100, offloaded=True)
+    assert (off.device, off.host) == (600, 1600)
+    padded = static_bytes(10, dp=4, zero=2, padded=True)  # shards of ceil(10 / 4) = 3
+    assert padded.optimizer == 12 * 3 and padded.gradients == 2 * 12 + 4 * 3
+    assert offload_saving(100) == 1600 - 600 and offload_saving(100, dp=8, zero=1) == 750 - 600
+    assert collective_bytes(100, 1, 0) == 0
+    assert collective_bytes(100, 4, 0) == collective_bytes(100, 4, 1) - 0.75 * 200 == 2 * 0.75 * 400
+    assert collective_bytes(100, 4, 2) == 0.75 * 400 + 0.75 * 200  # reduce-scatter and all-gather
+
+
+def _model(layers: int) -> AnalyticCostModel:
+    return AnalyticCostModel(dataclasses.replace(load_model("gpt3-13b"), layers=layers), load_hardware("a100-40g"))
+
+
+def _device_static(evaluation, cost_model) -> list[float]:
+    """What `static_memory` says every device of the plan holds."""
+    candidate = evaluation.candidate
+    params = cost_model.stage_params(evaluation.partition)
+    offloaded = "offload-all" in candidate.passes
+    return [
+        sum(static_bytes(params[s], candidate.dp, candidate.zero, offloaded).device for s in stages)
+        for stages in ([range(d, len(params), candidate.pp)] for d in range(candidate.pp))
+        for stages in stages
+    ]
+
+
+@pytest.mark.parametrize(
+    "layers, zero, offload, mario",
+    [(32, 0, False, False), (64, 1, False, False), (128, 2, False, True), (160, 0, True, True)],
+)
+def test_the_tuner_takes_a_static_measure_only_when_memory_is_short(layers, zero, offload, mario):
+    cost_model = _model(layers)
+    space = dict(schemes=["1f1b"], pp_values=[4], micro_batches=[1], keep=1)
+    best = tune(cost_model, 16, 40 * GIB, 64, **space).best
+    assert (best.candidate.zero, "offload-all" in best.candidate.passes) == (zero, offload)
+    assert ("mario" in best.candidate.passes) == mario
+    assert best.static_memory == pytest.approx(_device_static(best, cost_model))
+    assert max(best.peak_memory) <= 40 * GIB
+    if zero or offload:  # without the measure the same space does not fit, or only slower, by recomputing
+        try:
+            plain = tune(cost_model, 16, 40 * GIB, 64, static_measures=False, **space).best
+        except InfeasibleError:
+            return
+        assert "mario" in plain.candidate.passes and plain.step_time > best.step_time
+
+
+def test_a_plan_carries_its_measures_to_the_runtime(tmp_path):
+    cost_model = _model(160)
+    result = tune(cost_model, 16, 40 * GIB, 64, schemes=["1f1b"], pp_values=[4], micro_batches=[1], keep=1)
+    plan = plan_from_evaluation(result.best, result, cost_model.model, cost_model.to_dict(), 1)
+    plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(tmp_path / "plan.json")
+    assert loaded.offload_stages == (0, 1, 2, 3) and loaded.zero == 0
+    older = {k: v for k, v in json.loads((tmp_path / "plan.json").read_text()).items() if k != "zero"}
+    assert Plan.from_dict(older).zero == 0  # plans written before ZeRO load as ZeRO-0
+
+
+def test_explain_names_the_measure_and_its_price(capsys, tmp_path):
+    argv = ["tune", "--model", "gpt3-13b", "--hardware", "a100-40g", "--devices", "16", "--global-batch", "64"]
+    argv += ["--schemes", "1f1b", "--pp", "4", "--max-mbs", "1", "--output", str(tmp_path / "plan.json"), "--explain"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("static memory:"))
+    assert "ZeRO-2" in line and "GiB per device" in line and "ms per step" in line
+    assert json.loads((tmp_path / "plan.json").read_text())["zero"] == 2
