@@ -55,7 +55,7 @@ def spec_from_plan(args: argparse.Namespace):
 
 
 def fidelity_report(plan, results) -> str:
-    """Measured step time and peak stash per device beside the plan's prediction."""
+    """Measured step time, peak stash and static bytes per device beside the plan's prediction."""
     predicted = plan.predicted
     times = results[0].step_seconds[1:] or results[0].step_seconds
     measured = 1e3 * statistics.median(times)
@@ -73,6 +73,15 @@ def fidelity_report(plan, results) -> str:
             lines.append(
                 f"  device {device} activations {peaks[device] / 2**20:8.2f} MiB vs {stash / 2**20:8.2f} MiB "
                 f"({stash / peaks[device] - 1:+.1%})"
+            )
+    statics = predicted.get("static_memory") or []
+    for device in range(p):  # weights, gradients and optimizer state the rank holds on its device
+        held = [results[replica * p + device].static_bytes for replica in range(plan.dp)]
+        if device < len(statics) and statics[device] and all(held):
+            device_bytes = max(b["weights"] + b["gradients"] + b["optimizer"] for b in held)
+            lines.append(
+                f"  device {device} static      {statics[device] / 2**20:8.2f} MiB vs {device_bytes / 2**20:8.2f} MiB "
+                f"({device_bytes / statics[device] - 1:+.1%}; weights, gradients, optimizer)"
             )
     totals = predicted.get("peak_memory") or []
     for device in range(p):  # on GPUs: everything the rank allocated, against static + activations

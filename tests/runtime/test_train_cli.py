@@ -174,3 +174,5 @@ def test_profile_tune_and_train_a_hugging_face_model(capsys, tmp_path, llama):
     assert "hf:llama" in out
     activations = [line for line in out.splitlines() if "activations" in line]
     assert len(activations) == 2 and all(line.endswith("(+0.0%)") for line in activations)
+    static = [line for line in out.splitlines() if " static " in line]
+    assert len(static) == 2 and all("(+0.0%;" in line for line in static)  # ZeRO-0: 16 bytes per weight
