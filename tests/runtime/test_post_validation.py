@@ -74,5 +74,3 @@ def test_bad_settings_are_refused():
     schedule = build_schedule("1f1b", 2, 4)
     with pytest.raises(ConfigError, match="must be positive"):
         check_spec(TrainSpec(schedule, config=CONFIG, clip_norm=0))
-    with pytest.raises(ConfigError, match="offloaded"):
-        check_spec(TrainSpec(schedule, config=CONFIG, clip_norm=1.0, offload_stages=(1,)))

@@ -45,8 +45,8 @@ def test_bf16_weights_with_sharded_fp32_masters_match_the_plan():
     for result in results:
         assert all(v.dtype == torch.bfloat16 for stage in result.parameters.values() for v in stage.values())
         count = sum(v.numel() for stage in result.parameters.values() for v in stage.values())
-        assert result.static_bytes["weights"] == 2 * count
-        assert result.static_bytes["gradients"] == 4 * 2 * -(-count // 2)  # fp32, padded to equal shards
+        assert result.static_bytes["weights"] == 2 * 2 * -(-count // 2)  # bf16, padded to equal shards
+        assert result.static_bytes["gradients"] == 4 * 2 * -(-count // 2)  # fp32
         assert result.static_bytes == result.planned_static_bytes
 
 
@@ -59,6 +59,16 @@ def test_clipping_and_post_validation_see_the_whole_sharded_gradient():
     assert [r.rollbacks for r in sharded] == [r.rollbacks for r in plain]
     assert plain[0].rollbacks > 0
     for result, other in zip(sharded, plain):
+        _close([result], other.parameters)
+
+
+def test_host_stepped_stages_are_clipped_and_rolled_back_alike():
+    base = dict(config=CONFIG, steps=3, clip_norm=0.5, post_validation=True, gradient_faults=((1, 1, "scale", 100.0),))
+    plain = run_local(TrainSpec(build_schedule("zb-h1", 2, 4), **base))
+    offloaded = run_local(TrainSpec(build_schedule("zb-h1", 2, 4), offload_stages=(1,), **base))
+    assert offloaded[0].losses == pytest.approx(plain[0].losses, rel=1e-6)
+    assert [r.rollbacks for r in offloaded] == [r.rollbacks for r in plain] and plain[0].rollbacks > 0
+    for result, other in zip(offloaded, plain):
         _close([result], other.parameters)
 
 
@@ -77,6 +87,25 @@ def test_resume_from_a_sharded_checkpoint_is_bit_identical(tmp_path):
         check_spec(TrainSpec(schedule, steps=4, resume_dir=str(tmp_path), **{**base, "zero": 1}))
 
 
+def test_resume_with_offloaded_and_sharded_optimizers_is_bit_identical(tmp_path):
+    """Stage 1's optimizer on the host, stage 0's sharded over the replicas (device 1 keeps none)."""
+    schedule = build_schedule("1f1b", 2, 4)
+    base = dict(config=CONFIG, dp=2, zero=1, offload_stages=(1,))
+    whole = run_local(TrainSpec(schedule, steps=4, **base))
+    losses, parameters = reference_training(TrainSpec(schedule, steps=4, **base))
+    assert whole[0].losses == pytest.approx(losses, rel=1e-5)  # the host's stage too is summed over replicas
+    _close(whole, parameters)
+    run_local(TrainSpec(schedule, steps=2, save_every=2, save_dir=str(tmp_path), **base))
+    resumed = run_local(TrainSpec(schedule, steps=4, resume_dir=str(tmp_path), **base))
+    assert resumed[0].losses == whole[0].losses[2:]
+    for rank, result in enumerate(resumed):
+        for stage, parameters in result.parameters.items():
+            for key, value in parameters.items():
+                assert torch.equal(value, whole[rank].parameters[stage][key])
+    with pytest.raises(ConfigError, match=r"stages \[1\] on the host, not \[\]"):
+        check_spec(TrainSpec(schedule, steps=4, resume_dir=str(tmp_path), **{**base, "offload_stages": ()}))
+
+
 def test_every_stage_offloaded_keeps_weights_and_gradients_only():
     schedule = build_schedule("interleaved", 2, 4, num_chunks=2)
     spec = TrainSpec(schedule, config=CONFIG, steps=3, dtype="bf16", offload_stages=(0, 1, 2, 3))
@@ -92,5 +121,5 @@ def test_every_stage_offloaded_keeps_weights_and_gradients_only():
 def test_bad_zero_levels_are_refused():
     with pytest.raises(ConfigError, match="ZeRO level must be 0, 1 or 2"):
         check_spec(TrainSpec(build_schedule("1f1b", 2, 4), config=CONFIG, zero=3))
-    with pytest.raises(ConfigError, match="ZeRO-2 keeps only a shard"):
+    with pytest.raises(ConfigError, match="ZeRO keeps only a shard"):
         check_spec(TrainSpec(build_schedule("1f1b", 2, 4), config=CONFIG, zero=2, record_gradients=True))

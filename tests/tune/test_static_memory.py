@@ -31,11 +31,11 @@ def test_bytes_per_weight_follow_the_table():
     off = static_bytes(100, offloaded=True)
     assert (off.device, off.host) == (600, 1600)
     padded = static_bytes(10, dp=4, zero=2, padded=True)  # shards of ceil(10 / 4) = 3
-    assert padded.optimizer == 12 * 3 and padded.gradients == 2 * 12 + 4 * 3
+    assert padded.optimizer == 12 * 3 and padded.gradients == 2 * 12 + 4 * 3 and padded.weights == 2 * 12
     assert offload_saving(100) == 1600 - 600 and offload_saving(100, dp=8, zero=1) == 750 - 600
     assert collective_bytes(100, 1, 0) == 0
-    assert collective_bytes(100, 4, 0) == collective_bytes(100, 4, 1) - 0.75 * 200 == 2 * 0.75 * 400
-    assert collective_bytes(100, 4, 2) == 0.75 * 400 + 0.75 * 200  # reduce-scatter and all-gather
+    assert collective_bytes(100, 4, 0) == 2 * 0.75 * 400  # the all-reduce of fp32 gradients
+    assert collective_bytes(100, 4, 1) == collective_bytes(100, 4, 2) == 0.75 * 400 + 0.75 * 200  # + all-gather
 
 
 def _model(layers: int) -> AnalyticCostModel:
@@ -55,23 +55,28 @@ def _device_static(evaluation, cost_model) -> list[float]:
 
 
 @pytest.mark.parametrize(
-    "layers, zero, offload, mario",
-    [(32, 0, False, False), (64, 1, False, False), (128, 2, False, True), (160, 0, True, True)],
+    "layers, pp, zero, offload, mario",
+    [
+        (32, 16, 0, False, False),  # dp = 1: nothing to shard, and it fits
+        (32, 4, 1, False, False),  # dp = 4: ZeRO-1's 1/dp optimizer step for the same traffic is faster
+        (128, 4, 2, False, True),  # static memory short: ZeRO-2 and recomputation
+        (160, 4, 0, True, True),  # shorter still: every stage's optimizer on the host
+    ],
 )
-def test_the_tuner_takes_a_static_measure_only_when_memory_is_short(layers, zero, offload, mario):
+def test_the_tuner_takes_a_static_measure_only_when_memory_is_short_or_it_is_faster(layers, pp, zero, offload, mario):
     cost_model = _model(layers)
-    space = dict(schemes=["1f1b"], pp_values=[4], micro_batches=[1], keep=1)
+    space = dict(schemes=["1f1b"], pp_values=[pp], micro_batches=[1], keep=1)
     best = tune(cost_model, 16, 40 * GIB, 64, **space).best
     assert (best.candidate.zero, "offload-all" in best.candidate.passes) == (zero, offload)
     assert ("mario" in best.candidate.passes) == mario
     assert best.static_memory == pytest.approx(_device_static(best, cost_model))
     assert max(best.peak_memory) <= 40 * GIB
-    if zero or offload:  # without the measure the same space does not fit, or only slower, by recomputing
+    if zero or offload:  # without the measure the same space does not fit, or only slower
         try:
             plain = tune(cost_model, 16, 40 * GIB, 64, static_measures=False, **space).best
         except InfeasibleError:
             return
-        assert "mario" in plain.candidate.passes and plain.step_time > best.step_time
+        assert plain.step_time > best.step_time
 
 
 def test_a_plan_carries_its_measures_to_the_runtime(tmp_path):

@@ -34,7 +34,9 @@ _STEP = re.compile(r"^step-(\d+)$")
 MARKER = "COMPLETE"
 
 
-def find_checkpoint(path: str | os.PathLike[str], world_size: int, schedule: str, zero: int = 0) -> tuple[Path, int]:
+def find_checkpoint(
+    path: str | os.PathLike[str], world_size: int, schedule: str, zero: int = 0, offload_stages=()
+) -> tuple[Path, int]:
     """(directory, steps done) of the checkpoint at `path` — a ``step-n`` directory, or the newest
     one inside `path` — or ConfigError if it is missing, torn, or from another run's shape."""
     path = Path(path)
@@ -67,12 +69,17 @@ def find_checkpoint(path: str | os.PathLike[str], world_size: int, schedule: str
             f"checkpoint {str(chosen)!r} holds ZeRO-{facts.get('zero', 0)} optimizer state, not ZeRO-{zero}: "
             f"resume with --zero {facts.get('zero', 0)}"
         )
+    if sorted(facts.get("offload_stages", [])) != sorted(offload_stages):
+        raise ConfigError(
+            f"checkpoint {str(chosen)!r} has the optimizer of stages {sorted(facts.get('offload_stages', []))} on the "
+            f"host, not {sorted(offload_stages)}: resume with the same --offload-stages"
+        )
     return chosen, step
 
 
-def _state(stages: dict[int, nn.Module], stepper) -> dict:
+def _state(stages: dict[int, nn.Module], holders) -> dict:
     """Tensors to save or to load into, in place: each parameter (by stage and name) and the
-    optimizer's state (`pipeloom.runtime.zero`)."""
+    optimizers' state (`pipeloom.runtime.zero`, and the host's for offloaded stages)."""
     state: dict = {}
     keys: dict[int, str] = {}
     for stage, module in stages.items():
@@ -80,15 +87,21 @@ def _state(stages: dict[int, nn.Module], stepper) -> dict:
             key = f"stage{stage}.{name}"
             state[f"model.{key}"] = parameter.data
             keys.setdefault(id(parameter), key)
-    if stepper is not None:
-        state.update(stepper.checkpoint_state(keys))
+    for holder in holders:
+        state.update(holder.checkpoint_state(keys))
     return state
 
 
 def save_checkpoint(
-    directory: str | os.PathLike[str], step: int, stages: dict[int, nn.Module], stepper, schedule: str, zero: int = 0
+    directory: str | os.PathLike[str],
+    step: int,
+    stages: dict[int, nn.Module],
+    holders,
+    schedule: str,
+    zero: int = 0,
+    offload_stages=(),
 ) -> None:
-    """Collective: every rank calls it after the same step."""
+    """Collective: every rank calls it after the same step. `holders` own the optimizer state."""
     rank, world = dist.get_rank(), dist.get_world_size()
     final = Path(directory) / f"step-{step}"
     partial = Path(directory) / f"step-{step}.partial"
@@ -96,7 +109,7 @@ def save_checkpoint(
         final.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
-    state = _state(stages, stepper)
+    state = _state(stages, holders)
     state[f"rng.rank{rank}"] = torch.get_rng_state()
     state["step"] = torch.tensor(step)
     dcp.save(state, checkpoint_id=partial)
@@ -104,19 +117,29 @@ def save_checkpoint(
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)  # a torn one left by a crash: never a complete one
         partial.rename(final)
-        (final / MARKER).write_text(json.dumps({"step": step, "world_size": world, "schedule": schedule, "zero": zero}))
+        (final / MARKER).write_text(
+            json.dumps(
+                {
+                    "step": step,
+                    "world_size": world,
+                    "schedule": schedule,
+                    "zero": zero,
+                    "offload_stages": sorted(offload_stages),
+                }
+            )
+        )
     dist.barrier()
 
 
-def load_checkpoint(path: Path, stages: dict[int, nn.Module], stepper) -> int:
-    """Restore this rank's stages, optimizer and RNG in place; return the steps done."""
+def load_checkpoint(path: Path, stages: dict[int, nn.Module], holders) -> int:
+    """Restore this rank's stages, optimizers and RNG in place; return the steps done."""
     rank = dist.get_rank()
-    state = _state(stages, stepper)
+    state = _state(stages, holders)
     state[f"rng.rank{rank}"] = torch.get_rng_state()
     state["step"] = torch.tensor(0)
     with torch.no_grad():
         dcp.load(state, checkpoint_id=path)  # in place: into the parameters and optimizer state
     torch.set_rng_state(state[f"rng.rank{rank}"])
-    if stepper is not None:
-        stepper.after_load()
+    for holder in holders:
+        holder.after_load()
     return int(state["step"])

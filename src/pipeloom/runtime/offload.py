@@ -19,10 +19,12 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pipeloom.runtime.gradients import unique_parameters
-from pipeloom.runtime.zero import GradientStore
+from pipeloom.runtime.optimizer_sync import adamw_rollback
+from pipeloom.runtime.zero import GradientStore, squares_and_bad
 
 __all__ = ["HostOffload"]
 
@@ -35,7 +37,12 @@ class HostOffload:
         lr: float,
         reload_bits: int = 32,
         weight_dtype: torch.dtype = torch.float32,
+        owned=lambda parameter: True,
+        dp_group=None,
     ):
+        """`owned`: whether this rank counts a parameter in the global gradient norm; `dp_group`:
+        the data-parallel group to sum the gradients over, when the gradient buckets do not."""
+        self.names = {s: [name for name, _ in stages[s].named_parameters()] for s in offloaded}
         self.device_params = {s: list(stages[s].parameters()) for s in offloaded}
         self.master = {s: [p.detach().to("cpu", copy=True) for p in params] for s, params in self.device_params.items()}
         for masters in self.master.values():
@@ -45,6 +52,8 @@ class HostOffload:
             for parameter in unique_parameters([stages[s] for s in offloaded]):
                 parameter.data = parameter.data.to(weight_dtype)
         self.store = GradientStore(unique_parameters([stages[s] for s in offloaded]), torch.float32)
+        self.owned = [p for p in self.store.parameters if owned(p)]
+        self.dp_group = dp_group
         self.optimizer = torch.optim.AdamW([m for masters in self.master.values() for m in masters], lr=lr)
         self.reload_bits = reload_bits
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-step")
@@ -57,8 +66,31 @@ class HostOffload:
     def stages(self) -> list[int]:
         return list(self.device_params)
 
+    # The optimizer interface of `pipeloom.runtime.zero` (stepped through `JointSteppers`):
+
     def zero_grad(self) -> None:
         self.store.zero()
+
+    def reduce(self) -> None:
+        if self.dp_group is not None:
+            dist.all_reduce(self.store.flat, group=self.dp_group)
+
+    def local_state(self) -> torch.Tensor:
+        return squares_and_bad([self.store.grad_of(p) for p in self.owned], self.store.flat.device)
+
+    def scale(self, factor: float) -> None:
+        self.store.flat.mul_(factor)
+
+    def step(self) -> None:
+        self.offload_and_step()
+
+    def rollback(self) -> None:
+        """Undo the last host step (its gradients are still in the masters' .grad); every stage
+        reloads the restored weights before its next forward."""
+        if self._step is not None:
+            self._step.result()
+        adamw_rollback(self.optimizer)
+        self._stale = set(self.device_params)
 
     @property
     def host_bytes(self) -> int:
@@ -88,7 +120,8 @@ class HostOffload:
         """RELOAD a stage's new weights, if the host has stepped it since the last reload."""
         if stage not in self._stale:
             return
-        self._step.result()
+        if self._step is not None:
+            self._step.result()
         began = time.perf_counter()
         with torch.no_grad():
             for parameter, master in zip(self.device_params[stage], self.master[stage]):
@@ -96,6 +129,27 @@ class HostOffload:
                 parameter.copy_(weights)
         self._stale.discard(stage)
         self.events.append((f"{stage}RELOAD", began, time.perf_counter()))
+
+    def checkpoint_state(self, keys: dict[int, str]) -> dict[str, torch.Tensor]:
+        """The host's fp32 master weights and AdamW state, once the step in flight is done."""
+        if self._step is not None:
+            self._step.result()
+        state: dict[str, torch.Tensor] = {}
+        for stage, masters in self.master.items():
+            for name, master in zip(self.names[stage], masters):
+                key = f"stage{stage}.{name}"
+                slot = self.optimizer.state[master]
+                if not slot:  # created zeroed, as AdamW's first step would
+                    slot.update(
+                        step=torch.tensor(0.0), exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master)
+                    )
+                state[f"host.{key}.master"] = master.data
+                state.update({f"host.{key}.{field}": slot[field] for field in ("step", "exp_avg", "exp_avg_sq")})
+        return state
+
+    def after_load(self) -> None:
+        """The loaded master weights are the truth: every stage reloads before its first forward."""
+        self._stale = set(self.device_params)
 
     def finish(self) -> None:
         """Reload what is still on the host (after the last step) and stop the worker."""

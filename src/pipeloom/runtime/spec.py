@@ -127,8 +127,8 @@ def check_spec(spec: TrainSpec, world_size: int | None = None) -> None:
         raise ConfigError(f"train: data-parallel size must be at least 1, got {spec.dp}")
     if spec.zero not in (0, 1, 2):
         raise ConfigError(f"train: the ZeRO level must be 0, 1 or 2, got {spec.zero!r}")
-    if spec.zero == 2 and spec.record_gradients:
-        raise ConfigError("train: ZeRO-2 keeps only a shard of the reduced gradients; record them with ZeRO-0 or 1")
+    if spec.zero and spec.record_gradients:
+        raise ConfigError("train: ZeRO keeps only a shard of the reduced gradients; record them with --zero 0")
     check_device(spec)
     Precision(spec.dtype)
     if spec.dtype == "fp16" and spec.offload_stages:
@@ -147,18 +147,12 @@ def check_spec(spec: TrainSpec, world_size: int | None = None) -> None:
         raise ConfigError(
             f"train: offload stages must be among the schedule's and reload bits 16 or 32 (got {bad}, {spec.reload_bits})"
         )
-    if spec.offload_stages and (spec.clip_norm is not None or spec.post_validation):
-        raise ConfigError("train: clipping and post-validation do not cover host-stepped (offloaded) stages yet")
     if spec.clip_norm is not None and spec.clip_norm <= 0:
         raise ConfigError(f"train: the clipping norm must be positive, got {spec.clip_norm}")
-    if spec.offload_stages and (spec.save_every or spec.resume_dir):
-        raise ConfigError(
-            "train: checkpoints do not carry host-side optimizer state yet; drop --save/--resume or offload"
-        )
     if (spec.save_dir is None) != (spec.save_every == 0) or spec.save_every < 0:
         raise ConfigError("train: checkpoints need both a directory (--save) and a period (--save-every >= 1)")
     if spec.resume_dir is not None:
-        _, done = find_checkpoint(spec.resume_dir, expected, spec.schedule.name, spec.zero)
+        _, done = find_checkpoint(spec.resume_dir, expected, spec.schedule.name, spec.zero, spec.offload_stages)
         if done >= spec.steps:
             raise ConfigError(f"train: the checkpoint is already {done} steps in; ask for more than {done} --steps")
 

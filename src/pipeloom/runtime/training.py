@@ -30,7 +30,7 @@ from pipeloom.runtime.precision import LossScaler, Precision
 from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
 from pipeloom.runtime.spec import RankResult, TrainSpec, check_device, check_spec
 from pipeloom.runtime.workload import Workload, rows_of
-from pipeloom.runtime.zero import ReplicatedAdamW, ShardedAdamW
+from pipeloom.runtime.zero import JointSteppers, ReplicatedAdamW, ShardedAdamW
 from pipeloom.tune.static_memory import compute_bytes, static_bytes
 
 __all__ = ["TrainSpec", "check_spec", "check_device", "train_rank", "reference_training", "RankResult"]
@@ -82,12 +82,13 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
         for module in stages.values():
             split_linears(module, queue)
     offloaded = [s for s in hosted if s in spec.offload_stages]
-    host = (
-        HostOffload(stages, offloaded, spec.lr, spec.reload_bits, weight_dtype=precision.dtype) if offloaded else None
-    )
+    owned = _owned(schedule, all_stages, device)
+    host = None
+    if offloaded:
+        dp_group = dp_groups[device] if spec.zero else None  # else the buckets sum over the replicas
+        host = HostOffload(stages, offloaded, spec.lr, spec.reload_bits, precision.dtype, owned, dp_group)
     on_host = {id(p_) for s in offloaded for p_ in stages[s].parameters()}
     parameters = [p_ for p_ in unique_parameters([stages[s] for s in hosted]) if id(p_) not in on_host]
-    owned = _owned(schedule, all_stages, device)
     if spec.zero:
         stepper = ShardedAdamW(
             parameters, owned, spec.lr, spec.zero, dp_groups[device], precision.dtype, label=f"device{device}"
@@ -114,15 +115,17 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
         precision=precision,
     )
     scaler = LossScaler(spec.initial_loss_scale, spec.loss_scale_growth_interval) if spec.dtype == "fp16" else None
-    sync = _optimizer_sync(spec, stepper, device, replica, scaler)
+    holders = [stepper] + ([host] if host is not None else [])  # what a checkpoint saves besides weights
+    optimizers = JointSteppers(host, stepper) if host is not None else stepper  # the host's starts first
+    sync = _optimizer_sync(spec, optimizers, device, replica, scaler)
     m, b = schedule.num_microbatches, work.microbatch_size
     result = RankResult(rank, sample_tokens=work.sample_tokens, samples_per_step=spec.dp * m * b)
     result.forward_flops = m * sum(probe.forward_flops[s] for s in hosted)
     progress = _progress(spec, rank, result)
     first = 0
     if spec.resume_dir is not None:
-        path, _ = find_checkpoint(spec.resume_dir, dist.get_world_size(), schedule.name, spec.zero)
-        first = load_checkpoint(path, stages, stepper)
+        path, _ = find_checkpoint(spec.resume_dir, dist.get_world_size(), schedule.name, spec.zero, spec.offload_stages)
+        first = load_checkpoint(path, stages, holders)
     if where.type == "cuda":
         torch.cuda.reset_peak_memory_stats(where)
     for step in range(first, spec.steps):
@@ -133,18 +136,16 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
         micro_targets = [targets[r].to(where) for r in rows]
         if sync is not None:
             sync.validate()  # the previous step, against the full state the last device sent back
-        stepper.zero_grad()
-        if host is not None:
-            host.zero_grad()
+        optimizers.zero_grad()
         if scaler is not None:
             executor.grad_scale = scaler.scale
             result.loss_scales.append(scaler.scale)
         record = executor.run_step(micro_inputs, micro_targets)
         _collective(rank, f"the all-reduce of gradients with ranks {buckets.describe()}", buckets.reduce)
         _inject_faults(spec, step, stages)
-        _collective(rank, "the data-parallel reduction of the sharded gradients", stepper.reduce)
+        _collective(rank, "the data-parallel reduction of the sharded gradients", optimizers.reduce)
         if scaler is not None:
-            stepper.scale(1.0 / scaler.scale)
+            optimizers.scale(1.0 / scaler.scale)
         if spec.record_gradients:
             result.gradients = {
                 s: {
@@ -154,12 +155,10 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
                 }
                 for s in hosted
             }
-        if host is not None:
-            host.offload_and_step()  # the host steps these stages while this rank goes on
-        if sync is not None:
+        if sync is not None:  # the host steps offloaded stages while this rank goes on
             sync.step(step)
         else:
-            stepper.step()
+            optimizers.step()
         loss = torch.tensor([record.loss], dtype=torch.float64, device=where)
         _collective(
             rank, f"the all-reduce of the loss with ranks {list(range(dist.get_world_size()))}", dist.all_reduce, loss
@@ -172,7 +171,7 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
         if spec.save_every and (step + 1) % spec.save_every == 0:
             if sync is not None:
                 sync.validate()
-            save_checkpoint(spec.save_dir, step + 1, stages, stepper, schedule.name, spec.zero)
+            save_checkpoint(spec.save_dir, step + 1, stages, holders, schedule.name, spec.zero, spec.offload_stages)
     if sync is not None:
         sync.validate()
         result.rollbacks, result.skipped_steps = sync.rollbacks, sync.skipped
@@ -246,7 +245,7 @@ def _static_bytes(spec: TrainSpec, stepper, host, parameters, precision: Precisi
     holds, beside `pipeloom.tune.static_memory`'s figures for as many weights."""
     compute = compute_bytes(precision.name)
     measured = {
-        "weights": sum(t.numel() * t.element_size() for t in parameters),
+        "weights": getattr(stepper, "weight_bytes", sum(t.numel() * t.element_size() for t in parameters)),
         "gradients": stepper.gradient_bytes,
         "optimizer": stepper.optimizer_bytes,
         "host": 0,
@@ -271,7 +270,7 @@ def _inject_faults(spec: TrainSpec, step: int, stages: dict) -> None:
     for when, stage, kind, factor in spec.gradient_faults:
         if when != step or stage not in stages:
             continue
-        grads = [p_.grad for p_ in stages[stage].parameters() if p_.grad is not None]
+        grads = [grad_of(p_) for p_ in stages[stage].parameters() if grad_of(p_) is not None]
         if kind == "nan":
             grads[0].view(-1)[0] = float("nan")
         elif kind == "inf":

@@ -7,19 +7,21 @@ checkpoints treat them alike:
 
 * `ReplicatedAdamW` (ZeRO-0): the weights are the fp32 master copy; every replica keeps the whole
   AdamW state — 16 bytes per weight (4 weight, 4 gradient, 8 moments).
-* `ShardedAdamW` level 1 (ZeRO-1): the weights live in the compute type (2 bytes in bf16), the
-  gradients accumulate in one flat fp32 buffer (4) and are all-reduced over the stage's
-  data-parallel group; each replica keeps an fp32 master copy and AdamW's moments of its 1/dp of
-  that buffer (12/dp), steps it, and the new weights are all-gathered — 2 + 4 + 12/dp.
+* `ShardedAdamW` level 1 (ZeRO-1): the weights live in one flat buffer of the compute type (2
+  bytes in bf16), the gradients accumulate in one flat fp32 buffer (4), reduce-scattered in place
+  over the stage's data-parallel group (as DeepSpeed's stage 1 and Megatron's distributed
+  optimizer do: the traffic of ZeRO-0's all-reduce); each replica keeps an fp32 master copy and
+  AdamW's moments of its 1/dp of that buffer (12/dp), steps it, and the new weights are
+  all-gathered in place — 2 + 4 + 12/dp.
 * level 2 (ZeRO-2): the gradients accumulate in the compute type (2) and are reduce-scattered
-  into each replica's fp32 shard (4/dp), half the traffic of the all-reduce — 2 + 2 + 16/dp. In a
-  pipeline a stage's gradients build up over every micro-batch of the step, so the full buffer
-  lives through the step either way; what sharding saves is its width.
+  into each replica's fp32 shard (4/dp) — 2 + 2 + 16/dp, the same traffic. In a pipeline a
+  stage's gradients build up over every micro-batch of the step, so the full buffer lives through
+  the step either way; what sharding saves is its width, at the price of accumulating in bf16.
 
 The flat buffer is padded to a multiple of dp, so every shard has the same size and the bytes are
 exactly `static_bytes` (the planner's `pipeloom.tune.static_memory`). Sharding is elementwise and
 AdamW is elementwise, so a sharded step is the unsharded one. The collectives are torch's
-(`all_reduce`, `reduce_scatter_single`, `all_gather_single`) over the device's data-parallel group.
+(`reduce_scatter_single`, `all_gather_single`) over the device's data-parallel group.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from torch import nn
 
 from pipeloom.runtime.optimizer_sync import adamw_rollback
 
-__all__ = ["GradientStore", "ReplicatedAdamW", "ShardedAdamW"]
+__all__ = ["GradientStore", "JointSteppers", "ReplicatedAdamW", "ShardedAdamW", "squares_and_bad"]
 _CHUNK = 1 << 22
 """Elements per reduce-scatter piece: the fp32 copy it needs stays small beside the buffer."""
 
@@ -102,7 +104,7 @@ class ReplicatedAdamW:
         """The data-parallel sum is part of the gradient buckets here."""
 
     def local_state(self) -> torch.Tensor:
-        return _squares_and_bad([p.grad for p in self.owned if p.grad is not None], self._device)
+        return squares_and_bad([p.grad for p in self.owned if p.grad is not None], self._device)
 
     def scale(self, factor: float) -> None:
         for parameter in self.parameters:
@@ -175,6 +177,9 @@ class ShardedAdamW:
         begin, end = self.index * self.shard, (self.index + 1) * self.shard
         master = torch.zeros(self.shard, dtype=torch.float32, device=device)
         mask = torch.zeros(self.shard, dtype=torch.bool, device=device)
+        self.weights = torch.zeros(self.shard * self.size, dtype=weight_dtype, device=device)
+        """Every weight, in the compute type: the parameters are views of it, so the new shards
+        are all-gathered straight into them."""
         offset = 0
         with torch.no_grad():
             for parameter in self.parameters:
@@ -182,14 +187,18 @@ class ShardedAdamW:
                 if low < high:
                     master[low - begin : high - begin] = parameter.detach().reshape(-1)[low - offset : high - offset]
                     mask[low - begin : high - begin] = owned(parameter)
+                view = self.weights[offset : offset + parameter.numel()].view_as(parameter)
+                view.copy_(parameter.detach())
+                parameter.data = view
                 offset += parameter.numel()
-                parameter.data = parameter.data.to(weight_dtype)
         self.owned_mask = mask
         """Elements of the shard whose parameter this device counts in the global norm."""
         self.master = nn.Parameter(master)
-        self.master.grad = torch.zeros_like(master)
         self.optimizer = torch.optim.AdamW([self.master], lr=lr)
         self.store = GradientStore(self.parameters, torch.float32 if level == 1 else weight_dtype, self.size)
+        # ZeRO-1 reduce-scatters the fp32 buffer in place: the shard's gradient is its own slice.
+        own = self.store.flat[begin:end]
+        self.master.grad = own if level == 1 else torch.zeros_like(master)
 
     def zero_grad(self) -> None:
         self.store.zero()
@@ -200,8 +209,7 @@ class ShardedAdamW:
         if not self.shard:
             return
         if self.level == 1:
-            dist.all_reduce(flat, group=self.group)
-            self.master.grad.copy_(flat[begin : begin + self.shard])
+            dist.reduce_scatter_single(flat[begin : begin + self.shard], flat, group=self.group)
             return
         rows = flat.view(self.size, self.shard)
         for low in range(0, self.shard, _CHUNK):
@@ -232,21 +240,22 @@ class ShardedAdamW:
         self._gather_weights()
 
     def _gather_weights(self) -> None:
-        """Every replica's new shard, in the weights' type, into the weights — through the
-        gradient buffer, whose step is over, so the gather needs no memory of its own."""
+        """Every replica's new shard, in the weights' type, into the weights (in place)."""
         if not self.shard:
             return
-        dtype = self.parameters[0].dtype
-        buffer = self.store.flat.view(dtype)[: self.size * self.shard]
-        dist.all_gather_single(buffer, self.master.detach().to(dtype), group=self.group)
-        with torch.no_grad():
-            for parameter, offset in self.store.offsets:
-                parameter.copy_(buffer[offset : offset + parameter.numel()].view_as(parameter))
+        begin = self.index * self.shard
+        own = self.weights[begin : begin + self.shard]
+        own.copy_(self.master.detach())
+        dist.all_gather_single(self.weights, own, group=self.group)
 
     @property
     def optimizer_bytes(self) -> int:
         """The fp32 master shard and its two moments, as allocated."""
         return self.master.numel() * self.master.element_size() + _state_bytes(self.optimizer)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.weights.numel() * self.weights.element_size()
 
     @property
     def gradient_bytes(self) -> int:
@@ -271,6 +280,37 @@ class ShardedAdamW:
         self._gather_weights()
 
 
+class JointSteppers:
+    """Several optimizers of one rank stepped as one — the host's (offloaded stages) and the
+    device's — so clipping, skipping, the loss scale and post-validation decide for all alike."""
+
+    def __init__(self, *parts) -> None:
+        self.parts = parts
+
+    def zero_grad(self) -> None:
+        for part in self.parts:
+            part.zero_grad()
+
+    def reduce(self) -> None:
+        for part in self.parts:
+            part.reduce()
+
+    def local_state(self) -> torch.Tensor:
+        return sum(part.local_state() for part in self.parts)
+
+    def scale(self, factor: float) -> None:
+        for part in self.parts:
+            part.scale(factor)
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+
+    def rollback(self) -> None:
+        for part in self.parts:
+            part.rollback()
+
+
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """AdamW's moments (its step counters are scalars, left out)."""
     return sum(
@@ -281,7 +321,7 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
-def _squares_and_bad(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+def squares_and_bad(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     squares = torch.zeros((), dtype=torch.float64)
     bad = torch.zeros((), dtype=torch.float64)
     for grad in grads:

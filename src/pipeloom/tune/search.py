@@ -311,30 +311,47 @@ _RESULT_FIELDS = (
 def _simulate_candidate(
     evaluation: Evaluation, memory: float, threshold: float = math.inf, memory_passes: bool = True
 ) -> bool:
-    """Build and simulate under each static-memory measure in turn (ZeRO-0 first), falling back
-    to the scheme's memory-saving passes within each; keep the fastest plan that fits. A further
-    measure is tried only while memory is short: when the one before fits only with a
-    memory-saving pass (or not at all). False if it cannot beat `threshold` (the plain schedule,
-    which every pass only lengthens, already takes that long)."""
+    """Build and simulate under each static-memory measure in turn, falling back to the scheme's
+    memory-saving passes within each, and keep the fastest plan that fits. ZeRO-1 is always
+    weighed against ZeRO-0 (its optimizer step is 1/dp and a budgeted generator gets more room,
+    against an all-gather of the weights); ZeRO-2 (bf16 gradient accumulation) only while memory
+    is short — when nothing fits without a memory-saving pass; offload only when nothing fits at
+    all. False if it cannot beat `threshold` (the plain schedule, which every pass only
+    lengthens, already takes that long)."""
     candidate = evaluation.candidate
     spec = SCHEMES[candidate.scheme]
     chains = ((),) + (spec.fallbacks if memory_passes else ())
     fitting = [option for option in evaluation.options if max(option.static_memory) <= memory]
     best: dict | None = None
     cut = []  # per measure tried: whether the bar cut its chains short
+    floor = None  # the first plain schedule's pipeline: no measure shortens a schedule it does not rebuild
+    built = None
     for option in fitting:
+        bar = min(threshold, best["step_time"] if best else math.inf)
+        if floor is not None and not spec.budgeted:
+            if floor + option.allreduce_time + option.optimizer_time >= bar - _EPS:
+                cut.append(True)
+                continue
+        if best is not None:
+            plainly = best["candidate"].passes == candidate.passes  # fits without a memory-saving pass
+            if option.offload_all or (option.zero == 2 and plainly):
+                break  # ZeRO-2 only when memory is short, offload only when nothing else fits
+            extra = option.allreduce_time + option.optimizer_time
+            if extra >= best["allreduce_time"] + best["optimizer_time"] - _EPS and not spec.budgeted and plainly:
+                continue  # the same schedule, with a dearer step around it
         costs = evaluation.costs = option.costs
         evaluation.allreduce_time, evaluation.optimizer_time = option.allreduce_time, option.optimizer_time
         budget = [memory - static for static in option.static_memory]
         try:
-            schedule = _generate(candidate, costs, budget)
+            if built is None or _uses_budget(candidate):  # else the measures share one schedule
+                built = _generate(candidate, costs, budget)
+            schedule = built
         except PipeloomError as error:
             evaluation.reason = f"schedule: {error.summary}"
             cut.append(False)
             continue
         cut.append(False)
         simulated = False  # this measure's first chain, which every later one only lengthens
-        bar = min(threshold, best["step_time"] if best else math.inf)
         option_chains = [chain + ("offload-all",) for chain in chains] if option.offload_all else chains
         for passes in option_chains:
             if simulated and evaluation.step_time >= bar - _EPS:
@@ -355,6 +372,8 @@ def _simulate_candidate(
                 offload, timeline = None, simulate(current, costs)
                 pipeline = timeline.makespan
             peaks = timeline.peak_memory
+            if not simulated and floor is None and not (option.offload_all or candidate.passes + passes):
+                floor = pipeline
             simulated = True
             evaluation.candidate = candidate.with_passes(candidate.passes + passes, zero=option.zero)
             evaluation.schedule, evaluation.timeline, evaluation.offload = current, timeline, offload
@@ -368,14 +387,18 @@ def _simulate_candidate(
             device = peaks.index(max(peaks))
             evaluation.reason = f"memory: device {device} peaks at {_gib(peaks[device])} > {_gib(memory)}"
             evaluation.unfit.append((evaluation.candidate.label, evaluation.step_time, evaluation.reason))
-        if best is not None and best["candidate"].passes == candidate.passes:
-            break  # fits without a memory-saving pass: no further measure is needed
     if best is None:
         return not (cut and all(cut))
     for name in _RESULT_FIELDS:
         setattr(evaluation, name, best[name])
     evaluation.feasible, evaluation.reason = True, ""
     return True
+
+
+def _uses_budget(candidate: Candidate) -> bool:
+    """Whether the generator reads the memory budget (so each static measure builds its own)."""
+    spec = SCHEMES[candidate.scheme]
+    return spec.budgeted and spec.generator != "svpp"
 
 
 def _generate(candidate: Candidate, costs: Costs, budget: list[float]) -> Schedule:

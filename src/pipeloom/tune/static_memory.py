@@ -14,8 +14,8 @@ compute type (2 for bf16/fp16, 4 for fp32) and dp the data-parallel size:
 ZeRO-0 keeps fp32 weights and computes under autocast; the other measures keep the weights in
 the compute type and an fp32 master copy: sharded over the data-parallel replicas (ZeRO-1/2,
 each shard the same size, ceil(params/dp)), or on the host with the gradients' copy (offload,
-TPipe's T-Offload for any set of stages). ZeRO-2 accumulates the gradients in the compute type
-and reduce-scatters them into an fp32 shard.
+TPipe's T-Offload for any set of stages). ZeRO-1 reduce-scatters the fp32 gradients in place,
+ZeRO-2 accumulates them in the compute type and reduce-scatters them into an fp32 shard.
 """
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ def static_bytes(
     if zero == 0:
         return StaticBytes(4 * params, 4 * params, 8 * params)
     shard = math.ceil(params / dp) if padded else params / dp
-    buffer = shard * dp  # the gradient buffer, padded to equal shards
+    buffer = shard * dp  # the weight and gradient buffers, padded to equal shards
     gradients = 4 * buffer if zero == 1 else compute * buffer + 4 * shard
-    return StaticBytes(compute * params, gradients, 12 * shard)
+    return StaticBytes(compute * buffer, gradients, 12 * shard)
 
 
 def offload_saving(params: float, dp: int = 1, zero: int = 0, compute: int = 2) -> float:
@@ -79,11 +79,11 @@ def offload_saving(params: float, dp: int = 1, zero: int = 0, compute: int = 2) 
 
 def collective_bytes(params: float, dp: int, zero: int, compute: int = 2) -> float:
     """Bytes one rank moves per step to sum gradients over dp replicas (ring algorithms): an
-    all-reduce of fp32 gradients (ZeRO-0/1) or a reduce-scatter (ZeRO-2), plus the all-gather of
+    all-reduce of fp32 gradients (ZeRO-0) or a reduce-scatter (ZeRO-1/2), plus the all-gather of
     the new weights in the compute type (ZeRO-1/2)."""
     if dp == 1:
         return 0.0
     share = (dp - 1) / dp
-    reduce = share * 4 * params * (2 if zero < 2 else 1)
+    reduce = share * 4 * params * (2 if zero == 0 else 1)
     gather = share * compute * params if zero else 0.0
     return reduce + gather
