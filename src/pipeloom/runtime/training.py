@@ -245,7 +245,7 @@ def _static_bytes(spec: TrainSpec, stepper, host, parameters, precision: Precisi
     holds, beside `pipeloom.tune.static_memory`'s figures for as many weights."""
     compute = compute_bytes(precision.name)
     measured = {
-        "weights": getattr(stepper, "weight_bytes", sum(t.numel() * t.element_size() for t in parameters)),
+        "weights": stepper.weight_bytes,
         "gradients": stepper.gradient_bytes,
         "optimizer": stepper.optimizer_bytes,
         "host": 0,

@@ -120,6 +120,10 @@ class ReplicatedAdamW:
             adamw_rollback(self.optimizer)
 
     @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters)
+
+    @property
     def optimizer_bytes(self) -> int:
         """AdamW's two moments, as allocated (the weights are the master copy)."""
         return _state_bytes(self.optimizer) if self.optimizer is not None else 0
