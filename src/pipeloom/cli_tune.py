@@ -224,10 +224,15 @@ def static_measures_line(evaluation, memory: float) -> str:
         what = f"bf16 weights, fp32 master weights and AdamW sharded over dp={evaluation.candidate.dp}"
     else:
         what = f"bf16 weights and gradients, master weights, AdamW and the fp32 gradient reduce-scattered over dp={evaluation.candidate.dp}"
+    if chosen.offload_all:
+        price = f"costing {extra:.2f} ms per step (host copies and steps outside the bubbles)"
+    elif extra > 0:
+        price = f"costing {extra:.2f} ms per step (the all-gather of the weights outweighs the 1/dp optimizer step)"
+    else:
+        price = f"saving {-extra:.2f} ms per step (the 1/dp optimizer step outweighs the all-gather of the weights)"
     return (
         f"static memory: {chosen.label} — {what}: {own_gib:.2f} GiB per device at most instead of "
-        f"{plain_gib:.2f} GiB under ZeRO-0, for {extra:+.2f} ms per step "
-        f"({'host lanes' if chosen.offload_all else 'all-gather of the weights, smaller optimizer step'})"
+        f"{plain_gib:.2f} GiB under ZeRO-0, {price}"
     )
 
 
