@@ -1,5 +1,6 @@
 """T-Recomp (TPipe §4.2, appendices B and C): block-wise recompute of shallow chunks."""
 
+import itertools
 import math
 
 import pytest
@@ -108,3 +109,17 @@ def test_split_backward_schedules_take_it_too():
 def test_refusals(schedule, chunks, message):
     with pytest.raises(ConfigError, match=message):
         t_recomp(schedule, chunks)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 6])
+@pytest.mark.parametrize("v", [2, 3, 4])
+def test_every_chunk_set_recomputes_on_tpipe(p, v):
+    """Recomputing the deepest chunk used to fail at p >= 3: its backward follows its forward too
+    closely for a free recompute slot, so its backward now waits for one."""
+    for k in range(1, v + 1):
+        for chunks in itertools.combinations(range(v), k):
+            schedule = t_recomp(build_schedule("tpipe", p, 3, num_chunks=v), chunks)
+            validate(schedule)
+            recomputes = [op for ops in schedule.devices for op in ops if op.kind is OpKind.R]
+            assert len(recomputes) == 3 * p * len(chunks)
+            assert simulate(schedule, Costs(F=1, B=2, W=0)).makespan > 0

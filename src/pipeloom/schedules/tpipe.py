@@ -53,8 +53,12 @@ class SlotTemplate:
         return (self.start[F, stage] - self.start[F, 0]) // self.period
 
 
-def slot_template(num_devices: int, num_chunks: int, recomputed: Collection[int] = ()) -> SlotTemplate:
-    """Place micro-batch 0 slot by slot (see the module docstring)."""
+def slot_template(
+    num_devices: int, num_chunks: int, recomputed: Collection[int] = (), wait_for_recompute: bool = False
+) -> SlotTemplate:
+    """Place micro-batch 0 slot by slot (see the module docstring). A recomputed chunk whose
+    backward follows its forward too closely for a free recompute slot between them (the deepest
+    chunk, at p ≥ 3) makes the backwards of recomputed chunks wait for one (`wait_for_recompute`)."""
     p, v = num_devices, num_chunks
     recomputed = frozenset(recomputed)
     pattern: list[OpKind] = []
@@ -87,24 +91,50 @@ def slot_template(num_devices: int, num_chunks: int, recomputed: Collection[int]
     for stage in range(v * p):
         start[F, stage] = place(stage % p, F, ready)
         ready = start[F, stage] + _UNITS[F]
+    recomputed_stages = {stage for chunk in recomputed for stage in range(chunk * p, (chunk + 1) * p)}
     for stage in reversed(range(v * p)):
-        start[BW, stage] = place(stage % p, BW, ready)
+        device, forward_end = stage % p, start[F, stage] + _UNITS[F]
+        if stage in recomputed_stages and wait_for_recompute:
+            # Where a chunk's backward follows its forward closely (the deepest chunk), the
+            # backward waits for a free recompute slot between them, taken at once.
+            earliest = _earliest_recompute_slot(pattern, offsets, period, taken[device], base(device), forward_end)
+            start[BW, stage] = place(device, BW, max(ready, earliest + _UNITS[R]))
+            start[R, stage] = _latest_recompute_slot(
+                pattern, offsets, period, taken[device], base(device), start[BW, stage], not_before=forward_end
+            )
+        else:
+            start[BW, stage] = place(device, BW, ready)
         ready = start[BW, stage] + _UNITS[BW]
     for chunk in sorted(recomputed):
         for stage in range(chunk * p, (chunk + 1) * p):
+            if (R, stage) in start:
+                continue
             start[R, stage] = _latest_recompute_slot(
                 pattern, offsets, period, taken[stage % p], base(stage % p), start[BW, stage]
             )
-            assert start[R, stage] >= start[F, stage] + _UNITS[F]
+            if start[R, stage] < start[F, stage] + _UNITS[F]:  # the paper's placement has no slot here
+                return slot_template(num_devices, num_chunks, recomputed, wait_for_recompute=True)
     return SlotTemplate(p, v, recomputed, period, start)
 
 
-def _latest_recompute_slot(pattern, offsets, period, taken, base, deadline) -> int:
+def _earliest_recompute_slot(pattern, offsets, period, taken, base, ready) -> int:
+    """The start of the earliest free recompute slot at or after `ready`."""
+    starts = [
+        base + offset + math.ceil((ready - base - offset) / period) * period
+        for slot, (kind, offset) in enumerate(zip(pattern, offsets))
+        if kind is R and not taken[slot]
+    ]
+    return min(starts)
+
+
+def _latest_recompute_slot(pattern, offsets, period, taken, base, deadline, not_before=None) -> int:
     best = None
     for slot, (kind, offset) in enumerate(zip(pattern, offsets)):
         if kind is R and not taken[slot]:
             first = base + offset
             start = first + math.floor((deadline - _UNITS[R] - first) / period) * period
+            if not_before is not None and start < not_before:
+                continue
             if best is None or start > best[0]:
                 best = (start, slot)
     assert best is not None, "one recompute slot per recomputed chunk"
