@@ -12,7 +12,7 @@ import re
 
 from pipeloom.errors import ConfigError
 
-__all__ = ["parse_memory_budget"]
+__all__ = ["budget_from_flag", "check_within_budget", "parse_memory_budget"]
 
 _UNITS = {
     "": 1,
@@ -51,3 +51,33 @@ def _amount(part: str, whole: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ConfigError(f"memory budget {whole!r}: budgets must be positive")
     return value
+
+
+def budget_from_flag(text: str | None, costs_in_bytes: bool) -> float | list[float] | None:
+    """`--mem-limit` as the commands take it: a size with a byte suffix only for costs in bytes
+    (a profile); with unit-less costs it would silently mean nothing."""
+    if not text:
+        return None
+    budget = parse_memory_budget(text)
+    sized = any((match := _AMOUNT.match(part)) and match.group(2) for part in text.split(","))
+    if sized and not costs_in_bytes:
+        raise ConfigError(
+            f"--mem-limit {text!r} is a size in bytes, but the costs are unit-less (M_B = 1 per micro-batch): "
+            "give a plain number in the costs' memory unit, or costs in bytes (--costs profile.json)"
+        )
+    return budget
+
+
+def check_within_budget(peaks, budget: float | list[float] | None, what: str) -> None:
+    """Refuse a result whose peak activation memory breaks the budget it was built for, naming
+    the device and by how much."""
+    if budget is None:
+        return
+    limits = budget if isinstance(budget, list) else [budget] * len(peaks)
+    over = [(peak - limit, device, peak, limit) for device, (peak, limit) in enumerate(zip(peaks, limits))]
+    excess, device, peak, limit = max(over)
+    if excess > 1e-9 * max(1.0, limit):
+        raise ConfigError(
+            f"{what} breaks --mem-limit: device {device} peaks at {peak:g} of activation memory, "
+            f"{excess:g} over its limit {limit:g}"
+        )

@@ -7,13 +7,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from pipeloom.budget import parse_memory_budget
-from pipeloom.cli_args import add_ckpt, add_costs, add_mem_limit, add_schedule_source, add_tpipe_passes
+from pipeloom.budget import check_within_budget
+from pipeloom.cli_args import (
+    add_ckpt,
+    add_costs,
+    add_mem_limit,
+    add_schedule_source,
+    add_tpipe_passes,
+    mem_limit_from_args,
+)
 from pipeloom.cli_format import costs_text, exact_report, num, offload_report, progress_bar, report, table
 from pipeloom.cli_passes import offloaded, with_passes
 from pipeloom.costs import Costs
@@ -105,13 +113,17 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         exact = optimise_schedule(
             schedule,
             costs,
-            parse_memory_budget(args.mem_limit) if args.mem_limit else None,
+            mem_limit_from_args(args),
             time_limit=args.time_limit if args.time_limit is not None else 10.0,
         )
         schedule = exact.schedule
     schedule = with_passes(schedule, costs, args)
     offload = offloaded(schedule, costs, args)
     timeline = offload.timeline if offload else simulate(schedule, costs)
+    _check_finite(timeline)
+    check_within_budget(
+        timeline.peak_activation_memory, mem_limit_from_args(args), f"{schedule.name!r} after its passes"
+    )
     _write_outputs(timeline, args.export, args.trace, args.plot, lanes=offload.lane_ops if offload else None)
     if args.json:
         summary = timeline.summary()
@@ -119,7 +131,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             summary["exact"] = exact.summary()
         if offload is not None:
             summary["offload"] = offload.summary()
-        print(json.dumps(summary))
+        print(json.dumps(summary, allow_nan=False))
     else:
         print(report(timeline))
         if exact is not None:
@@ -143,7 +155,7 @@ def _cmd_pareto(args: argparse.Namespace) -> int:
 
         plot_pareto(points, args.plot, title=f"p={args.p}, m={args.m}: peak activation memory vs bubble")
     if args.json:
-        print(json.dumps([point.to_dict() for point in points]))
+        print(json.dumps([point.to_dict() for point in points], allow_nan=False))
         return 0
     rows = [
         ["*" if q.on_frontier else "", q.label, num(q.peak_memory), f"{q.bubble_rate:.2%}", num(q.cost)]
@@ -178,7 +190,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     costs = _costs_from_args(args)
-    budget = parse_memory_budget(args.mem_limit) if args.mem_limit else None
+    budget = mem_limit_from_args(args)
     timelines = []
     for name in args.names:
         options = get_generator(name).options
@@ -191,14 +203,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             kwargs["costs"] = costs
         if budget is not None and "mem_limit" in options:
             kwargs["mem_limit"] = budget
-        timelines.append(simulate(build_schedule(name, args.p, args.m, **kwargs), costs))
+        timelines.append(_check_finite(simulate(build_schedule(name, args.p, args.m, **kwargs), costs)))
     if args.plot_dir:
         directory = Path(args.plot_dir)
         directory.mkdir(parents=True, exist_ok=True)
         for timeline in timelines:
             plot_timeline(timeline, directory / f"{timeline.schedule.name}.png")
     if args.json:
-        print(json.dumps([timeline.summary() for timeline in timelines]))
+        print(json.dumps([timeline.summary() for timeline in timelines], allow_nan=False))
         return 0
     rows = [
         [
@@ -306,7 +318,7 @@ def _schedule_from_args(args: argparse.Namespace, costs: Costs, budget_is_used: 
     """The named (or loaded) schedule, with --split applied; generators that take costs get them."""
     if args.batch_w and args.split not in ("deferred", "fill"):
         raise ConfigError("--batch-w needs --split deferred or --split fill")
-    budget = parse_memory_budget(args.mem_limit) if args.mem_limit else None
+    budget = mem_limit_from_args(args)
     if args.schedule_file:
         if args.name or args.p is not None or args.m is not None or _generator_flags(args):
             raise ConfigError(
@@ -361,9 +373,26 @@ def _costs_from_args(args: argparse.Namespace) -> Costs:
     spec = args.costs
     if spec is None:
         return Costs()
-    if "=" in spec:
-        return Costs.parse(spec)
-    return Costs.load(spec)
+    costs = Costs.parse(spec) if "=" in spec else Costs.load(spec)
+    work = [costs.F, costs.B, costs.W]
+    if all(value == 0 or (isinstance(value, tuple) and not any(_flat(value))) for value in work):
+        raise ConfigError("--costs: F, B and W are all zero — a schedule with no work has no time to plan")
+    return costs
+
+
+def _flat(value) -> list[float]:
+    return [x for entry in value for x in (entry if isinstance(entry, tuple) else (entry,))]
+
+
+def _check_finite(timeline):
+    """Refuse results that overflowed (costs near the float range give an infinite makespan)."""
+    figures = [timeline.makespan, timeline.bubble_rate, *timeline.peak_memory]
+    if not all(math.isfinite(x) for x in figures):
+        raise ConfigError(
+            f"{timeline.schedule.name!r}: the costs overflow — makespan {timeline.makespan}, bubble {timeline.bubble_rate}; "
+            "scale them down (only their ratios matter)"
+        )
+    return timeline
 
 
 def _check_outputs(paths: list[str | None], plot: str | None) -> None:

@@ -110,3 +110,11 @@ def int_list(text: str, what: str) -> list[int]:
         return [int(item) for item in text.split(",") if item.strip()]
     except ValueError:
         raise ConfigError(f"{what} must be comma-separated integers, got {text!r}") from None
+
+
+def mem_limit_from_args(args: argparse.Namespace):
+    """--mem-limit, refused in bytes when the costs are unit-less (inline or default)."""
+    from pipeloom.budget import budget_from_flag
+
+    costs = getattr(args, "costs", None)
+    return budget_from_flag(getattr(args, "mem_limit", None), costs_in_bytes=bool(costs) and "=" not in costs)

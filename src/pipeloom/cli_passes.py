@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pipeloom.budget import parse_memory_budget
-from pipeloom.cli_args import int_list
+from pipeloom.cli_args import int_list, mem_limit_from_args
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError
 from pipeloom.ir.schedule import Schedule
@@ -22,7 +21,7 @@ def with_passes(schedule: Schedule, costs: Costs, args: argparse.Namespace) -> S
     """`schedule` after --ckpt, --recompute and --weight-parts, in that order."""
     schedule = _recomputed(checkpointed(schedule, costs, args), args)
     if args.weight_parts is not None:
-        schedule = weight_parts(schedule, costs, args.weight_parts)
+        schedule = weight_parts(schedule, costs, args.weight_parts, mem_limit=mem_limit_from_args(args))
     return schedule
 
 
@@ -31,7 +30,7 @@ def checkpointed(schedule: Schedule, costs: Costs, args: argparse.Namespace) -> 
     if args.ckpt == "full":
         return apply_checkpoint(schedule)
     if args.ckpt == "mario":
-        return mario(schedule, costs, parse_memory_budget(args.mem_limit) if args.mem_limit else None)
+        return mario(schedule, costs, mem_limit_from_args(args))
     return schedule
 
 

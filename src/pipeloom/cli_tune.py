@@ -103,7 +103,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     plot_timeline(best.timeline, plot, lanes=best.offload.lane_ops if best.offload else None)
     if args.json:
-        print(json.dumps([_row_dict(e, result) for e in result.ranked]))
+        print(json.dumps([_row_dict(e, result) for e in result.ranked], allow_nan=False))
         return 0
     print(_report(result, args, memory, cost_model))
     if args.explain:

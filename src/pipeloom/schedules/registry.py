@@ -70,7 +70,30 @@ def build_schedule(name: str, num_devices: int, num_microbatches: int, **generat
         raise ConfigError(f"schedule {name!r} does not take {', '.join(unknown)} (it takes {takes})")
     require_int(name, "num_devices", num_devices, 1)
     require_int(name, "num_microbatches", num_microbatches, 1)
+    _check_size(name, num_devices, num_microbatches, generator_kwargs)
     return info.build(num_devices, num_microbatches, **generator_kwargs)
+
+
+MAX_OPS = 2_000_000
+"""Largest schedule built: beyond it a build and its simulation take minutes and gigabytes."""
+_BYTES_PER_OP = 300
+"""Python memory of one op through build, validation and simulation (measured order of magnitude)."""
+
+
+def _check_size(name: str, p: int, m: int, kwargs: dict) -> None:
+    """Refuse before building what would take minutes and gigabytes: F, B and W of every stage,
+    micro-batch and slice, Chimera's and V-shapes' extra stages counted by the chunks."""
+    chunks = kwargs.get("num_chunks") or 2  # most chunked and V schedules hold two stages a device
+    slices = kwargs.get("num_slices") or 1
+    if not all(isinstance(x, int) and x > 0 for x in (chunks, slices)):
+        return  # the generator's own checks name the bad option
+    ops = 3 * p * chunks * m * slices
+    if ops > MAX_OPS:
+        raise ConfigError(
+            f"{name}: p={p} m={m} would make about {ops:,} ops (~{ops * _BYTES_PER_OP / 2**30:.1f} GiB to build and "
+            f"simulate); pipeloom builds at most {MAX_OPS:,} — the bubble and memory of a pipeline repeat "
+            "beyond a few times p micro-batches, so a smaller m tells the same"
+        )
 
 
 def require_int(schedule: str, what: str, value: Any, minimum: int) -> int:
