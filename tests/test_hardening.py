@@ -2,6 +2,8 @@
 passes after a budgeted generator keep its budget."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -44,3 +46,51 @@ def test_weight_parts_keep_each_devices_budget(capsys):
 def test_recomputing_the_deepest_tpipe_chunk_runs(capsys):
     assert main(["simulate", "tpipe", "-p", "3", "-m", "2", "-v", "2", "--recompute", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["makespan"] > 0
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--save", "ckpt"], "--save DIR and --save-every K go together"),
+        (["--clip-norm", "-1"], "--clip-norm must be positive"),
+        (["--summary", "/nonexistent/dir/s.json"], "does not exist"),
+    ],
+)
+def test_train_refuses_bad_flags_before_importing_torch(flags, message):
+    code = (
+        "import sys; from pipeloom.cli import main; "
+        f"code = main(['train', '--nproc', '2', '--schedule', '1f1b', '-p', '2', '-m', '2', *{flags!r}]); "
+        "print(code, 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["2", "False"], done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr
+
+
+def test_a_plan_that_does_not_hold_together_is_refused_naming_the_field(capsys, tmp_path):
+    argv = ["tune", "--model", "zb-1.5b", "--hardware", "rtx-4090", "--devices", "4", "--global-batch", "8"]
+    plan = tmp_path / "plan.json"
+    assert main([*argv, "--schemes", "1f1b", "--max-mbs", "1", "--output", str(plan)]) == 0
+    capsys.readouterr()
+    data = json.loads(plan.read_text())
+    for field, value, message in [
+        ("pp", data["pp"] + 1, "field 'pp'"),
+        ("schedule", None, "lacks the field 'schedule'"),
+    ]:
+        broken = {**data, field: value} if value is not None else {k: v for k, v in data.items() if k != field}
+        (tmp_path / "bad.json").write_text(json.dumps(broken))
+        assert main(["train", "--plan", str(tmp_path / "bad.json")]) == 2
+        _, err = capsys.readouterr()
+        assert len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_tune_without_matplotlib_writes_the_plan_and_skips_only_the_default_plot(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as after `pip install pipeloom` without extras
+    argv = ["tune", "--model", "zb-1.5b", "--hardware", "rtx-4090", "--devices", "4", "--global-batch", "8"]
+    argv += ["--schemes", "1f1b", "--max-mbs", "1", "--output", str(tmp_path / "plan.json")]
+    assert main(argv) == 0
+    assert "no timeline (matplotlib is not installed" in capsys.readouterr().out
+    assert (tmp_path / "plan.json").exists() and not (tmp_path / "plan.png").exists()
+    assert main([*argv, "--plot", str(tmp_path / "asked.png")]) == 2  # asked for: refused before the search
+    assert "needs matplotlib" in capsys.readouterr().err and not (tmp_path / "asked.png").exists()

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from pipeloom.budget import check_within_budget
+from pipeloom.files import check_writable
 from pipeloom.cli_args import (
     add_ckpt,
     add_costs,
@@ -34,7 +35,7 @@ from pipeloom.passes.split_backward import split_backward
 from pipeloom.schedules import build_schedule, get_generator, list_generators
 from pipeloom.sim.simulate import Timeline, simulate
 from pipeloom.tune.pareto import explore_pareto
-from pipeloom.viz.plot import check_plot_path, plot_timeline  # imports matplotlib only when it draws
+from pipeloom.viz.plot import check_plot_path, plot_timeline, pyplot  # imports matplotlib only when it draws
 from pipeloom.viz.trace import write_chrome_trace
 
 __all__ = ["main", "EXIT_BAD_INPUT"]
@@ -397,12 +398,10 @@ def _check_finite(timeline):
 
 def _check_outputs(paths: list[str | None], plot: str | None) -> None:
     """Refuse unwritable destinations before computing anything, so bad input writes nothing."""
-    for path in filter(None, paths):
-        parent = Path(path).resolve().parent
-        if not parent.is_dir():
-            raise ConfigError(f"cannot write {path!r}: directory {str(parent)!r} does not exist")
+    check_writable(*paths)
     if plot:
         check_plot_path(plot)
+        pyplot()  # refuse now if matplotlib is missing, not after the work
 
 
 def _write_outputs(

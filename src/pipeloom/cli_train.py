@@ -15,12 +15,12 @@ from pipeloom.cli_model import add_model_arguments, workload_from_args
 from pipeloom.cli_passes import checkpointed
 from pipeloom.errors import ConfigError
 
-__all__ = ["add_train_arguments", "cmd_train", "train_spec_from_args", "write_train_outputs"]
+__all__ = ["add_train_arguments", "check_train_flags", "cmd_train", "train_spec_from_args", "write_train_outputs"]
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Train locally with `--nproc` forked ranks (torch imported here only)."""
-    _check_outputs([args.trace, args.summary], plot=None)
+    check_train_flags(args)
     spec = train_spec_from_args(args, report=True)
     expected = spec.schedule.num_devices * spec.dp
     if args.nproc is None and not args.plan:
@@ -123,6 +123,33 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--summary", metavar="PATH", help="write a JSON summary: losses, step times, stash bytes")
 
 
+def check_train_flags(args: argparse.Namespace) -> None:
+    """What the flags alone can be refused for, before torch is imported: counts, pairings,
+    destinations, and a plan that does not hold together."""
+    _check_outputs([args.trace, args.summary], plot=None)
+    for name in ("steps", "threads"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.dp < 1:
+        raise ConfigError(f"--dp must be at least 1, got {args.dp}")
+    nproc = getattr(args, "nproc", None)  # torchrun's entry point has none
+    if nproc is not None and nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1, got {nproc}")
+    if bool(args.save) != bool(args.save_every):
+        raise ConfigError("--save DIR and --save-every K go together")
+    if args.save_every < 0:
+        raise ConfigError(f"--save-every must be at least 1, got {args.save_every}")
+    if args.reload_bf16 and not args.offload_stages:
+        raise ConfigError("--reload-bf16 applies to --offload-stages")
+    if args.clip_norm is not None and args.clip_norm <= 0:
+        raise ConfigError(f"--clip-norm must be positive, got {args.clip_norm}")
+    _peak_tflops(args)
+    if args.plan:
+        from pipeloom.tune.plan import Plan
+
+        Plan.load(args.plan)  # one line naming the field that does not hold together
+
+
 def train_spec_from_args(args: argparse.Namespace, report: bool = False):
     """The schedule (with --split / --ckpt), the model and the run, checked before any compute."""
     from pipeloom.models.llama import LlamaConfig
@@ -164,11 +191,7 @@ def train_spec_from_args(args: argparse.Namespace, report: bool = False):
 def run_options(args: argparse.Namespace) -> dict:
     """TrainSpec's fields that do not depend on where the schedule comes from (flags or a plan):
     the run, checkpoints, offload, the optimizer's global state."""
-    for name in ("steps", "threads"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if bool(args.save) != bool(args.save_every):
-        raise ConfigError("--save DIR and --save-every K go together")
+    check_train_flags(args)
     fields = {
         "steps": args.steps,
         "seed": args.seed,
@@ -189,8 +212,6 @@ def run_options(args: argparse.Namespace) -> dict:
     if args.offload_stages:
         fields["offload_stages"] = tuple(int_list(args.offload_stages, "--offload-stages"))
     if args.reload_bf16:
-        if not args.offload_stages:
-            raise ConfigError("--reload-bf16 applies to --offload-stages")
         fields["reload_bits"] = 16
     return fields
 

@@ -11,6 +11,7 @@ from pipeloom.budget import parse_memory_budget
 from pipeloom.cli_args import int_list
 from pipeloom.cli_format import num, progress_bar, table
 from pipeloom.errors import ConfigError
+from pipeloom.files import check_writable
 from pipeloom.tune.space import DEFAULT_SCHEMES, RUNNABLE_SCHEMES, SCHEMES, power_of_two_sizes
 
 __all__ = ["add_commands", "add_tune_arguments", "cmd_tune", "add_profile_arguments", "cmd_profile"]
@@ -67,7 +68,7 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
 def cmd_tune(args: argparse.Namespace) -> int:
     from pipeloom.tune.plan import plan_from_evaluation
     from pipeloom.tune.search import tune
-    from pipeloom.viz.plot import check_plot_path
+    from pipeloom.viz.plot import check_plot_path, has_matplotlib, pyplot
 
     cost_model = _cost_model(args)
     memory = _memory(args, cost_model)
@@ -77,11 +78,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
     for value, what in ((args.devices, "--devices"), (args.global_batch, "--global-batch"), (args.top, "--top")):
         if value < 1:
             raise ConfigError(f"{what} must be at least 1, got {value}")
-    plot = args.plot or str(Path(args.output).with_suffix(".png"))
-    check_plot_path(plot)
-    for path in (args.output, plot):
-        if not Path(path).resolve().parent.is_dir():
-            raise ConfigError(f"cannot write {path!r}: its directory does not exist")
+    if args.plot:
+        check_plot_path(args.plot)
+        pyplot()  # asked for: refuse now if matplotlib is missing, not after the search
+    plot = args.plot or (str(Path(args.output).with_suffix(".png")) if has_matplotlib() else None)
+    check_writable(args.output, plot)
     result = tune(
         cost_model,
         args.devices,
@@ -99,16 +100,20 @@ def cmd_tune(args: argparse.Namespace) -> int:
     best = result.best
     plan = plan_from_evaluation(best, result, cost_model.model, cost_model.to_dict(), args.tp)
     plan.save(args.output)
-    from pipeloom.viz.plot import plot_timeline
+    if plot:
+        from pipeloom.viz.plot import plot_timeline
 
-    plot_timeline(best.timeline, plot, lanes=best.offload.lane_ops if best.offload else None)
+        plot_timeline(best.timeline, plot, lanes=best.offload.lane_ops if best.offload else None)
     if args.json:
         print(json.dumps([_row_dict(e, result) for e in result.ranked], allow_nan=False))
         return 0
     print(_report(result, args, memory, cost_model))
     if args.explain:
         print(_explain(result, memory))
-    print(f"\nbest plan written to {args.output}, its timeline to {plot}")
+    drawn = (
+        f"its timeline to {plot}" if plot else "no timeline (matplotlib is not installed: pip install 'pipeloom[plot]')"
+    )
+    print(f"\nbest plan written to {args.output}, {drawn}")
     return 0
 
 
@@ -285,8 +290,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     sizes, layers = int_list(args.mbs, "--mbs"), int_list(args.layers, "--layers")
     if len(layers) < 2 or min(layers) < 1 or not sizes or min(sizes) < 1 or args.steps < 2 or args.threads < 1:
         raise ConfigError("profile needs at least two layer counts >= 1, micro-batch sizes >= 1 and --steps >= 2")
-    if not Path(args.output).resolve().parent.is_dir():
-        raise ConfigError(f"cannot write {args.output!r}: its directory does not exist")
+    check_writable(args.output)
     from pipeloom.profile.profiler import profile_model
     from pipeloom.tune.profiled import ProfiledCostModel, profile_costs_keys
 

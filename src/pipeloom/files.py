@@ -1,14 +1,17 @@
-"""Reading the JSON files users hand us, with errors that name the file and say what is wrong."""
+"""Reading the JSON files users hand us, and checking where we will write, with errors that name
+the file and say what is wrong."""
 
 from __future__ import annotations
 
 import json
+import os
 from os import PathLike
+from pathlib import Path
 from typing import Any
 
-from pipeloom.errors import PipeloomError
+from pipeloom.errors import ConfigError, PipeloomError
 
-__all__ = ["read_json"]
+__all__ = ["check_writable", "read_json"]
 
 
 def read_json(path: str | PathLike[str], what: str, error: type[PipeloomError]) -> Any:
@@ -20,3 +23,17 @@ def read_json(path: str | PathLike[str], what: str, error: type[PipeloomError]) 
         raise error(f"cannot read {what} file {str(path)!r}: {failure.strerror}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as failure:
         raise error(f"{what} file {str(path)!r} is not JSON: {failure}") from None
+
+
+def check_writable(*paths: str | PathLike[str] | None) -> None:
+    """Refuse, before any work, a destination that cannot be written: a missing or read-only
+    directory, or a path that is a directory."""
+    for path in filter(None, paths):
+        target = Path(path)
+        parent = target.resolve().parent
+        if not parent.is_dir():
+            raise ConfigError(f"cannot write {str(path)!r}: directory {str(parent)!r} does not exist")
+        if target.is_dir():
+            raise ConfigError(f"cannot write {str(path)!r}: it is a directory; name a file")
+        if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+            raise ConfigError(f"cannot write {str(path)!r}: permission denied")

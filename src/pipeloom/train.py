@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from pipeloom.cli import EXIT_BAD_INPUT
-from pipeloom.cli_train import add_train_arguments, train_spec_from_args, write_train_outputs
+from pipeloom.cli_train import add_train_arguments, check_train_flags, train_spec_from_args, write_train_outputs
 from pipeloom.errors import PipeloomError
 
 __all__ = ["main"]
@@ -30,6 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("pipeloom.train: error: RANK and WORLD_SIZE are not set; launch with torchrun", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
+        check_train_flags(args)
         from pipeloom.runtime.training import train_rank
 
         spec = train_spec_from_args(args, report=True)

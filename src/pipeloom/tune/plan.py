@@ -95,9 +95,38 @@ class Plan:
     def load(cls, path: str | PathLike[str]) -> Plan:
         data = read_json(path, "plan", ConfigError)
         try:
-            return cls.from_dict(data)
-        except (KeyError, TypeError, ValueError) as error:
+            plan = cls.from_dict(data)
+        except KeyError as error:
+            raise ConfigError(f"plan {str(path)!r} lacks the field {error.args[0]!r} of {PLAN_FORMAT}") from None
+        except (TypeError, ValueError) as error:
             raise ConfigError(f"plan {str(path)!r} is not a {PLAN_FORMAT} file: {error}") from None
+        except ConfigError as error:
+            raise ConfigError(f"plan {str(path)!r}: {error.summary}") from None
+        plan.check(f"plan {str(path)!r}")
+        return plan
+
+    def check(self, where: str = "plan") -> None:
+        """The fields agree with each other: the schedule with pp and the partition, the grid
+        with the devices, the micro-batches with the global batch, the measures with the stages."""
+        schedule = self.schedule
+        facts = [
+            ("pp", self.pp, schedule.num_devices, "devices in its schedule"),
+            ("devices", self.devices, self.pp * self.dp * self.tp, "pp × dp × tp"),
+            ("partition", len(self.partition), schedule.num_stages, "stages in its schedule"),
+            ("partition", sum(self.partition), self.model.layers, "layers of its model"),
+            ("global_batch", self.global_batch, schedule.num_microbatches * self.dp * self.micro_batch_size,
+             "micro-batches × dp × micro_batch_size"),
+        ]  # fmt: skip
+        for field, value, expected, what in facts:
+            if value != expected:
+                raise ConfigError(f"{where}: field {field!r} is {value}, but the plan's {what} make {expected}")
+        if self.zero not in (0, 1, 2):
+            raise ConfigError(f"{where}: field 'zero' must be 0, 1 or 2, got {self.zero}")
+        bad = [s for s in self.offload_stages if not 0 <= s < schedule.num_stages]
+        if bad:
+            raise ConfigError(
+                f"{where}: field 'offload_stages' names stages {bad} outside 0..{schedule.num_stages - 1}"
+            )
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:

@@ -28,6 +28,15 @@ _CKPT_COLOR = "#9DB4D8"  # a checkpointed forward keeps only its input: drawn pa
 _MAX_LABELS = 1500
 
 
+def has_matplotlib() -> bool:
+    """Whether plots can be drawn here (matplotlib is the optional `plot` extra)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def pyplot():
     """matplotlib.pyplot on the Agg backend, or a ConfigError saying how to install it."""
     try:
