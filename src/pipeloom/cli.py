@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import NoReturn
 
 from pipeloom.budget import check_within_budget
-from pipeloom.files import check_writable
 from pipeloom.cli_args import (
     add_ckpt,
     add_costs,
@@ -27,6 +26,7 @@ from pipeloom.cli_format import costs_text, exact_report, num, offload_report, p
 from pipeloom.cli_passes import offloaded, with_passes
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError, PipeloomError, ScheduleError
+from pipeloom.files import check_writable
 from pipeloom.ir.io import load_schedule
 from pipeloom.ir.schedule import Schedule
 from pipeloom.ir.torch_csv import from_torch_csv, to_torch_csv
