@@ -94,3 +94,18 @@ def test_tune_without_matplotlib_writes_the_plan_and_skips_only_the_default_plot
     assert (tmp_path / "plan.json").exists() and not (tmp_path / "plan.png").exists()
     assert main([*argv, "--plot", str(tmp_path / "asked.png")]) == 2  # asked for: refused before the search
     assert "needs matplotlib" in capsys.readouterr().err and not (tmp_path / "asked.png").exists()
+
+
+def test_marios_passes_run_one_by_one_from_the_command_line(capsys):
+    base = ["simulate", "1f1b", "-p", "4", "-m", "8", "--json"]
+    assert main([*base, "--passes", "apply-checkpoint"]) == 0
+    checkpointed = json.loads(capsys.readouterr().out)
+    assert main([*base, "--passes", "apply-checkpoint,overlap-recompute,remove-redundancy,prepose-forward"]) == 0
+    tessellated = json.loads(capsys.readouterr().out)
+    assert tessellated["name"] == "1f1b+ckpt+overlap+dedup+prepose"
+    assert tessellated["makespan"] < checkpointed["makespan"]  # the recomputes moved into bubbles
+    assert main([*base, "--passes", "apply-checkpoint,relax-checkpoint", "--mem-limit", "3"]) == 0
+    relaxed = json.loads(capsys.readouterr().out)
+    assert max(relaxed["peak_activation_memory"]) <= 3 and relaxed["makespan"] < checkpointed["makespan"]
+    assert main([*base, "--passes", "apply-checkpoint,bogus"]) == 2
+    assert "unknown pass 'bogus'" in capsys.readouterr().err

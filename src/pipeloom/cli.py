@@ -23,7 +23,7 @@ from pipeloom.cli_args import (
     mem_limit_from_args,
 )
 from pipeloom.cli_format import costs_text, exact_report, num, offload_report, progress_bar, report, table
-from pipeloom.cli_passes import offloaded, with_passes
+from pipeloom.cli_passes import offloaded, passes_use_budget, with_passes
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError, PipeloomError, ScheduleError
 from pipeloom.files import check_writable
@@ -106,7 +106,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.exact and args.ckpt != "none":
         raise ConfigError("--exact orders F, B and W only; it cannot be combined with --ckpt")
     costs = _costs_from_args(args)
-    schedule = _schedule_from_args(args, costs, budget_is_used=args.exact or args.ckpt == "mario")
+    schedule = _schedule_from_args(args, costs, budget_is_used=args.exact or passes_use_budget(args))
     exact = None
     if args.exact:
         from pipeloom.tune.exact import optimise_schedule

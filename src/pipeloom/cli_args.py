@@ -60,6 +60,12 @@ def add_ckpt(parser: argparse.ArgumentParser) -> None:
         "(checkpoint where memory is short — everywhere without --mem-limit — and tessellate the recomputes "
         "into bubbles)",
     )
+    parser.add_argument(
+        "--passes",
+        metavar="LIST",
+        help="Mario's passes one by one, in this order, after --ckpt: apply-checkpoint, overlap-recompute, "
+        "overlap-recompute-gaps, remove-redundancy, relax-checkpoint (within --mem-limit), prepose-forward",
+    )
 
 
 def add_mem_limit(parser: argparse.ArgumentParser) -> None:

@@ -8,13 +8,19 @@ from pipeloom.cli_args import int_list, mem_limit_from_args
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError
 from pipeloom.ir.schedule import Schedule
-from pipeloom.passes.checkpoint import apply_checkpoint
+from pipeloom.passes.checkpoint import (
+    apply_checkpoint,
+    overlap_recompute,
+    prepose_forward,
+    relax_checkpoint,
+    remove_redundancy,
+)
 from pipeloom.passes.mario import mario
 from pipeloom.passes.offload import OffloadTimeline, simulate_offload, t_offload
 from pipeloom.passes.trecomp import t_recomp
 from pipeloom.passes.weight_parts import weight_parts
 
-__all__ = ["checkpointed", "offloaded", "with_passes"]
+__all__ = ["MARIO_PASSES", "checkpointed", "offloaded", "passes_use_budget", "with_passes"]
 
 
 def with_passes(schedule: Schedule, costs: Costs, args: argparse.Namespace) -> Schedule:
@@ -25,13 +31,41 @@ def with_passes(schedule: Schedule, costs: Costs, args: argparse.Namespace) -> S
     return schedule
 
 
+MARIO_PASSES = {
+    "apply-checkpoint": lambda s, c, limit: apply_checkpoint(s),
+    "overlap-recompute": lambda s, c, limit: overlap_recompute(s),
+    "overlap-recompute-gaps": lambda s, c, limit: overlap_recompute(s, c, into_gaps=True),
+    "remove-redundancy": lambda s, c, limit: remove_redundancy(s),
+    "relax-checkpoint": lambda s, c, limit: relax_checkpoint(s, c, limit),
+    "prepose-forward": lambda s, c, limit: prepose_forward(s, c),
+}
+"""Mario's passes by their command-line names (`pipeloom.passes.checkpoint`)."""
+
+
 def checkpointed(schedule: Schedule, costs: Costs, args: argparse.Namespace) -> Schedule:
-    """`schedule` with the checkpointing --ckpt asks for."""
+    """`schedule` with the checkpointing --ckpt asks for, then each of --passes in turn."""
     if args.ckpt == "full":
-        return apply_checkpoint(schedule)
-    if args.ckpt == "mario":
-        return mario(schedule, costs, mem_limit_from_args(args))
+        schedule = apply_checkpoint(schedule)
+    elif args.ckpt == "mario":
+        schedule = mario(schedule, costs, mem_limit_from_args(args))
+    for name in _pass_names(getattr(args, "passes", None)):
+        schedule = MARIO_PASSES[name](schedule, costs, mem_limit_from_args(args))
     return schedule
+
+
+def passes_use_budget(args: argparse.Namespace) -> bool:
+    """Whether --ckpt or --passes take --mem-limit (Mario, relax-checkpoint)."""
+    return args.ckpt == "mario" or "relax-checkpoint" in _pass_names(getattr(args, "passes", None))
+
+
+def _pass_names(text: str | None) -> list[str]:
+    names = [name.strip() for name in text.split(",")] if text else []
+    unknown = [name for name in names if name not in MARIO_PASSES]
+    if unknown:
+        raise ConfigError(
+            f"--passes: unknown pass {', '.join(map(repr, unknown))}; choose among {', '.join(MARIO_PASSES)}"
+        )
+    return names
 
 
 def _recomputed(schedule: Schedule, args: argparse.Namespace) -> Schedule:

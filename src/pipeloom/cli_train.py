@@ -12,7 +12,7 @@ from pipeloom.cli import (
 )
 from pipeloom.cli_args import add_ckpt, add_costs, add_schedule_source, int_list
 from pipeloom.cli_model import add_model_arguments, workload_from_args
-from pipeloom.cli_passes import checkpointed
+from pipeloom.cli_passes import checkpointed, passes_use_budget
 from pipeloom.errors import ConfigError
 
 __all__ = ["add_train_arguments", "check_train_flags", "cmd_train", "train_spec_from_args", "write_train_outputs"]
@@ -162,7 +162,7 @@ def train_spec_from_args(args: argparse.Namespace, report: bool = False):
         check_spec(spec)
         return spec
     costs = _costs_from_args(args)
-    schedule = checkpointed(_schedule_from_args(args, costs, budget_is_used=args.ckpt == "mario"), costs, args)
+    schedule = checkpointed(_schedule_from_args(args, costs, budget_is_used=passes_use_budget(args)), costs, args)
     counts = None
     if args.layer_counts:
         try:
