@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,9 +19,10 @@ from pipeloom.cli_args import (
     add_mem_limit,
     add_schedule_source,
     add_tpipe_passes,
+    costs_from_args,
     mem_limit_from_args,
 )
-from pipeloom.cli_format import costs_text, exact_report, num, offload_report, progress_bar, report, table
+from pipeloom.cli_format import check_finite, costs_text, exact_report, num, offload_report, progress_bar, report, table
 from pipeloom.cli_passes import offloaded, passes_use_budget, with_passes
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError, PipeloomError, ScheduleError
@@ -105,7 +105,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         raise ConfigError("--time-limit applies to --exact")
     if args.exact and args.ckpt != "none":
         raise ConfigError("--exact orders F, B and W only; it cannot be combined with --ckpt")
-    costs = _costs_from_args(args)
+    costs = costs_from_args(args)
     schedule = _schedule_from_args(args, costs, budget_is_used=args.exact or passes_use_budget(args))
     exact = None
     if args.exact:
@@ -121,7 +121,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     schedule = with_passes(schedule, costs, args)
     offload = offloaded(schedule, costs, args)
     timeline = offload.timeline if offload else simulate(schedule, costs)
-    _check_finite(timeline)
+    check_finite(timeline)
     check_within_budget(
         timeline.peak_activation_memory, mem_limit_from_args(args), f"{schedule.name!r} after its passes"
     )
@@ -144,7 +144,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 def _cmd_pareto(args: argparse.Namespace) -> int:
     _check_outputs([args.plot], plot=args.plot)
-    costs = _costs_from_args(args)
+    costs = costs_from_args(args)
     skipped: list[tuple[str, str]] = []
     points = explore_pareto(
         args.p, args.m, costs, budgets=args.budgets, progress=progress_bar("pareto"), skipped=skipped
@@ -169,7 +169,7 @@ def _cmd_pareto(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    schedule = _schedule_from_args(args, _costs_from_args(args))
+    schedule = _schedule_from_args(args, costs_from_args(args))
     print(schedule.to_text().rstrip("\n") if args.text else schedule.grid())
     return 0
 
@@ -190,7 +190,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    costs = _costs_from_args(args)
+    costs = costs_from_args(args)
     budget = mem_limit_from_args(args)
     timelines = []
     for name in args.names:
@@ -204,7 +204,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             kwargs["costs"] = costs
         if budget is not None and "mem_limit" in options:
             kwargs["mem_limit"] = budget
-        timelines.append(_check_finite(simulate(build_schedule(name, args.p, args.m, **kwargs), costs)))
+        timelines.append(check_finite(simulate(build_schedule(name, args.p, args.m, **kwargs), costs)))
     if args.plot_dir:
         directory = Path(args.plot_dir)
         directory.mkdir(parents=True, exist_ok=True)
@@ -368,32 +368,6 @@ def _generator_flags(args: argparse.Namespace) -> dict:
     """The generator options given on the command line (-v, --slices, --forwards)."""
     given = {"num_chunks": args.chunks, "num_slices": args.slices, "forwards": args.forwards}
     return {option: value for option, value in given.items() if value is not None}
-
-
-def _costs_from_args(args: argparse.Namespace) -> Costs:
-    spec = args.costs
-    if spec is None:
-        return Costs()
-    costs = Costs.parse(spec) if "=" in spec else Costs.load(spec)
-    work = [costs.F, costs.B, costs.W]
-    if all(value == 0 or (isinstance(value, tuple) and not any(_flat(value))) for value in work):
-        raise ConfigError("--costs: F, B and W are all zero — a schedule with no work has no time to plan")
-    return costs
-
-
-def _flat(value) -> list[float]:
-    return [x for entry in value for x in (entry if isinstance(entry, tuple) else (entry,))]
-
-
-def _check_finite(timeline):
-    """Refuse results that overflowed (costs near the float range give an infinite makespan)."""
-    figures = [timeline.makespan, timeline.bubble_rate, *timeline.peak_memory]
-    if not all(math.isfinite(x) for x in figures):
-        raise ConfigError(
-            f"{timeline.schedule.name!r}: the costs overflow — makespan {timeline.makespan}, bubble {timeline.bubble_rate}; "
-            "scale them down (only their ratios matter)"
-        )
-    return timeline
 
 
 def _check_outputs(paths: list[str | None], plot: str | None) -> None:

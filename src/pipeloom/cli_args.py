@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError
 from pipeloom.passes.split_backward import W_PLACEMENTS
 
@@ -124,3 +125,19 @@ def mem_limit_from_args(args: argparse.Namespace):
 
     costs = getattr(args, "costs", None)
     return budget_from_flag(getattr(args, "mem_limit", None), costs_in_bytes=bool(costs) and "=" not in costs)
+
+
+def costs_from_args(args: argparse.Namespace) -> Costs:
+    """--costs as inline keys or a file (default: Costs()), refused if it gives no work at all."""
+    spec = args.costs
+    if spec is None:
+        return Costs()
+    costs = Costs.parse(spec) if "=" in spec else Costs.load(spec)
+    work = [costs.F, costs.B, costs.W]
+    if all(value == 0 or (isinstance(value, tuple) and not any(_flat(value))) for value in work):
+        raise ConfigError("--costs: F, B and W are all zero — a schedule with no work has no time to plan")
+    return costs
+
+
+def _flat(value) -> list[float]:
+    return [x for entry in value for x in (entry if isinstance(entry, tuple) else (entry,))]

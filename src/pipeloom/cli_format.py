@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import sys
 
 from pipeloom.costs import Costs
+from pipeloom.errors import ConfigError
 from pipeloom.sim.simulate import Timeline
 
-__all__ = ["costs_text", "exact_report", "num", "offload_report", "progress_bar", "report", "table"]
+__all__ = ["check_finite", "costs_text", "exact_report", "num", "offload_report", "progress_bar", "report", "table"]
 
 
 def report(timeline: Timeline) -> str:
@@ -88,3 +90,14 @@ def table(headers: list[str], rows: list[list]) -> str:
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells]
     lines.insert(1, "  ".join("-" * width for width in widths))
     return "\n".join(lines)
+
+
+def check_finite(timeline):
+    """Refuse results that overflowed (costs near the float range give an infinite makespan)."""
+    figures = [timeline.makespan, timeline.bubble_rate, *timeline.peak_memory]
+    if not all(math.isfinite(x) for x in figures):
+        raise ConfigError(
+            f"{timeline.schedule.name!r}: the costs overflow — makespan {timeline.makespan}, bubble {timeline.bubble_rate}; "
+            "scale them down (only their ratios matter)"
+        )
+    return timeline

@@ -48,8 +48,10 @@ def checkpointed(schedule: Schedule, costs: Costs, args: argparse.Namespace) -> 
         schedule = apply_checkpoint(schedule)
     elif args.ckpt == "mario":
         schedule = mario(schedule, costs, mem_limit_from_args(args))
-    for name in _pass_names(getattr(args, "passes", None)):
-        schedule = MARIO_PASSES[name](schedule, costs, mem_limit_from_args(args))
+    names = _pass_names(getattr(args, "passes", None))
+    limit = mem_limit_from_args(args) if names else None
+    for name in names:
+        schedule = MARIO_PASSES[name](schedule, costs, limit)
     return schedule
 
 

@@ -7,10 +7,9 @@ import argparse
 
 from pipeloom.cli import (
     _check_outputs,
-    _costs_from_args,
     _schedule_from_args,
 )
-from pipeloom.cli_args import add_ckpt, add_costs, add_schedule_source, int_list
+from pipeloom.cli_args import add_ckpt, add_costs, add_schedule_source, costs_from_args, int_list
 from pipeloom.cli_model import add_model_arguments, workload_from_args
 from pipeloom.cli_passes import checkpointed, passes_use_budget
 from pipeloom.errors import ConfigError
@@ -161,7 +160,7 @@ def train_spec_from_args(args: argparse.Namespace, report: bool = False):
         spec = spec_from_plan(args)
         check_spec(spec)
         return spec
-    costs = _costs_from_args(args)
+    costs = costs_from_args(args)
     schedule = checkpointed(_schedule_from_args(args, costs, budget_is_used=passes_use_budget(args)), costs, args)
     counts = None
     if args.layer_counts:
@@ -191,7 +190,6 @@ def train_spec_from_args(args: argparse.Namespace, report: bool = False):
 def run_options(args: argparse.Namespace) -> dict:
     """TrainSpec's fields that do not depend on where the schedule comes from (flags or a plan):
     the run, checkpoints, offload, the optimizer's global state."""
-    check_train_flags(args)
     fields = {
         "steps": args.steps,
         "seed": args.seed,

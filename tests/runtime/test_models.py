@@ -20,40 +20,19 @@ from pipeloom.runtime.training import TrainSpec, reference_training  # noqa: E40
 
 pytestmark = pytest.mark.slow
 
+_DECODER = {  # the shape LLaMA, Mistral and Qwen2 share here, grouped-query attention included
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
 TINY = {
-    "llama": {
-        "model_type": "llama",
-        "vocab_size": 96,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 64,
-        "tie_word_embeddings": True,
-    },
-    "mistral": {
-        "model_type": "mistral",
-        "vocab_size": 96,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 64,
-        "sliding_window": 64,
-    },
-    "qwen2": {
-        "model_type": "qwen2",
-        "vocab_size": 96,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 64,
-        "tie_word_embeddings": True,
-    },
+    "llama": {**_DECODER, "model_type": "llama", "tie_word_embeddings": True},
+    "mistral": {**_DECODER, "model_type": "mistral", "sliding_window": 64},
+    "qwen2": {**_DECODER, "model_type": "qwen2", "tie_word_embeddings": True},
     "gpt2": {
         "model_type": "gpt2",
         "vocab_size": 96,

@@ -24,7 +24,7 @@ from torch import nn
 
 from pipeloom.runtime.gradients import unique_parameters
 from pipeloom.runtime.optimizer_sync import adamw_rollback
-from pipeloom.runtime.zero import GradientStore, squares_and_bad
+from pipeloom.runtime.zero import GradientStore, adamw_slot, squares_and_bad
 
 __all__ = ["HostOffload"]
 
@@ -138,11 +138,7 @@ class HostOffload:
         for stage, masters in self.master.items():
             for name, master in zip(self.names[stage], masters):
                 key = f"stage{stage}.{name}"
-                slot = self.optimizer.state[master]
-                if not slot:  # created zeroed, as AdamW's first step would
-                    slot.update(
-                        step=torch.tensor(0.0), exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master)
-                    )
+                slot = adamw_slot(self.optimizer, master)
                 state[f"host.{key}.master"] = master.data
                 state.update({f"host.{key}.{field}": slot[field] for field in ("step", "exp_avg", "exp_avg_sq")})
         return state

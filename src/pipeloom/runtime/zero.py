@@ -35,7 +35,7 @@ from torch import nn
 
 from pipeloom.runtime.optimizer_sync import adamw_rollback
 
-__all__ = ["GradientStore", "JointSteppers", "ReplicatedAdamW", "ShardedAdamW", "squares_and_bad"]
+__all__ = ["GradientStore", "JointSteppers", "ReplicatedAdamW", "ShardedAdamW", "adamw_slot", "squares_and_bad"]
 _CHUNK = 1 << 22
 """Elements per reduce-scatter piece: the fp32 copy it needs stays small beside the buffer."""
 
@@ -137,13 +137,7 @@ class ReplicatedAdamW:
         if self.optimizer is None:
             return state
         for parameter in self.parameters:
-            slot = self.optimizer.state[parameter]
-            if not slot:  # created zeroed, as AdamW's first step would
-                slot.update(
-                    step=torch.tensor(0.0),
-                    exp_avg=torch.zeros_like(parameter, memory_format=torch.preserve_format),
-                    exp_avg_sq=torch.zeros_like(parameter, memory_format=torch.preserve_format),
-                )
+            slot = adamw_slot(self.optimizer, parameter)
             for field in ("step", "exp_avg", "exp_avg_sq"):
                 state[f"optim.{keys[id(parameter)]}.{field}"] = slot[field]
         return state
@@ -268,11 +262,7 @@ class ShardedAdamW:
         return self.store.bytes + shard
 
     def checkpoint_state(self, keys: dict[int, str]) -> dict[str, torch.Tensor]:
-        slot = self.optimizer.state[self.master]
-        if not slot:
-            slot.update(
-                step=torch.tensor(0.0), exp_avg=torch.zeros_like(self.master), exp_avg_sq=torch.zeros_like(self.master)
-            )
+        slot = adamw_slot(self.optimizer, self.master)
         prefix = f"zero.{self.label}.shard{self.index}"
         return {
             f"{prefix}.master": self.master.data,
@@ -313,6 +303,19 @@ class JointSteppers:
     def rollback(self) -> None:
         for part in self.parts:
             part.rollback()
+
+
+def adamw_slot(optimizer: torch.optim.AdamW, parameter: torch.Tensor) -> dict:
+    """AdamW's state of `parameter`, created zeroed (as its first step would) if it has none yet,
+    so a checkpoint can save it or load into it in place."""
+    slot = optimizer.state[parameter]
+    if not slot:
+        slot.update(
+            step=torch.tensor(0.0),
+            exp_avg=torch.zeros_like(parameter, memory_format=torch.preserve_format),
+            exp_avg_sq=torch.zeros_like(parameter, memory_format=torch.preserve_format),
+        )
+    return slot
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -35,6 +35,7 @@ from pipeloom.schedules.registry import build_schedule
 from pipeloom.schedules.svpp import table3_forwards
 from pipeloom.sim.simulate import Timeline, simulate
 from pipeloom.tune.cost_model import CostModel
+from pipeloom.tune.measures import StaticOption, static_options
 from pipeloom.tune.partition import partition_layers
 from pipeloom.tune.space import DEFAULT_SCHEMES, SCHEMES, Candidate, candidates
 
@@ -43,23 +44,6 @@ __all__ = ["Evaluation", "TuneResult", "tune", "evaluate"]
 _EPS = 1e-9
 SLICED_OPS_LIMIT = 4_000
 """SVPP's list scheduler runs a dozen greedy passes in Python; beyond this many ops it is skipped."""
-
-
-@dataclass(frozen=True)
-class StaticOption:
-    """One static-memory measure for a candidate: its costs, static bytes per device (after any
-    offload) and what it adds to a step."""
-
-    zero: int
-    offload_all: bool
-    costs: Costs
-    static_memory: list[float]
-    allreduce_time: float
-    optimizer_time: float
-
-    @property
-    def label(self) -> str:
-        return "offload of every stage's optimizer" if self.offload_all else f"ZeRO-{self.zero}"
 
 
 @dataclass
@@ -227,7 +211,7 @@ def _prepare(
     except InfeasibleError as error:
         evaluation.reason = f"layers: {error}"
         return evaluation, math.inf
-    options = _static_options(candidate, cost_model, evaluation.partition, static_measures)
+    options = static_options(candidate, cost_model, evaluation.partition, static_measures)
     plain = options[0]
     evaluation.costs, evaluation.static_memory = plain.costs, plain.static_memory
     evaluation.allreduce_time, evaluation.optimizer_time = plain.allreduce_time, plain.optimizer_time
@@ -247,59 +231,10 @@ def _prepare(
     share = 0.5 if candidate.scheme == "chimera" else 1.0  # each replica sees half the micro-batches
     work = max(
         sum(costs.F[s] + costs.B[s] + costs.W[s] for s in stages_on) * candidate.num_microbatches * share
-        for stages_on in _placement(candidate)
+        for stages_on in candidate.placement
     )
     extra = min(option.allreduce_time + option.optimizer_time for option in fitting)
     return evaluation, work + extra
-
-
-def _static_options(
-    candidate: Candidate, cost_model: CostModel, partition: list[int], static_measures: bool
-) -> list[StaticOption]:
-    """ZeRO-0, then (if allowed) ZeRO-1 and ZeRO-2 where dp shards something, then every stage's
-    optimizer on the host where the cost model prices the host link."""
-    placement = _placement(candidate)
-    params = cost_model.stage_params(partition)
-    on_device = max(sum(params[s] for s in stages_on) for stages_on in placement)
-    replicas = candidate.dp * (2 if candidate.scheme == "chimera" else 1)  # Chimera: two copies per pipeline
-    levels = [0] + ([1, 2] if static_measures and candidate.dp > 1 else [])
-    options = []
-    for zero in levels:
-        costs = cost_model.stage_costs(partition, candidate.micro_batch, candidate.pp, candidate.dp, zero=zero)
-        options.append(
-            StaticOption(
-                zero,
-                False,
-                costs,
-                [sum(costs.M_static[s] for s in stages_on) for stages_on in placement],
-                cost_model.allreduce_time(on_device, candidate.pp, replicas, zero=zero),
-                cost_model.optimizer_time(on_device, candidate.dp, zero=zero),
-            )
-        )
-    plain = options[0]
-    saved = plain.costs.M_offload
-    saved = list(saved) if isinstance(saved, tuple) else [saved] * candidate.num_stages
-    if static_measures and any(value > 0 for value in saved):
-        options.append(
-            StaticOption(
-                0,
-                True,
-                plain.costs,
-                [sum(plain.costs.M_static[s] - saved[s] for s in stages_on) for stages_on in placement],
-                plain.allreduce_time,
-                0.0,  # the host steps every stage, in the offload lanes
-            )
-        )
-    return options
-
-
-def _placement(candidate: Candidate) -> list[list[int]]:
-    p, stages = candidate.pp, candidate.num_stages
-    if candidate.scheme == "zb-v":
-        return [[d, 2 * p - 1 - d] for d in range(p)]
-    if candidate.scheme == "chimera":
-        return [[d, p - 1 - d] for d in range(p)]
-    return [list(range(d, stages, p)) for d in range(p)]
 
 
 _RESULT_FIELDS = (
@@ -412,7 +347,7 @@ def _generate(candidate: Candidate, costs: Costs, budget: list[float]) -> Schedu
         kwargs["costs"] = costs
     if spec.generator == "svpp":  # Table 3's variant: one build, where searching f would take many
         kwargs["forwards"] = table3_forwards(candidate.pp, candidate.chunks, candidate.slices)
-    elif spec.budgeted:
+    elif _uses_budget(candidate):
         kwargs["mem_limit"] = budget
     return build_schedule(spec.generator, candidate.pp, candidate.num_microbatches, **kwargs)
 

@@ -80,6 +80,16 @@ class Candidate:
             parts.append(f"+zero{self.zero}")
         return " ".join(parts + [f"+{p}" for p in self.passes])
 
+    @property
+    def placement(self) -> list[list[int]]:
+        """The stages each device hosts."""
+        p, stages = self.pp, self.num_stages
+        if self.scheme == "zb-v":
+            return [[d, 2 * p - 1 - d] for d in range(p)]
+        if self.scheme == "chimera":
+            return [[d, p - 1 - d] for d in range(p)]
+        return [list(range(d, stages, p)) for d in range(p)]
+
     def with_passes(self, passes: tuple[str, ...], zero: int | None = None) -> Candidate:
         return replace(self, passes=passes, zero=self.zero if zero is None else zero)
 

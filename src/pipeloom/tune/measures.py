@@ -1,0 +1,70 @@
+"""The static-memory measures a tuner candidate can take — ZeRO-0/1/2 and every stage's
+optimizer on the host (`pipeloom.tune.static_memory`) — each with its costs, static bytes per
+device and what it adds to a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeloom.costs import Costs
+from pipeloom.tune.cost_model import CostModel
+from pipeloom.tune.space import Candidate
+
+__all__ = ["StaticOption", "static_options"]
+
+
+@dataclass(frozen=True)
+class StaticOption:
+    """One static-memory measure for a candidate: its costs, static bytes per device (after any
+    offload) and what it adds to a step."""
+
+    zero: int
+    offload_all: bool
+    costs: Costs
+    static_memory: list[float]
+    allreduce_time: float
+    optimizer_time: float
+
+    @property
+    def label(self) -> str:
+        return "offload of every stage's optimizer" if self.offload_all else f"ZeRO-{self.zero}"
+
+
+def static_options(
+    candidate: Candidate, cost_model: CostModel, partition: list[int], static_measures: bool
+) -> list[StaticOption]:
+    """ZeRO-0, then (if allowed) ZeRO-1 and ZeRO-2 where dp shards something, then every stage's
+    optimizer on the host where the cost model prices the host link."""
+    placement = candidate.placement
+    params = cost_model.stage_params(partition)
+    on_device = max(sum(params[s] for s in stages_on) for stages_on in placement)
+    replicas = candidate.dp * (2 if candidate.scheme == "chimera" else 1)  # Chimera: two copies per pipeline
+    levels = [0] + ([1, 2] if static_measures and candidate.dp > 1 else [])
+    options = []
+    for zero in levels:
+        costs = cost_model.stage_costs(partition, candidate.micro_batch, candidate.pp, candidate.dp, zero=zero)
+        options.append(
+            StaticOption(
+                zero,
+                False,
+                costs,
+                [sum(costs.M_static[s] for s in stages_on) for stages_on in placement],
+                cost_model.allreduce_time(on_device, candidate.pp, replicas, zero=zero),
+                cost_model.optimizer_time(on_device, candidate.dp, zero=zero),
+            )
+        )
+    plain = options[0]
+    saved = plain.costs.M_offload
+    saved = list(saved) if isinstance(saved, tuple) else [saved] * candidate.num_stages
+    if static_measures and any(value > 0 for value in saved):
+        options.append(
+            StaticOption(
+                0,
+                True,
+                plain.costs,
+                [sum(plain.costs.M_static[s] - saved[s] for s in stages_on) for stages_on in placement],
+                plain.allreduce_time,
+                0.0,  # the host steps every stage, in the offload lanes
+            )
+        )
+    return options
