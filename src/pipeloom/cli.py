@@ -94,8 +94,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    rows = [[g.name, g.paper, g.domain] for g in generators]
-    print(table(["schedule", "paper", "domain"], rows))
+    rows = [[g.name, g.summary, g.paper, g.domain] for g in generators]
+    print(table(["schedule", "what it trades", "paper", "domain"], rows))
     return 0
 
 

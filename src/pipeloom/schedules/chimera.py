@@ -9,8 +9,13 @@ whenever both can run — which reproduces the paper's basic unit (D−2 bubbles
 
 Memory: with m ≤ p a device holds between (p/2+1)·M_B (the ends) and p·M_B (the middle), Mario
 Table 1. With more micro-batches, units are concatenated without a flush between them (the next
-unit's forwards fill the previous unit's drain), so each pipeline holds 1F1B's p−s micro-batches
-on stage s and every device ends at (p+1)·M_B.
+unit's forwards fill the previous unit's drain). Run as two plain 1F1B pipelines, stage s of one
+holds p−s micro-batches and stage p−1−s of the other s+1, so every device would hold (p+1)·M_B.
+`chimera` keeps Table 1's bound D·M_B: on each device the pipeline that reaches it first (down on
+the first half of the devices, up on the second) warms up one forward fewer once units are
+concatenated. Its forwards then wait for a backward, which costs nothing when F = B or B = 2F
+without comm (the other pipeline fills the slot) and up to about 12 % with comm or uneven B/F;
+`chimera-eager` keeps the p+1 warm-up for that speed.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from pipeloom.schedules.classic import one_f_one_b_order
 from pipeloom.schedules.merge import merge_queues
 from pipeloom.schedules.registry import register
 
-__all__ = ["chimera"]
+__all__ = ["chimera", "chimera_eager"]
 
 # The nominal durations the merge lays the two pipelines out with: a backward takes two forwards.
 _NOMINAL_DURATION = {OpKind.F: 1.0, OpKind.BW: 2.0}
@@ -32,7 +37,8 @@ _NOMINAL_DURATION = {OpKind.F: 1.0, OpKind.BW: 2.0}
     "chimera",
     family="chimera",
     paper="Li & Hoefler 2021, Chimera: bidirectional pipelines",
-    summary="down and up pipelines superposed, weights replicated twice; fewer bubbles than 1F1B",
+    summary="down and up pipelines superposed, weights replicated twice; fewer bubbles than 1F1B; "
+    "at most p micro-batches per device (Mario Table 1)",
     domain="p even >= 2, m even >= 2",
 )
 def chimera(num_devices: int, num_microbatches: int) -> Schedule:
@@ -45,32 +51,56 @@ def chimera(num_devices: int, num_microbatches: int) -> Schedule:
         d2  1F2 2F0 1F3 2F1 2BW0 1BW2 2BW1 1BW3
         d3  0F2 0F3 3F0 3BW0 3F1 3BW1 0BW2 0BW3
     """
-    p, m = num_devices, num_microbatches
+    return _chimera("chimera", num_devices, num_microbatches, bounded=True)
+
+
+@register(
+    "chimera-eager",
+    family="chimera",
+    paper="Li & Hoefler 2021, Chimera: bidirectional pipelines",
+    summary="chimera whose devices hold p+1 micro-batches once m > p (D with `chimera`), for fewer bubbles under comm",
+    domain="p even >= 2, m even >= 2",
+)
+def chimera_eager(num_devices: int, num_microbatches: int) -> Schedule:
+    """Chimera with each pipeline's full 1F1B warm-up; the same as `chimera` when m ≤ p."""
+    return _chimera("chimera-eager", num_devices, num_microbatches, bounded=False)
+
+
+def _chimera(name: str, p: int, m: int, bounded: bool) -> Schedule:
     if p % 2:
-        raise ConfigError(f"chimera: number of devices ({p}) must be even (two pipelines of p stages share them)")
+        raise ConfigError(f"{name}: number of devices ({p}) must be even (two pipelines of p stages share them)")
     if m % 2:
         raise ConfigError(
-            f"chimera: number of micro-batches ({m}) must be even (half go down, half go up); use {max(m - 1, 2)} or {m + 1}"
+            f"{name}: number of micro-batches ({m}) must be even (half go down, half go up); use {max(m - 1, 2)} or {m + 1}"
         )
     unit_start = [mb - mb % p for mb in range(m)]
     goes_down = [mb - first < min(p, m - first) // 2 for mb, first in enumerate(unit_start)]
     down_mbs = [mb for mb in range(m) if goes_down[mb]]
     up_mbs = [mb for mb in range(m) if not goes_down[mb]]
-    down = [_pipeline_order(stage, down_mbs, p) for stage in range(p)]
-    up = [_pipeline_order(p - 1 - device, up_mbs, p) for device in range(p)]
+    queues = []
+    for device in range(p):
+        down_stage, up_stage = device, p - 1 - device
+        fewer_down = bounded and m > p and device < p // 2
+        fewer_up = bounded and m > p and device >= p // 2
+        queues.append(
+            [
+                _pipeline_order(down_stage, down_mbs, p - down_stage - 1 - fewer_down),
+                _pipeline_order(up_stage, up_mbs, p - up_stage - 1 - fewer_up),
+            ]
+        )
     return merge_queues(
-        "chimera",
-        [[down[device], up[device]] for device in range(p)],
+        name,
+        queues,
         num_stages=p,
         num_microbatches=m,
         duration=lambda op: _NOMINAL_DURATION[op.kind],
     )
 
 
-def _pipeline_order(stage: int, microbatches: list[int], num_stages: int) -> list[Op]:
+def _pipeline_order(stage: int, microbatches: list[int], num_warmup: int) -> list[Op]:
     """One pipeline's 1F1B order for `stage`."""
     return one_f_one_b_order(
         [Op(OpKind.F, stage, mb) for mb in microbatches],
         [Op(OpKind.BW, stage, mb) for mb in microbatches],
-        num_warmup=num_stages - stage - 1,
+        num_warmup=max(num_warmup, 0),
     )
