@@ -287,7 +287,8 @@ def test_simulate_tpipe_with_trecomp_and_offload(capsys, tmp_path):
     assert result["name"] == "tpipe+trecomp" and max(result["peak_activation_memory"]) == 1.5  # (4//2 + 1) blocks
     offload = result["offload"]
     assert offload["stages"] == [4, 5, 6, 7] and offload["static_memory_saved"] == [1.0] * 4
-    assert offload["overlap_fraction"] == 1.0 and offload["delay"] == 0
+    assert offload["on_time_fraction"] == 1.0 and offload["delay"] == 0
+    assert 0 < offload["overlap_fraction"] < 1 and len(offload["windows"]) == 4
     assert result["static_memory"] == [3.0] * 4
     assert {op["op"] for op in offload["lane_ops"]} == {"RELOAD", "OFFLOAD", "HOST_STEP"}
     plot, trace = tmp_path / "t.png", tmp_path / "t.json"
@@ -299,7 +300,7 @@ def test_simulate_tpipe_with_trecomp_and_offload(capsys, tmp_path):
         if event.get("name") == "thread_name"
     }
     assert {"device 0", "device 0 copy", "device 3 copy"} <= names  # no host work in these costs
-    assert "T-Offload    stages 4,5,6,7, reloads at 8 bits" in out and "overlap      100.00%" in out
+    assert "T-Offload    stages 4,5,6,7, reloads at 8 bits" in out and "100.00% before its deadline" in out
 
 
 def test_simulate_slice_level_schedules(capsys):

@@ -56,9 +56,24 @@ def offload_report(offload) -> str:
         f"\nT-Offload    stages {','.join(map(str, plan.stages))}{bits}\n"
         f"step time    {num(offload.step_time)} (without offload {num(offload.baseline.makespan)}, "
         f"delay {num(offload.delay)})\n"
-        f"overlap      {offload.overlap_fraction:.2%} of the copy and host work inside bubbles\n"
+        f"overlap      {offload.overlap_fraction:.2%} of the copy and host work inside bubbles, "
+        f"{offload.on_time_fraction:.2%} before its deadline\n"
+        f"{_tightest_windows(offload)}"
         f"static saved {' '.join(num(value) for value in saved)} (per device; static now "
         f"{' '.join(num(value) for value in offload.static_memory)})"
+    )
+
+
+def _tightest_windows(offload) -> str:
+    """The offloaded stage whose bubbles are smallest, for the reload and for the offload."""
+    if not offload.windows:
+        return ""
+    reload = min(offload.windows, key=lambda w: w.reload)
+    gone = min(offload.windows, key=lambda w: w.offload)
+    return (
+        f"bubbles      smallest: {num(reload.reload)} idle before stage {reload.stage}'s first forward on "
+        f"d{reload.device} (for its reload), {num(gone.offload)} after stage {gone.stage}'s last backward on "
+        f"d{gone.device} (for its offload and host step)\n"
     )
 
 

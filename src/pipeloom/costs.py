@@ -17,7 +17,8 @@ replicated stages (Chimera) count twice. The fused BW takes B + W.
 T-Offload (`pipeloom.passes.offload`) reads four more per-stage keys, scaled the same way: the
 gradient bytes it moves to the host, the weight bytes it loads back, the optimizer FLOPs the host
 runs, and M_offload, the part of M_static the device stops holding; with the rates host_bandwidth
-(bytes per time unit) and host_flops (FLOPs per time unit) they give its copy and host op times.
+(bytes per time unit) and host_flops (FLOPs per time unit) they give its copy and host op times,
+and p2p_host_link_share says how much p2p transfers slow the copies on a shared link.
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ class Costs:
     """Bytes per time unit between a device and its host, each way."""
     host_flops: float | None = None
     """Host FLOPs per time unit available to one device's optimizer work."""
+    p2p_host_link_share: float = 1.0
+    """Share of a device's host link that a p2p transfer (`comm`) takes while it runs: 1 when p2p
+    crosses the same PCIe link as host copies (they pause), 0 when it has its own (NVLink)."""
     attention_fraction: float = 0.0
     """Share of F, B and R time spent in causal attention. Cutting a micro-batch into L slices
     then gives slice l the share (1−a)/L + a(2l+1)/L² instead of 1/L: its queries attend to the
@@ -93,6 +97,10 @@ class Costs:
         if not _is_number(fraction) or not 0 <= fraction <= 1:
             raise ConfigError(f"costs: attention_fraction must be a number from 0 to 1, got {fraction!r}")
         object.__setattr__(self, "attention_fraction", float(fraction))
+        share = self.p2p_host_link_share
+        if not _is_number(share) or not 0 <= share <= 1:
+            raise ConfigError(f"costs: p2p_host_link_share must be a number from 0 to 1, got {share!r}")
+        object.__setattr__(self, "p2p_host_link_share", float(share))
         for key in _RATE_KEYS:
             value = getattr(self, key)
             if value is None:
@@ -144,13 +152,13 @@ class Costs:
         return tuple(field.name for field in fields(Costs))
 
     def to_dict(self) -> dict[str, Any]:
-        """Every set key; T-Offload's and attention_fraction only where they are not zero, so plain
-        costs read as before."""
-        optional = _OFFLOAD_KEYS + ("attention_fraction",)
+        """Every set key; T-Offload's and attention_fraction only where they differ from their
+        defaults, so plain costs read as before."""
+        defaults = {key: 0.0 for key in _OFFLOAD_KEYS + ("attention_fraction",)} | {"p2p_host_link_share": 1.0}
         return {
             key: _plain(value)
             for key in self.keys()
-            if (value := getattr(self, key)) is not None and not (key in optional and value == 0.0)
+            if (value := getattr(self, key)) is not None and not (key in defaults and value == defaults[key])
         }
 
     # -- resolution for one schedule shape -------------------------------------------------

@@ -1,5 +1,6 @@
 """T-Offload (TPipe §5, appendix D): lanes beside the schedule, delays only by the overflow."""
 
+import math
 import random
 
 import pytest
@@ -25,7 +26,7 @@ def test_work_that_fits_its_bubbles_costs_nothing():
     result = simulate_offload(
         t_offload(schedule), lane_costs(offload_bytes=2, host_step_flops=2, reload_bytes=2, M_static=4, M_offload=2)
     )
-    assert result.delay == 0 and result.overlap_fraction == 1.0
+    assert result.delay == 0 and result.on_time_fraction == 1.0
     assert result.step_time == result.baseline.makespan
     assert result.timeline.makespan == result.baseline.makespan
     assert result.static_memory_saved == [1.0] * 8  # M_offload 2 per device share, half of it in the deep chunk
@@ -43,7 +44,7 @@ def test_a_reload_past_its_forward_delays_by_exactly_the_overflow(overflow):
     (reload,) = [op for op in result.lane_ops if op.kind is RELOAD]
     assert reload.deadline == window and reload.end == overflow
     assert result.delay == pytest.approx(overflow)
-    assert result.overlap_fraction == 0.0
+    assert result.overlap_fraction == 0.0 and result.on_time_fraction == 0.0  # device 0 idles only to wait for it
 
 
 @pytest.mark.parametrize("overflow", [0.25, 2.0])
@@ -58,7 +59,72 @@ def test_host_work_past_the_step_delays_by_exactly_the_overflow(overflow):
         lane_costs(offload_bytes=offload * 2, host_step_flops=host * 2),  # a chunk is half a share
     )
     assert result.delay == pytest.approx(overflow)
-    assert result.overlap_fraction == pytest.approx(bubble / (bubble + overflow))
+    assert result.on_time_fraction == pytest.approx(bubble / (bubble + overflow))
+
+
+def idle_share_by_hand(result) -> float:
+    """The lanes' work inside device idle time and before its deadline, from the op timings."""
+    inside = total = 0.0
+    for op in result.lane_ops:
+        total += op.end - op.start
+        busy = sorted((t.start, t.end) for t in result.timeline.timings(op.device))
+        at, end = op.start, min(op.end, op.deadline, result.timeline.makespan)
+        for start, stop in busy + [(end, end)]:
+            if start > at:
+                inside += max(0.0, min(start, end) - at)
+            at = max(at, stop)
+            if at >= end:
+                break
+    return inside / total
+
+
+def test_overlap_counts_work_inside_bubbles_not_work_on_time():
+    """The issue's case: every gradient offload ends before the step does (on time), but part of
+    it runs while device 0 still computes its shallow chunk's backwards."""
+    schedule = build_schedule("tpipe", 8, 16)
+    result = simulate_offload(t_offload(schedule), lane_costs(offload_bytes=16))
+    assert result.on_time_fraction == 1.0 and result.delay == 0
+    assert result.overlap_fraction == pytest.approx(idle_share_by_hand(result))
+    assert 0.3 < result.overlap_fraction < 0.9
+    device0 = [op for op in result.lane_ops if op.device == 0 and op.kind is OFFLOAD]
+    (window,) = [w for w in result.windows if w.device == 0]
+    assert window.offload < device0[0].end - device0[0].start  # more work than the bubble holds
+
+
+@pytest.mark.parametrize("p", range(3, 17))
+def test_windows_match_tpipe_appendix_d(p):
+    """TPipe appendix D: on device 0 the deep chunk's gradients can leave in p − ⌈(2p−3)/6⌉ − 1
+    chunk backwards of idle time, and its weights arrive in p − ⌈(p−3)/6⌉ − 1 chunk forwards."""
+    result = simulate_offload(t_offload(build_schedule("tpipe", p, 3 * p)), lane_costs())
+    (window,) = [w for w in result.windows if w.device == 0]
+    chunk_forward, chunk_backward = 0.5, 1.0  # F = 1, B = 2 per device share, two chunks
+    assert window.stage == p
+    assert window.offload == pytest.approx((p - math.ceil((2 * p - 3) / 6) - 1) * chunk_backward)
+    assert window.reload == pytest.approx((p - math.ceil((p - 3) / 6) - 1) * chunk_forward)
+
+
+@pytest.mark.parametrize("share, delay", [(1.0, 1.0), (0.5, 0.75), (0.0, 0.5)])
+def test_reloads_yield_to_p2p_arriving_on_the_same_link(share, delay):
+    """Device 1's stage-1 weights (2 time units) reload while stage 0's activation arrives over
+    [1, 1.5]; its forward was due at 1.5. A shared link pauses the copy for the transfer."""
+    schedule = build_schedule("1f1b", 2, 1)
+    costs = lane_costs(reload_bytes=2, comm=0.5, p2p_host_link_share=share)
+    result = simulate_offload(t_offload(schedule, [1]), costs)
+    (reload,) = result.lane_ops[:1]
+    assert (reload.kind, reload.deadline) == (RELOAD, 1.5)
+    assert reload.end == pytest.approx(1.5 + delay)
+    assert result.delay == pytest.approx(delay)
+
+
+def test_gradient_offloads_yield_to_p2p_leaving_the_device():
+    schedule = build_schedule("tpipe", 4, 8)
+    ends = {}
+    for share in (0.0, 1.0):
+        costs = lane_costs(offload_bytes=8, comm=0.25, p2p_host_link_share=share)
+        result = simulate_offload(t_offload(schedule), costs)
+        ends[share] = [op.end for op in result.lane_ops if op.kind is OFFLOAD]
+    assert all(shared >= alone for shared, alone in zip(ends[1.0], ends[0.0]))
+    assert ends[1.0] != ends[0.0]
 
 
 def test_quantized_reload_moves_fewer_bytes():
@@ -83,7 +149,7 @@ def test_lanes_never_overlap_themselves_and_wait_for_their_inputs():
             offload_bytes=rng.uniform(0, 20), reload_bytes=rng.uniform(0, 20), host_step_flops=rng.uniform(0, 20)
         )
         result = simulate_offload(t_offload(schedule, stages), costs)
-        assert result.delay >= -1e-9 and 0 <= result.overlap_fraction <= 1
+        assert result.delay >= -1e-9 and 0 <= result.overlap_fraction <= result.on_time_fraction + 1e-9 <= 1 + 1e-9
         lanes: dict = {}
         for op in result.lane_ops:
             lanes.setdefault((op.device, op.kind.lane), []).append(op)

@@ -12,8 +12,19 @@ host, each lane one op at a time, beside the schedule. They cost time only where
 their bubble: a RELOAD that ends after the chunk's first forward would have started delays that
 forward (and what depends on it) by the overflow; a HOST_STEP that ends after the step would
 have ended delays the next step by the overflow, since the next step starts once the host has
-stepped every offloaded chunk. The overlap fraction is the share of the lanes' work done inside
-the bubbles (TPipe Fig. 15's quantity).
+stepped every offloaded chunk.
+
+Copies share the host link with p2p transfers where p2p crosses PCIe: while a transfer leaves
+the device an OFFLOAD (device → host, the same direction) runs at 1 − p2p_host_link_share of its
+rate, and while one arrives a RELOAD does (the link is full duplex). Reload ends and forward
+delays feed each other, so they are iterated to a fixed point.
+
+Two shares are reported. The overlap fraction is the share of the lanes' work that runs while
+its device computes nothing (TPipe Fig. 15's quantity: work hidden in bubbles, not contending
+with compute for memory bandwidth and SMs, §5.2). The on-time fraction is the share that ends
+before its deadline, so costs the step nothing. The windows are the idle time each offloaded
+stage has for its work: before its first forward (reload) and after its last weight gradient
+(offload and host step); TPipe appendix D derives them for T-Pipe, and `tpipe` meets them.
 """
 
 from __future__ import annotations
@@ -26,11 +37,21 @@ from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
+from pipeloom.sim.intervals import finish_time, idle_intervals, link_transfers, overlap
 from pipeloom.sim.simulate import Timeline, simulate
 
-__all__ = ["LaneOpKind", "LaneOp", "OffloadPlan", "OffloadTimeline", "t_offload", "simulate_offload"]
+__all__ = [
+    "LaneOpKind",
+    "LaneOp",
+    "LaneWindow",
+    "OffloadPlan",
+    "OffloadTimeline",
+    "t_offload",
+    "simulate_offload",
+]
 
 _EPS = 1e-9
+_MAX_ROUNDS = 16
 
 
 class LaneOpKind(StrEnum):
@@ -64,6 +85,18 @@ class LaneOp:
     @property
     def text(self) -> str:
         return f"{self.stage}{self.kind.value}"
+
+
+@dataclass(frozen=True, slots=True)
+class LaneWindow:
+    """The idle time an offloaded stage's lane work can hide in, on one device."""
+
+    stage: int
+    device: int
+    reload: float
+    """Idle time before the stage's first forward."""
+    offload: float
+    """Idle time after the stage's last weight gradient, until the step ends."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +139,8 @@ class OffloadTimeline:
     """Until the last of compute and host work: when the next step may start."""
     static_memory_saved: list[float]
     """Per device; `timeline.static_memory` is what remains."""
+    windows: list[LaneWindow]
+    """Per offloaded (device, stage), measured on the schedule without offloading."""
 
     @property
     def delay(self) -> float:
@@ -113,7 +148,18 @@ class OffloadTimeline:
 
     @property
     def overlap_fraction(self) -> float:
-        """Share of the lanes' work inside bubbles (1 when there is none)."""
+        """Share of the lanes' work done in its device's bubbles: while the device computes nothing,
+        before the op's deadline (1 when there is no work)."""
+        total = sum(op.end - op.start for op in self.lane_ops)
+        if total <= _EPS:
+            return 1.0
+        idle = [idle_intervals(self.timeline, device) for device in range(self.timeline.num_devices)]
+        # past its deadline the device idles because of the op itself: that is delay, not a bubble
+        return sum(overlap(op.start, min(op.end, op.deadline), idle[op.device]) for op in self.lane_ops) / total
+
+    @property
+    def on_time_fraction(self) -> float:
+        """Share of the lanes' work done before its deadline, so at no cost to the step."""
         total = sum(op.end - op.start for op in self.lane_ops)
         return 1.0 - sum(op.exposed for op in self.lane_ops) / total if total > _EPS else 1.0
 
@@ -129,6 +175,10 @@ class OffloadTimeline:
             "baseline_step_time": self.baseline.makespan,
             "delay": self.delay,
             "overlap_fraction": self.overlap_fraction,
+            "on_time_fraction": self.on_time_fraction,
+            "windows": [
+                {"device": w.device, "stage": w.stage, "reload": w.reload, "offload": w.offload} for w in self.windows
+            ],
             "static_memory": self.static_memory,
             "static_memory_saved": self.static_memory_saved,
             "peak_memory": self.timeline.peak_memory,
@@ -150,36 +200,35 @@ class OffloadTimeline:
 def simulate_offload(plan: OffloadPlan, costs: Costs) -> OffloadTimeline:
     """Time the plan's compute and its copy and host lanes together (see the module docstring)."""
     schedule = plan.schedule
-    p = schedule.num_devices
     durations = _lane_durations(plan, costs)
     saved_per_stage = _offloaded_static(plan, costs)
     baseline = simulate(schedule, costs)
     first_forward, last_backward = _weight_uses(schedule, set(plan.stages))
-    baseline_start = _times(baseline, first_forward.values(), end=False)
+    slowed = 1.0 - costs.p2p_host_link_share
 
-    lane_ops: list[LaneOp] = []
-    copy_free = [0.0] * p
-    not_before: dict[Op, float] = {}
-    for device, stage in sorted(first_forward, key=lambda unit: baseline_start[first_forward[unit]]):
-        forward = first_forward[device, stage]
-        start = copy_free[device]
-        end = copy_free[device] = start + durations[LaneOpKind.RELOAD][stage]
-        lane_ops.append(LaneOp(LaneOpKind.RELOAD, stage, device, start, end, baseline_start[forward]))
-        not_before[forward] = end
-    timeline = simulate(schedule, costs, not_before) if not_before else baseline
+    timeline = baseline
+    for _ in range(_MAX_ROUNDS if costs.comm > 0 and slowed < 1 else 1):
+        reloads = _reloads(timeline, baseline, first_forward, durations[LaneOpKind.RELOAD], slowed)
+        not_before = {first_forward[op.device, op.stage]: op.end for op in reloads}
+        previous, timeline = timeline, simulate(schedule, costs, not_before)
+        if timeline.end == previous.end:
+            break  # the transfers the reloads yielded to have not moved: a fixed point
 
-    host_free = [0.0] * p
+    sends, _ = link_transfers(timeline)
+    copy_free = [max((op.end for op in reloads if op.device == d), default=0.0) for d in range(schedule.num_devices)]
+    host_free = [0.0] * schedule.num_devices
+    lane_ops = list(reloads)
     ends = _times(timeline, last_backward.values(), end=True)
     step_end = baseline.makespan
     for device, stage in sorted(last_backward, key=lambda unit: ends[last_backward[unit]]):
         start = max(copy_free[device], ends[last_backward[device, stage]])
-        end = copy_free[device] = start + durations[LaneOpKind.OFFLOAD][stage]
+        end = copy_free[device] = finish_time(start, durations[LaneOpKind.OFFLOAD][stage], sends[device], slowed)
         lane_ops.append(LaneOp(LaneOpKind.OFFLOAD, stage, device, start, end, step_end))
         start = max(host_free[device], end)
         end = host_free[device] = start + durations[LaneOpKind.HOST_STEP][stage]
         lane_ops.append(LaneOp(LaneOpKind.HOST_STEP, stage, device, start, end, step_end))
 
-    saved = [0.0] * p
+    saved = [0.0] * schedule.num_devices
     for device, stage in first_forward:
         saved[device] += saved_per_stage[stage]
     static = [before - s for before, s in zip(baseline.static_memory, saved)]
@@ -190,7 +239,44 @@ def simulate_offload(plan: OffloadPlan, costs: Costs) -> OffloadTimeline:
         lane_ops=lane_ops,
         step_time=max([timeline.makespan] + [op.end for op in lane_ops]),
         static_memory_saved=saved,
+        windows=_windows(baseline, first_forward, last_backward),
     )
+
+
+def _reloads(
+    timeline: Timeline, baseline: Timeline, first_forward: dict[tuple[int, int], Op], seconds: list[float], slowed: float
+) -> list[LaneOp]:
+    """Each device's reloads in the order its forwards need them, slowed by the p2p transfers that
+    arrive at the device in `timeline`; each is due when its forward starts without offloading."""
+    _, receives = link_transfers(timeline)
+    due = _times(baseline, first_forward.values(), end=False)
+    copy_free = [0.0] * baseline.num_devices
+    reloads = []
+    for device, stage in sorted(first_forward, key=lambda unit: due[first_forward[unit]]):
+        start = copy_free[device]
+        end = copy_free[device] = finish_time(start, seconds[stage], receives[device], slowed)
+        reloads.append(LaneOp(LaneOpKind.RELOAD, stage, device, start, end, due[first_forward[device, stage]]))
+    return reloads
+
+
+def _windows(
+    baseline: Timeline, first_forward: dict[tuple[int, int], Op], last_backward: dict[tuple[int, int], Op]
+) -> list[LaneWindow]:
+    starts = _times(baseline, first_forward.values(), end=False)
+    ends = _times(baseline, last_backward.values(), end=True)
+    idle = [idle_intervals(baseline, device) for device in range(baseline.num_devices)]
+    windows = []
+    for device, stage in sorted(first_forward):
+        last = ends.get(last_backward.get((device, stage)), baseline.makespan)
+        windows.append(
+            LaneWindow(
+                stage=stage,
+                device=device,
+                reload=overlap(0.0, starts[first_forward[device, stage]], idle[device]),
+                offload=overlap(last, baseline.makespan, idle[device]),
+            )
+        )
+    return windows
 
 
 def _offloaded_static(plan: OffloadPlan, costs: Costs) -> list[float]:
