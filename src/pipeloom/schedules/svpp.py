@@ -8,19 +8,23 @@ slices sent back into its keys and values. One slice of one chunk holds A/(v·s�
 backward (f), the more it holds and the fewer bubbles it has.
 
 SVPP (§4.3) is built by list scheduling that simulates the step while building it: the device
-with the earliest clock picks its next op. A backward that is ready runs, chosen by the number of
-its descendants on the device — (slice l, chunk c) has (l+1)(c+1)−1, MEPipe's "children" — then
-by micro-batch; else a ready forward runs if the device holds fewer than f forwards, earliest
-micro-batch first; else the device waits. Three switches choose among close variants, and the
+with the earliest clock picks its next op. A backward that is ready runs, the deeper chunk first,
+then the later slice, then the earlier micro-batch; else a ready forward runs if the device holds
+fewer than f forwards, earliest micro-batch first; else the device waits. MEPipe orders backwards
+by their descendants on the device ((slice l, chunk c) has (l+1)(c+1)−1, its "children"); that
+ties a shallow chunk's late slice with a deep chunk's early one and, taking the shallow one, starts
+its round trip through the other devices while the deep chunk's gradients still wait, which
+leaves Table 3 short for n < p and for v ≥ 2 with s ≥ p. Deep chunk first meets Table 3 in both
+columns for every (p ≤ 8, v ≤ 3, s ≤ 8, n ≤ 16) tried. Three switches choose among close variants, and the
 best makespan wins: backward first, forward first, or alternating (one forward between two
 backwards: MEPipe's "single bubbles" left for the next micro-batch's forwards); a micro-batch's
 later chunk before its earlier one; and, only if the plain cap deadlocks, reserving room on a
 device for the remaining forwards of every micro-batch that entered it before.
 
 `svpp` defaults to the variant with the lowest bubble ratio (within 0.5 % of the step) and the
-least f that reaches it. With
-T_B = T_F, as MEPipe's analysis assumes, that is Table 3's f = v·max(p,s) + min(p,s) − 1 whenever
-s < p or v = 1 (Fig. 4: 5/8 A for p=4, s=2, v=1; 9/16 A with v=2). With a memory limit it takes
+least f that reaches it. With T_B = T_F, as MEPipe's analysis assumes, that is Table 3's
+f = v·max(p,s) + min(p,s) − 1, or all n·v·s forwards when fewer (Fig. 4: 5/8 A for p=4, s=2,
+v=1; 9/16 A with v=2). With a memory limit it takes
 the largest f whose simulated peak fits (§4.5). TeraPipe is GPipe over slices: every forward,
 then every backward.
 """
@@ -180,8 +184,8 @@ def _best_of_policies(
 
 def _lowest_bubble(p: int, m: int, v: int, s: int, costs: Costs) -> _Built:
     """The least f whose step is within `_NEAR` of the shortest any f gives. Under MEPipe's
-    T_B = T_F this is Table 3's f when s < p or v = 1; a longer backward, or s >= p with v >= 2,
-    needs more forwards in flight to cover the first backward's round trip."""
+    T_B = T_F this is Table 3's f; a longer backward needs more forwards in flight to cover the
+    first backward's round trip."""
     unlimited = _best_of_policies(p, m, v, s, m * v * s, costs)
     good_enough = unlimited.makespan * (1 + _NEAR)
     low, high = min(table3_forwards(p, v, s), unlimited.held), unlimited.held
@@ -339,7 +343,7 @@ class _SliceScheduler:
                 ready = max(ready, gradient + comm)
             if slice_ < s - 1:
                 ready = max(ready, end_b[k + 1])
-            out.append((ready, (-((slice_ + 1) * (chunk + 1) - 1), mb), False, stage, mb, slice_))
+            out.append((ready, (-chunk, -slice_, mb), False, stage, mb, slice_))
 
     def place(self, is_forward: bool, stage: int, mb: int, slice_: int, device: int, now: float) -> float:
         k = (stage * self.m + mb) * self.s + slice_
