@@ -33,7 +33,7 @@ INPUT = 0.02  # of a checkpointed chunk's activations
 def schemes(p: int, m: int):
     """(name, schedule, costs) of every scheme compared; T-Recomp rows recompute half the layers,
     as 1F1B + 50 % recompute does, with v = 2, 4 or 6 chunks per device."""
-    half = Costs(**BASE, R=0.5, M_ckpt=0.5 + INPUT / 2)
+    half = Costs(**BASE, M_ckpt=INPUT / 2, recompute_fraction=0.5)
     chunk = Costs(**BASE, M_ckpt=INPUT)
     tpipe = build_schedule("tpipe", p, m)
     interleaved = build_schedule("interleaved", p, m, num_chunks=2)

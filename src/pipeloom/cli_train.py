@@ -50,6 +50,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", metavar="PATH", help="run a plan written by `pipeloom tune` (schedule, model, dp)")
     add_schedule_source(parser, name_flag="--schedule")  # -m counts micro-batches per replica
     add_ckpt(parser)
+    parser.add_argument(
+        "--recompute-layers",
+        type=int,
+        metavar="K",
+        help="with --ckpt: checkpoint only the first K layers of each checkpointed stage forward and keep the "
+        "others' activations (Megatron's --recompute-num-layers; simulate it with recompute_fraction=K/layers)",
+    )
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world size = p × dp)")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data")
@@ -206,6 +213,7 @@ def run_options(args: argparse.Namespace) -> dict:
         "device": args.device,
         "zero": args.zero,
         "peak_tflops": _peak_tflops(args),
+        "recompute_layers": args.recompute_layers,
     }
     if args.offload_stages:
         fields["offload_stages"] = tuple(int_list(args.offload_stages, "--offload-stages"))

@@ -10,6 +10,9 @@ One meaning everywhere, so that schedules with different stage counts compare fa
   an entry may itself be a list of L per-slice values.
 
 Memory per op: F holds M_B (a checkpointed F only M_ckpt, its input); R restores M_B − M_ckpt;
+with recompute_fraction r < 1 only r of the stage's layers are checkpointed, so a checkpointed F
+holds M_ckpt + (1 − r)·M_B and its R takes r·R (`resolve` folds this in, so every consumer of
+the resolved table — simulator, passes, schedulers — sees the same partial checkpoint);
 B frees M_B and keeps M_W for its pending W; W frees M_W (each of k parts 1/k); BW frees M_B.
 A device also holds M_static (weights, gradients, optimizer state) for every stage it hosts, so
 replicated stages (Chimera) count twice. The fused BW takes B + W.
@@ -76,6 +79,10 @@ class Costs:
     """Bytes per time unit between a device and its host, each way."""
     host_flops: float | None = None
     """Host FLOPs per time unit available to one device's optimizer work."""
+    recompute_fraction: float = 1.0
+    """Share of a checkpointed stage's layers that are checkpointed (Megatron's
+    --recompute-num-layers over the stage's layers; TPipe's "1F1B + 50 % recompute"): its forward
+    keeps M_ckpt plus the other layers' (1 − r)·M_B, its R takes r·R and restores the rest."""
     p2p_host_link_share: float = 1.0
     """Share of a device's host link that a p2p transfer (`comm`) takes while it runs: 1 when p2p
     crosses the same PCIe link as host copies (they pause), 0 when it has its own (NVLink)."""
@@ -97,6 +104,10 @@ class Costs:
         if not _is_number(fraction) or not 0 <= fraction <= 1:
             raise ConfigError(f"costs: attention_fraction must be a number from 0 to 1, got {fraction!r}")
         object.__setattr__(self, "attention_fraction", float(fraction))
+        fraction = self.recompute_fraction
+        if not _is_number(fraction) or not 0 < fraction <= 1:
+            raise ConfigError(f"costs: recompute_fraction must be a number above 0 and at most 1, got {fraction!r}")
+        object.__setattr__(self, "recompute_fraction", float(fraction))
         share = self.p2p_host_link_share
         if not _is_number(share) or not 0 <= share <= 1:
             raise ConfigError(f"costs: p2p_host_link_share must be a number from 0 to 1, got {share!r}")
@@ -154,7 +165,10 @@ class Costs:
     def to_dict(self) -> dict[str, Any]:
         """Every set key; T-Offload's and attention_fraction only where they differ from their
         defaults, so plain costs read as before."""
-        defaults = {key: 0.0 for key in _OFFLOAD_KEYS + ("attention_fraction",)} | {"p2p_host_link_share": 1.0}
+        defaults = {key: 0.0 for key in _OFFLOAD_KEYS + ("attention_fraction",)} | {
+            "p2p_host_link_share": 1.0,
+            "recompute_fraction": 1.0,
+        }
         return {
             key: _plain(value)
             for key in self.keys()
@@ -171,15 +185,20 @@ class Costs:
 
         static = table("M_static")
         static_per_stage = [sum(static[s * num_slices : (s + 1) * num_slices]) for s in range(num_stages)]
+        activations, kept, recompute = table("M_B"), table("M_ckpt"), table("R")
+        r = self.recompute_fraction
+        if r < 1:  # the layers left out of the checkpoint keep their activations and are not re-run
+            kept = [k + (1 - r) * a for k, a in zip(kept, activations)]
+            recompute = [r * t for t in recompute]
         return StageCosts(
             num_slices=num_slices,
             F=table("F"),
             B=table("B"),
             W=table("W"),
-            R=table("R"),
-            M_B=table("M_B"),
+            R=recompute,
+            M_B=activations,
             M_W=table("M_W"),
-            M_ckpt=table("M_ckpt"),
+            M_ckpt=kept,
             M_static=static_per_stage,
             comm=self.comm,
         )

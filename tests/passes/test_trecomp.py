@@ -15,8 +15,23 @@ NO_INPUT = Costs(M_ckpt=0)  # the appendix counts activations only, not a checkp
 
 
 def one_f_one_b_half_recompute(p: int, m: int):
-    """1F1B recomputing half of every stage: half the activations kept, R = F/2 inside the backward."""
-    return simulate(apply_checkpoint(build_schedule("1f1b", p, m)), Costs(R=0.5, M_ckpt=0.5))
+    """1F1B recomputing half of every stage's layers (recompute_fraction 0.5)."""
+    return simulate(apply_checkpoint(build_schedule("1f1b", p, m)), Costs(recompute_fraction=0.5))
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 0.75, 1.0])
+def test_partial_recompute_keeps_the_other_layers_and_reruns_its_share(fraction):
+    """TPipe's "1F1B + 50 % recompute" and Megatron's --recompute-num-layers: a checkpointed
+    forward keeps its input and the (1 − r) share of activations it does not recompute; R takes
+    r of a forward. 1F1B's first device then holds p of those and one recomputed share."""
+    p, m = 4, 8
+    costs = Costs(F=2, B=4, R=2, M_B=1, M_ckpt=0.1, recompute_fraction=fraction)
+    timeline = simulate(apply_checkpoint(build_schedule("1f1b", p, m)), costs)
+    assert timeline.makespan == pytest.approx((m + p - 1) * (2 + 4 + 2 * fraction))
+    kept = 0.1 + (1 - fraction)
+    assert timeline.peak_activation_memory[0] == pytest.approx(p * kept + (1 - kept))
+    with pytest.raises(ConfigError, match="recompute_fraction"):
+        Costs(recompute_fraction=0)
 
 
 @pytest.mark.parametrize("p", range(3, 33))

@@ -15,6 +15,7 @@ from pipeloom import build_schedule  # noqa: E402
 from pipeloom.errors import ConfigError  # noqa: E402
 from pipeloom.models.hf import hf_workload  # noqa: E402
 from pipeloom.models.vision import resnet_workload  # noqa: E402
+from pipeloom.passes import apply_checkpoint, split_backward  # noqa: E402
 from pipeloom.runtime.local import run_local  # noqa: E402
 from pipeloom.runtime.training import TrainSpec, reference_training  # noqa: E402
 
@@ -106,6 +107,21 @@ def test_causal_lms_train_slice_by_slice(tmp_path, family):
     schedule = build_schedule("svpp", 2, 4, num_chunks=2, num_slices=2)
     # Slice by slice, attention sums in another order (see test_runtime's tolerance note).
     assert_trains_like_one_process(TrainSpec(schedule, steps=3, workload=work), rtol=1e-4, atol=5e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "resnet"])
+def test_partial_recompute_of_real_models_trains_like_one_process(tmp_path, family):
+    """--recompute-layers 1: each checkpointed forward re-runs its stage's embedding and first
+    layer (block) only; the gradients are those of the plain run."""
+    if family == "resnet":
+        work = resnet_workload("resnet18", microbatch_size=2, image_size=32, seed=4)
+    else:
+        work = hf_workload(model_dir(tmp_path, family), seed=5, microbatch_size=2, seq_len=16)
+    schedule = apply_checkpoint(split_backward(schedule_for("1f1b"), "after"))
+    results = assert_trains_like_one_process(
+        TrainSpec(schedule, steps=2, workload=work, recompute_layers=1), atol=1e-5
+    )
+    assert all(result.records[0].recomputes == 4 for result in results)
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))

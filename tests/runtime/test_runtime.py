@@ -112,6 +112,29 @@ def test_checkpointing_recomputes_once_and_holds_what_the_simulator_predicts():
             assert results[device].records[0].peak_stash_bytes <= plain[device].records[0].peak_stash_bytes
 
 
+def test_partial_recompute_trains_like_one_process_and_holds_what_the_simulator_predicts():
+    """Megatron's --recompute-num-layers: a checkpointed forward drops only its stage's first k
+    layers; the simulator's recompute_fraction = k / layers predicts what the stash then holds."""
+    config = LlamaConfig(layers=8, hidden=32, heads=2, ffn=64, vocab=64, seq_len=16)
+    base = build_schedule("1f1b", 2, 4)
+    checkpointed = apply_checkpoint(base)
+    plain = run_local(TrainSpec(base, config=config, steps=1))
+    full = run_local(TrainSpec(checkpointed, config=config, steps=1))
+    forward = [plain[s].records[0].entry_bytes[f"{s}F0"] for s in range(2)]
+    kept = [full[s].records[0].entry_bytes[f"{s}F0c"] for s in range(2)]
+    for layers in (1, 3):
+        spec = TrainSpec(checkpointed, config=config, steps=2, recompute_layers=layers)
+        results = run_local(spec)
+        assert_matches_reference(TrainSpec(base, config=config, steps=2), results)
+        assert [r.records[0].recomputes for r in results] == [4, 4]
+        costs = Costs(M_B=forward, M_ckpt=kept, recompute_fraction=layers / 4)
+        predicted, predicted_plain = (simulate(s, costs).peak_activation_memory for s in (checkpointed, base))
+        measured = results[0].records[0].peak_stash_bytes / plain[0].records[0].peak_stash_bytes
+        assert measured == pytest.approx(predicted[0] / predicted_plain[0], rel=0.05)
+        assert full[0].records[0].peak_stash_bytes < results[0].records[0].peak_stash_bytes
+        assert results[0].records[0].peak_stash_bytes < plain[0].records[0].peak_stash_bytes
+
+
 def test_tpipe_with_trecomp_trains_like_one_process_and_holds_what_the_simulator_predicts():
     base = build_schedule("tpipe", 2, 6)
     recomputed = t_recomp(base)

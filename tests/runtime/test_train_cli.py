@@ -178,3 +178,10 @@ def test_profile_tune_and_train_a_hugging_face_model(capsys, tmp_path, llama):
     assert len(activations) == 2 and all(line.endswith("(+0.0%)") for line in activations)
     static = [line for line in out.splitlines() if " static " in line]
     assert len(static) == 2 and all("(+0.0%;" in line for line in static)  # ZeRO-0: 16 bytes per weight
+
+
+def test_partial_recompute_flags_are_checked_before_any_rank_starts(capsys):
+    assert "checkpoints nothing; add --ckpt full or mario" in refused(capsys, "--recompute-layers", "1")
+    assert "positive number of layers" in refused(capsys, "--ckpt", "full", "--recompute-layers", "0")
+    sliced = ["--schedule", "svpp", "-v", "1", "--slices", "2", "--ckpt", "full", "--recompute-layers", "1"]
+    assert "slice by slice" in refused(capsys, *sliced)

@@ -78,9 +78,10 @@ def test_chimera_keeps_mario_table1_bound_when_units_concatenate(p, units):
     assert max(eager.peak_activation_memory) == p + 1
     # with whole units and no comm the other pipeline fills the slot the shorter warm-up frees
     for costs in (Costs(F=1, B=1), Costs(F=1, B=2)):
-        assert simulate(build_schedule("chimera", p, m), costs).makespan == simulate(
-            build_schedule("chimera-eager", p, m), costs
-        ).makespan
+        assert (
+            simulate(build_schedule("chimera", p, m), costs).makespan
+            == simulate(build_schedule("chimera-eager", p, m), costs).makespan
+        )
 
 
 def test_chimera_variants_agree_on_one_unit():

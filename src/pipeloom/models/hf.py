@@ -147,11 +147,17 @@ class HFStage(nn.Module):
             raise ConfigError(f"hf: {self.family} models do not run slice by slice (attention-free or bidirectional)")
         return self._run(x, list(past))
 
-    def _run(self, x: torch.Tensor, past: list | None):
+    def split_at(self, count: int):
+        """(head, tail): the embeddings and the first `count` layers, then the rest — for a
+        checkpoint of part of the stage (`--recompute-layers`); unsliced only."""
+        count = min(count, len(self.layers))
+        return (lambda x: self._run(x, None, stop=count)[0]), (lambda x: self._run(x, None, start=count)[0])
+
+    def _run(self, x: torch.Tensor, past: list | None, start: int = 0, stop: int | None = None):
         offset = past[0][0].shape[-2] if past else 0
         seq = x.shape[1]
         positions = torch.arange(offset, offset + seq, device=x.device).unsqueeze(0)
-        if self.embed is not None:
+        if self.embed is not None and start == 0:
             x = self.embed(x)
             if self.positions is not None:
                 x = x + self.positions(positions)
@@ -165,8 +171,10 @@ class HFStage(nn.Module):
         extra = {}
         if self.rotary is not None and self.layers:
             extra["position_embeddings"] = self.rotary(x, positions)
-        for layer in self.layers:
+        for layer in self.layers[start:stop]:
             x = self._layer(layer, x, mask, positions, cache, extra)
+        if stop is not None:  # a head: the norm and the LM head belong to the tail
+            return x, []
         if self.norm is not None:
             x = self.norm(x)
         if self.head is not None:

@@ -114,6 +114,23 @@ class Stage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_slice(x, [])[0]
 
+    def split_at(self, count: int):
+        """(head, tail): the embedding and the first `count` layers, then the other layers, norm and
+        LM head — for a checkpoint of part of the stage (`--recompute-layers`)."""
+
+        def head(x: torch.Tensor) -> torch.Tensor:
+            x = self.embed(x) if self.embed is not None else x
+            for layer in self.layers[:count]:
+                x = layer(x)
+            return x
+
+        def tail(x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers[count:]:
+                x = layer(x)
+            return self.head(self.norm(x)) if self.head is not None else x
+
+        return head, tail
+
     def forward_slice(
         self, x: torch.Tensor, past: Sequence[tuple[torch.Tensor, torch.Tensor]]
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:

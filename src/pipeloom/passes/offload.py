@@ -244,7 +244,11 @@ def simulate_offload(plan: OffloadPlan, costs: Costs) -> OffloadTimeline:
 
 
 def _reloads(
-    timeline: Timeline, baseline: Timeline, first_forward: dict[tuple[int, int], Op], seconds: list[float], slowed: float
+    timeline: Timeline,
+    baseline: Timeline,
+    first_forward: dict[tuple[int, int], Op],
+    seconds: list[float],
+    slowed: float,
 ) -> list[LaneOp]:
     """Each device's reloads in the order its forwards need them, slowed by the p2p transfers that
     arrive at the device in `timeline`; each is due when its forward starts without offloading."""

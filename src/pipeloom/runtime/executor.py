@@ -1,7 +1,10 @@
 """Run one device's op list of a pipeloom schedule for one training step (DESIGN §5).
 
 Each op kind has its own handler (`_HANDLERS`), so a new op is one method: F runs a stage forward
-(checkpointed: without autograd, keeping only its input); R re-runs it with autograd (counted);
+(checkpointed: without autograd, keeping only its input); R re-runs it with autograd (counted).
+With `recompute_layers` = k a checkpointed F runs only the stage's first k layers (its head,
+`split_at`) without autograd and the rest with it; R re-runs the head, and the backward runs
+through the tail, then through the head with the gradient the tail left at their boundary;
 B back-propagates to the stage input only (split linears queue their weight GEMMs); W runs the
 queued GEMMs of its key (a run of consecutive W of one stage as one GEMM if `concat_w`; a W in
 parts its share); BW is B then its W at once. The last stage turns its output into the loss,
@@ -35,11 +38,12 @@ from torch import nn
 from pipeloom.errors import ConfigError, RuntimeFault
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
-from pipeloom.runtime.boundary import TensorSpec, as_tuple
+from pipeloom.runtime.boundary import TensorSpec
 from pipeloom.runtime.comm import MessagePlan
 from pipeloom.runtime.mailbox import Mailbox, peer_failure
 from pipeloom.runtime.precision import Precision
 from pipeloom.runtime.split_linear import WeightGradQueue
+from pipeloom.runtime.stage_call import run_stage, split_stage
 
 __all__ = ["StepRecord", "DeviceExecutor", "peer_failure", "run_stage"]
 
@@ -74,6 +78,10 @@ class _Entry:
     bytes: int = 0
     grads: Tensors | None = None
     """The output gradients, when an R inside the backward already waited for them."""
+    middle: Tensors = ()
+    """Partial checkpoint: the tail's input leaves (the head's output, computed without autograd)."""
+    recomputed: Tensors = ()
+    """Partial checkpoint: the head's output again, with autograd, from R."""
 
 
 @dataclass
@@ -119,6 +127,7 @@ class DeviceExecutor:
         timeout_s: float = 60.0,
         before_forward: Callable[[int], None] | None = None,
         precision: Precision | None = None,
+        recompute_layers: int | None = None,
     ) -> None:
         self.schedule, self.device = schedule, device
         self.ops = schedule.devices[device]
@@ -147,12 +156,16 @@ class DeviceExecutor:
         self._split_stages = {
             s for s, module in stages.items() if any(type(m).__name__ == "SplitLinear" for m in module.modules())
         }
-        self._saved_bytes: dict[tuple[OpKind, int, int], int] = {}  # once per (F or R, stage, slice)
+        self._saved_bytes: dict[tuple[OpKind, int, int, str], int] = {}  # once per (F or R, stage, slice, part)
         if self.num_slices > 1 and not all(hasattr(module, "forward_slice") for module in stages.values()):
             raise ConfigError(
                 "slices need stages with forward_slice (the LLaMA-style decoder's, or a Hugging Face causal LM's)"
             )
         self.slice_len = 0
+        self.halves = (
+            {s: split_stage(module, recompute_layers) for s, module in stages.items()} if recompute_layers else {}
+        )
+        """Per stage (head, tail) under a partial checkpoint; empty: checkpoints take whole stages."""
         self._handlers = {_F: self._forward_op, _R: self._recompute_op, _B: self._backward_op, _BW: self._backward_op}
 
     # -- one step ------------------------------------------------------------------------------
@@ -195,7 +208,14 @@ class DeviceExecutor:
         past = self._past(step.kv, op)
         target = self._target(step, op)
         entry = _Entry(inputs=x)
-        if op.ckpt:
+        if op.ckpt and self.halves:
+            head, tail = self.halves[stage]
+            with torch.no_grad():
+                middle, _ = self._run(head, stage, x, None, hand_on=False)
+            entry.middle = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in middle)
+            out, _, kept, _ = self._forward(tail, op, entry.middle, target, part="tail")
+            entry.output, entry.bytes = out, sum(_nbytes(t) for t in x) + kept
+        elif op.ckpt:
             with torch.no_grad():
                 out, new_kv = self._run(module, stage, x, past)
             entry.bytes = sum(_nbytes(t) for t in x) + sum(_nbytes(k) + _nbytes(v) for k, v in new_kv)
@@ -208,7 +228,7 @@ class DeviceExecutor:
                 [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in new_kv],
             )
         if stage == self.last_stage:
-            loss = out[0] if not op.ckpt else self._loss(out, target)
+            loss = out[0] if entry.output is not None else self._loss(out, target)
             step.record.loss += float(loss.detach()) / self.grad_scale
         else:
             self.mail.give(False, stage + 1, mb, slice_, out)
@@ -222,6 +242,15 @@ class DeviceExecutor:
         if op.after_grad and stage != self.last_stage:  # recompute inside the backward
             entry.grads = self.mail.take(True, *op.key)
             step.start = step.now()
+        if self.halves:  # only the head was left out: re-run it, keep its output for the backward
+            entry.recomputed, entry.inputs, saved, _ = self._forward(
+                self.halves[stage][0], op, entry.inputs, None, part="head"
+            )
+            step.record.recomputes += 1
+            step.record.entry_bytes[op.text] = saved
+            step.note(saved)
+            entry.bytes += saved
+            return
         past = self._past(step.kv, op)
         entry.output, entry.inputs, saved, new_kv = self._forward(
             self.stages[stage], op, entry.inputs, self._target(step, op), past
@@ -256,6 +285,9 @@ class DeviceExecutor:
                         out_grads.append(leaf.grad)
         if outputs:
             torch.autograd.backward(outputs, out_grads)
+        boundary = [(h, leaf.grad) for h, leaf in zip(entry.recomputed, entry.middle) if leaf.grad is not None]
+        if boundary:  # partial checkpoint: on through the recomputed head
+            torch.autograd.backward([h for h, _ in boundary], [g for _, g in boundary])
         step.note(-entry.bytes)
         if stage > 0:
             input_grads = [
@@ -314,20 +346,25 @@ class DeviceExecutor:
             for i in range(len(earlier[0]))
         ]
 
-    def _run(self, module: nn.Module, stage: int, x: Tensors, past: list | None) -> tuple[Tensors, list]:
-        return run_stage(module, x, past, self.precision, self.torch_device, hand_on=stage != self.last_stage)
+    def _run(
+        self, module: Callable, stage: int, x: Tensors, past: list | None, hand_on: bool | None = None
+    ) -> tuple[Tensors, list]:
+        hand_on = stage != self.last_stage if hand_on is None else hand_on
+        return run_stage(module, x, past, self.precision, self.torch_device, hand_on=hand_on)
 
-    def _forward(self, module: nn.Module, op: Op, x: Tensors, targets, past: list | None = None):
+    def _forward(self, module: Callable, op: Op, x: Tensors, targets, past: list | None = None, part: str = "whole"):
         """Forward with autograd under the op's key, from fresh leaves for the floating inputs so
         that B can read their gradients. Returns (outputs, or (loss,) on the last stage; those
         leaves; the bytes it keeps: tensors saved for backward, and the inputs themselves for an
-        F; the slice's keys and values)."""
-        if op.stage > 0:
+        F; the slice's keys and values). `part`: the whole stage, or a partial checkpoint's head
+        (its output is not handed on) or tail (its input leaves are already made)."""
+        if op.stage > 0 and part != "tail":
             x = tuple(t.detach().requires_grad_(True) if t.is_floating_point() else t for t in x)
-        known = self._saved_bytes.get((op.kind, op.stage, op.slice))
+        hand_on = False if part == "head" else None
+        known = self._saved_bytes.get((op.kind, op.stage, op.slice, part))
         if known is not None:  # shapes repeat: the saved bytes of a stage's pass do too
             self.queue.current = op.key
-            out, new_kv = self._run(module, op.stage, x, past)
+            out, new_kv = self._run(module, op.stage, x, past, hand_on)
             return (self._loss(out, targets),) if targets is not None else out, x, known, new_kv
         saved = [sum(_nbytes(t) for t in x) if op.kind is _F else 0]
         seen: set[int] = {t.data_ptr() for t in x}
@@ -341,29 +378,15 @@ class DeviceExecutor:
 
         self.queue.current = op.key
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            out, new_kv = self._run(module, op.stage, x, past)
+            out, new_kv = self._run(module, op.stage, x, past, hand_on)
             if targets is not None:
                 out = (self._loss(out, targets),)
-        self._saved_bytes[(op.kind, op.stage, op.slice)] = saved[0]
+        self._saved_bytes[(op.kind, op.stage, op.slice, part)] = saved[0]
         return out, x, saved[0], new_kv
 
     def _loss(self, output: Tensors, targets) -> torch.Tensor:
         value = output[0] if len(output) == 1 else output
         return self.loss_fn(value, targets).float() * (self.loss_scale * self.grad_scale)
-
-
-def run_stage(
-    module: nn.Module, x: Tensors, past: list | None, precision: Precision, device: torch.device, hand_on: bool
-) -> tuple[Tensors, list]:
-    """A stage's forward as the executor runs it: (outputs — cast to the compute type when they are
-    handed on to the next stage; this slice's keys and values per layer, [] unsliced)."""
-    with precision.autocast(device):
-        if past is not None:
-            out, new_kv = module.forward_slice(*x, past)
-        else:
-            out, new_kv = module(*x), []
-    out = as_tuple(out)
-    return (precision.cast(out) if hand_on else out), new_kv
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -53,6 +53,9 @@ class TrainSpec:
     """Static memory (`pipeloom.runtime.zero`): 0 keeps fp32 weights and the whole AdamW state on
     every replica; 1 keeps the weights in the compute type and shards the fp32 master weights and
     AdamW over the data-parallel replicas; 2 also reduce-scatters the gradients."""
+    recompute_layers: int | None = None
+    """Partial checkpoint (Megatron's --recompute-num-layers, block method): a checkpointed
+    forward drops only the activations of its stage's first k layers; None: the whole stage's."""
     offload_stages: tuple[int, ...] = ()
     """T-Offload: these stages' optimizer runs on the host (`runtime.offload`)."""
     reload_bits: int = 32
@@ -147,6 +150,7 @@ def check_spec(spec: TrainSpec, world_size: int | None = None) -> None:
         raise ConfigError(
             f"train: offload stages must be among the schedule's and reload bits 16 or 32 (got {bad}, {spec.reload_bits})"
         )
+    _check_recompute_layers(spec)
     if spec.clip_norm is not None and spec.clip_norm <= 0:
         raise ConfigError(f"train: the clipping norm must be positive, got {spec.clip_norm}")
     if (spec.save_dir is None) != (spec.save_every == 0) or spec.save_every < 0:
@@ -155,6 +159,21 @@ def check_spec(spec: TrainSpec, world_size: int | None = None) -> None:
         _, done = find_checkpoint(spec.resume_dir, expected, spec.schedule.name, spec.zero, spec.offload_stages)
         if done >= spec.steps:
             raise ConfigError(f"train: the checkpoint is already {done} steps in; ask for more than {done} --steps")
+
+
+def _check_recompute_layers(spec: TrainSpec) -> None:
+    k = spec.recompute_layers
+    if k is None:
+        return
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ConfigError(f"train: --recompute-layers must be a positive number of layers, got {k!r}")
+    if not any(op.ckpt for _, _, op in spec.schedule.ops()):
+        raise ConfigError(
+            "train: --recompute-layers sets how much of each checkpoint to recompute, but the schedule "
+            "checkpoints nothing; add --ckpt full or mario"
+        )
+    if spec.schedule.num_slices > 1:
+        raise ConfigError("train: --recompute-layers checkpoints whole micro-batches; it does not run slice by slice")
 
 
 def check_device(spec: TrainSpec) -> None:

@@ -22,13 +22,14 @@ from pipeloom.ir.ops import OpKind
 from pipeloom.runtime.boundary import StageProbe, probe_stages
 from pipeloom.runtime.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from pipeloom.runtime.comm import plan_messages
-from pipeloom.runtime.executor import DeviceExecutor, peer_failure, run_stage
+from pipeloom.runtime.executor import DeviceExecutor, peer_failure
 from pipeloom.runtime.gradients import GradientBuckets, grad_of, unique_parameters
 from pipeloom.runtime.offload import HostOffload
 from pipeloom.runtime.optimizer_sync import OptimizerSync
 from pipeloom.runtime.precision import LossScaler, Precision
-from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
 from pipeloom.runtime.spec import RankResult, TrainSpec, check_device, check_spec
+from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
+from pipeloom.runtime.stage_call import run_stage
 from pipeloom.runtime.workload import Workload, rows_of
 from pipeloom.runtime.zero import JointSteppers, ReplicatedAdamW, ShardedAdamW
 from pipeloom.tune.static_memory import compute_bytes, static_bytes
@@ -113,6 +114,7 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
         timeout_s=spec.timeout_s,
         before_forward=host.reload if host else None,
         precision=precision,
+        recompute_layers=spec.recompute_layers,
     )
     scaler = LossScaler(spec.initial_loss_scale, spec.loss_scale_growth_interval) if spec.dtype == "fp16" else None
     holders = [stepper] + ([host] if host is not None else [])  # what a checkpoint saves besides weights

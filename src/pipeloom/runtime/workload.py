@@ -83,10 +83,20 @@ class BlockStage(nn.Sequential):
     """Consecutive blocks; a block may take and return a tuple, which is unpacked into the next."""
 
     def forward(self, *inputs):
-        x = inputs
-        for block in self:
-            x = block(*x) if isinstance(x, tuple) else block(x)
-        return x
+        return _chain(list(self), inputs)
+
+    def split_at(self, count: int):
+        """(head, tail): the first `count` blocks, then the rest — for a checkpoint of part of the
+        stage (`--recompute-layers`)."""
+        blocks = list(self)
+        return (lambda *x: _chain(blocks[:count], x)), (lambda *x: _chain(blocks[count:], x))
+
+
+def _chain(blocks: Sequence[nn.Module], inputs: tuple):
+    x = inputs
+    for block in blocks:
+        x = block(*x) if isinstance(x, tuple) else block(x)
+    return x
 
 
 def blocks_workload(
