@@ -30,11 +30,16 @@ def random_configuration(rng: random.Random) -> list[str]:
     costs.update(M_W=round(rng.uniform(0, costs["M_B"]), 3), R=round(rng.uniform(0.1, 3), 3))
     if rng.random() < 0.3:
         costs["M_static"] = round(rng.uniform(0, 5), 3)
+    if rng.random() < 0.2:
+        costs["recompute_fraction"] = round(rng.uniform(0.05, 1), 3)
+    flag = rng.random()
+    if 0.5 <= flag < 0.55:  # T-Offload's lanes: bytes, rates, a host link shared with p2p or not
+        costs.update(offload_bytes=round(rng.uniform(0, 8), 3), reload_bytes=round(rng.uniform(0, 8), 3))
+        costs.update(host_bandwidth=round(rng.uniform(0.5, 4), 3), p2p_host_link_share=rng.choice([0, 0.5, 1]))
     argv += ["--costs", ",".join(f"{key}={value}" for key, value in costs.items())]
     if "mem_limit" in options and rng.random() < 0.6:
         limits = [round(rng.uniform(0.5, 4) * costs["M_B"] * p, 3) for _ in range(p)]
         argv += ["--mem-limit", str(limits[0]) if rng.random() < 0.5 else ",".join(map(str, limits))]
-    flag = rng.random()
     if flag < 0.15:
         argv += ["--split", rng.choice(["after", "deferred", "fill"])]
     elif flag < 0.3:
