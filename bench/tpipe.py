@@ -14,7 +14,8 @@ Then T-Offload on T-Pipe + T-Recomp (deep chunk offloaded, 8-bit reloads): model
 per parameter, of which 14 (fp32 master weights, Adam moments, bf16 gradients) leave the device;
 the lanes' work is swept as ρ = (gradient copy + host optimizer step of a chunk) / (that chunk's
 backward of one micro-batch), copy : host step = 1 : 3. It prints the static memory saved, the
-overlap fraction (TPipe Fig. 15's quantity) and the delay of the step.
+overlap fraction (TPipe Fig. 15's quantity: the lanes' work done while the device idles), the
+share done before its deadline, and the delay of the step.
 Usage: python bench/tpipe.py [--p 4 8 16]
 """
 
@@ -72,7 +73,7 @@ def memory_and_time(ps: list[int]) -> None:
 
 def offload(ps: list[int]) -> None:
     print("\nT-Offload on T-Pipe + T-Recomp (deep chunk, 8-bit reloads)")
-    print(f"{'p':>3} {'m':>4} {'rho':>4} {'static saved':>12} {'overlap':>8} {'delay':>7}")
+    print(f"{'p':>3} {'m':>4} {'rho':>4} {'static saved':>12} {'overlap':>8} {'on time':>8} {'delay':>7}")
     # rho: a chunk's copy + host step over its backward of one micro-batch
     for p in ps:
         for m in (2 * p, 4 * p):
@@ -94,7 +95,7 @@ def offload(ps: list[int]) -> None:
                 result = simulate_offload(t_offload(schedule, reload_bits=8), costs)
                 saved = result.static_memory_saved[0] / result.baseline.static_memory[0]
                 print(
-                    f"{p:>3} {m:>4} {rho:>4g} {saved:>12.1%} {result.overlap_fraction:>8.1%} "
+                    f"{p:>3} {m:>4} {rho:>4g} {saved:>12.1%} {result.overlap_fraction:>8.1%} {result.on_time_fraction:>8.1%} "
                     f"{result.delay / result.baseline.makespan:>7.2%}"
                 )
 

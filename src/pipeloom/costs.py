@@ -185,16 +185,17 @@ class Costs:
 
         static = table("M_static")
         static_per_stage = [sum(static[s * num_slices : (s + 1) * num_slices]) for s in range(num_stages)]
-        activations, kept, recompute = table("M_B"), table("M_ckpt"), table("R")
+        forward, backward, weight, recompute = table("F"), table("B"), table("W"), table("R")
+        activations, kept = table("M_B"), table("M_ckpt")
         r = self.recompute_fraction
         if r < 1:  # the layers left out of the checkpoint keep their activations and are not re-run
             kept = [k + (1 - r) * a for k, a in zip(kept, activations)]
             recompute = [r * t for t in recompute]
         return StageCosts(
             num_slices=num_slices,
-            F=table("F"),
-            B=table("B"),
-            W=table("W"),
+            F=forward,
+            B=backward,
+            W=weight,
             R=recompute,
             M_B=activations,
             M_W=table("M_W"),
