@@ -9,6 +9,7 @@ import time
 
 import torch
 import torch.distributed as dist
+
 from torch.distributed import pipelining
 
 from pipeloom import Costs, parse_op, simulate
