@@ -163,8 +163,8 @@ class Costs:
         return tuple(field.name for field in fields(Costs))
 
     def to_dict(self) -> dict[str, Any]:
-        """Every set key; T-Offload's and attention_fraction only where they differ from their
-        defaults, so plain costs read as before."""
+        """Every set key; the optional ones (T-Offload's, attention, partial recompute, link share)
+        only where they differ from their defaults, so plain costs read as before."""
         defaults = {key: 0.0 for key in _OFFLOAD_KEYS + ("attention_fraction",)} | {
             "p2p_host_link_share": 1.0,
             "recompute_fraction": 1.0,
