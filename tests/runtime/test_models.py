@@ -118,9 +118,7 @@ def test_partial_recompute_of_real_models_trains_like_one_process(tmp_path, fami
     else:
         work = hf_workload(model_dir(tmp_path, family), seed=5, microbatch_size=2, seq_len=16)
     schedule = apply_checkpoint(split_backward(schedule_for("1f1b"), "after"))
-    results = assert_trains_like_one_process(
-        TrainSpec(schedule, steps=2, workload=work, recompute_layers=1), atol=1e-5
-    )
+    results = assert_trains_like_one_process(TrainSpec(schedule, steps=2, workload=work, recompute_layers=1), atol=1e-5)
     assert all(result.records[0].recomputes == 4 for result in results)
 
 
