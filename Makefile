@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(PY) bench/mario.py
 	$(PY) bench/tpipe.py
 	$(PY) bench/svpp.py
+	$(PY) bench/svpp_table3.py
 	$(PY) bench/tune_speed.py
 	$(PY) bench/capacity.py
 	$(PY) bench/fidelity.py
