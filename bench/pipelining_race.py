@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed import pipelining
 
 from pipeloom import Costs, parse_op, simulate
+from pipeloom.profile.profiler import ping_seconds  # noqa: F401 - the races import it from here
 from pipeloom.runtime.comm import plan_messages
 from pipeloom.runtime.executor import DeviceExecutor
 from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
@@ -40,22 +41,6 @@ def torch_schedule_for(modules, stage_ids, num_stages: int, torch_class, m: int,
     stages = [pipelining.PipelineStage(modules[i], i, num_stages, torch.device("cpu")) for i in stage_ids]
     schedule = torch_class(stages[0], m, loss_fn=loss) if len(stages) == 1 else torch_class(stages, m, loss_fn=loss)
     return schedule, 0 in stage_ids, num_stages - 1 in stage_ids
-
-
-def ping_seconds(rank: int, tensor: torch.Tensor, repeats: int = 5) -> float:
-    """Median one-way time of `tensor` between ranks 0 and 1."""
-    samples = []
-    for _ in range(repeats):
-        dist.barrier()
-        began = time.perf_counter()
-        if rank == 0:
-            dist.send(tensor, 1)
-            dist.recv(tensor, 1)
-        elif rank == 1:
-            dist.recv(tensor, 0)
-            dist.send(tensor, 0)
-        samples.append((time.perf_counter() - began) / 2)
-    return statistics.median(samples)
 
 
 def race(

@@ -34,7 +34,7 @@ from pipeloom.sim.simulate import simulate
 from pipeloom.tune.presets import ModelSpec
 from pipeloom.tune.profiled import PROFILE_FORMAT, ProfiledCostModel, fit_positions
 
-__all__ = ["profile_model", "llama_config"]
+__all__ = ["profile_model", "llama_config", "ping_seconds"]
 
 _POSITIONS = {0: "first", 1: "last"}
 STATIC_BYTES_PER_PARAM = 16
@@ -199,10 +199,9 @@ def _ping_ms(shape: tuple[int, ...], repeats: int = 20) -> float:
         return float(Path(directory, "ping").read_text())
 
 
-def _ping_rank(rank: int, directory: str, shape: tuple[int, ...], repeats: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank, world_size=2)
-    tensor = torch.zeros(shape)
+def ping_seconds(rank: int, tensor: torch.Tensor, repeats: int = 5) -> float:
+    """Median one-way time of `tensor` between ranks 0 and 1 of the current group (other ranks
+    only join the barriers)."""
     samples = []
     for _ in range(repeats):
         dist.barrier()
@@ -210,10 +209,17 @@ def _ping_rank(rank: int, directory: str, shape: tuple[int, ...], repeats: int) 
         if rank == 0:
             dist.send(tensor, 1)
             dist.recv(tensor, 1)
-        else:
+        elif rank == 1:
             dist.recv(tensor, 0)
             dist.send(tensor, 0)
         samples.append((time.perf_counter() - began) / 2)
+    return statistics.median(samples)
+
+
+def _ping_rank(rank: int, directory: str, shape: tuple[int, ...], repeats: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank, world_size=2)
+    seconds = ping_seconds(rank, torch.zeros(shape), repeats)
     if rank == 0:
-        Path(directory, "ping").write_text(str(1e3 * statistics.median(samples)))
+        Path(directory, "ping").write_text(str(1e3 * seconds))
     dist.destroy_process_group()
