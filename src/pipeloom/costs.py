@@ -17,6 +17,10 @@ B frees M_B and keeps M_W for its pending W; W frees M_W (each of k parts 1/k); 
 A device also holds M_static (weights, gradients, optimizer state) for every stage it hosts, so
 replicated stages (Chimera) count twice. The fused BW takes B + W.
 
+Communication inside an op (a2a_F, a2a_B: MoE all-to-all, tensor-parallel collectives) adds to
+a lone op's time and is hidden by an overlapped F&B pair as far as the other side's compute
+reaches (`StageCosts.pair_time`).
+
 T-Offload (`pipeloom.passes.offload`) reads four more per-stage keys, scaled the same way: the
 gradient bytes it moves to the host, the weight bytes it loads back, the optimizer FLOPs the host
 runs, and M_offload, the part of M_static the device stops holding; with the rates host_bandwidth
@@ -39,7 +43,7 @@ __all__ = ["Costs", "StageCosts", "CostValue", "causal_attention_fraction"]
 
 CostValue = Union[float, Sequence[float | Sequence[float]]]
 
-_PER_STAGE_KEYS = ("F", "B", "W", "R", "M_B", "M_W", "M_ckpt", "M_static")
+_PER_STAGE_KEYS = ("F", "B", "W", "R", "M_B", "M_W", "M_ckpt", "M_static", "a2a_F", "a2a_B")
 _OFFLOAD_KEYS = ("offload_bytes", "reload_bytes", "host_step_flops", "M_offload")
 _RATE_KEYS = ("host_bandwidth", "host_flops")
 _ATTENTION_KEYS = ("F", "B", "R")
@@ -86,6 +90,12 @@ class Costs:
     p2p_host_link_share: float = 1.0
     """Share of a device's host link that a p2p transfer (`comm`) takes while it runs: 1 when p2p
     crosses the same PCIe link as host copies (they pause), 0 when it has its own (NVLink)."""
+    a2a_F: CostValue = 0.0
+    """Communication inside a forward on its own stream (MoE expert all-to-all, tensor-parallel
+    collectives) that the forward waits for: a lone F takes F + a2a_F (an R too)."""
+    a2a_B: CostValue = 0.0
+    """The same inside a backward: a lone B takes B + a2a_B, a BW B + W + a2a_B. An overlapped
+    F&B pair hides each side's communication under the other side's compute (`pair_time`)."""
     attention_fraction: float = 0.0
     """Share of F, B and R time spent in causal attention. Cutting a micro-batch into L slices
     then gives slice l the share (1−a)/L + a(2l+1)/L² instead of 1/L: its queries attend to the
@@ -165,7 +175,7 @@ class Costs:
     def to_dict(self) -> dict[str, Any]:
         """Every set key; the optional ones (T-Offload's, attention, partial recompute, link share)
         only where they differ from their defaults, so plain costs read as before."""
-        defaults = {key: 0.0 for key in _OFFLOAD_KEYS + ("attention_fraction",)} | {
+        defaults = {key: 0.0 for key in _OFFLOAD_KEYS + ("attention_fraction", "a2a_F", "a2a_B")} | {
             "p2p_host_link_share": 1.0,
             "recompute_fraction": 1.0,
         }
@@ -191,6 +201,11 @@ class Costs:
         if r < 1:  # the layers left out of the checkpoint keep their activations and are not re-run
             kept = [k + (1 - r) * a for k, a in zip(kept, activations)]
             recompute = [r * t for t in recompute]
+        a2a_forward, a2a_backward = table("a2a_F"), table("a2a_B")
+        if any(a2a_forward) or any(a2a_backward):  # a lone op waits for its own communication
+            forward = [t + c for t, c in zip(forward, a2a_forward)]
+            recompute = [t + c for t, c in zip(recompute, a2a_forward)]
+            backward = [t + c for t, c in zip(backward, a2a_backward)]
         return StageCosts(
             num_slices=num_slices,
             F=forward,
@@ -202,6 +217,8 @@ class Costs:
             M_ckpt=kept,
             M_static=static_per_stage,
             comm=self.comm,
+            a2a_F=a2a_forward,
+            a2a_B=a2a_backward,
         )
 
     def per_slice(self, key: str, num_devices: int, num_stages: int, num_slices: int = 1) -> list[float]:
@@ -258,7 +275,8 @@ def causal_attention_fraction(hidden: int, seq_len: int, ffn: int | None = None)
 @dataclass(frozen=True, slots=True)
 class StageCosts:
     """Costs resolved for one schedule shape: lists indexed by ``stage * num_slices + slice``
-    (M_static by stage alone)."""
+    (M_static by stage alone). F, B and R are a lone op's whole time, its communication (a2a_F,
+    a2a_B) included."""
 
     num_slices: int
     F: list[float]
@@ -270,6 +288,24 @@ class StageCosts:
     M_ckpt: list[float]
     M_static: list[float]
     comm: float
+    a2a_F: list[float]
+    a2a_B: list[float]
+
+    def pair_time(self, forward: int, backward: int, fused: bool) -> float:
+        """An overlapped F&B pair: forward of index `forward`, backward (a BW if `fused`) of index
+        `backward`. The two computations run back to back on the compute stream; each side's
+        communication runs on the communication stream under the other side's compute, and only
+        what that compute cannot cover shows: F + B + max(0, a2a_F − B) + max(0, a2a_B − F) in
+        compute times — max(F + B, F + B + a2a_F + a2a_B − overlap) with overlap = min(a2a_F, B)
+        + min(a2a_B, F)."""
+        hidden_under_b = self.B[backward] - self.a2a_B[backward] + (self.W[backward] if fused else 0.0)
+        hidden_under_f = self.F[forward] - self.a2a_F[forward]
+        return (
+            hidden_under_f
+            + hidden_under_b
+            + max(0.0, self.a2a_F[forward] - hidden_under_b)
+            + max(0.0, self.a2a_B[backward] - hidden_under_f)
+        )
 
 
 def _is_number(value: Any) -> bool:

@@ -27,7 +27,8 @@ def test_torch_s_interleaved_order_with_idle_cells_and_comms_imports():
     with_comms = "0F0,0SEND_F0,0RECV_B0,0B0,0REDUCE_GRAD\n1RECV_F0,1F0,1B0,1SEND_B0\n"
     assert from_torch_csv(with_comms).to_text().splitlines()[1:] == ["0F0 0BW0", "1F0 1BW0"]
     overlapped = "0F0,0F1,0B0,0B1\n1F0,(1F1;1B0)OVERLAP_F_B,1B1\n"
-    assert from_torch_csv(overlapped).to_text().splitlines()[2] == "1F0 1F1 1BW0 1BW1"
+    assert from_torch_csv(overlapped).to_text().splitlines()[2] == "1F0 1F1&1BW0 1BW1"
+    assert to_torch_csv(from_torch_csv(overlapped)) == overlapped
 
 
 def test_what_torch_cannot_express_is_refused():

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeloom.errors import ScheduleError
-from pipeloom.ir.ops import Op, OpKind
+from pipeloom.ir.ops import OVERLAPPABLE, Op, OpKind
 from pipeloom.ir.schedule import Schedule
 
 __all__ = ["DependencyGraph", "build_graph"]
@@ -25,7 +25,9 @@ class DependencyGraph:
     """Flat view of a valid-so-far schedule.
 
     `deps[g]` lists the ops op g needs (data dependencies only; device order is implied by
-    `offsets`).
+    `offsets`). `waits[g]` is what op g waits for before it starts: its deps, except that the
+    head of an overlapped pair (`Op.overlap_next`) waits for both ops' deps and its partner, which
+    starts with it, for nothing. `paired` holds the pairs' heads.
     """
 
     schedule: Schedule
@@ -33,6 +35,8 @@ class DependencyGraph:
     device_of: list[int]
     offsets: list[int]  # ops of device d are flat indices offsets[d] .. offsets[d+1]-1
     deps: list[tuple[int, ...]]
+    waits: list[tuple[int, ...]]
+    paired: frozenset[int]
 
     @property
     def num_ops(self) -> int:
@@ -140,7 +144,40 @@ def build_graph(schedule: Schedule) -> DependencyGraph:
                 if op.slice != last_slice:
                     need.append(b_at[key + 1])
             deps.append(tuple(need))
-    return DependencyGraph(schedule, ops, device_of, offsets, deps)
+    paired = frozenset(g for g, op in enumerate(ops) if op.overlap_next)
+    if not paired:
+        return DependencyGraph(schedule, ops, device_of, offsets, deps, deps, paired)
+    _check_pairs(schedule, ops, device_of, offsets, deps, paired)
+    waits = list(deps)
+    for g in paired:
+        waits[g], waits[g + 1] = deps[g] + deps[g + 1], ()
+    return DependencyGraph(schedule, ops, device_of, offsets, deps, waits, paired)
+
+
+def _check_pairs(
+    schedule: Schedule,
+    ops: list[Op],
+    device_of: list[int],
+    offsets: list[int],
+    deps: list[tuple[int, ...]],
+    paired: frozenset[int],
+) -> None:
+    """An overlapped pair is a forward and a backward, next to each other, neither needing the other."""
+    problems: list[tuple[str, tuple[int, ...]]] = []
+    for g in sorted(paired):
+        head = ops[g]
+        if g + 1 == offsets[device_of[g] + 1]:
+            problems.append((f"{head.text} overlaps the next op but is its device's last", (g,)))
+            continue
+        tail = ops[g + 1]
+        if tail.overlap_next:
+            problems.append((f"{head.text}{tail.text}: a pair is two ops, not a chain of three", (g, g + 1)))
+        elif {head.kind is _F, tail.kind is _F} != {True, False} or tail.kind not in OVERLAPPABLE:
+            problems.append((f"{head.text}{tail.text}: a pair is one forward (F) and one backward (B or BW)", (g, g + 1)))
+        elif g in deps[g + 1] or g + 1 in deps[g]:
+            problems.append((f"{head.text}{tail.text}: one needs the other's output, so they cannot overlap", (g, g + 1)))
+    if problems:
+        _raise_problems(schedule, offsets, device_of, problems)
 
 
 def _raise_problems(

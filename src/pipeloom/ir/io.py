@@ -1,7 +1,9 @@
 """The `pipeloom.schedule/1` JSON exchange format (DESIGN §1), read and written exactly.
 
 This is a public contract: other tools read these files. Readers ignore keys they do not know;
-a change of meaning gets a new format string, never a silent edit.
+a change of meaning gets a new format string, never a silent edit. An overlapped F&B pair is its
+two ops in order, the first with ``"overlap_next": true``: a reader that does not know the key
+runs them one after the other, which is still a valid order of the same work.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 
 from pipeloom.errors import ScheduleError
 from pipeloom.files import read_json
-from pipeloom.ir.ops import Op, OpKind
+from pipeloom.ir.ops import OVERLAPPABLE, Op, OpKind
 from pipeloom.ir.schedule import Schedule
 
 __all__ = ["FORMAT", "schedule_to_dict", "schedule_from_dict", "save_schedule", "load_schedule"]
@@ -30,6 +32,8 @@ def op_to_dict(op: Op) -> dict[str, Any]:
     if op.parts != 1:
         entry["part"] = op.part
         entry["parts"] = op.parts
+    if op.overlap_next:
+        entry["overlap_next"] = True
     return entry
 
 
@@ -113,10 +117,17 @@ def _op_from_dict(entry: Any, device: int, step: int) -> Op:
         raise ScheduleError(f"{where}: 'after_grad' must be true or false, got {after_grad!r}")
     if after_grad and kind is not OpKind.R:
         raise ScheduleError(f"{where}: only a recompute (R) can wait for its backward's gradient (after_grad)")
+    overlap_next = entry.get("overlap_next", False)
+    if not isinstance(overlap_next, bool):
+        raise ScheduleError(f"{where}: 'overlap_next' must be true or false, got {overlap_next!r}")
+    if overlap_next and kind not in OVERLAPPABLE:
+        raise ScheduleError(f"{where}: only a forward or a backward (F, B, BW) can overlap the next op")
     parts = integer("parts", 1)
     part = integer("part", 0)
     if parts != 1 and kind is not OpKind.W:
         raise ScheduleError(f"{where}: only a weight-gradient op (W) can be cut into parts")
     if parts < 1 or part >= parts:
         raise ScheduleError(f"{where}: part {part} of {parts} is not a valid part index")
-    return Op(kind, integer("stage", None), integer("mb", None), integer("slice", 0), ckpt, part, parts, after_grad)
+    return Op(
+        kind, integer("stage", None), integer("mb", None), integer("slice", 0), ckpt, part, parts, after_grad, overlap_next
+    )

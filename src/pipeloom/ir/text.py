@@ -12,24 +12,26 @@ import re
 from collections.abc import Iterable
 
 from pipeloom.errors import ScheduleError
-from pipeloom.ir.ops import Op, OpKind
+from pipeloom.ir.ops import OVERLAPPABLE, Op, OpKind
 from pipeloom.ir.schedule import Schedule
 
 __all__ = ["parse_op", "schedule_to_text", "schedule_from_text", "render_grid"]
 
-_OP_RE = re.compile(r"^(\d+)(BW|F|B|W|R)(\d+)(?:\.(\d+))?(c)?(g)?(?::(\d+)/(\d+))?$")
+_OP_RE = re.compile(r"^(\d+)(BW|F|B|W|R)(\d+)(?:\.(\d+))?(c)?(g)?(?::(\d+)/(\d+))?(&)?$")
 _HEADER_RE = re.compile(r"^#\s*pipeloom\b(.*)$")
 _EMPTY_DEVICE = "-"
+_PAIR_SPLIT = re.compile(r"(?<=&)(?=.)")  # "0F3&5BW1" → "0F3&", "5BW1"
 
 
 def parse_op(text: str) -> Op:
-    """Parse ``2F0``, ``2F0c``, ``0W5:1/3``, ``3F1.2``... into an Op (inverse of `Op.text`)."""
+    """Parse ``2F0``, ``2F0c``, ``0W5:1/3``, ``3F1.2``, ``0F3&``... into an Op (inverse of `Op.text`)."""
     match = _OP_RE.match(text.strip())
     if not match:
         raise ScheduleError(
-            f"cannot parse op {text!r}: expected <stage><F|B|W|BW|R><microbatch>[.<slice>][c][g][:<part>/<parts>], e.g. 2F0"
+            f"cannot parse op {text!r}: expected <stage><F|B|W|BW|R><microbatch>[.<slice>][c][g][:<part>/<parts>], "
+            "e.g. 2F0, or an overlapped pair such as 0F3&5BW1"
         )
-    stage, kind, microbatch, slice_, ckpt, after_grad, part, parts = match.groups()
+    stage, kind, microbatch, slice_, ckpt, after_grad, part, parts, overlap = match.groups()
     op = Op(
         OpKind(kind),
         int(stage),
@@ -39,6 +41,7 @@ def parse_op(text: str) -> Op:
         int(part or 0),
         int(parts or 1),
         after_grad is not None,
+        overlap is not None,
     )
     if op.after_grad and op.kind is not OpKind.R:
         raise ScheduleError(f"op {text!r}: only a recompute (R) can wait for its backward's gradient (g)")
@@ -46,6 +49,8 @@ def parse_op(text: str) -> Op:
         raise ScheduleError(f"op {text!r}: only a forward (F) can be checkpointed")
     if op.parts != 1 and op.kind is not OpKind.W:
         raise ScheduleError(f"op {text!r}: only a weight-gradient op (W) can be cut into parts")
+    if op.overlap_next and op.kind not in OVERLAPPABLE:
+        raise ScheduleError(f"op {text!r}: only a forward or a backward (F, B, BW) can overlap another op (&)")
     if not 0 <= op.part < op.parts:
         raise ScheduleError(f"op {text!r}: part {op.part} is outside 0..{op.parts - 1}")
     return op
@@ -56,7 +61,10 @@ def schedule_to_text(schedule: Schedule) -> str:
         f"# pipeloom name={schedule.name} stages={schedule.num_stages} "
         f"microbatches={schedule.num_microbatches} slices={schedule.num_slices}"
     )
-    lines = [" ".join(op.text for op in ops) or _EMPTY_DEVICE for ops in schedule.devices]
+    lines = [
+        "".join(op.text + ("" if op.overlap_next else " ") for op in ops).rstrip() or _EMPTY_DEVICE
+        for ops in schedule.devices
+    ]
     return "\n".join([header, *lines]) + "\n"
 
 
@@ -74,7 +82,10 @@ def schedule_from_text(text: str, name: str | None = None) -> Schedule:
                 header.update(_parse_header(match.group(1)))
             continue
         tokens = line.split()
-        devices.append([] if tokens == [_EMPTY_DEVICE] else [parse_op(token) for token in tokens])
+        if tokens == [_EMPTY_DEVICE]:
+            devices.append([])
+            continue
+        devices.append([parse_op(piece) for token in tokens for piece in _PAIR_SPLIT.split(token)])
     if not devices:
         raise ScheduleError("text schedule has no device lines")
     all_ops = [op for ops in devices for op in ops]

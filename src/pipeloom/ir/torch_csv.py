@@ -6,7 +6,8 @@ cells are idle slots. That is pipeloom's IR with I for B and B for BW
 (`_PipelineScheduleRuntime._load_csv(path, format="compute_only")` reads it). Checkpointing,
 slices and W parts have no torch action and are refused on export. On import, communication and
 sharding actions (SEND_F, RECV_B, UNSHARD, REDUCE_GRAD, ...) are dropped — pipeloom derives its
-messages from the order — and an OVERLAP_F_B pair becomes its two actions.
+messages from the order. An overlapped pair (``0F3&1BW2``) is torch's ``(0F3;1B2)OVERLAP_F_B``
+cell, both ways.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import csv
 import io
 import re
+from dataclasses import replace
 
 from pipeloom.errors import ConfigError, ScheduleError
 from pipeloom.ir.ops import Op, OpKind
@@ -39,7 +41,8 @@ def to_torch_csv(schedule: Schedule) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     for device, ops in enumerate(schedule.devices):
-        row = []
+        row: list[str] = []
+        pair_head = None
         for op in ops:
             if op.kind is OpKind.R or op.ckpt:
                 raise ConfigError(
@@ -49,7 +52,14 @@ def to_torch_csv(schedule: Schedule) -> str:
                 raise ConfigError(
                     f"{schedule.name!r} cuts W into parts ({op.text}); torch's CSV has one W per micro-batch"
                 )
-            row.append(f"{op.stage}{_TO_TORCH[op.kind]}{op.microbatch}")
+            action = f"{op.stage}{_TO_TORCH[op.kind]}{op.microbatch}"
+            if op.overlap_next:
+                pair_head = action
+            elif pair_head is not None:
+                row.append(f"({pair_head};{action})OVERLAP_F_B")
+                pair_head = None
+            else:
+                row.append(action)
         writer.writerow(row)
     return buffer.getvalue()
 
@@ -60,15 +70,13 @@ def from_torch_csv(text: str, name: str = "torch") -> Schedule:
     for line, row in enumerate(csv.reader(io.StringIO(text)), 1):
         ops: list[Op] = []
         for cell in row:
-            for action in _expand(cell.strip(), line):
-                match = _ACTION.match(action)
-                if not match:
-                    raise ConfigError(f"torch CSV row {line}: {action!r} is not an action like 2F0, 1I3 or 0W5")
-                stage, kind, microbatch = match.groups()
-                if kind in _FROM_TORCH:
-                    if not microbatch:
-                        raise ConfigError(f"torch CSV row {line}: {action!r} names no micro-batch")
-                    ops.append(Op(_FROM_TORCH[kind], int(stage), int(microbatch)))
+            actions = _expand(cell.strip(), line)
+            computed = [op for op in (_compute(action, line) for action in actions) if op is not None]
+            if len(actions) > 1 and len(computed) != 2:
+                raise ConfigError(f"torch CSV row {line}: {cell.strip()!r} must overlap exactly two compute actions")
+            if len(actions) > 1:
+                computed[0] = replace(computed[0], overlap_next=True)
+            ops += computed
         devices.append(ops)
     ops_all = [op for ops in devices for op in ops]
     if not ops_all:
@@ -85,6 +93,19 @@ def from_torch_csv(text: str, name: str = "torch") -> Schedule:
         raise ScheduleError(
             f"the torch CSV does not describe a valid schedule: {error.summary}", error.details
         ) from None
+
+
+def _compute(action: str, line: int) -> Op | None:
+    """The op of a compute action; None for communication and sharding actions."""
+    match = _ACTION.match(action)
+    if not match:
+        raise ConfigError(f"torch CSV row {line}: {action!r} is not an action like 2F0, 1I3 or 0W5")
+    stage, kind, microbatch = match.groups()
+    if kind not in _FROM_TORCH:
+        return None
+    if not microbatch:
+        raise ConfigError(f"torch CSV row {line}: {action!r} names no micro-batch")
+    return Op(_FROM_TORCH[kind], int(stage), int(microbatch))
 
 
 def _expand(cell: str, line: int) -> list[str]:

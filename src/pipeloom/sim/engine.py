@@ -6,7 +6,9 @@ when that op ends. Every op starts once and a device is woken at most once per d
 its head, so a run is linear in the number of ops; each op starts at the max of its device's
 previous end and its inputs' arrivals, so the times do not depend on the order devices are
 visited: the result is deterministic. If devices remain parked when nothing can run, the schedule deadlocks and the
-parked ops form a cycle, which is reported.
+parked ops form a cycle, which is reported. An overlapped pair's two ops start together, once
+both ops' inputs are there, and both end when the two durations have passed (the simulator puts
+the pair's whole cost on its first op).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def run(
     `release[g]`, if given, is the earliest op g may start (an input from outside the schedule,
     such as a weight reload)."""
     num_ops = graph.num_ops
-    deps, device_of, offsets = graph.deps, graph.device_of, graph.offsets
+    deps, device_of, offsets, paired = graph.waits, graph.device_of, graph.offsets, graph.paired
     num_devices = len(offsets) - 1
     start = [0.0] * num_ops
     end = [-1.0] * num_ops  # -1: not run yet (durations are never negative)
@@ -52,6 +54,14 @@ def run(
             else:
                 start[g] = ready
                 clock = ready + durations[g]
+                if g in paired:  # its partner starts with it; both end together
+                    clock += durations[g + 1]
+                    end[g] = clock
+                    woken = parked.pop(g, None)
+                    if woken:
+                        runnable.extend(woken)
+                    g += 1
+                    start[g] = ready
                 end[g] = clock
                 woken = parked.pop(g, None)
                 if woken:
@@ -74,7 +84,7 @@ def _raise_deadlock(graph: DependencyGraph, head: list[int], end: list[float], f
     while device not in position:
         position[device] = len(chain)
         g = head[device]
-        awaited = next(dep for dep in graph.deps[g] if end[dep] < 0)
+        awaited = next(dep for dep in graph.waits[g] if end[dep] < 0)
         chain.append((g, awaited))
         device = graph.device_of[awaited]
     cycle = chain[position[device] :]

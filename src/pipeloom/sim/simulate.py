@@ -190,6 +190,15 @@ def _op_costs(graph: DependencyGraph, table: StageCosts) -> tuple[list[float], l
         else:  # R
             durations.append(R[i])
             deltas.append(M_B[i] - M_ckpt[i])
+    for g in graph.paired:  # the pair's whole time on its first op (the engine adds the two)
+        first, second = graph.ops[g], graph.ops[g + 1]
+        forward, backward = (first, second) if first.kind is OpKind.F else (second, first)
+        durations[g] = table.pair_time(
+            forward.stage * num_slices + forward.slice,
+            backward.stage * num_slices + backward.slice,
+            backward.kind is OpKind.BW,
+        )
+        durations[g + 1] = 0.0
     return durations, deltas
 
 
