@@ -74,7 +74,7 @@ def test_pairs_gain_only_where_there_is_communication_to_hide():
 
 
 def test_shapes():
-    assert build_schedule("dualpipe", 2, 2).to_text().splitlines()[1:] == ["0F0 1F1 1BW1 0BW0", "0F1 1F0 1BW0 0BW1"]
+    assert build_schedule("dualpipe", 2, 2).to_text().splitlines()[1:] == ["0F0 1F1 1BW1 0B0 0W0", "0F1 1F0 1BW0 0B1 0W1"]
     dualpipev = build_schedule("dualpipev", 2, 4)
     assert dualpipev.num_stages == 4 and dualpipev.stages_on(0) == [0, 3] and dualpipev.stages_on(1) == [1, 2]
     assert dualpipev.to_text().splitlines()[2] == (

@@ -7,7 +7,8 @@ With `recompute_layers` = k a checkpointed F runs only the stage's first k layer
 through the tail, then through the head with the gradient the tail left at their boundary;
 B back-propagates to the stage input only (split linears queue their weight GEMMs); W runs the
 queued GEMMs of its key (a run of consecutive W of one stage as one GEMM if `concat_w`; a W in
-parts its share); BW is B then its W at once. The last stage turns its output into the loss,
+parts its share); BW is B then its W at once; an overlapped F&B pair runs its two handlers, the
+forward on a side stream on CUDA. The last stage turns its output into the loss,
 scaled by 1 / (micro-batches × data-parallel replicas × slices) — and by fp16's loss scale — so
 gradients accumulate to the mean. A stage takes and returns a tensor or a tuple of tensors; what
 crosses each boundary was inferred once (`boundary.infer_boundaries`) and travels through the
@@ -167,6 +168,8 @@ class DeviceExecutor:
         )
         """Per stage (head, tail) under a partial checkpoint; empty: checkpoints take whole stages."""
         self._handlers = {_F: self._forward_op, _R: self._recompute_op, _B: self._backward_op, _BW: self._backward_op}
+        self._stream: torch.cuda.Stream | None = None
+        """The side stream of overlapped pairs' forwards (CUDA only)."""
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -182,6 +185,10 @@ class DeviceExecutor:
             step.start = step.now()
             if op.kind is _W:
                 index += self._weight_op(step, index)
+                continue
+            if op.overlap_next:
+                self._pair_op(step, op, self.ops[index + 1])
+                index += 2
                 continue
             self._handlers[op.kind](step, op)
             step.record.ops.append((op.text, step.start, step.now()))
@@ -298,6 +305,31 @@ class DeviceExecutor:
             self.queue.run(op.key)  # with plain linears autograd did it already: nothing queued
         elif len(self.queue) == before and stage in self._split_stages:
             raise RuntimeFault(f"{op.text}: no weight gradients were queued")
+
+    def _pair_op(self, step: _Step, first: Op, second: Op) -> None:
+        """An overlapped F&B pair, in list order (so messages leave in the order the plan
+        derived). On CUDA the forward runs on a side stream: its kernels, and the collectives
+        inside it, overlap the backward's on the current stream; elsewhere one after the other."""
+        began = step.start
+        side = self._side_stream()
+        for op in (first, second):
+            if side is not None and op.kind is _F:
+                side.wait_stream(torch.cuda.current_stream(self.torch_device))
+                with torch.cuda.stream(side):
+                    self._handlers[_F](step, op)
+            else:
+                self._handlers[op.kind](step, op)
+        if side is not None:
+            torch.cuda.current_stream(self.torch_device).wait_stream(side)
+        for op in (first, second):
+            step.record.ops.append((op.text, began, step.now()))
+
+    def _side_stream(self) -> torch.cuda.Stream | None:
+        if self.torch_device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.torch_device)
+        return self._stream
 
     def _weight_op(self, step: _Step, index: int) -> int:
         """Run the W at `index` (with `concat_w`, and the W of its stage right after it, as one

@@ -54,8 +54,8 @@ def dualpipe(num_devices: int, num_microbatches: int) -> Schedule:
 
     p=2, m=2::
 
-        d0  0F0 1F1 1BW1 0BW0
-        d1  0F1 1F0 1BW0 0BW1
+        d0  0F0 1F1 1BW1 0B0 0W0
+        d1  0F1 1F0 1BW0 0B1 0W1
     """
     p, m = num_devices, num_microbatches
     if p % 2:
@@ -89,7 +89,7 @@ def dualpipev(num_devices: int, num_microbatches: int) -> Schedule:
 
     p=1, m=1::
 
-        d0  0F0 1F0 1BW0 0BW0
+        d0  0F0 1F0 1BW0 0B0 0W0
     """
     p, m = num_devices, num_microbatches
     _check_enough("dualpipev", m, 2 * p - 1, f"2p − 1 = {2 * p - 1}")
