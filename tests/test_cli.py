@@ -382,7 +382,7 @@ TUNE = ["tune", "--model", "gpt3-13b", "--hardware", "h100", "--devices", "8", "
             + ["--schemes", "1f1b"],
             "no plan fits",
         ),
-        ([*TUNE, "--schemes", "dualpipe"], "unknown scheme"),
+        ([*TUNE, "--schemes", "hanayo"], "unknown scheme"),
         ([*TUNE, "--memory", "lots"], "memory budget"),
         ([*TUNE, "--output", "no/dir/p.json"], "does not exist"),
         (["train", "--plan", "missing.json"], "cannot read plan"),

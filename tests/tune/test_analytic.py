@@ -1,6 +1,7 @@
 """Analytic FLOPs and memory (Zero Bubble Table 1, Korthikanti et al.), presets, the partitioner."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -97,3 +98,46 @@ def test_partition_is_optimal_against_brute_force():
     )
     counts = partition_layers(10, per_layer, extra)
     assert max(n * c + e for n, c, e in zip(counts, per_layer, extra)) == best
+
+
+MIXTRAL = {
+    "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "intermediate_size": 14336, "vocab_size": 32000, "max_position_embeddings": 4096, "hidden_act": "silu",
+    "num_local_experts": 8, "num_experts_per_tok": 2,
+}  # fmt: skip
+
+
+def test_mixture_of_experts_from_an_hf_config():
+    from pipeloom.tune.presets import model_from_config
+
+    dense_ep = model_from_config(MIXTRAL, name="mixtral")
+    assert dense_ep.params == pytest.approx(46.7e9, rel=0.01)  # Mixtral 8x7B's published size
+    spread = model_from_config({**MIXTRAL, "expert_parallel": 8})
+    expert = 3 * 4096 * 14336
+    assert dense_ep.stored_layer_params - spread.stored_layer_params == 7 * expert  # 8 experts → 1 per GPU
+    assert spread.layer_params == dense_ep.layer_params  # FLOPs follow the top-2 experts wherever they live
+    top2 = layer_figures(spread, 1).forward_flops
+    top1 = layer_figures(model_from_config({**MIXTRAL, "num_experts_per_tok": 1}), 1).forward_flops
+    assert top2 - top1 == pytest.approx(2 * 4096 * expert)
+    with pytest.raises(ConfigError, match="expert_parallel \\(3\\) must divide num_experts"):
+        model_from_config({**MIXTRAL, "expert_parallel": 3})
+    with pytest.raises(ConfigError, match="exceeds num_experts"):
+        model_from_config({**MIXTRAL, "num_experts_per_tok": 9})
+
+
+def test_expert_all_to_all_is_priced_inside_forward_and_backward():
+    from pipeloom.tune.analytic import all_to_all_bytes
+    from pipeloom.tune.cost_model import AnalyticCostModel
+    from pipeloom.tune.presets import model_from_config
+
+    h100 = load_hardware("h100")
+    local = AnalyticCostModel(model_from_config(MIXTRAL), h100)
+    assert local.stage_costs([8] * 4, 1, 4, 1).a2a_F == 0.0  # every expert on the GPU: nothing moves
+    in_node = model_from_config({**MIXTRAL, "expert_parallel": 8})
+    across = model_from_config({**MIXTRAL, "expert_parallel": 8, "num_local_experts": 16})
+    assert all_to_all_bytes(in_node, 2) == 2 * 2 * 4096 * 4096 * 2 * 7 / 8
+    costs = AnalyticCostModel(in_node, h100).stage_costs([8] * 4, 1, 4, 1)
+    per_layer = 2 * (h100.latency + all_to_all_bytes(in_node, 1) / h100.nvlink_bandwidth) * 1e3
+    assert costs.a2a_F == costs.a2a_B == tuple([8 * per_layer] * 4)
+    wide = AnalyticCostModel(replace(across, expert_parallel=16), h100).all_to_all_time(1)
+    assert wide > 5 * AnalyticCostModel(across, h100).all_to_all_time(1)  # 16 GPUs: over the network

@@ -12,6 +12,9 @@ layer's weights (4h² + 2h·ffn for GPT, 2·ffn·h + h·ffn more for a gated MLP
 * kept for W after B: the input and the output gradient of every weight GEMM, 2(in + out) bytes
   per token and matrix — Zero Bubble's 32sbh for GPT;
 * a stage's input (what a checkpointed stage keeps): 2sbh;
+* mixture of experts: a token's FLOPs run through its top-k experts, a GPU stores num_experts/EP
+  of them, and each layer's forward and backward each cross two all-to-alls of 2sbh·k·(EP−1)/EP
+  bytes (dispatch and combine), which the cost model prices as a2a_F and a2a_B;
 * the head: 2bs·hV FLOPs per pass and fp32 logits, 4bsV bytes; the embedding is a lookup;
 * static memory per weight: as the runtime holds it under each ZeRO level or offload
   (`pipeloom.tune.static_memory`): 16 bytes under ZeRO-0, 2 + 4 + 12/dp under ZeRO-1 in bf16.
@@ -44,15 +47,25 @@ def layer_figures(model: ModelSpec, micro_batch: int, tp: int = 1) -> LayerFigur
     tokens = b * s
     linear = 2 * tokens * model.layer_params
     scores = 0.0 if model.flash_attention else 5 * a * s * s * b
-    mlp = (8 if model.gated else 4) * model.ffn
+    mlp = (8 if model.gated else 4) * model.mlp_ffn * model.active_experts
     return LayerFigures(
         forward_flops=(linear + 4 * tokens * s * h) / tp,
         backward_flops=(linear + 8 * tokens * s * h) / tp,
         weight_flops=linear / tp,
         activation_bytes=tokens * (10 * h + (8 * h + mlp) / tp) + scores / tp,
         weight_grad_bytes=tokens * sum(2 * (i + o) for i, o in model.linears()) / tp,
-        params=model.layer_params / tp,
+        params=model.stored_layer_params / tp,
     )
+
+
+def all_to_all_bytes(model: ModelSpec, micro_batch: int) -> float:
+    """Bytes one GPU sends in one direction of a layer's expert all-to-all: each token's 16-bit
+    hidden state to its top-k experts, of which (EP−1)/EP live on other GPUs. A forward does
+    two (dispatch, combine), and so does a backward (their gradients)."""
+    if not model.num_experts or model.expert_parallel == 1:
+        return 0.0
+    ep = model.expert_parallel
+    return 2 * micro_batch * model.seq_len * model.hidden * model.num_experts_per_tok * (ep - 1) / ep
 
 
 def head_figures(model: ModelSpec, micro_batch: int, tp: int = 1) -> LayerFigures:

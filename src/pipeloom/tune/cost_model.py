@@ -20,7 +20,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pipeloom.costs import Costs
-from pipeloom.tune.analytic import head_figures, layer_figures, stage_input_bytes, static_bytes_per_param
+from pipeloom.tune.analytic import (
+    all_to_all_bytes,
+    head_figures,
+    layer_figures,
+    stage_input_bytes,
+    static_bytes_per_param,
+)
 from pipeloom.tune.presets import HardwareSpec, ModelSpec
 from pipeloom.tune.static_memory import collective_bytes, offload_saving, static_bytes
 
@@ -80,7 +86,7 @@ class AnalyticCostModel:
         return layer.activation_bytes, layer.params * static_bytes_per_param(dp, zero)
 
     def stage_params(self, counts: Sequence[int]) -> list[float]:
-        layer = self.model.layer_params / self.tp
+        layer = self.model.stored_layer_params / self.tp
         embedding = self.model.vocab * self.model.hidden / self.tp
         last = len(counts) - 1
         return [n * layer + embedding * ((i == 0) + (i == last)) for i, n in enumerate(counts)]
@@ -96,6 +102,8 @@ class AnalyticCostModel:
         params = self.stage_params(counts)
         hw = self.hardware
         forward = per_stage(self._ms(layer.forward_flops), self._ms(head.forward_flops))
+        a2a_per_layer = self.all_to_all_time(micro_batch)
+        a2a = per_stage(a2a_per_layer, 0.0) if a2a_per_layer else 0.0  # dense: the key stays unset
         return Costs(
             F=forward,
             B=per_stage(self._ms(layer.backward_flops), self._ms(head.backward_flops)),
@@ -112,7 +120,19 @@ class AnalyticCostModel:
             M_offload=[offload_saving(n, dp, zero) for n in params],
             host_bandwidth=hw.host_bandwidth / 1e3,
             host_flops=hw.host_flops / 1e3,
+            a2a_F=a2a,
+            a2a_B=a2a,
         )
+
+    def all_to_all_time(self, micro_batch: int) -> float:
+        """Milliseconds of one layer's expert all-to-alls in a forward (the backward's are the
+        same): two transfers over NVLink when the EP group fits in a node, else the network."""
+        sent = all_to_all_bytes(self.model, micro_batch)
+        if not sent:
+            return 0.0
+        hw = self.hardware
+        link = hw.nvlink_bandwidth if self.model.expert_parallel <= hw.gpus_per_node else hw.network_bandwidth
+        return 1e3 * 2 * (hw.latency + sent / link)
 
     def _link(self, ranks: int) -> float:
         """Bandwidth between neighbours of a group of `ranks` GPUs (times tp): NVLink within a node."""

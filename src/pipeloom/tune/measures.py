@@ -38,7 +38,7 @@ def static_options(
     placement = candidate.placement
     params = cost_model.stage_params(partition)
     on_device = max(sum(params[s] for s in stages_on) for stages_on in placement)
-    replicas = candidate.dp * (2 if candidate.scheme == "chimera" else 1)  # Chimera: two copies per pipeline
+    replicas = candidate.dp * candidate.replicas  # Chimera, DualPipe: two copies per pipeline
     levels = [0] + ([1, 2] if static_measures and candidate.dp > 1 else [])
     options = []
     for zero in levels:

@@ -24,7 +24,9 @@ from pipeloom.sim.simulate import Timeline, simulate
 
 __all__ = ["ParetoPoint", "explore_pareto", "frontier"]
 
-_FIXED = ("gpipe", "1f1b", "interleaved", "chimera", "tpipe", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min")
+_FIXED = (
+    "gpipe", "1f1b", "interleaved", "chimera", "tpipe", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min", "dualpipe", "dualpipev",
+)  # fmt: skip
 _SPLIT = ("1f1b", "interleaved")  # also shown with the backward split and W filling bubbles
 _BUDGETED = {"zb-auto": lambda p: list(range(p)), "v-auto": v_placement}
 

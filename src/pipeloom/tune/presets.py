@@ -37,6 +37,15 @@ class ModelSpec:
     """SwiGLU feed-forward (three matrices, LLaMA) instead of two (GPT)."""
     flash_attention: bool = False
     """Attention scores are not stored (FlashAttention): drops Korthikanti's 5as/h term."""
+    num_experts: int = 0
+    """Mixture of experts: routed experts per layer (0: a dense MLP)."""
+    num_experts_per_tok: int = 1
+    """Experts each token is routed to (top-k)."""
+    moe_ffn: int | None = None
+    """One expert's intermediate size (None: ffn)."""
+    expert_parallel: int = 1
+    """GPUs the experts are spread over (EP): each holds num_experts / EP of them, and each token
+    crosses an all-to-all to its experts and back, forward and backward."""
 
     def __post_init__(self) -> None:
         for key in ("hidden", "layers", "heads", "ffn", "vocab", "seq_len"):
@@ -45,26 +54,67 @@ class ModelSpec:
                 raise ConfigError(f"model {self.name!r}: {key} must be a positive integer, got {value!r}")
         if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
             raise ConfigError(f"model {self.name!r}: kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
+        for key in ("num_experts_per_tok", "expert_parallel"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"model {self.name!r}: {key} must be a positive integer, got {value!r}")
+        if self.num_experts:
+            if self.num_experts_per_tok > self.num_experts:
+                raise ConfigError(
+                    f"model {self.name!r}: num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})"
+                )
+            if self.num_experts % self.expert_parallel:
+                raise ConfigError(
+                    f"model {self.name!r}: expert_parallel ({self.expert_parallel}) must divide num_experts ({self.num_experts})"
+                )
 
     @property
     def kv_hidden(self) -> int:
         return self.hidden * (self.kv_heads or self.heads) // self.heads
 
+    @property
+    def active_experts(self) -> int:
+        """MLPs a token passes through: its top-k experts, or the one dense MLP."""
+        return self.num_experts_per_tok if self.num_experts else 1
+
+    @property
+    def mlp_ffn(self) -> int:
+        return (self.moe_ffn or self.ffn) if self.num_experts else self.ffn
+
     def linears(self) -> list[tuple[int, int]]:
-        """(in, out) features of each weight matrix of one layer."""
-        h, f = self.hidden, self.ffn
+        """(in, out) features of each weight matrix a token passes through in one layer (with
+        experts: its top-k experts' MLPs)."""
+        h, f = self.hidden, self.mlp_ffn
         attention = [(h, h + 2 * self.kv_hidden), (h, h)]
         mlp = [(h, 2 * f), (f, h)] if self.gated else [(h, f), (f, h)]
-        return attention + mlp
+        return attention + mlp * self.active_experts
 
     @property
     def layer_params(self) -> int:
+        """Weights a token's FLOPs run through in one layer."""
         return sum(i * o for i, o in self.linears())
 
     @property
+    def stored_layer_params(self) -> int:
+        """Weights one GPU holds of a layer: with experts, num_experts / EP of them."""
+        if not self.num_experts:
+            return self.layer_params
+        return self._attention_params + self._expert_params * self.num_experts // self.expert_parallel
+
+    @property
     def params(self) -> int:
-        """Weights of the layers, the embedding and an untied head (norms and biases left out)."""
-        return self.layers * self.layer_params + 2 * self.vocab * self.hidden
+        """Weights of the layers (every expert), the embedding and an untied head (norms, biases
+        and routers left out)."""
+        layer = self._attention_params + self._expert_params * self.num_experts if self.num_experts else self.layer_params
+        return self.layers * layer + 2 * self.vocab * self.hidden
+
+    @property
+    def _attention_params(self) -> int:
+        return sum(i * o for i, o in self.linears()[:2])
+
+    @property
+    def _expert_params(self) -> int:
+        return (3 if self.gated else 2) * self.hidden * self.mlp_ffn
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -156,6 +206,10 @@ _HF_KEYS = {
     "vocab": ("vocab", "vocab_size"),
     "seq_len": ("seq_len", "max_position_embeddings", "n_positions", "seq_length"),
     "kv_heads": ("kv_heads", "num_key_value_heads"),
+    "num_experts": ("num_experts", "num_local_experts", "n_routed_experts"),
+    "num_experts_per_tok": ("num_experts_per_tok", "moe_topk"),
+    "moe_ffn": ("moe_ffn", "moe_intermediate_size"),
+    "expert_parallel": ("expert_parallel", "ep_size"),
 }
 
 

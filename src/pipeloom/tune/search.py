@@ -228,7 +228,7 @@ def _prepare(
         )
         return evaluation, math.inf
     costs = plain.costs
-    share = 0.5 if candidate.scheme == "chimera" else 1.0  # each replica sees half the micro-batches
+    share = 1 / candidate.replicas  # each replica sees its share of the micro-batches
     work = max(
         sum(costs.F[s] + costs.B[s] + costs.W[s] for s in stages_on) * candidate.num_microbatches * share
         for stages_on in candidate.placement

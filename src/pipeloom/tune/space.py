@@ -9,7 +9,7 @@ passes fail at the level before.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from pipeloom.errors import ConfigError
@@ -31,13 +31,17 @@ class SchemeSpec:
     min_devices: int = 1
     even: bool = False
     """p and m must be even (Chimera)."""
+    fewest_microbatches: Callable[[int], int] = lambda pp: 1
+    """The least m the generator's steps need with pp devices (DualPipe's steady state)."""
+    replicas: int = 1
+    """Copies of each stage per pipeline (Chimera, DualPipe: 2)."""
 
 
 SCHEMES: dict[str, SchemeSpec] = {
     "1f1b": SchemeSpec("1f1b"),
     "gpipe": SchemeSpec("gpipe"),
     "interleaved": SchemeSpec("interleaved", chunks=(2,), fallbacks=(("trecomp",), ("mario",))),
-    "chimera": SchemeSpec("chimera", even=True, min_devices=2),
+    "chimera": SchemeSpec("chimera", even=True, min_devices=2, replicas=2),
     "zb-h1": SchemeSpec("zb-h1"),
     "zb-auto": SchemeSpec("zb-auto", budgeted=True, fallbacks=()),
     "zb-v": SchemeSpec("v-auto", budgeted=True, fallbacks=(), min_devices=1),
@@ -45,9 +49,17 @@ SCHEMES: dict[str, SchemeSpec] = {
         "tpipe", chunks=(2,), min_devices=2, fallbacks=(("trecomp",), ("trecomp", "offload"), ("mario",))
     ),
     "svpp": SchemeSpec("svpp", chunks=(1, 2), slices=(2, 4), passes=("wparts",), budgeted=True, fallbacks=()),
+    # No memory fallbacks: Mario's recomputes would sit inside the overlapped pairs.
+    "dualpipe": SchemeSpec(
+        "dualpipe", even=True, min_devices=2, replicas=2, fallbacks=(), fewest_microbatches=lambda pp: 2 * pp - 2
+    ),
+    "dualpipev": SchemeSpec("dualpipev", fallbacks=(), fewest_microbatches=lambda pp: 2 * pp - 1),
 }
-DEFAULT_SCHEMES = ("1f1b", "interleaved", "chimera", "zb-h1", "zb-auto", "zb-v", "tpipe", "svpp")
-RUNNABLE_SCHEMES = ("1f1b", "gpipe", "interleaved", "chimera", "zb-h1", "zb-auto", "zb-v", "tpipe", "svpp")
+_V_SCHEMES = ("zb-v", "dualpipev")
+DEFAULT_SCHEMES = (
+    "1f1b", "interleaved", "chimera", "zb-h1", "zb-auto", "zb-v", "tpipe", "svpp", "dualpipe", "dualpipev",
+)  # fmt: skip
+RUNNABLE_SCHEMES = ("gpipe", *DEFAULT_SCHEMES)
 """What the runtime executes: every scheme (offload, slices and W parts included)."""
 
 
@@ -66,7 +78,7 @@ class Candidate:
 
     @property
     def num_stages(self) -> int:
-        return self.pp * self.chunks if self.scheme not in ("zb-v",) else 2 * self.pp
+        return 2 * self.pp if self.scheme in _V_SCHEMES else self.pp * self.chunks
 
     @property
     def label(self) -> str:
@@ -84,11 +96,16 @@ class Candidate:
     def placement(self) -> list[list[int]]:
         """The stages each device hosts."""
         p, stages = self.pp, self.num_stages
-        if self.scheme == "zb-v":
+        if self.scheme in _V_SCHEMES:
             return [[d, 2 * p - 1 - d] for d in range(p)]
-        if self.scheme == "chimera":
+        if SCHEMES[self.scheme].replicas == 2:  # down and up pipelines
             return [[d, p - 1 - d] for d in range(p)]
         return [list(range(d, stages, p)) for d in range(p)]
+
+    @property
+    def replicas(self) -> int:
+        """Copies of each stage in one pipeline: each sees 1/replicas of the micro-batches."""
+        return SCHEMES[self.scheme].replicas
 
     def with_passes(self, passes: tuple[str, ...], zero: int | None = None) -> Candidate:
         return replace(self, passes=passes, zero=self.zero if zero is None else zero)
@@ -134,6 +151,12 @@ def candidates(
             for name in schemes:
                 spec = SCHEMES[name]
                 if pp < spec.min_devices or (spec.even and (pp % 2 or m % 2)):
+                    continue
+                if m < spec.fewest_microbatches(pp):
+                    if rejected is not None:
+                        rejected.append(
+                            (f"{name} pp={pp} mbs={mbs}", f"{m} micro-batches; it needs {spec.fewest_microbatches(pp)}")
+                        )
                     continue
                 for v in spec.chunks:
                     if name == "interleaved" and m > pp and m % pp:
