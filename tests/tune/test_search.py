@@ -73,7 +73,7 @@ def test_dualpipe_schemes_join_the_space_where_their_steps_fit():
     # dualpipe: pp even, m even and >= 2pp - 2; dualpipev: m >= 2pp - 1
     assert ("dualpipe", 4, 8) in shapes and ("dualpipe", 8, 16) in shapes and ("dualpipe", 8, 8) not in shapes
     assert ("dualpipev", 4, 8) in shapes and ("dualpipev", 8, 8) not in shapes and ("dualpipev", 1, 2) in shapes
-    assert ("dualpipev pp=8 mbs=1", "8 micro-batches; it needs 15") in rejected
+    assert ("dualpipev pp=8 mbs=2", "8 micro-batches; it needs 15") in rejected
     dualpipe = next(c for c in points if c.scheme == "dualpipe" and c.pp == 4)
     assert dualpipe.placement == [[0, 3], [1, 2], [2, 1], [3, 0]] and dualpipe.replicas == 2
     dualpipev = next(c for c in points if c.scheme == "dualpipev" and c.pp == 4)
