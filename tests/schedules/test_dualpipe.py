@@ -74,14 +74,22 @@ def test_pairs_gain_only_where_there_is_communication_to_hide():
 
 
 def test_shapes():
-    assert build_schedule("dualpipe", 2, 2).to_text().splitlines()[1:] == ["0F0 1F1 1BW1 0B0 0W0", "0F1 1F0 1BW0 0B1 0W1"]
+    assert build_schedule("dualpipe", 2, 2).to_text().splitlines()[1:] == [
+        "0F0 1F1 1BW1 0B0 0W0",
+        "0F1 1F0 1BW0 0B1 0W1",
+    ]
     dualpipev = build_schedule("dualpipev", 2, 4)
     assert dualpipev.num_stages == 4 and dualpipev.stages_on(0) == [0, 3] and dualpipev.stages_on(1) == [1, 2]
     assert dualpipev.to_text().splitlines()[2] == (
         "1F0 2F0 1F1 2F1 1F2 2BW0 2F2&1BW0 1F3&2BW1 2F3&1BW1 2BW2 1BW2 2B3 1B3 2W3 1W3"
     )
     dualpipe = build_schedule("dualpipe", 4, 8)
-    assert dualpipe.stages_on(0) == [0, 3] and {op.microbatch for op in dualpipe.devices[0] if op.stage == 3} == {4, 5, 6, 7}
+    assert dualpipe.stages_on(0) == [0, 3] and {op.microbatch for op in dualpipe.devices[0] if op.stage == 3} == {
+        4,
+        5,
+        6,
+        7,
+    }
 
 
 @pytest.mark.parametrize(
@@ -136,3 +144,20 @@ def test_fuzz_valid_deadlock_free_and_everything_freed():
         pairs = sum(op.overlap_next for ops in schedule.devices for op in ops)
         assert pairs >= p * (m // (1 if name == "dualpipev" else 2) - 2 * p), context
         assert all(op.kind is not OpKind.R for ops in schedule.devices for op in ops)
+
+
+def test_checkpointing_keeps_pairs_and_the_reordering_passes_refuse_them():
+    from pipeloom.passes import apply_checkpoint, mario
+
+    schedule = build_schedule("dualpipev", 4, 8)
+    checkpointed = apply_checkpoint(schedule)
+    validate(checkpointed)  # each R runs just before the pair whose backward needs it
+    assert sum(op.overlap_next for _, _, op in checkpointed.ops()) == sum(
+        op.overlap_next for _, _, op in schedule.ops()
+    )
+    costs = Costs(F=1, B=1, W=1, M_B=1)
+    assert max(simulate(checkpointed, costs).peak_activation_memory) < max(
+        simulate(schedule, costs).peak_activation_memory
+    )
+    with pytest.raises(ConfigError, match="would split the overlapped pairs of 'dualpipev'"):
+        mario(schedule, costs)

@@ -173,9 +173,13 @@ def _check_pairs(
         if tail.overlap_next:
             problems.append((f"{head.text}{tail.text}: a pair is two ops, not a chain of three", (g, g + 1)))
         elif {head.kind is _F, tail.kind is _F} != {True, False} or tail.kind not in OVERLAPPABLE:
-            problems.append((f"{head.text}{tail.text}: a pair is one forward (F) and one backward (B or BW)", (g, g + 1)))
+            problems.append(
+                (f"{head.text}{tail.text}: a pair is one forward (F) and one backward (B or BW)", (g, g + 1))
+            )
         elif g in deps[g + 1] or g + 1 in deps[g]:
-            problems.append((f"{head.text}{tail.text}: one needs the other's output, so they cannot overlap", (g, g + 1)))
+            problems.append(
+                (f"{head.text}{tail.text}: one needs the other's output, so they cannot overlap", (g, g + 1))
+            )
     if problems:
         _raise_problems(schedule, offsets, device_of, problems)
 

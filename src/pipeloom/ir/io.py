@@ -129,5 +129,13 @@ def _op_from_dict(entry: Any, device: int, step: int) -> Op:
     if parts < 1 or part >= parts:
         raise ScheduleError(f"{where}: part {part} of {parts} is not a valid part index")
     return Op(
-        kind, integer("stage", None), integer("mb", None), integer("slice", 0), ckpt, part, parts, after_grad, overlap_next
+        kind,
+        integer("stage", None),
+        integer("mb", None),
+        integer("slice", 0),
+        ckpt,
+        part,
+        parts,
+        after_grad,
+        overlap_next,
     )

@@ -55,7 +55,12 @@ def apply_checkpoint(
             if op.kind is _F and op.key in chosen:
                 out.append(replace(op, ckpt=True))
             elif op.kind in (_B, _BW) and op.key in chosen:
-                out += (Op(_R, op.stage, op.microbatch, op.slice, after_grad=True), op)
+                recompute = Op(_R, op.stage, op.microbatch, op.slice, after_grad=True)
+                if out and out[-1].overlap_next:  # the backward of an overlapped pair: R before the pair
+                    out.insert(len(out) - 1, recompute)
+                    out.append(op)
+                else:
+                    out += (recompute, op)
             else:
                 out.append(op)
         devices_out.append(out)
@@ -72,6 +77,7 @@ def overlap_recompute(schedule: Schedule, costs: Costs | None = None, *, into_ga
     >>> overlap_recompute(s).to_text().splitlines()[1:]
     ['0F0c 0R0 0BW0']
     """
+    refuse_pairs(schedule, "overlap-recompute")
     freed = schedule.with_devices(
         [[replace(op, after_grad=False) if op.kind is _R else op for op in ops] for ops in schedule.devices],
         name=_tagged(schedule.name, "overlap"),
@@ -175,6 +181,7 @@ def relax_checkpoint(schedule: Schedule, costs: Costs, mem_limit: float | Sequen
 def prepose_forward(schedule: Schedule, costs: Costs) -> Schedule:
     """Move checkpointed forwards into the earliest earlier gap that holds them and that their
     input has reached, keeping each stage's forwards in micro-batch order."""
+    refuse_pairs(schedule, "prepose-forward")
     timeline = _simulate(schedule, costs)
     durations = _durations(schedule, costs)
     arrival = _input_arrivals(schedule, timeline, costs)
@@ -205,6 +212,16 @@ def prepose_forward(schedule: Schedule, costs: Costs) -> Schedule:
 
 
 # -- helpers -------------------------------------------------------------------------------
+
+
+def refuse_pairs(schedule: Schedule, what: str) -> None:
+    """Passes that move ops one at a time would split an overlapped F&B pair."""
+    pair = next((op for _, _, op in schedule.ops() if op.overlap_next), None)
+    if pair is not None:
+        raise ConfigError(
+            f"{what} moves ops one by one and would split the overlapped pairs of {schedule.name!r} (e.g. {pair.text}); "
+            "plain checkpointing (apply-checkpoint) keeps them"
+        )
 
 
 def _per_device(limit: float | Sequence[float] | None, num_devices: int) -> list[float] | None:

@@ -17,6 +17,7 @@ from pipeloom.passes.checkpoint import (
     apply_checkpoint,
     overlap_recompute,
     prepose_forward,
+    refuse_pairs,
     relax_checkpoint,
     remove_redundancy,
 )
@@ -51,6 +52,7 @@ def mario(
     """
     from pipeloom.sim.simulate import simulate
 
+    refuse_pairs(schedule, "Mario")
     limits = _limits(mem_limit, schedule.num_devices)
     base = simulate(schedule, costs)
     if devices is None:

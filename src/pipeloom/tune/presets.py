@@ -105,7 +105,9 @@ class ModelSpec:
     def params(self) -> int:
         """Weights of the layers (every expert), the embedding and an untied head (norms, biases
         and routers left out)."""
-        layer = self._attention_params + self._expert_params * self.num_experts if self.num_experts else self.layer_params
+        layer = (
+            self._attention_params + self._expert_params * self.num_experts if self.num_experts else self.layer_params
+        )
         return self.layers * layer + 2 * self.vocab * self.hidden
 
     @property
