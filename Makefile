@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) bench/tpipe.py
 	$(PY) bench/svpp.py
 	$(PY) bench/svpp_table3.py
+	$(PY) bench/dualpipe.py
 	$(PY) bench/tune_speed.py
 	$(PY) bench/capacity.py
 	$(PY) bench/fidelity.py

@@ -109,25 +109,33 @@ def _draw_ops(ax, timeline: Timeline) -> None:
     min_label_width = timeline.makespan / 90 if timeline.makespan else 0
     for device in range(num_devices):
         chunk_of = {stage: i for i, stage in enumerate(timeline.schedule.stages_on(device))}
-        boxes: dict[str, list[tuple[float, float]]] = {}
+        boxes: dict[tuple[str, float, float], list[tuple[float, float]]] = {}
+        paired: list[tuple[float, float]] = []
+        in_pair = False  # the previous op overlaps this one: an F&B pair shares one cell, top and bottom
         for timing in timeline.timings(device):
             op = timing.op
             color = _CKPT_COLOR if op.ckpt else KIND_COLORS[op.kind]
             color = _lighten(color, 0.45 * chunk_of.get(op.stage, 0) / max(1, len(chunk_of) - 1))
             width = timing.end - timing.start
-            boxes.setdefault(color, []).append((timing.start, width))
+            bottom, height = (device, 0.4) if in_pair else (device - 0.4, 0.4 if op.overlap_next else 0.8)
+            if op.overlap_next:
+                paired.append((timing.start, width))
+            in_pair = op.overlap_next
+            boxes.setdefault((color, bottom, height), []).append((timing.start, width))
             if label and width >= min_label_width:
                 ax.text(
                     timing.start + width / 2,
-                    device,
+                    bottom + height / 2,
                     f"{op.microbatch}.{op.slice}" if sliced else str(op.microbatch),
                     ha="center",
                     va="center",
-                    fontsize=6,
+                    fontsize=6 if height > 0.5 else 4,
                     color="white",
                 )
-        for color, spans in boxes.items():
-            ax.broken_barh(spans, (device - 0.4, 0.8), facecolors=color, edgecolors="white", linewidth=0.3)
+        for (color, bottom, height), spans in boxes.items():
+            ax.broken_barh(spans, (bottom, height), facecolors=color, edgecolors="white", linewidth=0.3)
+        if paired:
+            ax.broken_barh(paired, (device - 0.4, 0.8), facecolors="none", edgecolors="black", linewidth=0.8)
     ax.set_yticks(range(num_devices), [f"d{d}" for d in range(num_devices)])
     ax.set_ylim(num_devices - 0.5, -0.5)
     ax.set_ylabel("device")
