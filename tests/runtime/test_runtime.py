@@ -84,6 +84,13 @@ def test_every_generator_trains_like_one_process(name, p, m):
     assert_matches_reference(spec, run_local(spec))
 
 
+def test_checkpointed_overlapped_pairs_train_like_one_process():
+    """Each R runs just before the pair whose backward needs it; the pair's forward is checkpointed."""
+    schedule = apply_checkpoint(build_schedule("dualpipev", 2, 4))
+    assert any(op.overlap_next and op.ckpt for _, _, op in schedule.ops())
+    assert_matches_reference(spec_for(schedule, steps=2), run_local(spec_for(schedule, steps=2)))
+
+
 def test_split_and_concatenated_weight_gradients_match_fused():
     fused = build_schedule("1f1b", 2, 4)
     spec = spec_for(fused, steps=2)

@@ -65,6 +65,7 @@ def build_graph(schedule: Schedule) -> DependencyGraph:
     device_of: list[int] = []
     offsets = [0]
     problems: list[tuple[str, tuple[int, ...]]] = []
+    pair_heads: list[int] = []
 
     # Pass 1: number the ops and register who produces what.
     for device, device_ops in enumerate(schedule.devices):
@@ -72,6 +73,8 @@ def build_graph(schedule: Schedule) -> DependencyGraph:
             g = len(ops)
             ops.append(op)
             device_of.append(device)
+            if op.overlap_next:
+                pair_heads.append(g)
             stage, microbatch, slice_ = op.stage, op.microbatch, op.slice
             if not (0 <= stage < num_stages and 0 <= microbatch < num_mb and 0 <= slice_ < num_slices):
                 problems.append((_out_of_range(op, schedule), (g,)))
@@ -144,7 +147,7 @@ def build_graph(schedule: Schedule) -> DependencyGraph:
                 if op.slice != last_slice:
                     need.append(b_at[key + 1])
             deps.append(tuple(need))
-    paired = frozenset(g for g, op in enumerate(ops) if op.overlap_next)
+    paired = frozenset(pair_heads)
     if not paired:
         return DependencyGraph(schedule, ops, device_of, offsets, deps, deps, paired)
     _check_pairs(schedule, ops, device_of, offsets, deps, paired)

@@ -54,7 +54,7 @@ def run(
             else:
                 start[g] = ready
                 clock = ready + durations[g]
-                if g in paired:  # its partner starts with it; both end together
+                if paired and g in paired:  # its partner starts with it; both end together
                     clock += durations[g + 1]
                     end[g] = clock
                     woken = parked.pop(g, None)
