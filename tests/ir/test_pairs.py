@@ -58,6 +58,14 @@ def test_only_forwards_and_backwards_overlap(text):
         Schedule.from_text(text)
 
 
+def test_a_pair_built_in_python_is_checked_too():
+    schedule = Schedule.from_text("0F0c 0F1 0R0 0BW0 0BW1")
+    ops = list(schedule.devices[0])
+    ops[2] = Op(OpKind.R, 0, 0, overlap_next=True)  # R&BW: not a forward and a backward
+    with pytest.raises(ScheduleError, match="a pair is one forward"):
+        validate(schedule.with_devices([ops]))
+
+
 def test_a_pair_that_waits_for_itself_across_devices_deadlocks():
     # d0's pair needs 1BW0 (for 0BW0), which needs 1F0, which needs 0F0... and d1 runs 1F0 only
     # after 1BW1, whose forward 1F1 needs 0F1: the pair holds 0F1 back until 0BW0 can start.

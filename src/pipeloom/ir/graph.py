@@ -175,7 +175,7 @@ def _check_pairs(
         tail = ops[g + 1]
         if tail.overlap_next:
             problems.append((f"{head.text}{tail.text}: a pair is two ops, not a chain of three", (g, g + 1)))
-        elif {head.kind is _F, tail.kind is _F} != {True, False} or tail.kind not in OVERLAPPABLE:
+        elif not {head.kind, tail.kind} <= OVERLAPPABLE or (head.kind is _F) == (tail.kind is _F):
             problems.append(
                 (f"{head.text}{tail.text}: a pair is one forward (F) and one backward (B or BW)", (g, g + 1))
             )

@@ -44,7 +44,7 @@ from pipeloom.runtime.comm import MessagePlan
 from pipeloom.runtime.mailbox import Mailbox, peer_failure
 from pipeloom.runtime.precision import Precision
 from pipeloom.runtime.split_linear import WeightGradQueue
-from pipeloom.runtime.stage_call import run_stage, split_stage
+from pipeloom.runtime.stage_call import earlier_keys_values, run_stage, split_stage
 
 __all__ = ["StepRecord", "DeviceExecutor", "peer_failure", "run_stage"]
 
@@ -168,8 +168,7 @@ class DeviceExecutor:
         )
         """Per stage (head, tail) under a partial checkpoint; empty: checkpoints take whole stages."""
         self._handlers = {_F: self._forward_op, _R: self._recompute_op, _B: self._backward_op, _BW: self._backward_op}
-        self._stream: torch.cuda.Stream | None = None
-        """The side stream of overlapped pairs' forwards (CUDA only)."""
+        self._side = torch.cuda.Stream(self.torch_device) if self.torch_device.type == "cuda" else None  # pairs' F
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -212,7 +211,7 @@ class DeviceExecutor:
         if self.before_forward is not None:
             self.before_forward(stage)
         step.start = step.now()  # the op's own time starts once its input is here
-        past = self._past(step.kv, op)
+        past = earlier_keys_values(step.kv, op, self.num_slices)
         target = self._target(step, op)
         entry = _Entry(inputs=x)
         if op.ckpt and self.halves:
@@ -258,7 +257,7 @@ class DeviceExecutor:
             step.note(saved)
             entry.bytes += saved
             return
-        past = self._past(step.kv, op)
+        past = earlier_keys_values(step.kv, op, self.num_slices)
         entry.output, entry.inputs, saved, new_kv = self._forward(
             self.stages[stage], op, entry.inputs, self._target(step, op), past
         )
@@ -307,29 +306,21 @@ class DeviceExecutor:
             raise RuntimeFault(f"{op.text}: no weight gradients were queued")
 
     def _pair_op(self, step: _Step, first: Op, second: Op) -> None:
-        """An overlapped F&B pair, in list order (so messages leave in the order the plan
-        derived). On CUDA the forward runs on a side stream: its kernels, and the collectives
-        inside it, overlap the backward's on the current stream; elsewhere one after the other."""
-        began = step.start
-        side = self._side_stream()
+        """An overlapped F&B pair in list order (messages leave as the plan derived), each op
+        with its own times. On CUDA the forward runs on a side stream, its kernels and collectives
+        under the backward's; elsewhere the two run one after the other."""
+        side = self._side
         for op in (first, second):
+            step.start = step.now()
             if side is not None and op.kind is _F:
                 side.wait_stream(torch.cuda.current_stream(self.torch_device))
                 with torch.cuda.stream(side):
                     self._handlers[_F](step, op)
             else:
                 self._handlers[op.kind](step, op)
+            step.record.ops.append((op.text, step.start, step.now()))
         if side is not None:
             torch.cuda.current_stream(self.torch_device).wait_stream(side)
-        for op in (first, second):
-            step.record.ops.append((op.text, began, step.now()))
-
-    def _side_stream(self) -> torch.cuda.Stream | None:
-        if self.torch_device.type != "cuda":
-            return None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.torch_device)
-        return self._stream
 
     def _weight_op(self, step: _Step, index: int) -> int:
         """Run the W at `index` (with `concat_w`, and the W of its stage right after it, as one
@@ -361,22 +352,6 @@ class DeviceExecutor:
         if self.num_slices == 1:
             return tensor
         return tensor[:, slice_ * self.slice_len : (slice_ + 1) * self.slice_len]
-
-    def _past(self, kv: dict, op: Op) -> list | None:
-        """Per layer, the keys and values (leaves) of the earlier slices of the op's micro-batch;
-        None without slices."""
-        if self.num_slices == 1:
-            return None
-        earlier = [kv[(op.stage, op.microbatch, s)][1] for s in range(op.slice)]
-        if not earlier:
-            return []
-        return [
-            (
-                torch.cat([layers[i][0] for layers in earlier], dim=-2),
-                torch.cat([layers[i][1] for layers in earlier], dim=-2),
-            )
-            for i in range(len(earlier[0]))
-        ]
 
     def _run(
         self, module: Callable, stage: int, x: Tensors, past: list | None, hand_on: bool | None = None

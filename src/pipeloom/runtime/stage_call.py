@@ -16,7 +16,7 @@ from pipeloom.errors import ConfigError
 from pipeloom.runtime.boundary import as_tuple
 from pipeloom.runtime.precision import Precision
 
-__all__ = ["run_stage", "split_stage"]
+__all__ = ["run_stage", "split_stage", "earlier_keys_values"]
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -44,3 +44,21 @@ def run_stage(
             out, new_kv = module(*x), []
     out = as_tuple(out)
     return (precision.cast(out) if hand_on else out), new_kv
+
+
+def earlier_keys_values(kv: dict, op, num_slices: int) -> list | None:
+    """Per layer, the keys and values (leaves) a slice's stage computed for the earlier slices of
+    its micro-batch, concatenated along the sequence; None without slices. `kv` maps a slice's
+    (stage, micro-batch, slice) to (its keys/values per layer, their leaves)."""
+    if num_slices == 1:
+        return None
+    earlier = [kv[(op.stage, op.microbatch, s)][1] for s in range(op.slice)]
+    if not earlier:
+        return []
+    return [
+        (
+            torch.cat([layers[i][0] for layers in earlier], dim=-2),
+            torch.cat([layers[i][1] for layers in earlier], dim=-2),
+        )
+        for i in range(len(earlier[0]))
+    ]
