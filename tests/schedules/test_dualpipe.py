@@ -161,3 +161,21 @@ def test_checkpointing_keeps_pairs_and_the_reordering_passes_refuse_them():
     )
     with pytest.raises(ConfigError, match="would split the overlapped pairs of 'dualpipev'"):
         mario(schedule, costs)
+
+
+def test_given_costs_only_the_pairs_that_hide_something_stay():
+    """A pair hides nothing when its time is its two ops' lone times; split, its order is never
+    slower (the pair only made its forward wait) and holds the same memory."""
+    for name, p, m in (("dualpipe", 8, 32), ("dualpipev", 4, 16), ("dualpipev", 8, 20)):
+        reference = build_schedule(name, p, m)
+        for a2a, comm in ((0.0, 0.0), (0.0, 0.1), (0.3, 0.05), (2.5, 0.0)):
+            costs = Costs(F=1, B=1, W=0.7, comm=comm, a2a_F=a2a, a2a_B=a2a)
+            ours = build_schedule(name, p, m, costs=costs)
+            pairs = sum(op.overlap_next for _, _, op in ours.ops())
+            assert (pairs == 0) == (a2a == 0), (name, a2a)
+            assert [[replace(op, overlap_next=False) for op in ops] for ops in ours.devices] == [
+                [replace(op, overlap_next=False) for op in ops] for ops in reference.devices
+            ]
+            mine, theirs = simulate(ours, costs), simulate(reference, costs)
+            assert mine.makespan <= theirs.makespan + 1e-9, (name, a2a, comm)
+            assert mine.peak_activation_memory == theirs.peak_activation_memory

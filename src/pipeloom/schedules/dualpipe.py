@@ -25,12 +25,19 @@ first out.
 
 Bubbles (DeepSeek-V3 Table 2, PP stages): 1F1B (PP−1)(F+B), ZB1P (PP−1)(F+B−2W), DualPipe
 (PP/2−1)(F&B+B−3W) with PP+1 micro-batches of activations per device.
+
+Given `costs`, a pair whose overlap hides nothing (its time is its two ops' lone times, as when
+no a2a is priced) is split into its two ops: a pair only adds a constraint — its forward waits
+for its backward's input — so the split order is never slower, and the memory order is the same.
+Without costs the reference's pairs are kept (torch's ScheduleDualPipeV order, op for op).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 
+from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
@@ -47,9 +54,10 @@ _F, _B, _BW, _W = OpKind.F, OpKind.B, OpKind.BW, OpKind.W
     paper="DeepSeek-AI 2024, DeepSeek-V3 Technical Report (DualPipe)",
     summary="two pipelines in opposite directions with forward-backward pairs overlapped, so "
     "communication inside F and B (MoE all-to-all) hides; 2× parameters, p+1 activations",
-    domain="p even >= 2, m even >= 2p - 2",
+    domain="p even >= 2, m even >= 2p - 2; costs (split the pairs that hide nothing)",
+    options=("costs",),
 )
-def dualpipe(num_devices: int, num_microbatches: int) -> Schedule:
+def dualpipe(num_devices: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
     """DualPipe on p devices: micro-batches 0..m/2−1 go down, m/2..m−1 go up.
 
     p=2, m=2::
@@ -73,7 +81,7 @@ def dualpipe(num_devices: int, num_microbatches: int) -> Schedule:
         phases = [(stages[phase ^ second_half], first_mb[phase ^ second_half]) for phase in (0, 1)]
         middle = rank == half - 1
         devices.append(_ops(dual_steps(rank, half, chunks, middle), phases))
-    return Schedule.build("dualpipe", devices, num_stages=p, num_microbatches=m)
+    return _keep_useful_pairs(Schedule.build("dualpipe", devices, num_stages=p, num_microbatches=m), costs)
 
 
 @register(
@@ -82,9 +90,10 @@ def dualpipe(num_devices: int, num_microbatches: int) -> Schedule:
     paper="DeepSeek-AI 2025, DualPipeV (DualPipe cut in half; torch ScheduleDualPipeV)",
     summary="DualPipe's steps on a V (two half stages per device, one model copy): overlapped "
     "forward-backward pairs without DualPipe's 2× parameters",
-    domain="p >= 1, m >= 2p - 1",
+    domain="p >= 1, m >= 2p - 1; costs (split the pairs that hide nothing)",
+    options=("costs",),
 )
-def dualpipev(num_devices: int, num_microbatches: int) -> Schedule:
+def dualpipev(num_devices: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
     """DualPipeV on p devices: 2p stages, device d runs stages d and 2p−1−d.
 
     p=1, m=1::
@@ -97,7 +106,27 @@ def dualpipev(num_devices: int, num_microbatches: int) -> Schedule:
     for device in range(p):
         phases = [(device, 0), (2 * p - 1 - device, 0)]
         devices.append(_ops(dual_steps(device, p, m, device == p - 1), phases))
-    return Schedule.build("dualpipev", devices, num_stages=2 * p, num_microbatches=m)
+    return _keep_useful_pairs(Schedule.build("dualpipev", devices, num_stages=2 * p, num_microbatches=m), costs)
+
+
+def _keep_useful_pairs(schedule: Schedule, costs: Costs | None) -> Schedule:
+    """Split the pairs that are no faster than their two ops one after the other."""
+    if costs is None:
+        return schedule
+    table = costs.resolve(schedule.num_devices, schedule.num_stages)
+    devices = []
+    for ops in schedule.devices:
+        kept = list(ops)
+        for step, op in enumerate(ops):
+            if not op.overlap_next:
+                continue
+            forward, backward = (op, ops[step + 1]) if op.kind is _F else (ops[step + 1], op)
+            fused = backward.kind is _BW
+            alone = table.F[forward.stage] + table.B[backward.stage] + (table.W[backward.stage] if fused else 0.0)
+            if table.pair_time(forward.stage, backward.stage, fused) >= alone - 1e-12 * alone:
+                kept[step] = replace(op, overlap_next=False)
+        devices.append(kept)
+    return schedule.with_devices(devices)
 
 
 def _check_enough(name: str, m: int, least: int, rule: str) -> None:

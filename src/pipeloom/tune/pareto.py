@@ -107,7 +107,8 @@ def _jobs(p: int, m: int, costs: Costs, budgets: int) -> Iterator[tuple[str, Cal
         return lambda: build_schedule(name, p, m, **kwargs)
 
     for name in _FIXED:
-        kwargs = {"costs": costs} if name.startswith(("zb-", "v-")) and name not in ("zb-h1", "zb-h2") else {}
+        takes_costs = name.startswith(("zb-", "v-", "dualpipe")) and name not in ("zb-h1", "zb-h2")
+        kwargs = {"costs": costs} if takes_costs else {}
         yield name, fixed(name, **kwargs)
         if name in _SPLIT:
             yield (

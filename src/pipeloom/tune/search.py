@@ -343,7 +343,7 @@ def _generate(candidate: Candidate, costs: Costs, budget: list[float]) -> Schedu
         kwargs["num_chunks"] = candidate.chunks
     if spec.generator == "svpp":
         kwargs["num_slices"] = candidate.slices
-    if spec.generator in ("zb-auto", "v-auto", "svpp"):
+    if spec.generator in ("zb-auto", "v-auto", "svpp", "dualpipe", "dualpipev"):
         kwargs["costs"] = costs
     if spec.generator == "svpp":  # Table 3's variant: one build, where searching f would take many
         kwargs["forwards"] = table3_forwards(candidate.pp, candidate.chunks, candidate.slices)
