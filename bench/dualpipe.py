@@ -16,6 +16,7 @@ import argparse
 from dataclasses import replace
 
 from pipeloom import Costs, build_schedule, simulate
+from pipeloom.schedules import get_generator
 
 SCHEMES = ("1f1b", "zb-h1", "zb-v", "dualpipe", "dualpipev")
 PARAMETER_COPIES = {"dualpipe": 2}
@@ -28,7 +29,7 @@ def unpaired(schedule):
 
 
 def build(name: str, p: int, m: int, costs: Costs | None):
-    takes_costs = name == "zb-v" or name.startswith("dualpipe")
+    takes_costs = "costs" in get_generator(name).options
     return build_schedule(name, p, m, **({"costs": costs} if takes_costs and costs else {}))
 
 

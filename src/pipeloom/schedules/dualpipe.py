@@ -71,7 +71,7 @@ def dualpipe(num_devices: int, num_microbatches: int, costs: Costs | None = None
     if m % 2:
         raise ConfigError(f"dualpipe: number of micro-batches ({m}) must be even (half go down, half go up)")
     half, chunks = p // 2, m // 2
-    _check_enough("dualpipe", m, 2 * (2 * half - 1), f"2p − 2 = {2 * p - 2}")
+    _check_enough("dualpipe", m, 2 * p - 2, f"2p − 2 = {2 * p - 2}")
     devices = []
     for device in range(p):
         second_half = device >= half

@@ -18,7 +18,7 @@ from pipeloom.errors import ConfigError, PipeloomError
 from pipeloom.passes.split_backward import split_backward
 from pipeloom.passes.trecomp import t_recomp
 from pipeloom.schedules.auto_search import min_memory_limits
-from pipeloom.schedules.registry import build_schedule, require_int
+from pipeloom.schedules.registry import build_schedule, get_generator, require_int
 from pipeloom.schedules.v_shape import v_placement
 from pipeloom.sim.simulate import Timeline, simulate
 
@@ -107,8 +107,7 @@ def _jobs(p: int, m: int, costs: Costs, budgets: int) -> Iterator[tuple[str, Cal
         return lambda: build_schedule(name, p, m, **kwargs)
 
     for name in _FIXED:
-        takes_costs = name.startswith(("zb-", "v-", "dualpipe")) and name not in ("zb-h1", "zb-h2")
-        kwargs = {"costs": costs} if takes_costs else {}
+        kwargs = {"costs": costs} if "costs" in get_generator(name).options else {}
         yield name, fixed(name, **kwargs)
         if name in _SPLIT:
             yield (

@@ -31,7 +31,7 @@ from pipeloom.passes.mario import mario
 from pipeloom.passes.offload import OffloadTimeline, simulate_offload, t_offload
 from pipeloom.passes.trecomp import t_recomp
 from pipeloom.passes.weight_parts import weight_parts
-from pipeloom.schedules.registry import build_schedule
+from pipeloom.schedules.registry import build_schedule, get_generator
 from pipeloom.schedules.svpp import table3_forwards
 from pipeloom.sim.simulate import Timeline, simulate
 from pipeloom.tune.cost_model import CostModel
@@ -343,7 +343,7 @@ def _generate(candidate: Candidate, costs: Costs, budget: list[float]) -> Schedu
         kwargs["num_chunks"] = candidate.chunks
     if spec.generator == "svpp":
         kwargs["num_slices"] = candidate.slices
-    if spec.generator in ("zb-auto", "v-auto", "svpp", "dualpipe", "dualpipev"):
+    if "costs" in get_generator(spec.generator).options:
         kwargs["costs"] = costs
     if spec.generator == "svpp":  # Table 3's variant: one build, where searching f would take many
         kwargs["forwards"] = table3_forwards(candidate.pp, candidate.chunks, candidate.slices)
