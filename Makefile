@@ -1,7 +1,7 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   create .venv if missing, install; tune a small model for this machine (profile it, search,
 #               run the best plan, show predicted vs measured); tune GPT3-13B on 32 A100-40G from presets;
-#               compare the classic and zero-bubble schedules
+#               compare the classic and zero-bubble schedules in one figure
 #   make test   same set-up, then the whole test suite
 PYTHON ?= python3
 VENV   ?= .venv
@@ -23,12 +23,12 @@ demo: $(STAMP)
 	$(VENV)/bin/pipeloom profile --model examples/tiny-llama.json --mbs 1,2,4 --layers 1,2,4 \
 		--output $(DEMO_DIR)/profile.json
 	$(VENV)/bin/pipeloom tune --costs $(DEMO_DIR)/profile.json --devices 2 --memory 1GiB --global-batch 8 \
-		--runnable --max-mbs 4 --explain --output $(DEMO_DIR)/cpu-plan.json
+		--runnable --max-mbs 4 --explain --output $(DEMO_DIR)/cpu-plan.json --force
 	$(VENV)/bin/pipeloom train --plan $(DEMO_DIR)/cpu-plan.json --steps 6
 	$(VENV)/bin/pipeloom tune --model gpt3-13b --hardware a100-40g --devices 32 --memory 40GiB \
-		--global-batch 128 --explain --output $(DEMO_DIR)/gpt3-13b-plan.json
+		--global-batch 128 --explain --output $(DEMO_DIR)/gpt3-13b-plan.json --force
 	$(VENV)/bin/pipeloom compare gpipe 1f1b interleaved chimera zb-h1 zb-h2 zb-2p zb-v -p 8 -m 16 -v 2 \
-		--costs F=1,B=1,W=1,M_W=0.25 --plot-dir $(DEMO_DIR)
+		--costs F=1,B=1,W=1,M_W=0.25 --plot $(DEMO_DIR)/compare.png
 
 test: $(STAMP)
 	$(PY) -m pytest

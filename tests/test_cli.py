@@ -363,7 +363,10 @@ def test_tune_on_presets_writes_plan_and_timeline(capsys, tmp_path):
     assert saved["format"] == "pipeloom.plan/1" and saved["pp"] * saved["dp"] == 8
     assert sum(saved["partition"]) == 22 and saved["predicted"]["step_time_ms"] > 0
     assert (tmp_path / "plan.png").stat().st_size > 0
-    code, out, _ = run(capsys, *argv, "--json", "--top", "3")
+    before = plan.read_text()
+    code, out, err = run(capsys, *argv, "--json", "--top", "3")  # a second run overwrites nothing by default
+    assert code == 2 and "already exist" in err and "--force" in err and plan.read_text() == before
+    code, out, _ = run(capsys, *argv, "--json", "--top", "3", "--force")
     ranked = json.loads(out)
     assert len(ranked) == 3 and ranked[0]["step_time_ms"] <= ranked[1]["step_time_ms"]
 

@@ -22,3 +22,51 @@ def test_cli_simulate_without_plot_imports_no_matplotlib():
         "from pipeloom.cli import main; main(['simulate', '1f1b', '-p', '2', '-m', '2', '--json'])"
     )
     assert not {m for m in modules if m.split(".")[0] in ("torch", "matplotlib", "ortools")}
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Module → the pipeloom modules it imports at load time (not inside functions, not for
+    type checking only), read from the source."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "src"
+    modules = {}
+    for path in (root / "pipeloom").rglob("*.py"):
+        name = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = path
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        found = set()
+        for node in tree.body:  # top level only: lazy imports inside functions are deliberate
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pipeloom"):
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    found.add(sub if sub in modules else node.module)
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names if alias.name.startswith("pipeloom")}
+        graph[name] = {target for target in found if target in modules and target != name}
+    return graph
+
+
+def test_modules_import_each_other_in_one_direction():
+    graph = module_imports()
+    state: dict[str, int] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                cycle = path[path.index(target) :] + [target] if target in path else [module, target]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert "pipeloom.sim.engine" not in graph and "pipeloom.ir.walk" in graph["pipeloom.ir.validate"]
+    assert not any(m.startswith("pipeloom.sim") for m in graph["pipeloom.ir.validate"])
+    assert not {m for m in graph if m.startswith("pipeloom.cli.") and "pipeloom.cli" in graph[m]}

@@ -1,4 +1,4 @@
-"""Costs: how long each op takes and how much memory it holds (DESIGN §2).
+"""Costs: how long each op takes and how much memory it holds (docs/design.md §2).
 
 One meaning everywhere, so that schedules with different stage counts compare fairly:
 
@@ -47,6 +47,7 @@ _PER_STAGE_KEYS = ("F", "B", "W", "R", "M_B", "M_W", "M_ckpt", "M_static", "a2a_
 _OFFLOAD_KEYS = ("offload_bytes", "reload_bytes", "host_step_flops", "M_offload")
 _RATE_KEYS = ("host_bandwidth", "host_flops")
 _ATTENTION_KEYS = ("F", "B", "R")
+_UNITS = {"time_unit": (None, "ms", "s", "us"), "memory_unit": (None, "bytes")}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +97,12 @@ class Costs:
     a2a_B: CostValue = 0.0
     """The same inside a backward: a lone B takes B + a2a_B, a BW B + W + a2a_B. An overlapped
     F&B pair hides each side's communication under the other side's compute (`pair_time`)."""
+    time_unit: str | None = None
+    """What the durations are in ("ms", "s", "us"); None: bare numbers ("units"). Profiles and the
+    tuner's cost models give milliseconds. Only printing and plotting read it."""
+    memory_unit: str | None = None
+    """What the memory keys are in: "bytes" (profiles, the tuner) or None (bare numbers: with
+    M_B = 1 they count micro-batches' activations of one device's share)."""
     attention_fraction: float = 0.0
     """Share of F, B and R time spent in causal attention. Cutting a micro-batch into L slices
     then gives slice l the share (1−a)/L + a(2l+1)/L² instead of 1/L: its queries attend to the
@@ -114,6 +121,10 @@ class Costs:
         if not _is_number(fraction) or not 0 <= fraction <= 1:
             raise ConfigError(f"costs: attention_fraction must be a number from 0 to 1, got {fraction!r}")
         object.__setattr__(self, "attention_fraction", float(fraction))
+        for key, allowed in _UNITS.items():
+            if getattr(self, key) not in allowed:
+                choices = ", ".join(str(u) for u in allowed if u)
+                raise ConfigError(f"costs: {key} must be one of {choices}, got {getattr(self, key)!r}")
         fraction = self.recompute_fraction
         if not _is_number(fraction) or not 0 < fraction <= 1:
             raise ConfigError(f"costs: recompute_fraction must be a number above 0 and at most 1, got {fraction!r}")
@@ -145,11 +156,14 @@ class Costs:
     @classmethod
     def parse(cls, text: str) -> Costs:
         """Parse ``F=1,B=2,W=0,comm=0`` (scalars) into Costs."""
-        values: dict[str, float] = {}
+        values: dict[str, float | str] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, sep, value = item.partition("=")
             if not sep:
                 raise ConfigError(f"costs: expected KEY=VALUE, got {item!r} (e.g. F=1,B=2,W=0,comm=0)")
+            if key.strip() in _UNITS:
+                values[key.strip()] = value.strip()
+                continue
             try:
                 values[key.strip()] = float(value)
             except ValueError:

@@ -11,8 +11,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from pipeloom.cli import EXIT_BAD_INPUT
-from pipeloom.cli_train import add_train_arguments, check_train_flags, train_spec_from_args, write_train_outputs
+from pipeloom.cli.parser import EXIT_BAD_INPUT
+from pipeloom.cli.train import train_spec_from_args, write_train_outputs
+from pipeloom.cli.train_args import add_train_arguments, check_train_flags
 from pipeloom.errors import PipeloomError
 
 __all__ = ["main"]

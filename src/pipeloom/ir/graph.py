@@ -1,18 +1,21 @@
-"""The dependency graph of a schedule: what each op waits for (DESIGN §1), checked as it is built.
+"""The dependency graph of a schedule: what each op waits for (docs/design.md §1), checked as it is built.
 
 Ops are numbered device by device (so a device's ops are one contiguous range) and keyed by
 (stage, micro-batch, slice) packed into one integer, which keeps construction and the simulator's
 inner loop to list indexing. Building the graph is where completeness and co-location are checked;
-the absence of cycles is checked by walking it (`pipeloom.sim.engine`).
+the absence of cycles is checked by walking it (`pipeloom.ir.walk`, which the simulator times with).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pipeloom.errors import ScheduleError
 from pipeloom.ir.ops import OVERLAPPABLE, Op, OpKind
-from pipeloom.ir.schedule import Schedule
+
+if TYPE_CHECKING:  # only named in annotations: the IR's modules build on Schedule, not back
+    from pipeloom.ir.schedule import Schedule
 
 __all__ = ["DependencyGraph", "build_graph"]
 
@@ -124,7 +127,7 @@ def build_graph(schedule: Schedule) -> DependencyGraph:
     if problems:
         _raise_problems(schedule, offsets, device_of, problems)
 
-    # Pass 3: data dependencies (DESIGN §1 table).
+    # Pass 3: data dependencies (docs/design.md §1 table).
     deps: list[tuple[int, ...]] = []
     last_stage, last_slice = num_stages - 1, num_slices - 1
     for op in ops:

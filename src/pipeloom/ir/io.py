@@ -1,4 +1,4 @@
-"""The `pipeloom.schedule/1` JSON exchange format (DESIGN §1), read and written exactly.
+"""The `pipeloom.schedule/1` JSON exchange format (docs/design.md §1), read and written exactly.
 
 This is a public contract: other tools read these files. Readers ignore keys they do not know;
 a change of meaning gets a new format string, never a silent edit. An overlapped F&B pair is its

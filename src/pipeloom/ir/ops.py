@@ -1,4 +1,4 @@
-"""Ops: the units of compute a schedule orders (DESIGN §1).
+"""Ops: the units of compute a schedule orders (docs/design.md §1).
 
 An op names *what* runs — a pass of one stage over one micro-batch (and slice) — never *where*
 or *when*: the device is implied by the list the op sits in, and times come from the simulator

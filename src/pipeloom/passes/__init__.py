@@ -1,4 +1,4 @@
-"""Passes: pure functions that rewrite a schedule into another valid one (DESIGN §4)."""
+"""Passes: pure functions that rewrite a schedule into another valid one (docs/design.md §4)."""
 
 from pipeloom.passes.checkpoint import (
     apply_checkpoint,

@@ -5,7 +5,7 @@ interleaved, V-shapes (whose turn stays on one device and is handed over in memo
 (whose two replicas of a stage sit on different devices). For each ordered pair of devices the
 sender sends in its own op order and the receiver derives that same order from the schedule and
 posts all its receives ahead; an op then waits only for its own inputs. So any schedule whose
-dependency graph is acyclic runs to completion (DESIGN §5), and no shapes or counts are ever
+dependency graph is acyclic runs to completion (docs/design.md §5), and no shapes or counts are ever
 exchanged at run time.
 """
 

@@ -1,4 +1,4 @@
-"""Run one device's op list of a pipeloom schedule for one training step (DESIGN §5).
+"""Run one device's op list of a pipeloom schedule for one training step (docs/design.md §5).
 
 Each op kind has its own handler (`_HANDLERS`), so a new op is one method: F runs a stage forward
 (checkpointed: without autograd, keeping only its input); R re-runs it with autograd (counted).

@@ -1,4 +1,4 @@
-"""Simulate a schedule under costs: times, memory, and the metrics that compare schedules (DESIGN §3).
+"""Simulate a schedule under costs: times, memory, and the metrics that compare schedules (docs/design.md §3).
 
 Definitions (Zero Bubble paper, §2 and §5):
 
@@ -9,7 +9,7 @@ Definitions (Zero Bubble paper, §2 and §5):
   the paper's ``(cost − m·(T_F+T_B+T_W)) / cost``.
 
 Memory changes only by a device's own ops, which run one at a time: an op's allocation counts
-from its start, its release from its end (DESIGN §2 for the amounts).
+from its start, its release from its end (docs/design.md §2 for the amounts).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from pipeloom.costs import Costs, StageCosts
 from pipeloom.ir.graph import DependencyGraph, build_graph
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
-from pipeloom.sim.engine import run
+from pipeloom.ir.walk import run
+from pipeloom.units import memory_scale, time_unit
 
 __all__ = ["Timeline", "simulate", "OpTiming"]
 
@@ -65,9 +66,10 @@ class Timeline:
     def num_devices(self) -> int:
         return self.schedule.num_devices
 
-    def device_bubble_rates(self) -> list[float]:
-        """Per device: idle share of the step (relative to `cost`)."""
-        return [(self.cost - useful) / self.cost if self.cost else 0.0 for useful in self.useful_time]
+    def device_idle_shares(self) -> list[float]:
+        """Per device: the share of its own span in which it does no useful work (waiting, or
+        recomputing). A device busy from its first op to its last has none, whatever the others do."""
+        return [(span - useful) / span if span else 0.0 for span, useful in zip(self.spans, self.useful_time)]
 
     def timings(self, device: int | None = None) -> Iterator[OpTiming]:
         """Every op (of one device, or all) with its start and end, in device order."""
@@ -94,7 +96,8 @@ class Timeline:
         return points
 
     def summary(self) -> dict:
-        """The figures a report or `--json` needs."""
+        """The figures a report or `--json` needs; `time_unit` and `memory_unit` say what the
+        times (makespan, cost, spans, useful_time) and memories are in."""
         return {
             "name": self.schedule.name,
             "num_devices": self.schedule.num_devices,
@@ -110,6 +113,9 @@ class Timeline:
             "static_memory": self.static_memory,
             "spans": self.spans,
             "useful_time": self.useful_time,
+            "device_idle_share": self.device_idle_shares(),
+            "time_unit": time_unit(self.costs),
+            "memory_unit": "bytes" if self.costs.memory_unit == "bytes" else memory_scale(self.costs).unit,
         }
 
 
@@ -190,7 +196,7 @@ def _op_costs(graph: DependencyGraph, table: StageCosts) -> tuple[list[float], l
         else:  # R
             durations.append(R[i])
             deltas.append(M_B[i] - M_ckpt[i])
-    for g in graph.paired:  # the pair's whole time on its first op (the engine adds the two)
+    for g in graph.paired:  # the pair's whole time on its first op (the walk adds the two)
         first, second = graph.ops[g], graph.ops[g + 1]
         forward, backward = (first, second) if first.kind is OpKind.F else (second, first)
         durations[g] = table.pair_time(

@@ -122,6 +122,8 @@ class AnalyticCostModel:
             host_flops=hw.host_flops / 1e3,
             a2a_F=a2a,
             a2a_B=a2a,
+            time_unit="ms",
+            memory_unit="bytes",
         )
 
     def all_to_all_time(self, micro_batch: int) -> float:

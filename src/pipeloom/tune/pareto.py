@@ -43,13 +43,18 @@ class ParetoPoint:
     timeline: Timeline | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        """The point; `memory_unit` and `time_unit` say what peak_activation_memory and cost are in."""
+        facts = {
             "label": self.label,
             "peak_activation_memory": self.peak_memory,
             "bubble_rate": self.bubble_rate,
             "cost": self.cost,
             "on_frontier": self.on_frontier,
         }
+        if self.timeline is not None:
+            summary = self.timeline.summary()
+            facts |= {"memory_unit": summary["memory_unit"], "time_unit": summary["time_unit"]}
+        return facts
 
 
 def explore_pareto(

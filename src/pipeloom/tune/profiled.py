@@ -125,6 +125,8 @@ class ProfiledCostModel:
             M_W=0.0,
             M_ckpt=[min(k, m) for k, m in zip(kept, memory)],
             M_static=[self._static(n, dp, zero) for n in self.stage_params(counts)],
+            time_unit="ms",
+            memory_unit="bytes",
         )  # no host link measured: offload is left out, not guessed
 
     def layer_time(self, micro_batch: int) -> float:

@@ -2,6 +2,7 @@
 
 matplotlib is imported here, lazily, so the planning core never pays for it; install it with
 ``pip install 'pipeloom[plot]'``. The output format follows the file extension (png, svg, pdf).
+Every axis carries the costs' units (`pipeloom.units`), and legends sit outside the data.
 """
 
 from __future__ import annotations
@@ -13,8 +14,20 @@ from pathlib import Path
 from pipeloom.errors import ConfigError
 from pipeloom.ir.ops import OpKind
 from pipeloom.sim.simulate import Timeline
+from pipeloom.units import memory_scale, time_unit
 
-__all__ = ["plot_timeline", "check_plot_path", "pyplot", "KIND_COLORS"]
+__all__ = [
+    "KIND_COLORS",
+    "LEGEND_OUTSIDE",
+    "check_plot_path",
+    "draw_memory",
+    "draw_ops",
+    "legend_handles",
+    "plot_timeline",
+    "pyplot",
+    "save_figure",
+    "timeline_figure",
+]
 
 KIND_COLORS = {
     OpKind.F: "#4C72B0",
@@ -23,9 +36,19 @@ KIND_COLORS = {
     OpKind.BW: "#2F8F5B",
     OpKind.R: "#DD8452",
 }
+KIND_NAMES = {
+    OpKind.F: "F forward",
+    OpKind.B: "B input gradient",
+    OpKind.W: "W weight gradient",
+    OpKind.BW: "BW fused backward",
+    OpKind.R: "R recompute",
+}
 LANE_COLORS = {"RELOAD": "#937860", "OFFLOAD": "#C44E52", "HOST_STEP": "#CCB974"}
 _CKPT_COLOR = "#9DB4D8"  # a checkpointed forward keeps only its input: drawn paler
+_PART_HATCH = "////"  # a W in parts: hatched, so its pieces read as one weight gradient
 _MAX_LABELS = 1500
+_LABEL_SHARE = 1 / 90  # a box narrower than this share of the time axis gets no label
+LEGEND_OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "frameon": False, "fontsize": 7}
 
 
 def has_matplotlib() -> bool:
@@ -59,70 +82,109 @@ def plot_timeline(
 ) -> None:
     """Draw `timeline` to `path`; `lanes` (T-Offload's LaneOps) get rows of their own under the devices."""
     check_plot_path(path)
-    plt = pyplot()
-    from matplotlib.patches import Patch
+    save_figure(timeline_figure(timeline, title, lanes), path)
 
+
+def save_figure(figure, path: str | PathLike[str]) -> None:
+    """Write and release a figure; "tight" keeps the legends placed outside the axes in the file."""
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    pyplot().close(figure)
+
+
+def timeline_figure(timeline: Timeline, title: str | None = None, lanes: Sequence | None = None):
+    """The figure `plot_timeline` saves: ops above, memory below, on one time axis."""
+    plt = pyplot()
     lane_rows = _lane_rows(lanes or ())
     num_rows = timeline.num_devices + len(lane_rows)
     height = 1.2 + 0.32 * num_rows
-    fig, (ops_ax, mem_ax) = plt.subplots(
-        2, 1, figsize=(12, height + 2.4), sharex=True, gridspec_kw={"height_ratios": [height, 2.4]}
+    figure, (ops_ax, mem_ax) = plt.subplots(
+        2, 1, figsize=(13, height + 2.4), sharex=True, gridspec_kw={"height_ratios": [height, 2.4]}
     )
-    _draw_ops(ops_ax, timeline)
+    draw_ops(ops_ax, timeline)
     _draw_lanes(ops_ax, timeline.num_devices, lane_rows)
-    _draw_memory(mem_ax, timeline)
+    draw_memory(mem_ax, timeline)
+    costs = timeline.costs
+    memory = memory_scale(costs, timeline.peak_memory)
     schedule = timeline.schedule
+    unit = time_unit(costs)
+    lanes_end = f", lanes end {max(op.end for _, ops in lane_rows for op in ops):.4g} {unit}" if lane_rows else ""
     ops_ax.set_title(
         title
         or f"{schedule.name}: p={schedule.num_devices} m={schedule.num_microbatches} S={schedule.num_stages}"
-        f" — makespan {timeline.makespan:g}, bubble {timeline.bubble_rate:.1%}, peak memory {max(timeline.peak_memory):g}"
-        + (f", lanes end {max(op.end for _, ops in lane_rows for op in ops):g}" if lane_rows else ""),
+        + (f" slices={schedule.num_slices}" if schedule.num_slices > 1 else "")
+        + f" — makespan {timeline.makespan:.4g} {unit}, bubble {timeline.bubble_rate:.1%}, "
+        f"peak memory {memory.text(max(timeline.peak_memory))}{lanes_end}",
         loc="left",
         fontsize=10,
-        pad=18,
     )
-    kinds = sorted({op.kind for ops in schedule.devices for op in ops}, key=list(KIND_COLORS).index)
-    handles = [Patch(color=KIND_COLORS[kind], label=kind.value) for kind in kinds]
-    if any(op.ckpt for ops in schedule.devices for op in ops):
-        handles.append(Patch(color=_CKPT_COLOR, label="F (ckpt)"))
-    lane_kinds = sorted({op.kind.value for _, ops in lane_rows for op in ops}, key=list(LANE_COLORS).index)
-    handles += [Patch(color=LANE_COLORS[kind], label=kind) for kind in lane_kinds]
-    ops_ax.legend(
-        handles=handles,
-        loc="lower left",
-        bbox_to_anchor=(0.0, 1.0),
-        fontsize=8,
-        ncol=len(handles),
-        frameon=False,
-        borderaxespad=0.1,
-    )
-    mem_ax.set_xlabel("time")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ops_ax.legend(handles=legend_handles(timeline, lane_rows), title="ops", **LEGEND_OUTSIDE)
+    mem_ax.set_xlabel(f"time ({unit})")
+    figure.tight_layout()
+    return figure
 
 
-def _draw_ops(ax, timeline: Timeline) -> None:
+def legend_handles(timeline: Timeline, lane_rows: Sequence = ()) -> list:
+    """One entry per thing the picture draws: op kinds, checkpointed forwards, later chunks,
+    W parts, overlapped pairs, slice labels and offload lanes — only those present."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    ops = [op for device_ops in timeline.schedule.devices for op in device_ops]
+    kinds = sorted({op.kind for op in ops}, key=list(KIND_COLORS).index)
+    handles = [Patch(color=KIND_COLORS[kind], label=KIND_NAMES[kind]) for kind in kinds]
+    if any(op.ckpt for op in ops):
+        handles.append(Patch(color=_CKPT_COLOR, label="F checkpointed (keeps its input)"))
+    chunks = max(len(timeline.schedule.stages_on(d)) for d in range(timeline.num_devices))
+    for chunk in range(1, chunks):
+        handles.append(
+            Patch(color=_lighten(KIND_COLORS[OpKind.F], _chunk_shade(chunk, chunks)), label=f"chunk {chunk} (paler)")
+        )
+    if any(op.parts > 1 for op in ops if op.kind is OpKind.W):
+        handles.append(Patch(facecolor=KIND_COLORS[OpKind.W], hatch=_PART_HATCH, edgecolor="white", label="W part"))
+    if any(op.overlap_next for op in ops):
+        handles.append(Patch(facecolor="none", edgecolor="black", label="F&B overlapped pair"))
+    if timeline.schedule.num_slices > 1:
+        handles.append(
+            Line2D([], [], linestyle="none", marker="$m.s$", color="black", markersize=12, label="micro-batch.slice")
+        )
+    else:
+        handles.append(Line2D([], [], linestyle="none", marker="$m$", color="black", label="micro-batch"))
+    lane_kinds = sorted({op.kind.value for _, lane_ops in lane_rows for op in lane_ops}, key=list(LANE_COLORS).index)
+    handles += [Patch(color=LANE_COLORS[kind], label=f"{kind} (lane)") for kind in lane_kinds]
+    return handles
+
+
+def draw_ops(ax, timeline: Timeline, label_share: float = _LABEL_SHARE) -> None:
+    """One row per device. Boxes wide enough carry their micro-batch (micro-batch.slice with
+    slices); narrower ones of one colour that touch merge into a shaded band, without the white
+    edges that would otherwise turn a slice-level timeline into stripes."""
     num_devices = timeline.num_devices
     label = timeline.graph.num_ops <= _MAX_LABELS
-    sliced = timeline.schedule.num_slices > 1  # label micro-batch.slice
-    min_label_width = timeline.makespan / 90 if timeline.makespan else 0
+    sliced = timeline.schedule.num_slices > 1
+    wide = timeline.makespan * label_share if timeline.makespan else 0
     for device in range(num_devices):
-        chunk_of = {stage: i for i, stage in enumerate(timeline.schedule.stages_on(device))}
-        boxes: dict[tuple[str, float, float], list[tuple[float, float]]] = {}
+        stages = timeline.schedule.stages_on(device)
+        chunk_of = {stage: i for i, stage in enumerate(stages)}
+        boxes: dict[tuple[str, float, float, bool, bool], list[tuple[float, float]]] = {}
         paired: list[tuple[float, float]] = []
         in_pair = False  # the previous op overlaps this one: an F&B pair shares one cell, top and bottom
         for timing in timeline.timings(device):
             op = timing.op
             color = _CKPT_COLOR if op.ckpt else KIND_COLORS[op.kind]
-            color = _lighten(color, 0.45 * chunk_of.get(op.stage, 0) / max(1, len(chunk_of) - 1))
+            color = _lighten(color, _chunk_shade(chunk_of.get(op.stage, 0), len(stages)))
             width = timing.end - timing.start
             bottom, height = (device, 0.4) if in_pair else (device - 0.4, 0.4 if op.overlap_next else 0.8)
             if op.overlap_next:
                 paired.append((timing.start, width))
             in_pair = op.overlap_next
-            boxes.setdefault((color, bottom, height), []).append((timing.start, width))
-            if label and width >= min_label_width:
+            hatched = op.kind is OpKind.W and op.parts > 1
+            narrow = width < wide
+            spans = boxes.setdefault((color, bottom, height, hatched, narrow), [])
+            if narrow and spans and abs(spans[-1][0] + spans[-1][1] - timing.start) <= 1e-9 * wide:
+                spans[-1] = (spans[-1][0], spans[-1][1] + width)  # touching narrow boxes: one band
+            else:
+                spans.append((timing.start, width))
+            if label and width >= wide:
                 ax.text(
                     timing.start + width / 2,
                     bottom + height / 2,
@@ -132,13 +194,49 @@ def _draw_ops(ax, timeline: Timeline) -> None:
                     fontsize=6 if height > 0.5 else 4,
                     color="white",
                 )
-        for (color, bottom, height), spans in boxes.items():
-            ax.broken_barh(spans, (bottom, height), facecolors=color, edgecolors="white", linewidth=0.3)
+        for (color, bottom, height, hatched, narrow), spans in boxes.items():
+            ax.broken_barh(
+                spans,
+                (bottom, height),
+                facecolors=color,
+                edgecolors=color if narrow else "white",  # white edges on slivers would be all one sees
+                linewidth=0 if narrow else 0.3,
+                hatch=_PART_HATCH if hatched else None,
+            )
         if paired:
             ax.broken_barh(paired, (device - 0.4, 0.8), facecolors="none", edgecolors="black", linewidth=0.8)
     ax.set_yticks(range(num_devices), [f"d{d}" for d in range(num_devices)])
     ax.set_ylim(num_devices - 0.5, -0.5)
     ax.set_ylabel("device")
+
+
+def draw_memory(
+    ax, timeline: Timeline, devices: Sequence[int] | None = None, label_prefix: str = "", color=None
+) -> None:
+    """Memory over time (static included) of each device, in the costs' unit, legend outside."""
+    cmap = pyplot().get_cmap("viridis")
+    num_devices = timeline.num_devices
+    memory = memory_scale(timeline.costs, timeline.peak_memory)
+    for device in devices if devices is not None else range(num_devices):
+        points: Sequence[tuple[float, float]] = timeline.memory_curve(device)
+        times = [t for t, _ in points] + [timeline.makespan]
+        levels = [memory.value(level) for _, level in points] + [memory.value(points[-1][1])]
+        ax.step(
+            times,
+            levels,
+            where="post",
+            linewidth=1,
+            color=cmap(device / max(1, num_devices - 1)),
+            label=f"d{device}",
+        )
+    ax.set_ylabel(f"memory ({memory.unit})")
+    if num_devices <= 16:
+        ax.legend(title="device", ncol=1 if num_devices <= 8 else 2, **LEGEND_OUTSIDE)
+
+
+def _chunk_shade(chunk: int, chunks: int) -> float:
+    """How much paler a device's later chunks are, so interleaved and V schedules read at a glance."""
+    return 0.45 * chunk / max(1, chunks - 1)
 
 
 def _lane_rows(lanes: Sequence) -> list[tuple[str, list]]:
@@ -168,21 +266,5 @@ def _draw_lanes(ax, num_devices: int, lane_rows: list[tuple[str, list]]) -> None
 
 
 def _lighten(color: str, amount: float) -> str:
-    """Later chunks of a device are drawn lighter, so interleaved and V schedules read at a glance."""
     channels = [int(color[i : i + 2], 16) for i in (1, 3, 5)]
     return "#" + "".join(f"{round(c + (255 - c) * amount):02x}" for c in channels)
-
-
-def _draw_memory(ax, timeline: Timeline) -> None:
-    cmap = pyplot().get_cmap("viridis")
-    num_devices = timeline.num_devices
-    for device in range(num_devices):
-        points: Sequence[tuple[float, float]] = timeline.memory_curve(device)
-        times = [t for t, _ in points] + [timeline.makespan]
-        levels = [level for _, level in points] + [points[-1][1]]
-        ax.step(
-            times, levels, where="post", linewidth=1, color=cmap(device / max(1, num_devices - 1)), label=f"d{device}"
-        )
-    ax.set_ylabel("memory")
-    if num_devices <= 16:
-        ax.legend(fontsize=7, ncol=min(num_devices, 8), loc="upper right", frameon=False)

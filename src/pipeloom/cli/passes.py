@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pipeloom.cli_args import int_list, mem_limit_from_args
+from pipeloom.cli.args import int_list, mem_limit_from_args
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError
 from pipeloom.ir.schedule import Schedule

@@ -1,54 +1,22 @@
-"""The `train` command's arguments and plumbing, shared by `pipeloom train` and the torchrun entry
-point `python -m pipeloom.train`. Torch is imported only when a run starts."""
+"""The arguments `pipeloom train` and the torchrun entry point `python -m pipeloom.train` share,
+and what the flags alone decide: their checks and the run's options. Torch is not imported here."""
 
 from __future__ import annotations
 
 import argparse
 
-from pipeloom.cli import (
-    _check_outputs,
-    _schedule_from_args,
-)
-from pipeloom.cli_args import add_ckpt, add_costs, add_schedule_source, costs_from_args, int_list
-from pipeloom.cli_model import add_model_arguments, workload_from_args
-from pipeloom.cli_passes import checkpointed, passes_use_budget
+from pipeloom.cli.args import add_ckpt, add_costs, add_schedule_source, int_list
+from pipeloom.cli.model import add_model_arguments
+from pipeloom.cli.output import check_outputs
 from pipeloom.errors import ConfigError
 
-__all__ = ["add_train_arguments", "check_train_flags", "cmd_train", "train_spec_from_args", "write_train_outputs"]
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    """Train locally with `--nproc` forked ranks (torch imported here only)."""
-    check_train_flags(args)
-    spec = train_spec_from_args(args, report=True)
-    expected = spec.schedule.num_devices * spec.dp
-    if args.nproc is None and not args.plan:
-        raise ConfigError("train needs --nproc (= p × dp ranks) or --plan")
-    if spec.torch_device_type == "cuda":  # CUDA cannot be shared with forked children
-        raise ConfigError(
-            "--device cuda runs one process per GPU: "
-            f"torchrun --nproc-per-node {expected} -m pipeloom.train <same flags>"
-        )
-    if args.nproc is not None and args.nproc != expected:
-        raise ConfigError(
-            f"--nproc {args.nproc} does not match p × dp = {spec.schedule.num_devices} × {spec.dp} = {expected}"
-        )
-    from pipeloom.runtime.local import run_local
-
-    results = run_local(spec, timeout_s=args.timeout * max(1, spec.steps))
-    write_train_outputs(results, spec, args)
-    if args.plan:
-        from pipeloom.cli_plan import fidelity_report
-        from pipeloom.tune.plan import Plan
-
-        print(fidelity_report(Plan.load(args.plan), results))
-    return 0
+__all__ = ["add_train_arguments", "check_train_flags", "run_options"]
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments `pipeloom train` and `python -m pipeloom.train` share."""
     parser.add_argument("--plan", metavar="PATH", help="run a plan written by `pipeloom tune` (schedule, model, dp)")
-    add_schedule_source(parser, name_flag="--schedule")  # -m counts micro-batches per replica
+    add_schedule_source(parser)  # -m counts micro-batches per replica
     add_ckpt(parser)
     parser.add_argument(
         "--recompute-layers",
@@ -132,7 +100,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def check_train_flags(args: argparse.Namespace) -> None:
     """What the flags alone can be refused for, before torch is imported: counts, pairings,
     destinations, and a plan that does not hold together."""
-    _check_outputs([args.trace, args.summary], plot=None)
+    check_outputs([args.trace, args.summary], plot=None)
     for name in ("steps", "threads"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}")
@@ -154,44 +122,6 @@ def check_train_flags(args: argparse.Namespace) -> None:
         from pipeloom.tune.plan import Plan
 
         Plan.load(args.plan)  # one line naming the field that does not hold together
-
-
-def train_spec_from_args(args: argparse.Namespace, report: bool = False):
-    """The schedule (with --split / --ckpt), the model and the run, checked before any compute."""
-    from pipeloom.models.llama import LlamaConfig
-    from pipeloom.runtime.training import TrainSpec, check_spec
-
-    if args.plan:
-        from pipeloom.cli_plan import spec_from_plan
-
-        spec = spec_from_plan(args)
-        check_spec(spec)
-        return spec
-    costs = costs_from_args(args)
-    schedule = checkpointed(_schedule_from_args(args, costs, budget_is_used=passes_use_budget(args)), costs, args)
-    counts = None
-    if args.layer_counts:
-        try:
-            counts = tuple(int(x) for x in args.layer_counts.split(","))
-        except ValueError:
-            raise ConfigError(
-                f"--layer-counts must be integers separated by commas, got {args.layer_counts!r}"
-            ) from None
-    if args.dp < 1:
-        raise ConfigError(f"--dp must be at least 1, got {args.dp}")
-    workload, config = workload_from_args(args, counts)
-    spec = TrainSpec(
-        schedule=schedule,
-        config=config or LlamaConfig(),
-        workload=workload,
-        dp=args.dp,
-        layer_counts=counts,
-        concat_w=args.concat_w,
-        report=report,
-        **run_options(args),
-    )
-    check_spec(spec)
-    return spec
 
 
 def run_options(args: argparse.Namespace) -> dict:
@@ -234,30 +164,3 @@ def _peak_tflops(args: argparse.Namespace) -> float | None:
 
         return load_hardware(args.hardware).peak_flops / 1e12
     return None
-
-
-def write_train_outputs(results, spec, args: argparse.Namespace) -> None:
-    from pipeloom.runtime.metrics import final_table
-    from pipeloom.runtime.report import summary, write_summary, write_trace
-
-    if args.trace:
-        write_trace(results, args.trace)
-    work = spec.resolved_workload()
-    context = {
-        "schedule": spec.schedule.name,
-        "p": spec.schedule.num_devices,
-        "dp": spec.dp,
-        "model": work.name,
-        "dtype": spec.dtype,
-        "device": spec.torch_device_type,
-        "zero": spec.zero,
-    }
-    if args.summary:
-        write_summary(results, args.summary, spec.peak_tflops, **context)
-    facts = summary(results, spec.peak_tflops, **context)
-    print(
-        f"{facts['model']} · {facts['schedule']}: p={facts['p']} dp={facts['dp']} "
-        f"{facts['dtype']} on {facts['device']}, ZeRO-{facts['zero']}, "
-        f"recomputes {facts['recomputes']}"
-    )
-    print(final_table(results, facts))

@@ -1,43 +1,77 @@
-"""How the command line prints: reports, tables, numbers, a progress bar on stderr."""
+"""How the command line prints and writes: reports, tables, numbers, files, progress on stderr."""
 
 from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError
+from pipeloom.files import check_writable
+from pipeloom.ir.torch_csv import to_torch_csv
 from pipeloom.sim.simulate import Timeline
+from pipeloom.units import format_time, memory_scale, time_unit
+from pipeloom.viz.plot import check_plot_path, plot_timeline, pyplot  # imports matplotlib only when it draws
+from pipeloom.viz.trace import write_chrome_trace
 
-__all__ = ["check_finite", "costs_text", "exact_report", "num", "offload_report", "progress_bar", "report", "table"]
+__all__ = [
+    "check_finite",
+    "format_time",
+    "memory_scale",
+    "time_unit",
+    "check_outputs",
+    "costs_text",
+    "exact_report",
+    "num",
+    "offload_report",
+    "progress_bar",
+    "report",
+    "table",
+    "write_outputs",
+]
 
 
 def report(timeline: Timeline) -> str:
-    s = timeline.schedule
+    """The summary and one row per device, every figure with its unit (`pipeloom.units`)."""
+    s, costs = timeline.schedule, timeline.costs
+    unit = time_unit(costs)
+    peaks = timeline.peak_memory  # a derived list: build it once, not per row
+    memory = memory_scale(costs, peaks)
     head = [
         f"schedule     {s.name}: {s.num_devices} devices, {s.num_stages} stages, {s.num_microbatches} micro-batches"
         + (f", {s.num_slices} slices" if s.num_slices > 1 else "")
         + f", {s.num_ops} ops",
-        f"costs        {costs_text(timeline.costs)}",
-        f"makespan     {num(timeline.makespan)}",
-        f"cost         {num(timeline.cost)}  (largest per-device span)",
-        f"bubble rate  {timeline.bubble_rate:.2%}",
+        f"costs        {costs_text(costs)}",
+        f"makespan     {format_time(timeline.makespan, costs)}  (first op's start to last op's end)",
+        f"cost         {format_time(timeline.cost, costs)}  (the longest device span: what a step takes)",
+        f"bubble rate  {timeline.bubble_rate:.2%}  (cost minus the mean device's useful work F, B, W, over the cost)",
+        f"peak memory  {memory.text(max(peaks))}  (static plus activations, on the fullest device)",
         "",
     ]
-    peaks = timeline.peak_memory  # a derived list: build it once, not per row
     rows = [
         [
             f"d{d}",
             num(timeline.spans[d]),
             num(timeline.useful_time[d]),
-            f"{rate:.2%}",
-            num(timeline.static_memory[d]),
-            num(timeline.peak_activation_memory[d]),
-            num(peaks[d]),
+            f"{idle:.2%}",
+            memory.number(timeline.static_memory[d]),
+            memory.number(timeline.peak_activation_memory[d]),
+            memory.number(peaks[d]),
         ]
-        for d, rate in enumerate(timeline.device_bubble_rates())
+        for d, idle in enumerate(timeline.device_idle_shares())
     ]
-    return "\n".join(head) + table(["device", "span", "useful", "idle", "static", "peak act.", "peak memory"], rows)
+    headers = [
+        "device",
+        f"span ({unit})",
+        f"useful ({unit})",
+        "idle in span",
+        f"static ({memory.unit})",
+        f"peak act. ({memory.unit})",
+        f"peak memory ({memory.unit})",
+    ]
+    return "\n".join(head) + table(headers, rows)
 
 
 def exact_report(exact) -> str:
@@ -92,7 +126,13 @@ def progress_bar(what: str):
 
 
 def costs_text(costs: Costs) -> str:
-    return ", ".join(f"{key}={value}" for key, value in costs.to_dict().items())
+    """The costs' keys, then their units: bare costs say they have none."""
+    keys = {key: value for key, value in costs.to_dict().items() if key not in ("time_unit", "memory_unit")}
+    memory = "bytes" if costs.memory_unit == "bytes" else memory_scale(costs).unit
+    return (
+        ", ".join(f"{key}={value}" for key, value in keys.items())
+        + f"  [time in {time_unit(costs)}, memory in {memory}]"
+    )
 
 
 def num(value: float) -> str:
@@ -116,3 +156,26 @@ def check_finite(timeline):
             "scale them down (only their ratios matter)"
         )
     return timeline
+
+
+def check_outputs(paths: list[str | None], plot: str | None) -> None:
+    """Refuse unwritable destinations before computing anything, so bad input writes nothing."""
+    check_writable(*paths)
+    if plot:
+        check_plot_path(plot)
+        pyplot()  # refuse now if matplotlib is missing, not after the work
+
+
+def write_outputs(
+    timeline: Timeline, export: str | None, trace: str | None, plot: str | None, lanes: Sequence | None = None
+) -> None:
+    """--export (JSON, or torch's CSV for .csv), --trace and --plot of one timeline."""
+    torch_csv = to_torch_csv(timeline.schedule) if export and export.endswith(".csv") else None  # may refuse
+    if plot:
+        plot_timeline(timeline, plot, lanes=lanes)  # first: the only output with an optional dependency
+    if torch_csv is not None:
+        Path(export).write_text(torch_csv)  # torch.distributed.pipelining's format
+    elif export:
+        timeline.schedule.to_json(export)
+    if trace:
+        write_chrome_trace(timeline, trace, lanes=lanes or ())

@@ -3,21 +3,64 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError
-from pipeloom.passes.split_backward import W_PLACEMENTS
+from pipeloom.ir.io import load_schedule
+from pipeloom.ir.schedule import Schedule
+from pipeloom.ir.torch_csv import from_torch_csv
+from pipeloom.passes.split_backward import W_PLACEMENTS, split_backward
+from pipeloom.schedules import build_schedule, get_generator, list_generators
 
-__all__ = ["add_ckpt", "add_costs", "add_mem_limit", "add_schedule_source", "add_tpipe_passes", "int_list"]
+__all__ = [
+    "add_ckpt",
+    "add_costs",
+    "add_mem_limit",
+    "add_schedule_name",
+    "add_schedule_source",
+    "add_tpipe_passes",
+    "costs_from_args",
+    "int_list",
+    "mem_limit_from_args",
+    "schedule_from_args",
+    "schedule_name",
+]
 
 
-def add_schedule_source(parser: argparse.ArgumentParser, name_flag: str | None = None) -> None:
-    """NAME (positional, or as `name_flag`), sizes, a schedule file instead, memory budget, split."""
-    name_help = "schedule generator (see `pipeloom list`)"
-    if name_flag:
-        parser.add_argument(name_flag, dest="name", metavar="NAME", help=name_help)
-    else:
-        parser.add_argument("name", nargs="?", metavar="NAME", help=name_help)
+def add_schedule_name(parser: argparse.ArgumentParser, many: bool = False) -> None:
+    """The schedule's name, spelt the same in every command: positional, or `--schedule`."""
+    what = "schedule generators" if many else "schedule generator"
+    parser.add_argument(
+        "name",
+        nargs="*" if many else "?",
+        metavar="NAME",
+        help=f"{what} (see `pipeloom list`); or --schedule",
+    )
+    parser.add_argument(
+        "--schedule",
+        dest="schedule_flag",
+        metavar="NAME" + (",NAME..." if many else ""),
+        help=f"the {what}, as a flag" + (" (comma-separated)" if many else ""),
+    )
+
+
+def schedule_name(args: argparse.Namespace):
+    """NAME or --schedule NAME (a list of names for `compare`), refused when both disagree."""
+    positional, flag = args.name, args.schedule_flag
+    if isinstance(positional, list):  # compare: several
+        named = [name for text in [flag] if text for name in text.split(",") if name]
+        if positional and named:
+            raise ConfigError("name the schedules once: as arguments or with --schedule, not both")
+        return positional or named
+    if positional and flag and positional != flag:
+        raise ConfigError(f"two schedule names, {positional!r} and --schedule {flag!r}: give one")
+    return positional or flag
+
+
+def add_schedule_source(parser: argparse.ArgumentParser) -> None:
+    """NAME (or --schedule NAME), sizes, a schedule file instead, memory budget, split."""
+    add_schedule_name(parser)
     parser.add_argument("-p", "--devices", dest="p", type=int, help="number of devices")
     parser.add_argument("-m", "--microbatches", dest="m", type=int, help="micro-batches per step")
     parser.add_argument("-v", "--chunks", type=int, help="chunks (stages) per device, for interleaved, tpipe, svpp")
@@ -124,7 +167,8 @@ def mem_limit_from_args(args: argparse.Namespace):
     from pipeloom.budget import budget_from_flag
 
     costs = getattr(args, "costs", None)
-    return budget_from_flag(getattr(args, "mem_limit", None), costs_in_bytes=bool(costs) and "=" not in costs)
+    in_bytes = bool(costs) and ("=" not in costs or "memory_unit=bytes" in costs.replace(" ", ""))
+    return budget_from_flag(getattr(args, "mem_limit", None), costs_in_bytes=in_bytes)
 
 
 def costs_from_args(args: argparse.Namespace) -> Costs:
@@ -141,3 +185,59 @@ def costs_from_args(args: argparse.Namespace) -> Costs:
 
 def _flat(value) -> list[float]:
     return [x for entry in value for x in (entry if isinstance(entry, tuple) else (entry,))]
+
+
+def schedule_from_args(args: argparse.Namespace, costs: Costs, budget_is_used: bool = False) -> Schedule:
+    """The named (or loaded) schedule, with --split applied; generators that take costs get them."""
+    if args.batch_w and args.split not in ("deferred", "fill"):
+        raise ConfigError("--batch-w needs --split deferred or --split fill")
+    budget = mem_limit_from_args(args)
+    name = schedule_name(args)
+    if args.schedule_file:
+        if name or args.p is not None or args.m is not None or _generator_flags(args):
+            raise ConfigError(
+                "give either a schedule NAME with -p/-m[/-v/--slices/--forwards] or --schedule-file, not both"
+            )
+        if budget is not None and not budget_is_used:
+            raise ConfigError(
+                "--mem-limit applies to memory-aware generators (zb-auto, v-auto), --ckpt mario or --exact"
+            )
+        schedule = _load_schedule_file(args.schedule_file)
+    else:
+        if not name:
+            raise ConfigError("name a schedule (see `pipeloom list`) or give --schedule-file")
+        if args.p is None or args.m is None:
+            raise ConfigError(f"schedule {name!r} needs -p (devices) and -m (micro-batches)")
+        options = get_generator(name).options
+        kwargs: dict = _generator_flags(args)
+        for flag, option in (("-v", "num_chunks"), ("--slices", "num_slices"), ("--forwards", "forwards")):
+            if option in kwargs and option not in options:
+                raise ConfigError(f"schedule {name!r} does not take {flag}")
+        if "costs" in options:
+            kwargs["costs"] = costs
+        if budget is not None and "mem_limit" in options:
+            kwargs["mem_limit"] = budget
+        elif budget is not None and not budget_is_used:
+            takers = ", ".join(g.name for g in list_generators() if "mem_limit" in g.options)
+            raise ConfigError(f"schedule {name!r} takes no memory limit; memory-driven schedules: {takers}")
+        schedule = build_schedule(name, args.p, args.m, **kwargs)
+    if args.split:
+        schedule = split_backward(schedule, args.split, costs=costs, batch=args.batch_w)
+    return schedule
+
+
+def _load_schedule_file(path: str) -> Schedule:
+    """A pipeloom.schedule/1 JSON file, or torch.distributed.pipelining's CSV (.csv), validated."""
+    if not path.endswith(".csv"):
+        return load_schedule(path).validate()
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise ConfigError(f"cannot read schedule file {path!r}: {error.strerror}") from None
+    return from_torch_csv(text, name=Path(path).stem)
+
+
+def _generator_flags(args: argparse.Namespace) -> dict:
+    """The generator options given on the command line (-v, --slices, --forwards)."""
+    given = {"num_chunks": args.chunks, "num_slices": args.slices, "forwards": args.forwards}
+    return {option: value for option, value in given.items() if value is not None}

@@ -1,4 +1,7 @@
-"""The timing kernel: every op as soon as its device is free and its inputs have arrived.
+"""The dependency walk: every op as soon as its device is free and its inputs have arrived.
+
+It is both the deadlock check of validation (with zero durations) and the simulator's timing
+kernel, so it lives with the graph it walks and the IR needs nothing above it.
 
 Each device is a queue; a device runs its head op when all of that op's dependencies have ended
 (plus `comm` for an edge from another device), else it parks on the first missing one and is woken

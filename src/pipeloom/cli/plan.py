@@ -9,12 +9,23 @@ from pipeloom.errors import ConfigError
 
 __all__ = ["spec_from_plan", "fidelity_report"]
 
-_SCHEDULE_FLAGS = ("name", "p", "m", "chunks", "slices", "forwards", "schedule_file", "split", "layer_counts")
+_SCHEDULE_FLAGS = (
+    "name",
+    "schedule_flag",
+    "p",
+    "m",
+    "chunks",
+    "slices",
+    "forwards",
+    "schedule_file",
+    "split",
+    "layer_counts",
+)
 
 
 def spec_from_plan(args: argparse.Namespace):
     """The TrainSpec of a plan; schedule and model flags would contradict it, so they are refused."""
-    from pipeloom.cli_train import run_options
+    from pipeloom.cli.train_args import run_options
     from pipeloom.passes.offload import t_offload
     from pipeloom.profile.profiler import llama_config
     from pipeloom.runtime.training import TrainSpec
@@ -34,7 +45,7 @@ def spec_from_plan(args: argparse.Namespace):
     elif "offload" in plan.passes:
         fields.setdefault("offload_stages", t_offload(plan.schedule).stages)
     if source and source.startswith("hf:"):  # the profiled Hugging Face model, cut as planned
-        from pipeloom.cli_model import workload_from_args
+        from pipeloom.cli.model import workload_from_args
 
         args.model, args.seq_len = source, model.seq_len
         work, _ = workload_from_args(args, plan.partition, plan.micro_batch_size)

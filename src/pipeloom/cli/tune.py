@@ -1,34 +1,37 @@
-"""The `tune` command: which plan for this model and cluster — a ranked table, plan.json, a plot."""
+"""`pipeloom tune`: which plan for this model and cluster — a ranked table, plan.json, a plot."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
 from pipeloom.budget import parse_memory_budget
-from pipeloom.cli_args import int_list
-from pipeloom.cli_format import num, progress_bar, table
+from pipeloom.cli.args import int_list
+from pipeloom.cli.output import num, progress_bar, table
+from pipeloom.cli.parser import add_command
 from pipeloom.errors import ConfigError
 from pipeloom.files import check_writable
 from pipeloom.tune.space import DEFAULT_SCHEMES, RUNNABLE_SCHEMES, SCHEMES, power_of_two_sizes
 
-__all__ = ["add_commands", "add_tune_arguments", "cmd_tune", "add_profile_arguments", "cmd_profile"]
+__all__ = ["register", "static_measures_line"]
 
 
-def add_commands(commands) -> None:
-    """`profile` and `tune` on the command line's subparsers."""
-    profiler = commands.add_parser(
-        "profile", help="measure a small LLaMA-style model on this machine; write per-layer costs (torch)"
+def register(commands) -> None:
+    parser = add_command(
+        commands,
+        "tune",
+        "which plan for this model and cluster: search, rank, write plan.json and its timeline",
+        [
+            "pipeloom tune --model gpt3-13b --hardware a100-40g --devices 32 --global-batch 128 --explain",
+            "pipeloom tune --costs profile.json --devices 2 --memory 1GiB --global-batch 8 --runnable",
+            "pipeloom tune --model llama2-7b --hardware h100 --devices 16 --global-batch 64 --output plans/l7b.json --force",
+        ],
     )
-    add_profile_arguments(profiler)
-    profiler.set_defaults(handler=cmd_profile)
-    tuner = commands.add_parser(
-        "tune", help="which plan for this model and cluster: search, rank, write plan.json and its timeline"
-    )
-    add_tune_arguments(tuner)
-    tuner.set_defaults(handler=cmd_tune)
+    add_tune_arguments(parser)
+    parser.set_defaults(handler=run)
 
 
 def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +59,7 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--top", type=int, default=10, help="plans to rank (default 10)")
     parser.add_argument("--output", default="plan.json", help="where to write the best plan (default plan.json)")
+    parser.add_argument("--force", action="store_true", help="overwrite the plan and its timeline if they exist")
     parser.add_argument("--plot", help="the best plan's timeline (default: the output's name with .png)")
     parser.add_argument(
         "--explain",
@@ -65,7 +69,7 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the ranking as JSON")
 
 
-def cmd_tune(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from pipeloom.tune.plan import plan_from_evaluation
     from pipeloom.tune.search import tune
     from pipeloom.viz.plot import check_plot_path, has_matplotlib, pyplot
@@ -83,6 +87,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
         pyplot()  # asked for: refuse now if matplotlib is missing, not after the search
     plot = args.plot or (str(Path(args.output).with_suffix(".png")) if has_matplotlib() else None)
     check_writable(args.output, plot)
+    existing = [path for path in (args.output, plot) if path and os.path.exists(path)]
+    if existing and not args.force:
+        raise ConfigError(
+            f"{' and '.join(existing)} already exist(s): pass --force to overwrite, or --output elsewhere"
+        )
     result = tune(
         cost_model,
         args.devices,
@@ -178,6 +187,7 @@ def _row_dict(e, result) -> dict:
         "peak_memory": e.peak_memory,
         "bubble_rate": e.bubble_rate,
         "partition": e.partition,
+        "memory_unit": "bytes",
     }
 
 
@@ -239,81 +249,3 @@ def static_measures_line(evaluation, memory: float) -> str:
         f"static memory: {chosen.label} — {what}: {own_gib:.2f} GiB per device at most instead of "
         f"{plain_gib:.2f} GiB under ZeRO-0, {price}"
     )
-
-
-def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        required=True,
-        help="hf:DIR (a transformers model: its own layers are timed), or an HF-style config.json of a LLaMA-style "
-        "model for the built-in decoder; small enough for this machine",
-    )
-    parser.add_argument("--seq-len", type=int, default=128, help="hf: models: tokens per sequence (default 128)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="compute type (default fp32)")
-    parser.add_argument("--mbs", default="1,2", metavar="LIST", help="micro-batch sizes to measure (default 1,2)")
-    parser.add_argument("--layers", default="1,2,3", metavar="LIST", help="layers per stage to measure (default 1,2,3)")
-    parser.add_argument("--steps", type=int, default=4, help="steps per probe; the first is left out (default 4)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
-    parser.add_argument("--output", default="profile.json", help="where to write the profile (default profile.json)")
-
-
-def _hf_profile_model(args: argparse.Namespace):
-    """(ModelSpec of the directory's config at --seq-len, probe workloads of its own layers)."""
-    import dataclasses
-
-    from pipeloom.models.hf import _config_path, hf_workload, load_hf_config
-    from pipeloom.tune.presets import model_from_config
-
-    path = args.model[3:]
-    config = load_hf_config(path)
-    if config.model_type not in ("llama", "mistral", "qwen2", "gpt2"):
-        raise ConfigError(f"profile: the cost model describes decoder transformers, not {config.model_type}")
-    data = json.loads(_config_path(path).read_text())
-    model = dataclasses.replace(model_from_config(data, name=Path(path).name or "hf"), seq_len=args.seq_len)
-    return model, lambda layers, mbs: hf_workload(path, 0, mbs, args.seq_len, layers=layers)
-
-
-def cmd_profile(args: argparse.Namespace) -> int:
-    from pipeloom.tune.presets import load_model
-
-    workload_for = None
-    if args.model.startswith("hf:"):
-        model, workload_for = _hf_profile_model(args)
-    else:
-        model = load_model(args.model)
-    if model.params > 5e8:
-        raise ConfigError(f"{model.name} has {model.params / 1e9:.1f}B parameters: too large to run on this machine")
-    if workload_for is None and (not model.gated or model.kv_heads is not None or model.flash_attention):
-        raise ConfigError(
-            "the built-in decoder is LLaMA-style (gated, without GQA); profile other models as --model hf:DIR"
-        )
-    sizes, layers = int_list(args.mbs, "--mbs"), int_list(args.layers, "--layers")
-    if len(layers) < 2 or min(layers) < 1 or not sizes or min(sizes) < 1 or args.steps < 2 or args.threads < 1:
-        raise ConfigError("profile needs at least two layer counts >= 1, micro-batch sizes >= 1 and --steps >= 2")
-    check_writable(args.output)
-    from pipeloom.profile.profiler import profile_model
-    from pipeloom.tune.profiled import ProfiledCostModel, profile_costs_keys
-
-    profile = profile_model(
-        model,
-        sizes,
-        layers,
-        args.steps,
-        args.threads,
-        progress=progress_bar("profile"),
-        workload_for=workload_for,
-        dtype=args.dtype,
-    )
-    if workload_for is not None:
-        profile["source"] = args.model
-    profile.update(profile_costs_keys(ProfiledCostModel(profile)))
-    Path(args.output).write_text(json.dumps(profile, indent=1) + "\n")
-    for size in sizes:
-        fit = profile["fits"][str(size)]
-        print(
-            f"mbs {size}: per layer F {fit['F']['per_layer']:.3f} ms, B {fit['B']['per_layer']:.3f} ms, "
-            f"W {fit['W']['per_layer']:.3f} ms, R {fit['R']['per_layer']:.3f} ms, "
-            f"activations {fit['M_B']['per_layer'] / 2**20:.2f} MiB; p2p {fit['p2p_ms']:.3f} ms"
-        )
-    print(f"profile written to {args.output}")
-    return 0

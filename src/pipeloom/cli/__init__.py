@@ -1,0 +1,50 @@
+"""The `pipeloom` command line: one module per command, each with a `register(commands)` that
+adds its parser and handler. The command line owns all printing; the library only returns values.
+
+Bad input of any kind ends in one line on stderr and exit status 2, with nothing written.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from pipeloom.cli import compare, listing, pareto, profile, show, simulate, train, tune, validate
+from pipeloom.cli.parser import EXIT_BAD_INPUT, Parser
+from pipeloom.errors import PipeloomError
+
+__all__ = ["main", "EXIT_BAD_INPUT"]
+
+_COMMANDS = (listing, simulate, pareto, profile, tune, train, show, validate, compare)  # in `--help` order
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if not getattr(args, "handler", None):
+            parser.print_help()
+            return EXIT_BAD_INPUT
+        return args.handler(args)
+    except PipeloomError as error:
+        print(f"pipeloom: error: {error.summary}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except BrokenPipeError:
+        return 0
+    except OSError as error:  # an output that cannot be written (permissions, full disk)
+        print(f"pipeloom: error: {error.strerror or error}: {error.filename or ''}".rstrip(": "), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="pipeloom", description="Plan, simulate and run pipeline-parallel training schedules.")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", parser_class=Parser)
+    for command in _COMMANDS:
+        command.register(commands)
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

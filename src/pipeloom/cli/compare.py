@@ -1,0 +1,114 @@
+"""`pipeloom compare`: several schedules on the same sizes and costs, side by side."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pipeloom.cli.args import (
+    add_costs,
+    add_mem_limit,
+    add_schedule_name,
+    costs_from_args,
+    mem_limit_from_args,
+    schedule_name,
+)
+from pipeloom.cli.output import check_finite, check_outputs, costs_text, memory_scale, num, table, time_unit
+from pipeloom.cli.parser import add_command
+from pipeloom.errors import ConfigError
+from pipeloom.schedules import build_schedule, get_generator
+from pipeloom.sim.simulate import simulate
+from pipeloom.viz.plot import plot_timeline
+
+__all__ = ["register"]
+
+
+def register(commands) -> None:
+    parser = add_command(
+        commands,
+        "compare",
+        "simulate several schedules side by side",
+        [
+            "pipeloom compare 1f1b zb-h1 zb-v -p 4 -m 8 --costs F=1,B=1,W=1,M_W=0.5",
+            "pipeloom compare --schedule gpipe,1f1b,interleaved -p 4 -m 8 -v 2 --plot compare.png",
+        ],
+    )
+    add_schedule_name(parser, many=True)
+    parser.add_argument("-p", "--devices", dest="p", type=int, required=True, help="number of devices")
+    parser.add_argument("-m", "--microbatches", dest="m", type=int, required=True, help="micro-batches per step")
+    parser.add_argument("-v", "--chunks", type=int, help="chunks per device, for schedules that take it")
+    parser.add_argument("--slices", type=int, help="slices per micro-batch, for schedules that take it")
+    add_costs(parser)
+    add_mem_limit(parser)
+    parser.add_argument(
+        "--plot", metavar="PATH", help="draw every schedule in one figure on one time axis, memory beneath"
+    )
+    parser.add_argument("--plot-dir", metavar="DIR", help="also write one timeline PNG per schedule here")
+    parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    names = schedule_name(args)
+    if not names:
+        raise ConfigError("name the schedules to compare (see `pipeloom list`)")
+    check_outputs([args.plot], plot=args.plot)
+    costs = costs_from_args(args)
+    budget = mem_limit_from_args(args)
+    timelines = []
+    for name in names:
+        options = get_generator(name).options
+        kwargs: dict = {}
+        if args.chunks is not None and "num_chunks" in options:
+            kwargs["num_chunks"] = args.chunks
+        if args.slices is not None and "num_slices" in options:
+            kwargs["num_slices"] = args.slices
+        if "costs" in options:
+            kwargs["costs"] = costs
+        if budget is not None and "mem_limit" in options:
+            kwargs["mem_limit"] = budget
+        timelines.append(check_finite(simulate(build_schedule(name, args.p, args.m, **kwargs), costs)))
+    if args.plot:
+        from pipeloom.viz.compare_plot import plot_comparison
+
+        plot_comparison(timelines, args.plot)
+    if args.plot_dir:
+        from pathlib import Path
+
+        directory = Path(args.plot_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        for timeline in timelines:
+            plot_timeline(timeline, directory / f"{timeline.schedule.name}.png")
+    if args.json:
+        print(json.dumps([timeline.summary() for timeline in timelines], allow_nan=False))
+        return 0
+    unit = time_unit(costs)
+    memory = memory_scale(costs, [x for t in timelines for x in t.peak_memory])
+    rows = [
+        [
+            t.schedule.name,
+            t.schedule.num_stages,
+            num(t.makespan),
+            num(t.cost),
+            f"{t.bubble_rate:.2%}",
+            memory.number(max(t.peak_memory)),
+            " ".join(memory.number(x) for x in t.peak_memory),
+        ]
+        for t in timelines
+    ]
+    print(f"p={args.p} m={args.m} costs: {costs_text(costs)}")
+    headers = [
+        "schedule",
+        "stages",
+        f"makespan ({unit})",
+        f"cost ({unit})",
+        "bubble",
+        f"peak mem ({memory.unit})",
+        f"peak memory per device ({memory.unit})",
+    ]
+    print(table(headers, rows))
+    for path in (args.plot, args.plot_dir and f"{args.plot_dir}/"):
+        if path:
+            print(f"timelines written to {path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,35 @@
+"""`pipeloom list`: every schedule generator, with what it trades and its paper."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from pipeloom.cli.output import table
+from pipeloom.cli.parser import add_command
+from pipeloom.schedules import list_generators
+
+__all__ = ["register"]
+
+
+def register(commands) -> None:
+    parser = add_command(
+        commands,
+        "list",
+        "every schedule generator, with its paper",
+        ["pipeloom list", "pipeloom list --json"],
+    )
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    generators = list_generators()
+    if args.json:
+        keys = ("name", "family", "paper", "summary", "domain")
+        listing = [{key: getattr(g, key) for key in keys} | {"options": list(g.options)} for g in generators]
+        print(json.dumps(listing, indent=2))
+        return 0
+    rows = [[g.name, g.summary, g.paper, g.domain] for g in generators]
+    print(table(["schedule", "what it trades", "paper", "domain"], rows))
+    return 0

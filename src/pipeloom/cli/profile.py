@@ -1,0 +1,107 @@
+"""`pipeloom profile`: measure a model's layers on this machine (torch) into a profile for `tune`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from pipeloom.cli.args import int_list
+from pipeloom.cli.output import progress_bar
+from pipeloom.cli.parser import add_command
+from pipeloom.errors import ConfigError
+from pipeloom.files import check_writable
+
+__all__ = ["register"]
+
+
+def register(commands) -> None:
+    parser = add_command(
+        commands,
+        "profile",
+        "measure a model on this machine; write per-layer costs for `tune` (torch)",
+        [
+            "pipeloom profile --model examples/tiny-llama.json --mbs 1,2 --layers 1,2 --output profile.json",
+            "pipeloom profile --model hf:./my-llama --seq-len 256 --mbs 1,2 --layers 1,2 --output prof.json",
+        ],
+    )
+    add_profile_arguments(parser)
+    parser.set_defaults(handler=run)
+
+
+def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="hf:DIR (a transformers model: its own layers are timed), or an HF-style config.json of a LLaMA-style "
+        "model for the built-in decoder; small enough for this machine",
+    )
+    parser.add_argument("--seq-len", type=int, default=128, help="hf: models: tokens per sequence (default 128)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="compute type (default fp32)")
+    parser.add_argument("--mbs", default="1,2", metavar="LIST", help="micro-batch sizes to measure (default 1,2)")
+    parser.add_argument("--layers", default="1,2,3", metavar="LIST", help="layers per stage to measure (default 1,2,3)")
+    parser.add_argument("--steps", type=int, default=4, help="steps per probe; the first is left out (default 4)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument("--output", default="profile.json", help="where to write the profile (default profile.json)")
+
+
+def _hf_profile_model(args: argparse.Namespace):
+    """(ModelSpec of the directory's config at --seq-len, probe workloads of its own layers)."""
+    import dataclasses
+
+    from pipeloom.models.hf import _config_path, hf_workload, load_hf_config
+    from pipeloom.tune.presets import model_from_config
+
+    path = args.model[3:]
+    config = load_hf_config(path)
+    if config.model_type not in ("llama", "mistral", "qwen2", "gpt2"):
+        raise ConfigError(f"profile: the cost model describes decoder transformers, not {config.model_type}")
+    data = json.loads(_config_path(path).read_text())
+    model = dataclasses.replace(model_from_config(data, name=Path(path).name or "hf"), seq_len=args.seq_len)
+    return model, lambda layers, mbs: hf_workload(path, 0, mbs, args.seq_len, layers=layers)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipeloom.tune.presets import load_model
+
+    workload_for = None
+    if args.model.startswith("hf:"):
+        model, workload_for = _hf_profile_model(args)
+    else:
+        model = load_model(args.model)
+    if model.params > 5e8:
+        raise ConfigError(f"{model.name} has {model.params / 1e9:.1f}B parameters: too large to run on this machine")
+    if workload_for is None and (not model.gated or model.kv_heads is not None or model.flash_attention):
+        raise ConfigError(
+            "the built-in decoder is LLaMA-style (gated, without GQA); profile other models as --model hf:DIR"
+        )
+    sizes, layers = int_list(args.mbs, "--mbs"), int_list(args.layers, "--layers")
+    if len(layers) < 2 or min(layers) < 1 or not sizes or min(sizes) < 1 or args.steps < 2 or args.threads < 1:
+        raise ConfigError("profile needs at least two layer counts >= 1, micro-batch sizes >= 1 and --steps >= 2")
+    check_writable(args.output)
+    from pipeloom.profile.profiler import profile_model
+    from pipeloom.tune.profiled import ProfiledCostModel, profile_costs_keys
+
+    profile = profile_model(
+        model,
+        sizes,
+        layers,
+        args.steps,
+        args.threads,
+        progress=progress_bar("profile"),
+        workload_for=workload_for,
+        dtype=args.dtype,
+    )
+    if workload_for is not None:
+        profile["source"] = args.model
+    profile.update(profile_costs_keys(ProfiledCostModel(profile)))
+    Path(args.output).write_text(json.dumps(profile, indent=1) + "\n")
+    for size in sizes:
+        fit = profile["fits"][str(size)]
+        print(
+            f"mbs {size}: per layer F {fit['F']['per_layer']:.3f} ms, B {fit['B']['per_layer']:.3f} ms, "
+            f"W {fit['W']['per_layer']:.3f} ms, R {fit['R']['per_layer']:.3f} ms, "
+            f"activations {fit['M_B']['per_layer'] / 2**20:.2f} MiB; p2p {fit['p2p_ms']:.3f} ms"
+        )
+    print(f"profile written to {args.output}")
+    return 0

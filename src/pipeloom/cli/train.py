@@ -1,0 +1,124 @@
+"""`pipeloom train`: run a schedule (or a plan) on local ranks; torch is imported only when a run
+starts. The torchrun entry point `python -m pipeloom.train` shares the spec and outputs."""
+
+from __future__ import annotations
+
+import argparse
+
+from pipeloom.cli.args import costs_from_args, schedule_from_args
+from pipeloom.cli.model import workload_from_args
+from pipeloom.cli.parser import add_command
+from pipeloom.cli.passes import checkpointed, passes_use_budget
+from pipeloom.cli.train_args import add_train_arguments, check_train_flags, run_options
+from pipeloom.errors import ConfigError
+
+__all__ = ["register", "train_spec_from_args", "write_train_outputs"]
+
+
+def register(commands) -> None:
+    parser = add_command(
+        commands,
+        "train",
+        "train a model with a schedule on local ranks (torch, gloo); or run a plan from `tune`",
+        [
+            "pipeloom train zb-v -p 2 -m 4 --nproc 2 --steps 3",
+            "pipeloom train --schedule 1f1b -p 2 -m 4 --nproc 2 --model hf:examples/hf-llama-tiny --seq-len 64",
+            "pipeloom train --plan plan.json --steps 6",
+        ],
+    )
+    parser.add_argument("--nproc", type=int, help="ranks to start on this machine (= p × dp; with --plan, the plan's)")
+    add_train_arguments(parser)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train locally with `--nproc` forked ranks (torch imported here only)."""
+    check_train_flags(args)
+    spec = train_spec_from_args(args, report=True)
+    expected = spec.schedule.num_devices * spec.dp
+    if args.nproc is None and not args.plan:
+        raise ConfigError("train needs --nproc (= p × dp ranks) or --plan")
+    if spec.torch_device_type == "cuda":  # CUDA cannot be shared with forked children
+        raise ConfigError(
+            "--device cuda runs one process per GPU: "
+            f"torchrun --nproc-per-node {expected} -m pipeloom.train <same flags>"
+        )
+    if args.nproc is not None and args.nproc != expected:
+        raise ConfigError(
+            f"--nproc {args.nproc} does not match p × dp = {spec.schedule.num_devices} × {spec.dp} = {expected}"
+        )
+    from pipeloom.runtime.local import run_local
+
+    results = run_local(spec, timeout_s=args.timeout * max(1, spec.steps))
+    write_train_outputs(results, spec, args)
+    if args.plan:
+        from pipeloom.cli.plan import fidelity_report
+        from pipeloom.tune.plan import Plan
+
+        print(fidelity_report(Plan.load(args.plan), results))
+    return 0
+
+
+def train_spec_from_args(args: argparse.Namespace, report: bool = False):
+    """The schedule (with --split / --ckpt), the model and the run, checked before any compute."""
+    from pipeloom.models.llama import LlamaConfig
+    from pipeloom.runtime.training import TrainSpec, check_spec
+
+    if args.plan:
+        from pipeloom.cli.plan import spec_from_plan
+
+        spec = spec_from_plan(args)
+        check_spec(spec)
+        return spec
+    costs = costs_from_args(args)
+    schedule = checkpointed(schedule_from_args(args, costs, budget_is_used=passes_use_budget(args)), costs, args)
+    counts = None
+    if args.layer_counts:
+        try:
+            counts = tuple(int(x) for x in args.layer_counts.split(","))
+        except ValueError:
+            raise ConfigError(
+                f"--layer-counts must be integers separated by commas, got {args.layer_counts!r}"
+            ) from None
+    if args.dp < 1:
+        raise ConfigError(f"--dp must be at least 1, got {args.dp}")
+    workload, config = workload_from_args(args, counts)
+    spec = TrainSpec(
+        schedule=schedule,
+        config=config or LlamaConfig(),
+        workload=workload,
+        dp=args.dp,
+        layer_counts=counts,
+        concat_w=args.concat_w,
+        report=report,
+        **run_options(args),
+    )
+    check_spec(spec)
+    return spec
+
+
+def write_train_outputs(results, spec, args: argparse.Namespace) -> None:
+    from pipeloom.runtime.metrics import final_table
+    from pipeloom.runtime.report import summary, write_summary, write_trace
+
+    if args.trace:
+        write_trace(results, args.trace)
+    work = spec.resolved_workload()
+    context = {
+        "schedule": spec.schedule.name,
+        "p": spec.schedule.num_devices,
+        "dp": spec.dp,
+        "model": work.name,
+        "dtype": spec.dtype,
+        "device": spec.torch_device_type,
+        "zero": spec.zero,
+    }
+    if args.summary:
+        write_summary(results, args.summary, spec.peak_tflops, **context)
+    facts = summary(results, spec.peak_tflops, **context)
+    print(
+        f"{facts['model']} · {facts['schedule']}: p={facts['p']} dp={facts['dp']} "
+        f"{facts['dtype']} on {facts['device']}, ZeRO-{facts['zero']}, "
+        f"recomputes {facts['recomputes']}"
+    )
+    print(final_table(results, facts))

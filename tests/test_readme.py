@@ -1,0 +1,64 @@
+"""The README's commands work as written: every shell block marked `<!-- runnable -->` runs, in
+order, in a fresh directory holding only the repository's examples, with the installed
+`pipeloom` on PATH (what `. .venv/bin/activate` gives); a block marked `<!-- output -->` is what
+the command before it prints."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_BLOCK = re.compile(r"<!-- (runnable|output) -->\n```(\w+)\n(.*?)```", re.S)
+
+
+def marked_blocks() -> list[tuple[str, str]]:
+    return [(mark, body) for mark, _, body in _BLOCK.findall((ROOT / "README.md").read_text())]
+
+
+def commands(body: str) -> list[str]:
+    """The block's commands, continuation lines joined, comments dropped."""
+    joined = body.replace("\\\n", " ")
+    return [line.split("  #")[0].strip() for line in joined.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def run_block(body: str, cwd: Path) -> str:
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", COLUMNS="200")
+    printed = []
+    for command in commands(body):
+        done = subprocess.run(command, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"README command failed: {command}\n{done.stderr[-2000:]}"
+        printed.append(done.stdout)
+    return "".join(printed)
+
+
+def test_the_readme_marks_its_commands():
+    marks = [mark for mark, _ in marked_blocks()]
+    assert marks.count("runnable") >= 4 and "output" in marks
+    assert all(prev == "runnable" for prev, mark in zip(marks, marks[1:]) if mark == "output")
+
+
+def test_the_readme_compare_table_is_what_compare_prints(tmp_path):
+    """The decision guide's table is the command's output, not numbers written by hand."""
+    blocks = marked_blocks()
+    for (mark, body), (next_mark, expected) in zip(blocks, blocks[1:]):
+        if next_mark == "output" and "pipeloom compare" in body:
+            assert run_block(body, tmp_path) == expected
+            return
+    pytest.fail("no compare table under an <!-- output --> mark")
+
+
+@pytest.mark.slow
+def test_the_readme_runs_in_order_on_a_fresh_directory(tmp_path):
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    blocks = marked_blocks()
+    for index, (mark, body) in enumerate(blocks):
+        if mark == "runnable":
+            printed = run_block(body, tmp_path)
+            if index + 1 < len(blocks) and blocks[index + 1][0] == "output":
+                assert printed == blocks[index + 1][1]
+    assert (tmp_path / "plan.json").exists() and (tmp_path / "gpt3-plan.json").exists()
