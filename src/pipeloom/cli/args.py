@@ -49,7 +49,7 @@ def schedule_name(args: argparse.Namespace):
     """NAME or --schedule NAME (a list of names for `compare`), refused when both disagree."""
     positional, flag = args.name, args.schedule_flag
     if isinstance(positional, list):  # compare: several
-        named = [name for text in [flag] if text for name in text.split(",") if name]
+        named = [name for name in (flag or "").split(",") if name]
         if positional and named:
             raise ConfigError("name the schedules once: as arguments or with --schedule, not both")
         return positional or named
