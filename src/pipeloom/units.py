@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from pipeloom.costs import Costs
 
-__all__ = ["MemoryScale", "memory_scale", "time_unit", "format_time"]
+__all__ = ["MemoryScale", "memory_scale", "memory_unit", "time_unit", "format_time"]
 
 _MIB, _GIB = 2**20, 2**30
 
@@ -19,6 +19,12 @@ _MIB, _GIB = 2**20, 2**30
 def time_unit(costs: Costs) -> str:
     """ "ms" (or the costs' own unit), else "units" for bare numbers."""
     return costs.time_unit or "units"
+
+
+def memory_unit(costs: Costs) -> str:
+    """What the costs' memory figures are in, as JSON and the costs line name it: "bytes", "M_B"
+    or "units" (tables scale bytes to MiB or GiB with `memory_scale`)."""
+    return "bytes" if costs.memory_unit == "bytes" else memory_scale(costs).unit
 
 
 def format_time(value: float, costs: Costs) -> str:

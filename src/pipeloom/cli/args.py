@@ -163,11 +163,11 @@ def int_list(text: str, what: str) -> list[int]:
 
 
 def mem_limit_from_args(args: argparse.Namespace):
-    """--mem-limit, refused in bytes when the costs are unit-less (inline or default)."""
+    """--mem-limit; a size in bytes only for costs in bytes (a file, or memory_unit=bytes)."""
     from pipeloom.budget import budget_from_flag
 
     costs = getattr(args, "costs", None)
-    in_bytes = bool(costs) and ("=" not in costs or "memory_unit=bytes" in costs.replace(" ", ""))
+    in_bytes = bool(costs) and ("=" not in costs or Costs.parse(costs).memory_unit == "bytes")
     return budget_from_flag(getattr(args, "mem_limit", None), costs_in_bytes=in_bytes)
 
 

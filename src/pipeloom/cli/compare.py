@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from pipeloom.cli.args import (
     add_costs,
@@ -14,11 +15,12 @@ from pipeloom.cli.args import (
     mem_limit_from_args,
     schedule_name,
 )
-from pipeloom.cli.output import check_finite, check_outputs, costs_text, memory_scale, num, table, time_unit
+from pipeloom.cli.output import check_finite, check_outputs, costs_text, num, table
 from pipeloom.cli.parser import add_command
 from pipeloom.errors import ConfigError
 from pipeloom.schedules import build_schedule, get_generator
 from pipeloom.sim.simulate import simulate
+from pipeloom.units import memory_scale, time_unit
 from pipeloom.viz.plot import plot_timeline
 
 __all__ = ["register"]
@@ -74,8 +76,6 @@ def run(args: argparse.Namespace) -> int:
 
         plot_comparison(timelines, args.plot)
     if args.plot_dir:
-        from pathlib import Path
-
         directory = Path(args.plot_dir)
         directory.mkdir(parents=True, exist_ok=True)
         for timeline in timelines:

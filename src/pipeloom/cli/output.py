@@ -12,15 +12,12 @@ from pipeloom.errors import ConfigError
 from pipeloom.files import check_writable
 from pipeloom.ir.torch_csv import to_torch_csv
 from pipeloom.sim.simulate import Timeline
-from pipeloom.units import format_time, memory_scale, time_unit
+from pipeloom.units import format_time, memory_scale, memory_unit, time_unit
 from pipeloom.viz.plot import check_plot_path, plot_timeline, pyplot  # imports matplotlib only when it draws
 from pipeloom.viz.trace import write_chrome_trace
 
 __all__ = [
     "check_finite",
-    "format_time",
-    "memory_scale",
-    "time_unit",
     "check_outputs",
     "costs_text",
     "exact_report",
@@ -128,11 +125,8 @@ def progress_bar(what: str):
 def costs_text(costs: Costs) -> str:
     """The costs' keys, then their units: bare costs say they have none."""
     keys = {key: value for key, value in costs.to_dict().items() if key not in ("time_unit", "memory_unit")}
-    memory = "bytes" if costs.memory_unit == "bytes" else memory_scale(costs).unit
-    return (
-        ", ".join(f"{key}={value}" for key, value in keys.items())
-        + f"  [time in {time_unit(costs)}, memory in {memory}]"
-    )
+    units = f"  [time in {time_unit(costs)}, memory in {memory_unit(costs)}]"
+    return ", ".join(f"{key}={value}" for key, value in keys.items()) + units
 
 
 def num(value: float) -> str:

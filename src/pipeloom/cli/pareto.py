@@ -7,9 +7,10 @@ import json
 import sys
 
 from pipeloom.cli.args import add_costs, costs_from_args
-from pipeloom.cli.output import check_outputs, costs_text, memory_scale, num, progress_bar, table, time_unit
+from pipeloom.cli.output import check_outputs, costs_text, num, progress_bar, table
 from pipeloom.cli.parser import add_command
 from pipeloom.tune.pareto import explore_pareto
+from pipeloom.units import memory_scale, time_unit
 
 __all__ = ["register"]
 

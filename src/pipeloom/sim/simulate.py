@@ -22,7 +22,7 @@ from pipeloom.ir.graph import DependencyGraph, build_graph
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
 from pipeloom.ir.walk import run
-from pipeloom.units import memory_scale, time_unit
+from pipeloom.units import memory_unit, time_unit
 
 __all__ = ["Timeline", "simulate", "OpTiming"]
 
@@ -115,7 +115,7 @@ class Timeline:
             "useful_time": self.useful_time,
             "device_idle_share": self.device_idle_shares(),
             "time_unit": time_unit(self.costs),
-            "memory_unit": "bytes" if self.costs.memory_unit == "bytes" else memory_scale(self.costs).unit,
+            "memory_unit": memory_unit(self.costs),
         }
 
 

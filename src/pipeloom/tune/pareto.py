@@ -21,6 +21,7 @@ from pipeloom.schedules.auto_search import min_memory_limits
 from pipeloom.schedules.registry import build_schedule, get_generator, require_int
 from pipeloom.schedules.v_shape import v_placement
 from pipeloom.sim.simulate import Timeline, simulate
+from pipeloom.units import memory_unit, time_unit
 
 __all__ = ["ParetoPoint", "explore_pareto", "frontier"]
 
@@ -52,8 +53,8 @@ class ParetoPoint:
             "on_frontier": self.on_frontier,
         }
         if self.timeline is not None:
-            summary = self.timeline.summary()
-            facts |= {"memory_unit": summary["memory_unit"], "time_unit": summary["time_unit"]}
+            costs = self.timeline.costs
+            facts |= {"memory_unit": memory_unit(costs), "time_unit": time_unit(costs)}
         return facts
 
 
