@@ -7,28 +7,31 @@
    batch 1536, every scheme, pp ∈ {2, ..., 128}, micro-batch size ∈ {1, ..., 16}. Goal ≥ 240
    configurations in ≤ 30 s (Mario: 1060 ms per iteration).
 Prints the configurations, how many were simulated, pruned and ruled out, the wall time and the
-best plan. Usage: python bench/tune_speed.py
+best plan, on every core (`--jobs N` for fewer; the plans are the same for any N).
+Usage: python bench/tune_speed.py [--jobs N]
 """
 
 from __future__ import annotations
 
+import argparse
 import platform
 import time
 
 from pipeloom.tune.cost_model import AnalyticCostModel
 from pipeloom.tune.presets import load_hardware, load_model
+from pipeloom.tune.pool import default_jobs
 from pipeloom.tune.search import tune
 from pipeloom.tune.space import candidates
 
 GIB = 2**30
 
 
-def run(title: str, model: str, hardware: str, devices: int, batch: int, goal: float, **space) -> None:
+def run(title: str, model: str, hardware: str, devices: int, batch: int, goal: float, jobs: int, **space) -> None:
     cost_model = AnalyticCostModel(load_model(model), load_hardware(hardware), space.pop("tp", 1))
     memory = cost_model.hardware.memory
     points = len(list(candidates(devices, batch, tp=cost_model.tp, num_layers=cost_model.model.layers, **space)))
     began = time.perf_counter()
-    result = tune(cost_model, devices, memory, batch, tp=cost_model.tp, **space)
+    result = tune(cost_model, devices, memory, batch, tp=cost_model.tp, jobs=jobs, **space)
     seconds = time.perf_counter() - began
     best = result.best
     print(f"\n{title}")
@@ -36,7 +39,7 @@ def run(title: str, model: str, hardware: str, devices: int, batch: int, goal: f
         f"  {points} configurations (each also with Mario / T-Recomp where memory is short): simulated {result.evaluated}, "
         f"pruned {result.pruned}, ruled out {len(result.rejected)}"
     )
-    print(f"  wall time {seconds:.2f} s (goal ≤ {goal:g} s: {'met' if seconds <= goal else 'missed'})")
+    print(f"  wall time {seconds:.2f} s on {jobs} process(es) (goal ≤ {goal:g} s: {'met' if seconds <= goal else 'missed'})")
     print(
         f"  best: {best.candidate.label}, step {best.step_time:.0f} ms, {result.throughput(best):.1f} samples/s, "
         f"peak {max(best.peak_memory) / GIB:.1f} GiB, layers per stage {best.partition[:4]}..."
@@ -44,7 +47,10 @@ def run(title: str, model: str, hardware: str, devices: int, batch: int, goal: f
 
 
 def main() -> None:
-    print(f"python {platform.python_version()} on {platform.machine()}")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=default_jobs(), help="processes (default: every core)")
+    jobs = parser.parse_args().jobs
+    print(f"python {platform.python_version()} on {platform.machine()}, {default_jobs()} core(s)")
     run(
         "Mario §6.7: GPT3-13B, 64 × A100-40G, global batch 128",
         "gpt3-13b",
@@ -52,6 +58,7 @@ def main() -> None:
         64,
         128,
         10,
+        jobs,
         schemes=["1f1b", "chimera", "interleaved"],
         pp_values=[4, 8, 16, 32, 64],
         micro_batches=[1, 2, 4, 8, 16, 32],
@@ -63,6 +70,7 @@ def main() -> None:
         1024,
         1536,
         30,
+        jobs,
         tp=8,
         pp_values=[2, 4, 8, 16, 32, 64, 128],
         micro_batches=[1, 2, 4, 8, 16],

@@ -94,3 +94,25 @@ def test_compare_plot_is_one_file(capsys, tmp_path):
     assert code == 0 and [p.name for p in tmp_path.iterdir()] == ["all.png"] and path.stat().st_size > 0
     code, _, err = run(capsys, "compare", "1f1b", "-p", "4", "-m", "8", "--plot", str(tmp_path / "x.bmp"))
     assert code == 2 and "use a .png" in err
+
+
+def test_progress_is_live_on_a_terminal_only(monkeypatch, capsys):
+    from pipeloom.cli import output
+
+    monkeypatch.setattr(output.sys.stderr, "isatty", lambda: False, raising=False)
+    assert output.progress_bar("tune") is None
+    monkeypatch.setattr(output.sys.stderr, "isatty", lambda: True, raising=False)
+    assert output.progress_bar("tune", quiet=True) is None
+    report = output.progress_bar("tune", unit="candidate")
+    for done in range(1, 5):
+        report(done, 4)
+    assert "tune:" in capsys.readouterr().err
+
+
+def test_tune_refuses_zero_jobs(capsys, tmp_path):
+    code, _, err = run(
+        capsys,
+        "tune", "--model", "zb-1.5b", "--hardware", "rtx-4090", "--devices", "2", "--global-batch", "4",
+        "--jobs", "0", "--output", str(tmp_path / "plan.json"),
+    )  # fmt: skip
+    assert code == 2 and "--jobs must be at least 1" in err

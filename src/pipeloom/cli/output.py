@@ -24,6 +24,8 @@ __all__ = [
     "num",
     "offload_report",
     "progress_bar",
+    "add_quiet",
+    "clock_bar",
     "report",
     "table",
     "write_outputs",
@@ -108,18 +110,53 @@ def _tightest_windows(offload) -> str:
     )
 
 
-def progress_bar(what: str):
-    """A one-line progress report on stderr, only when stderr is a terminal."""
-    if not sys.stderr.isatty():
+def progress_bar(what: str, quiet: bool = False, unit: str = "it"):
+    """A live tqdm bar on stderr for `progress(done, total)` callbacks — none when stderr is not
+    a terminal (a log or a pipe keeps only the result) or with --quiet."""
+    if quiet or not sys.stderr.isatty():
         return None
+    from tqdm import tqdm
+
+    bar = None
 
     def report(done: int, total: int) -> None:
-        width = 30
-        filled = width * done // total
-        end = "\n" if done == total else ""
-        print(f"\r{what} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end, file=sys.stderr, flush=True)
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc=what, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True)
+        bar.total = total
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
 
     return report
+
+
+def clock_bar(what: str, seconds: float, quiet: bool = False):
+    """A live bar over a time limit for `progress(elapsed, best)` callbacks (a solver that runs
+    until its limit), with the best value found so far; none off a terminal or with --quiet."""
+    if quiet or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    bar = tqdm(total=round(seconds, 1), desc=what, unit="s", file=sys.stderr, leave=False, bar_format=_CLOCK_FORMAT)
+
+    def report(elapsed: float, best: float | None) -> None:
+        bar.n = min(round(elapsed, 1), bar.total)
+        if best is not None:
+            bar.set_postfix_str(f"best makespan {best:.6g}", refresh=False)
+        bar.refresh()
+
+    report.close = bar.close
+    return report
+
+
+_CLOCK_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} s{postfix}"
+
+
+def add_quiet(parser) -> None:
+    parser.add_argument(
+        "--quiet", action="store_true", help="no live progress on stderr (it is off when not a terminal)"
+    )
 
 
 def costs_text(costs: Costs) -> str:

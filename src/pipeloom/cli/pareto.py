@@ -7,7 +7,7 @@ import json
 import sys
 
 from pipeloom.cli.args import add_costs, costs_from_args
-from pipeloom.cli.output import check_outputs, costs_text, num, progress_bar, table
+from pipeloom.cli.output import add_quiet, check_outputs, costs_text, num, progress_bar, table
 from pipeloom.cli.parser import add_command
 from pipeloom.tune.pareto import explore_pareto
 from pipeloom.units import memory_scale, time_unit
@@ -33,6 +33,7 @@ def register(commands) -> None:
     parser.add_argument("--frontier-only", action="store_true", help="list only the frontier's points")
     parser.add_argument("--plot", metavar="PATH", help="draw the points and the frontier (.png, .svg, .pdf)")
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    add_quiet(parser)
     parser.set_defaults(handler=run)
 
 
@@ -41,7 +42,12 @@ def run(args: argparse.Namespace) -> int:
     costs = costs_from_args(args)
     skipped: list[tuple[str, str]] = []
     points = explore_pareto(
-        args.p, args.m, costs, budgets=args.budgets, progress=progress_bar("pareto"), skipped=skipped
+        args.p,
+        args.m,
+        costs,
+        budgets=args.budgets,
+        progress=progress_bar("pareto", args.quiet, "schedule"),
+        skipped=skipped,
     )
     for label, reason in skipped:
         print(f"pipeloom: pareto: left out {label}: {reason}", file=sys.stderr)

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from pipeloom.cli.args import int_list
-from pipeloom.cli.output import progress_bar
+from pipeloom.cli.output import add_quiet, progress_bar
 from pipeloom.cli.parser import add_command
 from pipeloom.errors import ConfigError
 from pipeloom.files import check_writable
@@ -43,6 +43,7 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=4, help="steps per probe; the first is left out (default 4)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--output", default="profile.json", help="where to write the profile (default profile.json)")
+    add_quiet(parser)
 
 
 def _hf_profile_model(args: argparse.Namespace):
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         layers,
         args.steps,
         args.threads,
-        progress=progress_bar("profile"),
+        progress=progress_bar("profile", args.quiet, "probe"),
         workload_for=workload_for,
         dtype=args.dtype,
     )

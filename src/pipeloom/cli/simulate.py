@@ -15,7 +15,16 @@ from pipeloom.cli.args import (
     mem_limit_from_args,
     schedule_from_args,
 )
-from pipeloom.cli.output import check_finite, check_outputs, exact_report, offload_report, report, write_outputs
+from pipeloom.cli.output import (
+    add_quiet,
+    check_finite,
+    check_outputs,
+    clock_bar,
+    exact_report,
+    offload_report,
+    report,
+    write_outputs,
+)
 from pipeloom.cli.parser import add_command
 from pipeloom.cli.passes import offloaded, passes_use_budget, with_passes
 from pipeloom.errors import ConfigError
@@ -52,6 +61,7 @@ def register(commands) -> None:
         "memory limit: --mem-limit, else the schedule's own peaks",
     )
     parser.add_argument("--time-limit", type=float, metavar="S", help="seconds for --exact (default 10)")
+    add_quiet(parser)
     add_ckpt(parser)
     add_tpipe_passes(parser)
     parser.set_defaults(handler=run)
@@ -70,7 +80,12 @@ def run(args: argparse.Namespace) -> int:
         from pipeloom.tune.exact import optimise_schedule
 
         time_limit = args.time_limit if args.time_limit is not None else 10.0
-        exact = optimise_schedule(schedule, costs, mem_limit_from_args(args), time_limit=time_limit)
+        bar = clock_bar("exact", time_limit, args.quiet)
+        try:
+            exact = optimise_schedule(schedule, costs, mem_limit_from_args(args), time_limit=time_limit, progress=bar)
+        finally:
+            if bar:
+                bar.close()
         schedule = exact.schedule
     schedule = with_passes(schedule, costs, args)
     offload = offloaded(schedule, costs, args)

@@ -4,6 +4,7 @@ starts. The torchrun entry point `python -m pipeloom.train` shares the spec and 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from pipeloom.cli.args import costs_from_args, schedule_from_args
 from pipeloom.cli.model import workload_from_args
@@ -34,7 +35,7 @@ def register(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     """Train locally with `--nproc` forked ranks (torch imported here only)."""
     check_train_flags(args)
-    spec = train_spec_from_args(args, report=True)
+    spec = train_spec_from_args(args, report=not args.quiet)
     expected = spec.schedule.num_devices * spec.dp
     if args.nproc is None and not args.plan:
         raise ConfigError("train needs --nproc (= p × dp ranks) or --plan")
@@ -67,7 +68,7 @@ def train_spec_from_args(args: argparse.Namespace, report: bool = False):
     if args.plan:
         from pipeloom.cli.plan import spec_from_plan
 
-        spec = spec_from_plan(args)
+        spec = replace(spec_from_plan(args), report=report)
         check_spec(spec)
         return spec
     costs = costs_from_args(args)

@@ -59,6 +59,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--peak-tflops", type=float, metavar="X", help="per-rank peak TFLOP/s of the compute type, for MFU"
     )
+    run.add_argument("--quiet", action="store_true", help="no live step line on stderr (it is off when not a terminal)")
     run.add_argument(
         "--hardware", metavar="NAME", help="a hardware preset (h100, a100-80g, ...) whose 16-bit peak gives MFU"
     )

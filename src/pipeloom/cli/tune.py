@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pipeloom.budget import parse_memory_budget
 from pipeloom.cli.args import int_list
-from pipeloom.cli.output import num, progress_bar, table
+from pipeloom.cli.output import add_quiet, num, progress_bar, table
 from pipeloom.cli.parser import add_command
 from pipeloom.errors import ConfigError
 from pipeloom.files import check_writable
@@ -67,6 +67,10 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
         help="say which static-memory measures the best plan needs and what they cost, and why the runner-ups lost",
     )
     parser.add_argument("--json", action="store_true", help="print the ranking as JSON")
+    parser.add_argument(
+        "--jobs", type=int, help="processes that simulate candidates (default: every core); the ranking is the same"
+    )
+    add_quiet(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     schemes = args.schemes.split(",") if args.schemes else list(DEFAULT_SCHEMES)
     if args.runnable:
         schemes = [name for name in schemes if name in RUNNABLE_SCHEMES]
-    for value, what in ((args.devices, "--devices"), (args.global_batch, "--global-batch"), (args.top, "--top")):
+    jobs = [(args.jobs, "--jobs")] if args.jobs is not None else []
+    for value, what in [(args.devices, "--devices"), (args.global_batch, "--global-batch"), (args.top, "--top")] + jobs:
         if value < 1:
             raise ConfigError(f"{what} must be at least 1, got {value}")
     if args.plot:
@@ -104,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
         keep=args.top,
         memory_passes=not args.no_memory_passes,
         static_measures=not args.no_static_measures,
-        progress=progress_bar("tune"),
+        progress=progress_bar("tune", args.quiet, "candidate"),
+        jobs=args.jobs,
     )
     best = result.best
     plan = plan_from_evaluation(best, result, cost_model.model, cost_model.to_dict(), args.tp)

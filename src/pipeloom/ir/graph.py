@@ -56,7 +56,18 @@ class DependencyGraph:
 
 
 def build_graph(schedule: Schedule) -> DependencyGraph:
-    """Index the schedule and resolve every dependency; raise ScheduleError naming bad ops."""
+    """Index the schedule and resolve every dependency; raise ScheduleError naming bad ops.
+
+    The graph is kept on the schedule (which never changes), so every later simulation of it,
+    under whatever costs, skips the indexing."""
+    graph = schedule._graph
+    if graph is None:
+        graph = _index(schedule)
+        object.__setattr__(schedule, "_graph", graph)
+    return graph
+
+
+def _index(schedule: Schedule) -> DependencyGraph:
     num_stages, num_mb, num_slices = schedule.num_stages, schedule.num_microbatches, schedule.num_slices
     num_keys = num_stages * num_mb * num_slices
     stage_stride = num_mb * num_slices

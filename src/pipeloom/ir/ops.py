@@ -64,6 +64,11 @@ class Op:
     forward with a backward (DualPipe's F&B), so that the communication inside one (expert
     all-to-all) hides under the other's compute. Both start when both inputs are there."""
 
+    def __reduce__(self):
+        """Pickled as its fields in a row: the tuner's workers send schedules of many ops."""
+        fields = (self.kind, self.stage, self.microbatch, self.slice, self.ckpt, self.part, self.parts)
+        return Op, fields + (self.after_grad, self.overlap_next)
+
     @property
     def key(self) -> tuple[int, int, int]:
         """(stage, microbatch, slice): what the dependency rules match on."""

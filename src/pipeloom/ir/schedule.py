@@ -8,7 +8,7 @@ its F. That one fact lets a single dependency rule serve 1F1B, interleaved, V-sh
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from os import PathLike
 
 from pipeloom.errors import ScheduleError
@@ -31,12 +31,25 @@ class Schedule:
     num_microbatches: int
     num_slices: int
     devices: tuple[tuple[Op, ...], ...]
+    _graph: object = field(default=None, init=False, repr=False, compare=False)
+    """The dependency graph, built once: a schedule is immutable, and the tuner simulates one
+    schedule under many costs (static-memory measures, pass candidates)."""
+
+    def __getstate__(self):
+        """Without the graph: a copy rebuilds it faster than the pickle would carry it."""
+        return (self.name, self.num_devices, self.num_stages, self.num_microbatches, self.num_slices, self.devices)
+
+    def __setstate__(self, state) -> None:
+        names = ("name", "num_devices", "num_stages", "num_microbatches", "num_slices", "devices")
+        for name, value in zip(names, state):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_graph", None)
 
     def __post_init__(self) -> None:
-        for field in ("num_devices", "num_stages", "num_microbatches", "num_slices"):
-            value = getattr(self, field)
+        for size in ("num_devices", "num_stages", "num_microbatches", "num_slices"):
+            value = getattr(self, size)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ScheduleError(f"schedule {self.name!r}: {field} must be a positive integer, got {value!r}")
+                raise ScheduleError(f"schedule {self.name!r}: {size} must be a positive integer, got {value!r}")
         if len(self.devices) != self.num_devices:
             raise ScheduleError(
                 f"schedule {self.name!r}: num_devices is {self.num_devices} but {len(self.devices)} device lists were given"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from heapq import heappop, heappush
 
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError
@@ -56,12 +57,18 @@ def weight_parts(
     fused = _fused(schedule)
     limits = _limits(schedule, costs, mem_limit)
     name = f"{schedule.name}+wparts"
-    candidates = [
-        schedule.with_devices(_Placer(fused, costs, parts, limits, policy).run(), name) for policy in _POLICIES
-    ]
+    placed = []  # (makespan, schedule), in the order ties are broken
+    for policy in _POLICIES:
+        placer = _Placer(fused, costs, parts, limits, policy)
+        devices = placer.run()
+        candidate = schedule.with_devices(devices, name)
+        # The placer simulated the step as it built it; overlapped pairs it does not model.
+        makespan = placer.makespan if not placer.graph.paired else simulate(candidate, costs).makespan
+        placed.append((makespan, candidate))
     if any(op.kind is _W for _, _, op in schedule.ops()):
-        candidates.append(schedule.with_devices(_recut_in_place(schedule, parts), name))
-    return min(candidates, key=lambda candidate: simulate(candidate, costs).makespan)
+        candidate = schedule.with_devices(_recut_in_place(schedule, parts), name)
+        placed.append((simulate(candidate, costs).makespan, candidate))
+    return min(placed, key=lambda item: item[0])[1]
 
 
 def _recut_in_place(schedule: Schedule, parts: int) -> list[list[Op]]:
@@ -103,6 +110,8 @@ class _Placer:
     def __init__(self, fused: Schedule, costs: Costs, parts: int, limits: list[float], policy: str):
         self.graph = graph = build_graph(fused)
         self.parts, self.limits, self.policy = parts, limits, policy
+        self.makespan = 0.0
+        """The step's length, once `run` has placed every op."""
         table = costs.resolve(fused.num_devices, fused.num_stages, fused.num_slices)
         self.comm = table.comm
         L = fused.num_slices
@@ -122,23 +131,24 @@ class _Placer:
             self.w_memory.append(table.M_W[i] / parts)
 
     def run(self) -> list[list[Op]]:
+        """Event-driven: a heap of (clock, device) over the devices that can act, and devices
+        whose next op waits for an op not yet placed parked on that op until it is. Ties go to
+        the lower device, as in a scan for the earliest clock."""
         graph = self.graph
         p = len(graph.offsets) - 1
+        stops = graph.offsets[1:]
         end = [-1.0] * graph.num_ops
         head = list(graph.offsets[:-1])
         clock = [0.0] * p
         level = [0.0] * p
         queued: list[deque] = [deque() for _ in range(p)]  # (flat B, part)
         out: list[list[Op]] = [[] for _ in range(p)]
-        blocked = [False] * p
-        while True:
-            busy = [d for d in range(p) if not blocked[d] and (head[d] < graph.offsets[d + 1] or queued[d])]
-            if not busy:
-                assert all(head[d] == graph.offsets[d + 1] and not queued[d] for d in range(p)), "skeleton deadlock"
-                break
-            d = min(busy, key=lambda x: clock[x])
-            g = head[d] if head[d] < graph.offsets[d + 1] else None
-            ready = self.ready_time(g, end) if g is not None else None
+        parked: dict[int, list[int]] = {}  # op -> devices whose next op waits for it
+        events = [(0.0, d) for d in range(p) if head[d] < stops[d]]
+        while events:
+            _, d = heappop(events)
+            g = head[d] if head[d] < stops[d] else None
+            ready, missing = self.ready_time(g, end) if g is not None else (None, -1)
             if queued[d] and self.runs_a_part(d, g, ready, clock[d], level[d], self.w_time[queued[d][0][0]]):
                 b, part = queued[d].popleft()
                 op = graph.ops[b]
@@ -155,24 +165,29 @@ class _Placer:
                     queued[d].extend((g, part) for part in range(self.parts))
                 else:
                     out[d].append(op)
-                blocked = [False] * p
-                continue
+                for waiter in parked.pop(g, ()):
+                    heappush(events, (clock[waiter], waiter))
             elif ready is not None:
                 clock[d] = ready
             else:
-                blocked[d] = True
+                parked.setdefault(missing, []).append(d)
+                continue
+            if head[d] < stops[d] or queued[d]:
+                heappush(events, (clock[d], d))
+        assert all(head[d] == stops[d] and not queued[d] for d in range(p)), "skeleton deadlock"
+        self.makespan = max(clock, default=0.0)
         return out
 
-    def ready_time(self, g: int, end: list[float]) -> float | None:
-        """When op g's inputs have all arrived, or None if some producer has not run yet."""
+    def ready_time(self, g: int, end: list[float]) -> tuple[float | None, int]:
+        """When op g's inputs have all arrived, or (None, the first producer that has not run)."""
         graph = self.graph
         ready = 0.0
         for dep in graph.deps[g]:
             if end[dep] < 0:
-                return None
+                return None, dep
             arrival = end[dep] + (self.comm if graph.device_of[dep] != graph.device_of[g] else 0.0)
             ready = max(ready, arrival)
-        return ready
+        return ready, -1
 
     def runs_a_part(self, d: int, g: int | None, ready: float | None, now: float, level: float, length: float) -> bool:
         """Whether device d runs its oldest queued W part (of `length`) before its next op g."""

@@ -35,6 +35,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from heapq import heappop, heappush
 
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError, InfeasibleError
@@ -231,6 +232,48 @@ def _largest_fitting(p: int, m: int, v: int, s: int, costs: Costs, mem_limit, lo
     return best
 
 
+class _Agenda:
+    """Devices by clock (ties to the lower device), and the earliest clock strictly after a
+    time: how long a device without a ready op may wait. Many devices share a clock (they wait
+    for the same one), so distinct clocks are kept apart, counted, in a heap of their own."""
+
+    def __init__(self, p: int):
+        self.events = [(0.0, d) for d in range(p)]
+        self.counts = {0.0: p}
+        self.clocks = [0.0]  # distinct clocks; one no device holds any more is dropped lazily
+
+    def __bool__(self) -> bool:
+        return bool(self.events)
+
+    def push(self, clock: float, device: int) -> None:
+        heappush(self.events, (clock, device))
+        held = self.counts.get(clock, 0)
+        self.counts[clock] = held + 1
+        if not held:
+            heappush(self.clocks, clock)
+
+    def pop(self) -> tuple[float, int]:
+        clock, device = heappop(self.events)
+        held = self.counts[clock] - 1
+        if held:
+            self.counts[clock] = held
+        else:
+            del self.counts[clock]
+        return clock, device
+
+    def earliest_after(self, time: float) -> float:
+        clocks, counts = self.clocks, self.counts
+        passed: list[float] = []
+        while clocks and (clocks[0] <= time or clocks[0] not in counts):
+            clock = heappop(clocks)
+            if clock in counts and (not passed or passed[-1] != clock):
+                passed.append(clock)
+        found = clocks[0] if clocks else math.inf
+        for clock in passed:
+            heappush(clocks, clock)
+        return found
+
+
 class _SliceScheduler:
     """One greedy run. Tables are flat, indexed by (stage * m + mb) * s + slice; a candidate is
     (ready time, priority, is forward, stage, mb, slice)."""
@@ -253,39 +296,42 @@ class _SliceScheduler:
         self.unrun_forwards = [[v * s] * m for _ in range(p)]
 
     def run(self, bound: float = math.inf) -> tuple[float, int, list[list[Op]]]:
+        """Event-driven: the device with the earliest clock acts (a heap of (clock, device), ties
+        to the lower device). A device's candidates change only when an op is placed on it or on
+        a neighbour (whose stages feed or are fed by its own), so they are kept until then."""
         p, S = self.p, self.S
         clock = [0.0] * p
         last_forward = [False] * p
-        blocked = [False] * p
         order: list[list[Op]] = [[] for _ in range(p)]
         left = [2 * self.v * self.m * self.s] * p
         stages_of = [range(d, S, p) for d in range(p)]
         prefer = self.policy.prefer
         most_held = 0
-        while True:
-            d, now = -1, math.inf
-            for x in range(p):
-                if left[x] and not blocked[x] and clock[x] < now:
-                    d, now = x, clock[x]
-            if d < 0:
-                if any(left):
-                    raise _Deadlock
-                break
-            candidates = []
-            for stage in stages_of[d]:
-                self.forward_candidate(stage, d, candidates)
-                self.backward_candidates(stage, candidates)
-            ready = [c for c in candidates if c[0] <= now + _EPS]
-            if not ready:
+        agenda = _Agenda(p)  # the devices that can act: ops left and not blocked
+        blocked: list[int] = []  # no candidate at all and no later clock to wait for
+        cached: list[list | None] = [None] * p
+        earliest = [math.inf] * p  # the earliest ready time among a device's kept candidates
+        while agenda:
+            now, d = agenda.pop()
+            candidates = cached[d]
+            if candidates is None:
+                candidates = []
+                for stage in stages_of[d]:
+                    self.forward_candidate(stage, d, candidates)
+                    self.backward_candidates(stage, candidates)
+                cached[d] = candidates
+                earliest[d] = min((c[0] for c in candidates), default=math.inf)
+            if earliest[d] > now + _EPS:
                 # Wait for the next known input, but no later than another device's clock: an op
                 # whose producer has not run cannot become ready before that.
-                later = [c[0] for c in candidates]
-                later += [clock[x] for x in range(p) if left[x] and not blocked[x] and clock[x] > now + _EPS]
-                if later:
-                    clock[d] = min(later)
+                later = min(earliest[d], agenda.earliest_after(now + _EPS))
+                if later < math.inf:
+                    clock[d] = later
+                    agenda.push(later, d)
                 else:
-                    blocked[d] = True
+                    blocked.append(d)
                 continue
+            ready = [c for c in candidates if c[0] <= now + _EPS]
             forward_first = prefer == "forward" or (prefer == "alternate" and not last_forward[d])
             kinds = {c[2] for c in ready}
             is_forward = forward_first if len(kinds) == 2 else kinds.pop()
@@ -297,7 +343,14 @@ class _SliceScheduler:
             last_forward[d] = is_forward
             order[d].append(Op(F if is_forward else BW, stage, mb, slice_))
             left[d] -= 1
-            blocked = [False] * p
+            cached[d] = cached[(d - 1) % p] = cached[(d + 1) % p] = None
+            for x in blocked:
+                agenda.push(clock[x], x)
+            blocked.clear()
+            if left[d]:
+                agenda.push(end, d)
+        if any(left):
+            raise _Deadlock
         return max(clock), most_held, order
 
     def forward_candidate(self, stage: int, device: int, out: list) -> None:

@@ -16,8 +16,9 @@ only: ``pip install 'pipeloom[exact]'``.
 from __future__ import annotations
 
 import math
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipeloom.costs import Costs
@@ -79,8 +80,12 @@ def solve_exact(
     time_limit: float = 10.0,
     workers: int = 2,
     name: str = "exact",
+    progress: Callable[[float, float | None], None] | None = None,
 ) -> ExactResult:
-    """Optimise the op order for `placement` (stage → device) and return the best schedule found."""
+    """Optimise the op order for `placement` (stage → device) and return the best schedule found.
+
+    `progress(seconds so far, best makespan so far or None)` is called a few times a second
+    while CP-SAT searches, so a long solve shows it is alive and improving."""
     try:
         from ortools.sat.python import cp_model
     except ImportError:  # pragma: no cover - depends on the environment
@@ -185,7 +190,11 @@ def solve_exact(
     solver.parameters.max_time_in_seconds = float(time_limit)
     solver.parameters.num_workers = max(1, int(workers))
     began = time.perf_counter()
-    status = solver.Solve(model)
+    if progress is None:
+        status = solver.Solve(model)
+    else:
+        with _Ticker(progress, time_scale) as ticker:
+            status = solver.Solve(model, ticker.callback(cp_model))
     wall = time.perf_counter() - began
     status_name = solver.StatusName(status)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -217,6 +226,7 @@ def optimise_schedule(
     mem_limit: float | Sequence[float] | None = None,
     *,
     time_limit: float = 10.0,
+    progress: Callable[[float, float | None], None] | None = None,
 ) -> ExactResult:
     """Re-order `schedule`'s ops optimally on its own placement, warm-started from it.
 
@@ -239,4 +249,38 @@ def optimise_schedule(
         hint=schedule,
         time_limit=time_limit,
         name=f"{schedule.name}+exact",
+        progress=progress,
     )
+
+
+class _Ticker:
+    """Reports the elapsed time and the best makespan found, from a thread, while CP-SAT runs."""
+
+    def __init__(self, progress: Callable[[float, float | None], None], time_scale: float, every: float = 0.25):
+        self.progress, self.time_scale, self.every = progress, time_scale, every
+        self.best: float | None = None
+        self.began = time.perf_counter()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._tick, daemon=True)
+
+    def callback(self, cp_model):
+        ticker = self
+
+        class OnSolution(cp_model.CpSolverSolutionCallback):
+            def on_solution_callback(self) -> None:
+                ticker.best = self.ObjectiveValue() / ticker.time_scale
+
+        return OnSolution()
+
+    def _tick(self) -> None:
+        while not self.done.wait(self.every):
+            self.progress(time.perf_counter() - self.began, self.best)
+
+    def __enter__(self) -> _Ticker:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+        self.progress(time.perf_counter() - self.began, self.best)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from pipeloom.costs import Costs
 from pipeloom.errors import InfeasibleError, PipeloomError
@@ -37,6 +38,7 @@ from pipeloom.sim.simulate import Timeline, simulate
 from pipeloom.tune.cost_model import CostModel
 from pipeloom.tune.measures import StaticOption, static_options
 from pipeloom.tune.partition import partition_layers
+from pipeloom.tune.pool import ROUND, RoundPool, default_jobs
 from pipeloom.tune.space import DEFAULT_SCHEMES, SCHEMES, Candidate, candidates
 
 __all__ = ["Evaluation", "TuneResult", "tune", "evaluate"]
@@ -119,11 +121,13 @@ def tune(
     static_measures: bool = True,
     exhaustive: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    jobs: int | None = 1,
 ) -> TuneResult:
     """The `keep` fastest plans that fit `memory` bytes per device; InfeasibleError if none does,
     naming the binding constraint. `memory_passes=False` leaves out Mario, T-Recomp and T-Offload;
     `static_measures=False` leaves out ZeRO-1/2 and offloading every stage's optimizer;
-    `exhaustive` turns pruning off (for checking the pruning)."""
+    `exhaustive` turns pruning off (for checking the pruning). `jobs` processes simulate
+    candidates (None: every core this process may use); the result is the same for any."""
     points = list(
         candidates(
             devices,
@@ -145,28 +149,41 @@ def tune(
     ranked: list[Evaluation] = []
     rejected: list[Evaluation] = []
     evaluated = pruned = 0
-    for done, (evaluation, bound) in enumerate(prepared, 1):
-        if not evaluation.reason:
-            threshold = ranked[keep - 1].step_time if len(ranked) >= keep and not exhaustive else math.inf
-            if bound >= threshold - _EPS:
-                pruned += 1
+
+    def threshold() -> float:
+        return ranked[keep - 1].step_time if len(ranked) >= keep and not exhaustive else math.inf
+
+    task = partial(_simulate_task, memory=memory, memory_passes=memory_passes)
+    with RoundPool(task, jobs if jobs is not None else default_jobs(), pack=_packed) as pool:
+        for first in range(0, len(prepared), ROUND):
+            batch = list(enumerate(prepared[first : first + ROUND], first))
+            limit = threshold()
+            todo = [index for index, (evaluation, bound) in batch if not evaluation.reason and bound < limit - _EPS]
+            results = dict(zip(todo, pool.run([prepared[index][0] for index in todo], limit)))
+            evaluated += len(todo)
+            for index, (evaluation, bound) in batch:
+                if index in results or not evaluation.reason:  # (a simulation may have set a reason)
+                    if index not in results or bound >= threshold() - _EPS:
+                        pruned += 1  # by the round's threshold, or by a plan found in this round
+                        if progress:
+                            progress(index + 1, len(prepared))
+                        continue
+                    evaluation, kept = results[index]
+                    if not kept:
+                        pruned += 1
+                        if progress:
+                            progress(index + 1, len(prepared))
+                        continue
+                if evaluation.feasible:
+                    ranked.append(evaluation)
+                    ranked.sort(key=lambda e: e.step_time)
+                    del ranked[keep:]
+                else:
+                    rejected.append(evaluation)
                 if progress:
-                    progress(done, len(prepared))
-                continue
-            evaluated += 1
-            if not _simulate_candidate(evaluation, memory, threshold, memory_passes):
-                pruned += 1
-                if progress:
-                    progress(done, len(prepared))
-                continue
-        if evaluation.feasible:
-            ranked.append(evaluation)
-            ranked.sort(key=lambda e: e.step_time)
-            del ranked[keep:]
-        else:
-            rejected.append(evaluation)
-        if progress:
-            progress(done, len(prepared))
+                    progress(index + 1, len(prepared))
+    for evaluation in ranked:
+        _restore(evaluation)
     if not ranked:
         raise InfeasibleError(_binding_constraint(rejected, memory))
     return TuneResult(ranked, rejected, global_batch, memory, evaluated, pruned)
@@ -241,6 +258,36 @@ _RESULT_FIELDS = (
     "candidate", "costs", "schedule", "timeline", "offload", "pipeline_time", "allreduce_time",
     "optimizer_time", "static_memory", "peak_memory",
 )  # fmt: skip
+
+
+def _simulate_task(evaluation: Evaluation, threshold: float, memory: float, memory_passes: bool):
+    """One candidate simulated: (the evaluation, whether it was kept)."""
+    kept = _simulate_candidate(evaluation, memory, threshold, memory_passes)
+    return evaluation, kept
+
+
+def _packed(result: tuple[Evaluation, bool], threshold: float) -> tuple[Evaluation, bool]:
+    """What a worker sends back: timelines are left out (the search ranks on the step and
+    peaks; `_restore` rebuilds them for the plans it keeps), and so is the schedule of a plan
+    that cannot enter the ranking."""
+    evaluation, kept = result
+    evaluation.timeline = evaluation.offload = None
+    if not (evaluation.feasible and evaluation.step_time < threshold - _EPS):
+        evaluation.schedule = None
+    return evaluation, kept
+
+
+def _restore(evaluation: Evaluation) -> None:
+    """The timeline (and offload lanes) of a kept plan whose worker left them out."""
+    if evaluation.timeline is not None:
+        return
+    schedule, costs, passes = evaluation.schedule, evaluation.costs, evaluation.candidate.passes
+    if "offload" in passes or "offload-all" in passes:
+        stages = range(schedule.num_stages) if "offload-all" in passes else None
+        evaluation.offload = simulate_offload(t_offload(schedule, stages), costs)
+        evaluation.timeline = evaluation.offload.timeline
+    else:
+        evaluation.timeline = simulate(schedule, costs)
 
 
 def _simulate_candidate(

@@ -1,0 +1,71 @@
+"""Candidates simulated on several cores, with the same answer as on one.
+
+The search prunes each candidate against the `keep`-th best plan found before it, which makes it
+sequential by nature. So it runs in rounds of a fixed number of candidates (`ROUND`, the same for
+any number of jobs): every candidate of a round is simulated with the threshold known when the
+round began — on as many processes as there are jobs — and the round's results are then taken
+in order. What each candidate is simulated with never depends on the number of jobs, so the
+ranking, the rejected list and the counts do not either.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+
+__all__ = ["ROUND", "default_jobs", "RoundPool"]
+
+ROUND = 8
+"""Candidates per round: enough to keep a few cores busy, few enough that a good plan found
+early in a round soon prunes the next ones."""
+
+
+def default_jobs() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+_task: tuple[Callable, Callable] | None = None  # the worker's (simulate, pack)
+
+
+def _start_worker(simulate: Callable, pack: Callable) -> None:
+    global _task
+    _task = (simulate, pack)
+
+
+def _run(evaluation, threshold: float):
+    simulate, pack = _task
+    return pack(simulate(evaluation, threshold), threshold)
+
+
+def _as_is(result, threshold: float):
+    return result
+
+
+class RoundPool:
+    """`simulate(evaluation, threshold)` over one round's candidates, on `jobs` processes.
+
+    `pack(result, threshold)` trims what a worker sends back (a process pickles it)."""
+
+    def __init__(self, simulate: Callable, jobs: int, pack: Callable = _as_is):
+        self.simulate = simulate
+        self.pool = None
+        if jobs > 1:
+            self.pool = ProcessPoolExecutor(jobs, initializer=_start_worker, initargs=(simulate, pack))
+
+    def __enter__(self) -> RoundPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def run(self, evaluations: Sequence, threshold: float) -> list:
+        """The results, in the order given."""
+        if self.pool is None or len(evaluations) < 2:
+            return [self.simulate(evaluation, threshold) for evaluation in evaluations]
+        return list(self.pool.map(_run, evaluations, [threshold] * len(evaluations)))

@@ -1,0 +1,43 @@
+"""The tuner on several processes: the same ranking, rejections and counts as on one."""
+
+import pickle
+
+import pytest
+
+from pipeloom.costs import Costs
+from pipeloom.schedules import build_schedule
+from pipeloom.sim.simulate import simulate
+from pipeloom.tune.cost_model import AnalyticCostModel
+from pipeloom.tune.presets import load_hardware, load_model
+from pipeloom.tune.search import tune
+
+GIB = 2**30
+MODEL = AnalyticCostModel(load_model("zb-1.5b"), load_hardware("rtx-4090"))
+SPACE = {"schemes": ["1f1b", "zb-h1", "interleaved", "chimera", "svpp", "zb-v"], "micro_batches": [1, 2, 4]}
+
+
+def _outcome(result):
+    ranked = [
+        (e.candidate.label, e.step_time, e.peak_memory, e.bubble_rate, e.schedule.to_text()) for e in result.ranked
+    ]
+    rejected = sorted((e.candidate.label, e.reason) for e in result.rejected)
+    return ranked, rejected, result.evaluated, result.pruned
+
+
+@pytest.mark.parametrize("memory", [8, 12])
+def test_two_jobs_rank_exactly_as_one(memory):
+    one = tune(MODEL, 8, memory * GIB, 16, keep=5, jobs=1, **SPACE)
+    two = tune(MODEL, 8, memory * GIB, 16, keep=5, jobs=2, **SPACE)
+    assert _outcome(two) == _outcome(one)
+    assert one.evaluated > 8  # more than one round: later rounds prune against earlier ones
+    for evaluation in two.ranked:  # a worker leaves timelines out; the search rebuilds the kept ones
+        assert evaluation.timeline.makespan == pytest.approx(evaluation.pipeline_time)
+
+
+def test_a_schedule_keeps_its_graph_but_does_not_pickle_it():
+    schedule = build_schedule("1f1b", 4, 8)
+    first = simulate(schedule, Costs(F=1, B=2))
+    assert simulate(schedule, Costs(F=2, B=3)).graph is first.graph  # built once for any costs
+    copy = pickle.loads(pickle.dumps(schedule))
+    assert copy == schedule and copy._graph is None
+    assert simulate(copy, Costs(F=2, B=3)).makespan == simulate(schedule, Costs(F=2, B=3)).makespan
