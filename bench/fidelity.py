@@ -1,9 +1,12 @@
 """Predicted vs measured: plans tuned from a profile of this machine, then run with the runtime.
 
-Profiles examples/tiny-llama.json (micro-batch sizes 1, 2, 4; 1, 2, 4 layers per stage), tunes one
-plan per scheme on 2 ranks (global batch 8, micro-batch ≤ 2) plus one under a memory limit that
-only checkpointing meets, trains each for 8 steps (the first left out) and prints predicted and
-measured step time and peak activation (stash) bytes per device, and their mean absolute
+Profiles examples/tiny-llama.json (micro-batch sizes 1, 2, 4; 1, 2, 4 layers per stage; each probe
+repeated until its medians settle), tunes one plan per row on 2 ranks (global batch 8,
+micro-batch ≤ 2) — each scheme on two stages; pure data parallelism (dp = 2) with ZeRO-0 and, under a
+limit only sharding meets, ZeRO-1; a memory limit only checkpointing meets; slices (SVPP) —
+trains each for `--steps` steps (the first left out; repeated until the median settles, at most 3
+times) and prints predicted and measured step time,
+the step's breakdown, and peak activation (stash) bytes per device, with their mean absolute
 percentage errors. Goal: MAPE ≤ 5 % for time, ≤ 2 % for memory (Mario reports 9.4 % and 5.1 %).
 Usage: python bench/fidelity.py [--profile profile.json] [--steps 8]
 """
@@ -18,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from pipeloom.profile.profiler import llama_config, profile_model
+from pipeloom.profile.stability import until_stable
 from pipeloom.runtime.local import run_local
 from pipeloom.runtime.training import TrainSpec
 from pipeloom.tune.plan import plan_from_evaluation
@@ -26,15 +30,37 @@ from pipeloom.tune.profiled import ProfiledCostModel
 from pipeloom.tune.search import tune
 
 MODEL = Path(__file__).resolve().parent.parent / "examples" / "tiny-llama.json"
-PLANS = [  # (what it shows, tune keyword arguments)
-    ("1f1b", {"schemes": ["1f1b"]}),
-    ("zb-h1", {"schemes": ["zb-h1"]}),
-    ("interleaved", {"schemes": ["interleaved"]}),
-    ("chimera", {"schemes": ["chimera"]}),
-    ("zb-v", {"schemes": ["zb-v"]}),
-    ("tpipe", {"schemes": ["tpipe"]}),
-    ("1f1b, memory-short", {"schemes": ["1f1b"], "memory_factor": 0.6}),
+TWO_STAGES = {"pp_values": [2], "micro_batches": [1, 2]}
+DATA_PARALLEL = {"schemes": ["1f1b"], "pp_values": [1], "micro_batches": [1, 2]}
+PLANS = [  # tune keyword arguments; "activations" / "static": a memory limit of that share (below)
+    {"schemes": ["1f1b"], **TWO_STAGES},
+    {"schemes": ["zb-h1"], **TWO_STAGES},
+    {"schemes": ["zb-auto"], **TWO_STAGES},
+    {"schemes": ["interleaved"], **TWO_STAGES},
+    {"schemes": ["chimera"], **TWO_STAGES},
+    {"schemes": ["zb-v"], **TWO_STAGES},
+    {"schemes": ["tpipe"], **TWO_STAGES},
+    {"schemes": ["svpp"], **TWO_STAGES},
+    {"schemes": ["1f1b"], **TWO_STAGES, "activations": 0.6},
+    {"schemes": ["zb-h1"], **TWO_STAGES, "activations": 0.6},
+    {**DATA_PARALLEL, "static_measures": False},  # ZeRO-0
+    {**DATA_PARALLEL, "static": 0.95},  # ZeRO-1: sharding the optimizer state is what fits
 ]
+"""A memory limit of the plain plan's static memory plus `activations` × its peak activations:
+only checkpointing meets it; or of `static` × its static memory plus its activations: only
+sharding the optimizer state meets it."""
+LIMITS = ("activations", "static")
+PHASES = ("pipeline", "allreduce", "optimizer", "overhead")
+
+
+def limit(cost_model: ProfiledCostModel, options: dict) -> float:
+    memory = 2**30
+    if "activations" not in options and "static" not in options:
+        return memory
+    plain = {key: value for key, value in options.items() if key not in LIMITS}
+    best = tune(cost_model, 2, memory, 8, static_measures=False, **plain).best
+    static, activations = max(best.static_memory), max(best.timeline.peak_activation_memory)
+    return options.get("static", 1.0) * static + options.get("activations", 1.0) * activations
 
 
 def main() -> None:
@@ -48,17 +74,21 @@ def main() -> None:
     else:
         profile = profile_model(model, micro_batches=(1, 2, 4), layer_counts=(1, 2, 4), steps=5)
     cost_model = ProfiledCostModel(profile)
+    noise = profile.get("noise", {})
     print(f"python {platform.python_version()} on {platform.machine()}; {model.name}, 2 ranks, {args.steps} steps")
-    print(f"{'plan':<44} {'step ms':>9} {'measured':>9} {'error':>7}   {'stash MiB (pred / meas) per device':<36}")
+    if noise:
+        print(
+            f"profile noise: op times spread {noise['median_spread']:.1%} (worst {noise['worst_spread']:.1%}), "
+            f"{noise['rounds']} rounds over {noise['probes']} probes; per-op overhead {profile['op_overhead_ms']:.3f} ms"
+        )
+    for warning in profile.get("warnings", []):
+        print(f"warning: {warning}")
+    header = f"{'plan':<40} {'step ms':>8} {'measured':>8} {'error':>7}  "
+    print(header + "  ".join(f"{p[:8]:>13}" for p in PHASES) + "   stash MiB (pred/meas) per device")
     time_errors, memory_errors = [], []
-    for _, options in PLANS:
-        options = dict(options)
-        memory = 2**30
-        if "memory_factor" in options:  # static memory plus a share of the plain plan's activations
-            plain = tune(cost_model, 2, memory, 8, pp_values=[2], micro_batches=[1, 2], schemes=options["schemes"])
-            activations = max(plain.best.timeline.peak_activation_memory)
-            memory = max(plain.best.static_memory) + options.pop("memory_factor") * activations
-        result = tune(cost_model, 2, memory, 8, pp_values=[2], micro_batches=[1, 2], **options)
+    for options in PLANS:
+        memory = limit(cost_model, options)
+        result = tune(cost_model, 2, memory, 8, **{k: v for k, v in options.items() if k not in LIMITS})
         plan = plan_from_evaluation(result.best, result, model, cost_model.to_dict(), 1)
         spec = TrainSpec(
             plan.schedule,
@@ -66,23 +96,40 @@ def main() -> None:
             dp=plan.dp,
             steps=args.steps,
             layer_counts=plan.partition,
+            zero=plan.zero,
+            offload_stages=plan.offload_stages,
         )
-        results = run_local(spec)
-        measured = 1e3 * statistics.median(results[0].step_seconds[1:])
+        runs = []
+
+        def run_round():
+            runs.append(run_local(spec))
+            steps = runs[-1][0].phase_seconds[1:]
+            return {"step": [1e3 * s for s in runs[-1][0].step_seconds[1:]]} | {
+                p: [1e3 * s[p] for s in steps] for p in PHASES
+            }
+
+        measured_parts = until_stable(run_round, max_rounds=3)  # the same trust as the profile's
+        results = runs[-1]
+        measured = measured_parts["step"].median
         predicted = plan.predicted["step_time_ms"]
         time_errors.append(abs(measured - predicted) / measured)
+        parts = [f"{plan.predicted.get(p + '_ms', 0.0):6.1f}/{measured_parts[p].median:<6.1f}" for p in PHASES]
         cells = []
         for device, expected in enumerate(plan.predicted["peak_activation_memory"]):
-            stash = max(r.peak_stash_bytes for r in results[device].records)
+            stash = max(r.peak_stash_bytes for replica in range(plan.dp) for r in results[replica * plan.pp + device].records)
             memory_errors.append(abs(stash - expected) / stash)
             cells.append(f"{expected / 2**20:.1f}/{stash / 2**20:.1f}")
         print(
-            f"{result.best.candidate.label:<44} {predicted:>9.1f} {measured:>9.1f} {measured / predicted - 1:>+7.1%}   "
+            f"{result.best.candidate.label:<40} {predicted:>8.1f} {measured:>8.1f} {measured / predicted - 1:>+7.1%}  "
+            + "  ".join(parts)
+            + "   "
             + "  ".join(cells)
         )
     time_mape, memory_mape = statistics.fmean(time_errors), statistics.fmean(memory_errors)
+    print(f"\nbreakdown columns: predicted/measured ms (rank 0's medians); {len(PLANS)} plans")
+    print(f"per plan |error|: {', '.join(f'{e:.1%}' for e in time_errors)}")
     print(
-        f"\nMAPE: step time {time_mape:.1%} (goal ≤ 5%: {'met' if time_mape <= 0.05 else 'missed'}), "
+        f"MAPE: step time {time_mape:.1%} (goal ≤ 5%: {'met' if time_mape <= 0.05 else 'missed'}), "
         f"memory {memory_mape:.2%} (goal ≤ 2%: {'met' if memory_mape <= 0.02 else 'missed'})"
     )
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:

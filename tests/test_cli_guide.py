@@ -116,3 +116,14 @@ def test_tune_refuses_zero_jobs(capsys, tmp_path):
         "--jobs", "0", "--output", str(tmp_path / "plan.json"),
     )  # fmt: skip
     assert code == 2 and "--jobs must be at least 1" in err
+
+
+def test_explain_says_in_one_line_why_no_pipeline(capsys, tmp_path):
+    code, out, _ = run(
+        capsys,
+        "tune", "--model", "zb-1.5b", "--hardware", "h100", "--devices", "2", "--global-batch", "8",
+        "--pp", "1", "--schemes", "1f1b", "--explain", "--jobs", "1", "--output", str(tmp_path / "plan.json"),
+    )  # fmt: skip
+    assert code == 0
+    (line,) = [line for line in out.splitlines() if line.startswith("why no pipeline:")]
+    assert "1f1b pp=2 dp=1" in line and "ms per step" in line and "idle" in line

@@ -103,6 +103,10 @@ class Costs:
     memory_unit: str | None = None
     """What the memory keys are in: "bytes" (profiles, the tuner) or None (bare numbers: with
     M_B = 1 they count micro-batches' activations of one device's share)."""
+    op_overhead: float = 0.0
+    """Time the runtime adds to every op whatever its size (picking it, posting and matching its
+    messages, recording it): added to each F, B, W (where there is one) and R after a stage's
+    time is cut into slices, so slicing a micro-batch finer costs it more ops' worth."""
     attention_fraction: float = 0.0
     """Share of F, B and R time spent in causal attention. Cutting a micro-batch into L slices
     then gives slice l the share (1−a)/L + a(2l+1)/L² instead of 1/L: its queries attend to the
@@ -117,6 +121,10 @@ class Costs:
         if not _is_number(self.comm) or self.comm < 0 or not math.isfinite(self.comm):
             raise ConfigError(f"costs: comm must be a non-negative number, got {self.comm!r}")
         object.__setattr__(self, "comm", float(self.comm))
+        overhead = self.op_overhead
+        if not _is_number(overhead) or overhead < 0 or not math.isfinite(overhead):
+            raise ConfigError(f"costs: op_overhead must be a non-negative number, got {overhead!r}")
+        object.__setattr__(self, "op_overhead", float(overhead))
         fraction = self.attention_fraction
         if not _is_number(fraction) or not 0 <= fraction <= 1:
             raise ConfigError(f"costs: attention_fraction must be a number from 0 to 1, got {fraction!r}")
@@ -189,7 +197,7 @@ class Costs:
     def to_dict(self) -> dict[str, Any]:
         """Every set key; the optional ones (T-Offload's, attention, partial recompute, link share)
         only where they differ from their defaults, so plain costs read as before."""
-        defaults = {key: 0.0 for key in _OFFLOAD_KEYS + ("attention_fraction", "a2a_F", "a2a_B")} | {
+        defaults = {key: 0.0 for key in _OFFLOAD_KEYS + ("attention_fraction", "a2a_F", "a2a_B", "op_overhead")} | {
             "p2p_host_link_share": 1.0,
             "recompute_fraction": 1.0,
         }
@@ -220,6 +228,10 @@ class Costs:
             forward = [t + c for t, c in zip(forward, a2a_forward)]
             recompute = [t + c for t, c in zip(recompute, a2a_forward)]
             backward = [t + c for t, c in zip(backward, a2a_backward)]
+        if self.op_overhead:
+            more = self.op_overhead
+            forward, backward, recompute = ([t + more for t in ts] for ts in (forward, backward, recompute))
+            weight = [t + more if t else t for t in weight]
         return StageCosts(
             num_slices=num_slices,
             F=forward,

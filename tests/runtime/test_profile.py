@@ -46,6 +46,13 @@ def test_profile_simulate_tune_train(tmp_path, capsys):
     )
     data = json.loads(profile.read_text())
     assert data["format"] == "pipeloom.profile/1" and data["model"]["hidden"] == 32
+    # what the runtime adds beyond the ops, and how noisy the machine was, are in the profile
+    assert data["op_overhead_ms"] >= 0 and data["step_overhead"]["base_ms"] >= 0
+    assert data["optimizer"]["base_ms"] + data["optimizer"]["per_param_ms"] > 0
+    for link in ("p2p", "allreduce"):
+        assert data[link]["latency_ms"] >= 0 and data[link]["bytes_per_ms"] > 0
+    assert data["noise"]["probes"] == 4 and data["noise"]["rounds"] >= 2 * 4 and 0 <= data["noise"]["median_spread"]
+    assert isinstance(data["warnings"], list)
     for size in ("1", "2"):
         fit = data["fits"][size]
         assert fit["F"]["per_layer"] > 0 and fit["M_B"]["per_layer"] > 0 and fit["p2p_ms"] > 0
@@ -85,6 +92,8 @@ def test_profile_simulate_tune_train(tmp_path, capsys):
     assert main(["train", "--plan", str(plan), "--steps", "2"]) == 0
     out = capsys.readouterr().out
     assert "fidelity" in out and "step time" in out
+    for phase in ("pipeline", "allreduce", "optimizer", "overhead"):  # the breakdown, predicted vs measured
+        assert any(line.strip().startswith(phase) and " ms  vs " in line for line in out.splitlines())
     saved = json.loads(plan.read_text())
     for device in range(saved["pp"]):  # the stash the runtime measured is what the plan predicted
         line = next(line for line in out.splitlines() if line.strip().startswith(f"device {device} activations"))

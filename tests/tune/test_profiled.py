@@ -59,10 +59,17 @@ def test_stage_costs_follow_the_fits_and_interpolate():
     assert model.optimizer_time(1e6, 1) == 2.0
 
 
-def test_the_tuner_leaves_slices_out_of_a_profile():
-    result = tune(ProfiledCostModel(profile()), 2, 2**30, 4, schemes=["1f1b", "svpp"], micro_batches=[1, 2])
-    assert all(e.candidate.slices == 1 for e in result.ranked)
-    assert any(e.reason.startswith("cost model") for e in result.rejected)
+def test_a_slice_is_priced_as_a_smaller_micro_batch():
+    """A slice of a micro-batch of 2 in 2 slices costs what the fits say of a micro-batch of 1:
+    it keeps its fixed costs (the intercepts), not half of them."""
+    model = ProfiledCostModel(profile())
+    whole, sliced = model.stage_costs([2, 2], 1, 2, 1), model.stage_costs([2, 2], 2, 2, 1, slices=2)
+    table = sliced.resolve(2, 2, 2)
+    assert table.F == pytest.approx([whole.F[0]] * 2 + [whole.F[1]] * 2)
+    assert table.M_B == pytest.approx([whole.M_B[0]] * 2 + [whole.M_B[1]] * 2)
+    assert sliced.comm == whole.comm
+    result = tune(model, 2, 2**30, 4, schemes=["svpp"], micro_batches=[2])
+    assert result.best.candidate.slices > 1
 
 
 def test_bad_profiles_are_refused():
@@ -72,3 +79,34 @@ def test_bad_profiles_are_refused():
         ProfiledCostModel({"format": PROFILE_FORMAT, "model": MODEL})
     with pytest.raises(ConfigError, match="--tp 1"):
         ProfiledCostModel(profile(), tp=2)
+
+
+def test_measured_runtime_overheads_are_priced():
+    """A profile with the runtime's measured overheads: every op pays the per-op overhead, p2p is
+    latency + bytes / bandwidth, the dp = 2 all-reduce scales by the ring, and the optimizer and
+    the rest of a step are apart."""
+    measured = profile() | {
+        "op_overhead_ms": 0.25,
+        "p2p": {"latency_ms": 0.5, "bytes_per_ms": 1e6},
+        "allreduce": {"latency_ms": 1.0, "bytes_per_ms": 2e6, "dp": 2},
+        "reduce_scatter": {"latency_ms": 2.0, "bytes_per_ms": 1e6, "dp": 2},
+        "all_gather": {"latency_ms": 0.5, "bytes_per_ms": 4e6, "dp": 2},
+        "optimizer": {"base_ms": 1.0, "per_param_ms": 1e-3},
+        "step_overhead": {"base_ms": 3.0, "per_param_ms": 0.0},
+    }
+    plain, model = ProfiledCostModel(profile()), ProfiledCostModel(measured)
+    for key in ("F", "B", "W", "R"):
+        assert getattr(model.stage_costs([2, 2], 1, 2, 1).resolve(2, 2), key) == pytest.approx(
+            [t + 0.25 for t in getattr(plain.stage_costs([2, 2], 1, 2, 1).resolve(2, 2), key)]
+        )
+    assert model.stage_costs([2, 2], 2, 2, 1).comm == pytest.approx(0.5 + 4 * 2 * 32 * 64 / 1e6)
+    assert model.allreduce_time(1000, 2, 1) == 0.0
+    assert model.allreduce_time(1000, 2, 2) == pytest.approx(1.0 + 4000 / 2e6)  # what was measured
+    assert model.allreduce_time(1000, 2, 4) == pytest.approx(3 * 1.0 + 1.5 * 4000 / 2e6)  # the ring
+    assert model.allreduce_time(1000, 2, 2, zero=1) == pytest.approx(2.0 + 4000 / 1e6 + 0.5 + 4000 / 4e6)
+    assert model.optimizer_time(1000, 2) == pytest.approx(2.0)
+    assert model.optimizer_time(1000, 2, zero=1) == pytest.approx(1.5)  # this rank's shard
+    assert model.step_overhead_time() == 3.0 and plain.step_overhead_time() == 0.0
+    best = tune(model, 2, 2**30, 4, schemes=["1f1b"], pp_values=[2], micro_batches=[1]).best
+    assert best.overhead_time == 3.0
+    assert best.step_time == pytest.approx(best.pipeline_time + best.allreduce_time + best.optimizer_time + 3.0)

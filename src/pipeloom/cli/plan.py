@@ -74,6 +74,7 @@ def fidelity_report(plan, results) -> str:
     lines = ["", "fidelity (predicted by the plan vs measured):"]
     if expected:
         lines.append(f"  step time   {expected:9.1f} ms  vs {measured:9.1f} ms  ({measured / expected - 1:+.1%})")
+        lines += _breakdown(predicted, results[0].phase_seconds[1:] or results[0].phase_seconds)
     peaks = predicted.get("peak_activation_memory") or []
     p = plan.pp
     for device in range(p):
@@ -103,3 +104,25 @@ def fidelity_report(plan, results) -> str:
                 f"({max(gpu) / totals[device] - 1:+.1%}; torch.cuda.max_memory_allocated)"
             )
     return "\n".join(lines)
+
+
+_PARTS = (  # (plan key, runtime phase, what it is)
+    ("pipeline_ms", "pipeline", "the schedule's ops"),
+    ("allreduce_ms", "allreduce", "gradients over replicas and tied stages"),
+    ("optimizer_ms", "optimizer", "the AdamW step"),
+    ("overhead_ms", "overhead", "batch, zeroing gradients, loss all-reduce"),
+)
+
+
+def _breakdown(predicted: dict, phases: list[dict]) -> list[str]:
+    """Where a step's time goes, predicted beside measured (rank 0's medians), so a gap shows
+    where it comes from."""
+    if not phases:
+        return []
+    lines = []
+    for key, phase, what in _PARTS:
+        expected = predicted.get(key, 0.0)
+        measured = 1e3 * statistics.median(step[phase] for step in phases)
+        gap = measured - expected
+        lines.append(f"    {phase:<10} {expected:9.1f} ms  vs {measured:9.1f} ms  ({gap:+7.1f} ms; {what})")
+    return lines

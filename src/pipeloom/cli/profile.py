@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from pipeloom.cli.args import int_list
@@ -104,5 +105,32 @@ def run(args: argparse.Namespace) -> int:
             f"W {fit['W']['per_layer']:.3f} ms, R {fit['R']['per_layer']:.3f} ms, "
             f"activations {fit['M_B']['per_layer'] / 2**20:.2f} MiB; p2p {fit['p2p_ms']:.3f} ms"
         )
+    print(runtime_line(profile))
+    print(noise_line(profile))
+    for warning in profile.get("warnings", []):
+        print(f"pipeloom: profile: warning: {warning}", file=sys.stderr)
     print(f"profile written to {args.output}")
     return 0
+
+
+def runtime_line(profile: dict) -> str:
+    """What the runtime adds beyond the ops, as measured."""
+    p2p, reduce, optimizer = profile["p2p"], profile["allreduce"], profile["optimizer"]
+    return (
+        f"runtime: {profile['op_overhead_ms']:.3f} ms per op; p2p {p2p['latency_ms']:.3f} ms + "
+        f"{p2p['bytes_per_ms'] / 1e6:.2f} GB/s; all-reduce (dp {reduce['dp']}) {reduce['latency_ms']:.3f} ms + "
+        f"{reduce['bytes_per_ms'] / 1e6:.2f} GB/s; optimizer {optimizer['base_ms']:.2f} ms + "
+        f"{optimizer['per_param_ms'] * 1e6:.3f} ms per M parameters; rest of a step "
+        f"{profile['step_overhead']['base_ms']:.2f} ms"
+    )
+
+
+def noise_line(profile: dict) -> str:
+    """How noisy the machine was while it was measured."""
+    noise = profile["noise"]
+    unsettled = f", {noise['unsettled']} never settled" if noise["unsettled"] else ""
+    again = f"; sizes {noise['remeasured_sizes']} measured again" if noise["remeasured_sizes"] else ""
+    return (
+        f"noise: op times spread {noise['median_spread']:.1%} (median over probes, worst {noise['worst_spread']:.1%}; "
+        f"interquartile range / median); {noise['rounds']} rounds over {noise['probes']} probes{unsettled}{again}"
+    )

@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(_report(result, args, memory, cost_model))
     if args.explain:
-        print(_explain(result, memory))
+        print(_explain(result, memory, cost_model))
     drawn = (
         f"its timeline to {plot}" if plot else "no timeline (matplotlib is not installed: pip install 'pipeloom[plot]')"
     )
@@ -211,18 +211,42 @@ def _report(result, args, memory: float, cost_model) -> str:
     return f"{head}\n\n{table(headers, rows)}\n\nbest: {best.candidate.label}, layers per stage {best.partition}"
 
 
-def _explain(result, memory: float) -> str:
+def _explain(result, memory: float, cost_model) -> str:
     best = result.best
-    lines = ["", static_measures_line(best, memory), "", "why the others lost:"]
+    lines = ["", static_measures_line(best, memory)]
+    if best.candidate.pp == 1:
+        lines.append(no_pipeline_line(result, memory, cost_model))
+    lines += ["", "why the others lost:"]
     for e in result.ranked[1:]:
         lines.append(f"  {e.candidate.label}: time, {e.step_time / best.step_time - 1:+.1%} step time")
     unfit = {label: (step, why) for e in result.ranked + result.rejected for label, step, why in e.unfit}
     faster = sorted((step, label, why) for label, (step, why) in unfit.items() if step < best.step_time)
     for step, label, why in faster[:5]:
         lines.append(f"  {label}: memory, would be {1 - step / best.step_time:.1%} faster but {why[8:]}")
-    if len(lines) == 4:
+    if lines[-1] == "why the others lost:":
         lines.append("  (no other candidate came close)")
     return "\n".join(lines)
+
+
+def no_pipeline_line(result, memory: float, cost_model) -> str:
+    """Why pure data parallelism won: what the best pipeline would cost here, and where."""
+    from pipeloom.tune.search import evaluate
+    from pipeloom.tune.space import Candidate
+
+    best = result.best
+    piped = next((e for e in result.ranked if e.candidate.pp > 1), None)
+    if piped is None and best.candidate.dp % 2 == 0:  # the shortest pipeline on the same devices
+        dp = best.candidate.dp // 2
+        batch = best.candidate.micro_batch * best.candidate.num_microbatches * best.candidate.dp
+        candidate = Candidate("1f1b", 2, dp, best.candidate.micro_batch, batch // (dp * best.candidate.micro_batch))
+        piped = evaluate(candidate, cost_model, memory)
+    if piped is None or not piped.feasible:
+        return "why no pipeline: no pipelined plan fits here"
+    return (
+        f"why no pipeline: the best pipeline here, {piped.candidate.label}, takes {piped.step_time:.1f} ms per step "
+        f"({piped.step_time / best.step_time - 1:+.1%}): its devices idle {piped.bubble_rate:.0%} of the pipeline, "
+        f"more than the all-reduce it shrinks saves ({best.allreduce_time:.1f} → {piped.allreduce_time:.1f} ms)"
+    )
 
 
 def static_measures_line(evaluation, memory: float) -> str:

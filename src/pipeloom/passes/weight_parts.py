@@ -133,7 +133,9 @@ class _Placer:
     def run(self) -> list[list[Op]]:
         """Event-driven: a heap of (clock, device) over the devices that can act, and devices
         whose next op waits for an op not yet placed parked on that op until it is. Ties go to
-        the lower device, as in a scan for the earliest clock."""
+        the lower device, as in a scan for the earliest clock. A device that is still the
+        earliest after it acts acts again without a trip through the heap, and the ready time of
+        its next op, once every input is in, is kept until that op runs."""
         graph = self.graph
         p = len(graph.offsets) - 1
         stops = graph.offsets[1:]
@@ -145,10 +147,20 @@ class _Placer:
         out: list[list[Op]] = [[] for _ in range(p)]
         parked: dict[int, list[int]] = {}  # op -> devices whose next op waits for it
         events = [(0.0, d) for d in range(p) if head[d] < stops[d]]
-        while events:
-            _, d = heappop(events)
+        known = [(-1, 0.0)] * p  # per device: (its next op, that op's ready time) once known
+        d = -1
+        while events or d >= 0:
+            if d < 0:
+                _, d = heappop(events)
             g = head[d] if head[d] < stops[d] else None
-            ready, missing = self.ready_time(g, end) if g is not None else (None, -1)
+            if g is None:
+                ready, missing = None, -1
+            elif known[d][0] == g:
+                ready, missing = known[d][1], -1
+            else:
+                ready, missing = self.ready_time(g, end)
+                if ready is not None:
+                    known[d] = (g, ready)
             if queued[d] and self.runs_a_part(d, g, ready, clock[d], level[d], self.w_time[queued[d][0][0]]):
                 b, part = queued[d].popleft()
                 op = graph.ops[b]
@@ -171,9 +183,13 @@ class _Placer:
                 clock[d] = ready
             else:
                 parked.setdefault(missing, []).append(d)
+                d = -1
                 continue
-            if head[d] < stops[d] or queued[d]:
+            if not (head[d] < stops[d] or queued[d]):
+                d = -1
+            elif events and events[0] < (clock[d], d):  # another device is earlier now
                 heappush(events, (clock[d], d))
+                d = -1
         assert all(head[d] == stops[d] and not queued[d] for d in range(p)), "skeleton deadlock"
         self.makespan = max(clock, default=0.0)
         return out

@@ -3,38 +3,39 @@
 Each probe trains the LLaMA-style decoder for a few steps with the pipeloom runtime on two forked
 gloo ranks, as the plans will run: two stages of n layers each, the first carrying the embedding,
 the last the head and loss. Its schedule runs every pass the simulator knows — F, B and W split,
-and every other micro-batch checkpointed so that R and a checkpointed F's stash appear too. From
-the runtime's records (op start/end, bytes each F and R stashed) it fits, per micro-batch size
-and per pass, time = a·n + b_position with one slope a per layer and an intercept for the first
-and the last stage (`fit_positions` derives the middle and single ones). Activation bytes are
-fitted the same way. A ping between two ranks gives the p2p time of one activation, and the
-step time the simulator leaves unexplained (data, all-reduce of the loss, optimizer) is
-regressed on the parameters a rank holds.
+and every other micro-batch checkpointed so that R and a checkpointed F's stash appear too. A
+probe is repeated until its medians settle (`stability`), and the profile records how noisy the
+machine was. From the runtime's records (op start/end, bytes each F and R stashed) it fits, per
+micro-batch size and per pass, time = a·n + b_position with one slope a per layer and an
+intercept for the first and the last stage (`fit_positions` derives the middle and single ones).
+Activation bytes are fitted the same way. A size that looks cheaper per sample than a smaller
+one is measured again, and a warning kept if it still does. p2p and the gradient all-reduce are
+measured on their own (`links`), and the runtime's phases give what it adds beyond the ops: a
+per-op overhead, the optimizer step and the rest of a step (`overheads`).
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import math
 import statistics
-import tempfile
-import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
+from dataclasses import replace
 
-import torch
-import torch.distributed as dist
-
+from pipeloom.costs import Costs
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
 from pipeloom.ir.text import parse_op
 from pipeloom.models.llama import LlamaConfig, build_stages
 from pipeloom.passes.split_backward import split_backward
+from pipeloom.profile.links import measure_links, ping_seconds
+from pipeloom.profile.overheads import linear_fit, op_overhead_ms
+from pipeloom.profile.stability import falling_per_sample, until_stable
 from pipeloom.schedules.registry import build_schedule
-from pipeloom.sim.simulate import simulate
 from pipeloom.tune.presets import ModelSpec
 from pipeloom.tune.profiled import PROFILE_FORMAT, ProfiledCostModel, fit_positions
+from pipeloom.tune.static_memory import compute_bytes
 
-__all__ = ["profile_model", "llama_config", "ping_seconds"]
+__all__ = ["profile_model", "llama_config", "ping_seconds", "probe_schedule"]
 
 _POSITIONS = {0: "first", 1: "last"}
 STATIC_BYTES_PER_PARAM = 16
@@ -62,41 +63,34 @@ def profile_model(
     progress: Callable[[int, int], None] | None = None,
     workload_for: Callable[[int, int], object] | None = None,
     dtype: str = "fp32",
+    max_rounds: int = 4,
 ) -> dict:
     """The profile (format ``pipeloom.profile/1``) as a dict. `workload_for(layers, micro-batch
     size)` builds another model to probe (a Hugging Face one: `models.hf.hf_workload`); by
-    default it is the built-in LLaMA-style decoder of `model`'s shape."""
-    from pipeloom.runtime.local import run_local
-    from pipeloom.runtime.training import TrainSpec
-
-    probes = [(mbs, n, 2) for mbs in micro_batches for n in layer_counts]
-    runs = []
-    for done, (mbs, n, p) in enumerate(probes, 1):
-        schedule = probe_schedule(p)
-        spec = TrainSpec(
-            schedule,
-            config=llama_config(model, n * p, mbs),
-            steps=steps,
-            layer_counts=(n,) * p,
-            threads=threads,
-            workload=workload_for(n * p, mbs) if workload_for else None,
-            dtype=dtype,
-        )
-        results = run_local(spec)
-        runs.append((mbs, n, p, schedule, results))
+    default it is the built-in LLaMA-style decoder of `model`'s shape. Each probe runs `steps`
+    steps a round (the first left out as warm-up), in as many rounds (at most `max_rounds`) as
+    its medians take to settle (`stability.until_stable`)."""
+    probes = [(mbs, n) for mbs in micro_batches for n in layer_counts]
+    total = len(probes) + 1
+    measured: dict[tuple[int, int], _Probe] = {}
+    for done, (mbs, n) in enumerate(probes, 1):
+        measured[(mbs, n)] = _measure_probe(model, mbs, n, steps, threads, workload_for, dtype, max_rounds)
         if progress:
-            progress(done, len(probes) + 1)
-    fits = {}
+            progress(done, total)
+    warnings: list[str] = []
+    rerun = falling_per_sample(_fits(measured, micro_batches), _noise_margin(measured))
+    if rerun:  # re-measure the sizes that look cheaper per sample, once, before trusting them
+        for mbs in rerun:
+            for n in layer_counts:
+                measured[(mbs, n)] = _measure_probe(model, mbs, n, steps, threads, workload_for, dtype, max_rounds)
+        warnings = falling_per_sample(_fits(measured, micro_batches), _noise_margin(measured), describe=True)
+    fits = _fits(measured, micro_batches)
+    links = measure_links()
     for mbs in micro_batches:
-        samples: dict[str, list[tuple[str, int, float]]] = {}
-        for run_mbs, n, _, _, results in runs:
-            if run_mbs == mbs:
-                for kind, stage, value in _measurements(results):
-                    samples.setdefault(kind, []).append((_POSITIONS[stage], n, value))
-        fits[str(mbs)] = {kind: fit_positions(points) for kind, points in samples.items()}
-        fits[str(mbs)]["p2p_ms"] = _ping_ms((mbs, model.seq_len, model.hidden))
+        activation_bytes = compute_bytes(dtype) * mbs * model.seq_len * model.hidden
+        fits[str(mbs)]["p2p_ms"] = _p2p_ms(links["p2p"], activation_bytes)
     if progress:
-        progress(len(probes) + 1, len(probes) + 1)
+        progress(total, total)
     profile = {
         "format": PROFILE_FORMAT,
         "model": model.to_dict(),
@@ -106,10 +100,185 @@ def profile_model(
         "fits": fits,
         "params": _params(model, workload_for),
         "static_bytes_per_param": STATIC_BYTES_PER_PARAM,
-        "p2p_bandwidth": _bandwidth(model, micro_batches[0], fits[str(micro_batches[0])]["p2p_ms"]),
+        "p2p_bandwidth": links["p2p"]["bytes_per_ms"],
+        **links,
     }
-    profile["step_overhead"] = _step_overhead(profile, runs)
+    profile.update(_runtime_overheads(profile, measured))
+    layers = max(layer_counts)
+    profile["replica_skew"] = {
+        str(zero): _replica_skew(profile, zero, model, micro_batches[0], layers, steps, threads, workload_for, dtype)
+        for zero in (0, 1)
+    }
+    profile["noise"] = _noise(measured, rerun)
+    profile["warnings"] = warnings
     return profile
+
+
+class _Probe:
+    """One probe's measurements: (kind, rank) → Measured, and the probe's schedule and shape."""
+
+    def __init__(self, mbs: int, layers: int, schedule: Schedule, values: dict):
+        self.mbs, self.layers, self.schedule, self.values = mbs, layers, schedule, values
+
+    def median(self, key: str) -> float:
+        return self.values[key].median
+
+    @property
+    def spread(self) -> float:
+        """The noisiest op time's spread."""
+        return max((m.spread for key, m in self.values.items() if key.split("@")[0] in _OP_KINDS), default=0.0)
+
+    @property
+    def rounds(self) -> int:
+        return max(m.rounds for m in self.values.values())
+
+
+_OP_KINDS = ("F", "B", "W", "R")
+_PHASES = ("pipeline", "allreduce", "optimizer", "overhead")
+_SETTLED_MS = 0.1
+"""A median that moves by less than this (ms) has settled, however small it is."""
+
+
+def _measure_probe(model, mbs, n, steps, threads, workload_for, dtype, max_rounds) -> _Probe:
+    from pipeloom.runtime.local import run_local
+    from pipeloom.runtime.training import TrainSpec
+
+    p = 2
+    schedule = probe_schedule(p)
+    spec = TrainSpec(
+        schedule,
+        config=llama_config(model, n * p, mbs),
+        steps=steps,
+        layer_counts=(n,) * p,
+        threads=threads,
+        workload=workload_for(n * p, mbs) if workload_for else None,
+        dtype=dtype,
+    )
+    values = until_stable(lambda: _samples(run_local(spec)), floor=_SETTLED_MS, max_rounds=max_rounds)
+    return _Probe(mbs, n, schedule, values)
+
+
+def _samples(results) -> dict[str, list[float]]:
+    """One round's samples, the first step left out: op times (ms) by "kind@rank", stashed
+    bytes ("M_B@rank", "M_ckpt@rank") and rank 0's step phases (ms)."""
+    out: dict[str, list[float]] = {}
+    for rank, result in enumerate(results):
+        for record in result.records[1:] or result.records:
+            for text, start, end in record.ops:
+                op = parse_op(text)
+                if op.kind is not OpKind.R and op.microbatch % 2:
+                    continue  # a checkpointed micro-batch's backward follows its recompute: time plain ones
+                out.setdefault(f"{op.kind.value}@{rank}", []).append(1e3 * (end - start))
+        entries = result.records[-1].entry_bytes
+        out[f"M_B@{rank}"] = [v for text, v in entries.items() if "F" in text and not text.endswith("c")]
+        out[f"M_ckpt@{rank}"] = [v for text, v in entries.items() if "F" in text and text.endswith("c")]
+    for phases in results[0].phase_seconds[1:] or results[0].phase_seconds:
+        for phase in _PHASES:
+            out.setdefault(phase, []).append(1e3 * phases[phase])
+    return out
+
+
+def _fits(measured: dict[tuple[int, int], _Probe], micro_batches: Sequence[int]) -> dict:
+    fits = {}
+    for mbs in micro_batches:
+        samples: dict[str, list[tuple[str, int, float]]] = {}
+        for (run_mbs, n), probe in measured.items():
+            if run_mbs != mbs:
+                continue
+            for key in probe.values:
+                kind, _, rank = key.partition("@")
+                if rank:
+                    samples.setdefault(kind, []).append((_POSITIONS[int(rank)], n, probe.median(key)))
+        fits[str(mbs)] = {kind: fit_positions(points) for kind, points in samples.items()}
+    return fits
+
+
+def _noise_margin(measured: dict) -> float:
+    """How much cheaper per sample a larger micro-batch may look before it is suspect: three
+    standard errors of the probes' op-time medians (the samples' spread shrinks by √n in a
+    median), at least 3 %."""
+    errors = [
+        0.93 * m.spread / math.sqrt(m.samples)
+        for probe in measured.values()
+        for key, m in probe.values.items()
+        if key.split("@")[0] in _OP_KINDS
+    ]
+    return max(0.03, 3 * statistics.median(errors))
+
+
+def _p2p_ms(link: dict, nbytes: float) -> float:
+    return link["latency_ms"] + nbytes / link["bytes_per_ms"]
+
+
+def _runtime_overheads(profile: dict, measured: dict) -> dict:
+    """Per-op overhead, optimizer step and step overhead, from every probe's phases."""
+    model = ProfiledCostModel(profile)
+    epsilons, optimizer, rest = [], [], []
+    for (mbs, n), probe in measured.items():
+        p = probe.schedule.num_devices
+        costs = _probe_costs(probe, p, model.stage_costs([n] * p, mbs, p, 1))
+        epsilons.append(op_overhead_ms(probe.schedule, costs, probe.median("pipeline")))
+        optimizer.append((model.stage_params([n] * p)[0], probe.median("optimizer")))
+        rest.append(probe.median("overhead"))
+    base, per_param = linear_fit(optimizer)
+    return {
+        "op_overhead_ms": max(0.0, statistics.median(epsilons)),
+        "optimizer": {"base_ms": base, "per_param_ms": per_param},
+        "step_overhead": {"base_ms": statistics.median(rest), "per_param_ms": 0.0},
+    }
+
+
+def _replica_skew(profile, zero, model, mbs, layers, steps, threads, workload_for, dtype) -> float:
+    """Two data-parallel replicas of one stage (ZeRO-`zero`): the mean time rank 0's gradient
+    collectives and optimizer take beyond what the links and the optimizer fit predict — its
+    wait for the other replica's pipeline — as a share of the pipeline. The mean, not the median:
+    a rank waits only in the steps where it was the faster one."""
+    from pipeloom.runtime.local import run_local
+    from pipeloom.runtime.training import TrainSpec
+
+    cost_model = ProfiledCostModel(profile)
+    params = cost_model.stage_params([layers])[0]
+    expected = cost_model.allreduce_time(params, 1, 2, zero) + cost_model.optimizer_time(params, 2, zero)
+    spec = TrainSpec(
+        build_schedule("1f1b", 1, 4),
+        config=llama_config(model, layers, mbs),
+        steps=steps,
+        layer_counts=(layers,),
+        dp=2,
+        zero=zero,
+        threads=threads,
+        workload=workload_for(layers, mbs) if workload_for else None,
+        dtype=dtype,
+    )
+    waits, pipelines = [], []
+    for _ in range(2):
+        phases = run_local(spec)[0].phase_seconds[1:]
+        waits += [1e3 * (step["allreduce"] + step["optimizer"]) - expected for step in phases]
+        pipelines += [1e3 * step["pipeline"] for step in phases]
+    return max(0.0, statistics.fmean(waits)) / statistics.median(pipelines)
+
+
+def _probe_costs(probe: _Probe, p: int, fitted: Costs) -> Costs:
+    """The probe's own measured op times per stage (not the fit's), with the fitted rest."""
+    times = {
+        kind: [probe.median(f"{kind}@{rank}") for rank in range(p)]
+        for kind in _OP_KINDS
+        if all(f"{kind}@{rank}" in probe.values for rank in range(p))
+    }
+    return replace(fitted, **times)
+
+
+def _noise(measured: dict, rerun: list) -> dict:
+    """How noisy the machine was: the op times' spread over probes, and the rounds they took."""
+    spreads = [probe.spread for probe in measured.values()]
+    return {
+        "median_spread": statistics.median(spreads),
+        "worst_spread": max(spreads),
+        "rounds": sum(probe.rounds for probe in measured.values()),
+        "probes": len(measured),
+        "unsettled": sum(1 for probe in measured.values() if not all(m.stable for m in probe.values.values())),
+        "remeasured_sizes": list(rerun),
+    }
 
 
 def probe_schedule(p: int) -> Schedule:
@@ -130,25 +299,6 @@ def probe_schedule(p: int) -> Schedule:
     return split.with_devices(devices, name="probe")
 
 
-def _measurements(results) -> list[tuple[str, int, float]]:
-    """(kind, stage, value): median op times (ms) after the first step, and stashed bytes."""
-    out = []
-    for rank, result in enumerate(results):
-        times: dict[str, list[float]] = {}
-        for record in result.records[1:] or result.records:
-            for text, start, end in record.ops:
-                op = parse_op(text)
-                if op.kind is not OpKind.R and op.microbatch % 2:
-                    continue  # a checkpointed micro-batch's backward follows its recompute: time plain ones
-                times.setdefault(op.kind.value, []).append(1e3 * (end - start))
-        out += [(kind, rank, statistics.median(values)) for kind, values in times.items()]
-        entries = result.records[-1].entry_bytes
-        plain = [v for text, v in entries.items() if "F" in text and not text.endswith("c")]
-        kept = [v for text, v in entries.items() if "F" in text and text.endswith("c")]
-        out += [("M_B", rank, statistics.median(plain)), ("M_ckpt", rank, statistics.median(kept))]
-    return out
-
-
 def _params(model: ModelSpec, workload_for=None) -> dict:
     """Parameters of one decoder layer, of the first stage's extras (embeddings) and of the last
     stage's (final norm and head; a tied head counts on both ends, as each end holds a copy)."""
@@ -162,64 +312,3 @@ def _params(model: ModelSpec, workload_for=None) -> dict:
 
     first = count(stage.embed, getattr(stage, "positions", None))
     return {"layer": count(stage.layers[0]), "first": first, "last": count(stage.norm, stage.head)}
-
-
-def _bandwidth(model: ModelSpec, micro_batch: int, p2p_ms: float) -> float:
-    """Bytes per ms of one p2p transfer of fp32 activations."""
-    return 4 * micro_batch * model.seq_len * model.hidden / max(p2p_ms, 1e-6)
-
-
-def _step_overhead(profile: dict, runs) -> dict:
-    """Measured step − simulated pipeline, as ms = base + per_param · parameters on the rank."""
-    model = ProfiledCostModel(profile)
-    points = []
-    for mbs, n, p, schedule, results in runs:
-        costs = model.stage_costs([n] * p, mbs, p, 1)
-        simulated = simulate(schedule, costs).makespan
-        measured = 1e3 * statistics.median(results[0].step_seconds[1:] or results[0].step_seconds)
-        params = max(model.stage_params([n] * p))
-        points.append((params, measured - simulated))
-    mean_x = statistics.fmean(x for x, _ in points)
-    mean_y = statistics.fmean(y for _, y in points)
-    spread = sum((x - mean_x) ** 2 for x, _ in points)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
-    slope = max(slope, 0.0)
-    return {"base_ms": max(0.0, mean_y - slope * mean_x), "per_param_ms": slope}
-
-
-def _ping_ms(shape: tuple[int, ...], repeats: int = 20) -> float:
-    """Median one-way time of an fp32 tensor of `shape` between two forked gloo ranks."""
-    context = multiprocessing.get_context("fork")
-    with tempfile.TemporaryDirectory(prefix="pipeloom-ping-") as directory:
-        processes = [context.Process(target=_ping_rank, args=(r, directory, shape, repeats)) for r in range(2)]
-        for process in processes:
-            process.start()
-        for process in processes:
-            process.join(60)
-        return float(Path(directory, "ping").read_text())
-
-
-def ping_seconds(rank: int, tensor: torch.Tensor, repeats: int = 5) -> float:
-    """Median one-way time of `tensor` between ranks 0 and 1 of the current group (other ranks
-    only join the barriers)."""
-    samples = []
-    for _ in range(repeats):
-        dist.barrier()
-        began = time.perf_counter()
-        if rank == 0:
-            dist.send(tensor, 1)
-            dist.recv(tensor, 1)
-        elif rank == 1:
-            dist.recv(tensor, 0)
-            dist.send(tensor, 0)
-        samples.append((time.perf_counter() - began) / 2)
-    return statistics.median(samples)
-
-
-def _ping_rank(rank: int, directory: str, shape: tuple[int, ...], repeats: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank, world_size=2)
-    seconds = ping_seconds(rank, torch.zeros(shape), repeats)
-    if rank == 0:
-        Path(directory, "ping").write_text(str(1e3 * seconds))
-    dist.destroy_process_group()

@@ -92,6 +92,10 @@ class RankResult:
     rank: int
     losses: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
+    phase_seconds: list[dict[str, float]] = field(default_factory=list)
+    """Per step, where its time went: "pipeline" (the schedule's ops), "allreduce" (gradients
+    over the replicas and between stages that share weights), "optimizer" (the step) and
+    "overhead" (the rest: the batch, zeroing gradients, the loss all-reduce)."""
     records: list[StepRecord] = field(default_factory=list)
     parameters: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     """Stage → its parameters after the last step (this rank's copy)."""

@@ -142,10 +142,13 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
         if scaler is not None:
             executor.grad_scale = scaler.scale
             result.loss_scales.append(scaler.scale)
+        piped = time.perf_counter()
         record = executor.run_step(micro_inputs, micro_targets)
+        reducing = time.perf_counter()
         _collective(rank, f"the all-reduce of gradients with ranks {buckets.describe()}", buckets.reduce)
         _inject_faults(spec, step, stages)
         _collective(rank, "the data-parallel reduction of the sharded gradients", optimizers.reduce)
+        stepping = time.perf_counter()
         if scaler is not None:
             optimizers.scale(1.0 / scaler.scale)
         if spec.record_gradients:
@@ -161,12 +164,21 @@ def _train(spec: TrainSpec, rank: int) -> RankResult:
             sync.step(step)
         else:
             optimizers.step()
+        stepped = time.perf_counter()
         loss = torch.tensor([record.loss], dtype=torch.float64, device=where)
         _collective(
             rank, f"the all-reduce of the loss with ranks {list(range(dist.get_world_size()))}", dist.all_reduce, loss
         )
         result.losses.append(float(loss))
         result.step_seconds.append(time.perf_counter() - began)
+        result.phase_seconds.append(
+            {
+                "pipeline": reducing - piped,
+                "allreduce": stepping - reducing,
+                "optimizer": stepped - stepping,
+                "overhead": result.step_seconds[-1] - (stepped - piped),
+            }
+        )
         result.records.append(record)
         if progress is not None:
             progress(step)

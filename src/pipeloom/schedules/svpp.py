@@ -35,12 +35,12 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from heapq import heappop, heappush
 
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError, InfeasibleError
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
+from pipeloom.schedules.agenda import Agenda
 from pipeloom.schedules.registry import register, require_int
 from pipeloom.sim.simulate import simulate
 
@@ -232,48 +232,6 @@ def _largest_fitting(p: int, m: int, v: int, s: int, costs: Costs, mem_limit, lo
     return best
 
 
-class _Agenda:
-    """Devices by clock (ties to the lower device), and the earliest clock strictly after a
-    time: how long a device without a ready op may wait. Many devices share a clock (they wait
-    for the same one), so distinct clocks are kept apart, counted, in a heap of their own."""
-
-    def __init__(self, p: int):
-        self.events = [(0.0, d) for d in range(p)]
-        self.counts = {0.0: p}
-        self.clocks = [0.0]  # distinct clocks; one no device holds any more is dropped lazily
-
-    def __bool__(self) -> bool:
-        return bool(self.events)
-
-    def push(self, clock: float, device: int) -> None:
-        heappush(self.events, (clock, device))
-        held = self.counts.get(clock, 0)
-        self.counts[clock] = held + 1
-        if not held:
-            heappush(self.clocks, clock)
-
-    def pop(self) -> tuple[float, int]:
-        clock, device = heappop(self.events)
-        held = self.counts[clock] - 1
-        if held:
-            self.counts[clock] = held
-        else:
-            del self.counts[clock]
-        return clock, device
-
-    def earliest_after(self, time: float) -> float:
-        clocks, counts = self.clocks, self.counts
-        passed: list[float] = []
-        while clocks and (clocks[0] <= time or clocks[0] not in counts):
-            clock = heappop(clocks)
-            if clock in counts and (not passed or passed[-1] != clock):
-                passed.append(clock)
-        found = clocks[0] if clocks else math.inf
-        for clock in passed:
-            heappush(clocks, clock)
-        return found
-
-
 class _SliceScheduler:
     """One greedy run. Tables are flat, indexed by (stage * m + mb) * s + slice; a candidate is
     (ready time, priority, is forward, stage, mb, slice)."""
@@ -307,7 +265,7 @@ class _SliceScheduler:
         stages_of = [range(d, S, p) for d in range(p)]
         prefer = self.policy.prefer
         most_held = 0
-        agenda = _Agenda(p)  # the devices that can act: ops left and not blocked
+        agenda = Agenda(p)  # the devices that can act: ops left and not blocked
         blocked: list[int] = []  # no candidate at all and no later clock to wait for
         cached: list[list | None] = [None] * p
         earliest = [math.inf] * p  # the earliest ready time among a device's kept candidates

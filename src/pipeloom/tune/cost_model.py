@@ -6,7 +6,8 @@ same questions, so the tuner does not care where the numbers come from:
 
 * per-stage Costs for a partition (what the simulator needs), including T-Offload's bytes;
 * per-layer and end-stage times and memory, for the partitioner;
-* what a step adds after the pipeline: the data-parallel gradient all-reduce and the optimizer.
+* what a step adds after the pipeline: the data-parallel gradient all-reduce, the optimizer and
+  the runtime's own overhead (the batch, zeroing gradients, the loss all-reduce).
 
 Static memory and those step additions depend on the ZeRO level (`zero`, see
 `pipeloom.tune.static_memory`): ZeRO-1/2 shrink the optimizer state by dp at the price of an
@@ -41,7 +42,9 @@ class CostModel(Protocol):
     source: str
     """Where the numbers come from: a hardware preset's name, or "profile"."""
 
-    def stage_costs(self, counts: Sequence[int], micro_batch: int, pp: int, dp: int, zero: int = 0) -> Costs: ...
+    def stage_costs(
+        self, counts: Sequence[int], micro_batch: int, pp: int, dp: int, zero: int = 0, slices: int = 1
+    ) -> Costs: ...
 
     def layer_time(self, micro_batch: int) -> float: ...
 
@@ -54,6 +57,10 @@ class CostModel(Protocol):
     def allreduce_time(self, params: float, pp: int, dp: int, zero: int = 0) -> float: ...
 
     def optimizer_time(self, params: float, dp: int, zero: int = 0) -> float: ...
+
+    def step_overhead_time(self) -> float: ...
+
+    def replica_skew(self, dp: int, zero: int = 0) -> float: ...
 
     def to_dict(self) -> dict: ...
 
@@ -91,7 +98,11 @@ class AnalyticCostModel:
         last = len(counts) - 1
         return [n * layer + embedding * ((i == 0) + (i == last)) for i, n in enumerate(counts)]
 
-    def stage_costs(self, counts: Sequence[int], micro_batch: int, pp: int, dp: int, zero: int = 0) -> Costs:
+    def stage_costs(
+        self, counts: Sequence[int], micro_batch: int, pp: int, dp: int, zero: int = 0, slices: int = 1
+    ) -> Costs:
+        """Per-stage costs of whole micro-batches; a schedule with `slices` shares them out
+        (FLOPs and bytes scale with the tokens), so `slices` changes nothing here."""
         layer = layer_figures(self.model, micro_batch, self.tp)
         head = head_figures(self.model, micro_batch, self.tp)
         last = len(counts) - 1
@@ -155,6 +166,14 @@ class AnalyticCostModel:
         it steps — all of them under ZeRO-0, this rank's 1/dp shard under ZeRO-1/2."""
         stepped = params / dp if zero else params
         return 1e3 * stepped * 2 * 16 / self.hardware.hbm_bandwidth
+
+    def step_overhead_time(self) -> float:
+        """Not modelled: on a GPU, loading a batch and launching kernels hide under the compute."""
+        return 0.0
+
+    def replica_skew(self, dp: int, zero: int = 0) -> float:
+        """Not modelled: GPU replicas run their pipelines in near lockstep."""
+        return 0.0
 
     def to_dict(self) -> dict:
         return {"source": "analytic", "hardware": self.hardware.to_dict(), "tp": self.tp}

@@ -24,6 +24,9 @@ class StaticOption:
     static_memory: list[float]
     allreduce_time: float
     optimizer_time: float
+    replica_skew: float = 0.0
+    """Share of the pipeline's time the gradient collectives also wait for the slowest of the dp
+    replicas (the cost model's, measured; 0 where it has none)."""
 
     @property
     def label(self) -> str:
@@ -42,7 +45,9 @@ def static_options(
     levels = [0] + ([1, 2] if static_measures and candidate.dp > 1 else [])
     options = []
     for zero in levels:
-        costs = cost_model.stage_costs(partition, candidate.micro_batch, candidate.pp, candidate.dp, zero=zero)
+        costs = cost_model.stage_costs(
+            partition, candidate.micro_batch, candidate.pp, candidate.dp, zero=zero, slices=candidate.slices
+        )
         options.append(
             StaticOption(
                 zero,
@@ -51,6 +56,7 @@ def static_options(
                 [sum(costs.M_static[s] for s in stages_on) for stages_on in placement],
                 cost_model.allreduce_time(on_device, candidate.pp, replicas, zero=zero),
                 cost_model.optimizer_time(on_device, candidate.dp, zero=zero),
+                cost_model.replica_skew(candidate.dp, zero=zero),  # Chimera's twins share a pipeline's clock
             )
         )
     plain = options[0]
@@ -65,6 +71,7 @@ def static_options(
                 [sum(plain.costs.M_static[s] - saved[s] for s in stages_on) for stages_on in placement],
                 plain.allreduce_time,
                 0.0,  # the host steps every stage, in the offload lanes
+                plain.replica_skew,
             )
         )
     return options

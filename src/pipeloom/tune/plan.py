@@ -7,7 +7,7 @@
      "zero": 0, "offload_stages": [],
      "partition": [3, 4, 4, 3], "layout": "Ettt|tttt|tttt|tttL",
      "schedule": {...pipeloom.schedule/1...}, "costs": {...Costs keys...},
-     "predicted": {"step_time_ms": ..., "pipeline_ms": ..., "allreduce_ms": ..., "optimizer_ms": ...,
+     "predicted": {"step_time_ms": ..., "pipeline_ms": ..., "allreduce_ms": ..., "optimizer_ms": ..., "overhead_ms": ...,
                    "throughput": ..., "bubble_rate": ..., "peak_memory": [...], "static_memory": [...],
                    "peak_activation_memory": [...]}}
 
@@ -182,6 +182,7 @@ def plan_from_evaluation(
             "pipeline_ms": evaluation.pipeline_time,
             "allreduce_ms": evaluation.allreduce_time,
             "optimizer_ms": evaluation.optimizer_time,
+            "overhead_ms": evaluation.overhead_time,
             "throughput": result.throughput(evaluation),
             "bubble_rate": timeline.bubble_rate,
             "peak_memory": list(evaluation.peak_memory),

@@ -6,12 +6,15 @@ neither, taken as the cheaper end; single: both, taken as the dearer end). Other
 ones (extrapolated past the ends). Static memory is the runtime's: 16 bytes per parameter (fp32
 weights, gradients and AdamW moments) under ZeRO-0, `pipeloom.tune.static_memory`'s figures in the
 profile's compute type under ZeRO-1/2 and offload. The runtime does not count a pending W's inputs in its
-stash, so M_W is 0 here. The file also carries plain Costs keys — a two-device split of the
+stash, so M_W is 0 here. What the runtime adds beyond the ops is priced as measured: a per-op
+overhead on every F, B, W and R; p2p as latency + bytes / bandwidth; the dp = 2 all-reduce, scaled
+to other dp by the ring; the optimizer step; and the rest of a step. The file also carries plain Costs keys — a two-device split of the
 model at the first profiled micro-batch size — so `simulate --costs profile.json` reads it too.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from os import PathLike
@@ -26,6 +29,7 @@ __all__ = ["PROFILE_FORMAT", "ProfiledCostModel", "fit_positions", "profile_cost
 
 PROFILE_FORMAT = "pipeloom.profile/1"
 _TIMES = ("F", "B", "W", "R")
+_COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather")
 
 
 def fit_positions(points: Sequence[tuple[str, int, float]]) -> dict[str, float]:
@@ -66,14 +70,16 @@ class ProfiledCostModel:
             self.bytes_per_param = float(profile["static_bytes_per_param"])
             self.bandwidth = float(profile["p2p_bandwidth"])
             self.overhead = profile.get("step_overhead", {"base_ms": 0.0, "per_param_ms": 0.0})
+            self.optimizer = profile.get("optimizer")
+            """{"base_ms", "per_param_ms"} of the AdamW step alone; older profiles lumped it into
+            `step_overhead` (regressed on the parameters), which then stands for both."""
+            self.op_overhead = float(profile.get("op_overhead_ms", 0.0))
+            self.links = {key: profile[key] for key in ("p2p", *_COLLECTIVES) if key in profile}
             self.compute = compute_bytes(str(profile.get("dtype", "fp32")))
         except (KeyError, TypeError, ValueError) as error:
             raise ConfigError(f"profile is incomplete: {error}") from None
         self.profile = profile
         self.source = "profile"
-        self.models_slices = False
-        """The probes run whole micro-batches: a slice's fixed costs and attention share are not
-        measured, so the tuner leaves slice-level schedules out rather than guess."""
 
     @classmethod
     def load(cls, path: str | PathLike[str], tp: int = 1) -> ProfiledCostModel:
@@ -92,6 +98,10 @@ class ProfiledCostModel:
         return max(0.0, a + (b - a) * (micro_batch - low) / (high - low))
 
     def _p2p(self, micro_batch: int) -> float:
+        if "p2p" in self.links:  # latency + bytes / bandwidth, activations in the compute type
+            link = self.links["p2p"]
+            nbytes = self.compute * micro_batch * self.model.seq_len * self.model.hidden
+            return link["latency_ms"] + nbytes / link["bytes_per_ms"]
         sizes = self.sizes
         values = [self.fits[s]["p2p_ms"] for s in sizes]
         if len(sizes) == 1:
@@ -114,17 +124,27 @@ class ProfiledCostModel:
             return params * self.bytes_per_param
         return static_bytes(params, dp, zero, compute=self.compute).device
 
-    def stage_costs(self, counts: Sequence[int], micro_batch: int, pp: int, dp: int, zero: int = 0) -> Costs:
-        times = {key: self._per_stage(key, counts, micro_batch) for key in _TIMES}
-        memory = self._per_stage("M_B", counts, micro_batch)
-        kept = [self._value("M_ckpt", self._position(i, len(counts)), micro_batch) for i in range(len(counts))]
+    def stage_costs(
+        self, counts: Sequence[int], micro_batch: int, pp: int, dp: int, zero: int = 0, slices: int = 1
+    ) -> Costs:
+        """With `slices`, each slice is priced as an op on a micro-batch of 1/slices the size —
+        the fits extended below the smallest profiled size — so a slice keeps its fixed costs
+        (the fits' intercepts) instead of a 1/slices share of them."""
+        size = micro_batch / slices
+        times = {key: self._per_stage(key, counts, size) for key in _TIMES}
+        memory = self._per_stage("M_B", counts, size)
+        kept = [min(self._value("M_ckpt", self._position(i, len(counts)), size), m) for i, m in enumerate(memory)]
+        if slices > 1:  # per-slice entries: Costs would otherwise share a stage's value out evenly
+            times = {key: [[value] * slices for value in values] for key, values in times.items()}
+            memory, kept = ([[value] * slices for value in values] for values in (memory, kept))
         return Costs(
             **times,
-            comm=self._p2p(micro_batch),
+            comm=self._p2p(size),
             M_B=memory,
             M_W=0.0,
-            M_ckpt=[min(k, m) for k, m in zip(kept, memory)],
+            M_ckpt=kept,
             M_static=[self._static(n, dp, zero) for n in self.stage_params(counts)],
+            op_overhead=self.op_overhead,
             time_unit="ms",
             memory_unit="bytes",
         )  # no host link measured: offload is left out, not guessed
@@ -152,12 +172,42 @@ class ProfiledCostModel:
         ]
 
     def allreduce_time(self, params: float, pp: int, dp: int, zero: int = 0) -> float:
-        return collective_bytes(params, dp, zero, self.compute) / self.bandwidth
+        """The gradients' collectives over dp replicas as measured at dp = 2 and scaled by the
+        ring: ZeRO-0 all-reduces the fp32 gradients, ZeRO-1/2 reduce-scatter them and all-gather
+        the new weights in the compute type. Older profiles priced it at the p2p bandwidth."""
+        if not all(name in self.links for name in _COLLECTIVES):
+            return collective_bytes(params, dp, zero, self.compute) / self.bandwidth
+        if dp == 1:
+            return 0.0
+        if zero == 0:
+            return self._collective("allreduce", 4 * params, dp)
+        return self._collective("reduce_scatter", 4 * params, dp) + self._collective(
+            "all_gather", self.compute * params, dp
+        )
+
+    def _collective(self, name: str, nbytes: float, dp: int) -> float:
+        """dp − 1 latencies and 2(dp − 1)/dp of the bytes, from the dp = 2 fit (which moved half)."""
+        link = self.links[name]
+        return (dp - 1) * link["latency_ms"] + nbytes * 2 * (dp - 1) / dp / link["bytes_per_ms"]
 
     def optimizer_time(self, params: float, dp: int, zero: int = 0) -> float:
-        """What a step adds beyond the pipeline, as measured: data, loss all-reduce, AdamW (over
-        this rank's 1/dp shard under ZeRO-1/2)."""
-        return self.overhead["base_ms"] + self.overhead["per_param_ms"] * (params / dp if zero else params)
+        """The AdamW step as measured, over this rank's 1/dp shard under ZeRO-1/2."""
+        fit = self.optimizer or self.overhead
+        return fit["base_ms"] + fit["per_param_ms"] * (params / dp if zero else params)
+
+    def replica_skew(self, dp: int, zero: int = 0) -> float:
+        """Share of the pipeline the dp replicas' collectives wait for the slowest one: measured
+        at dp = 2, and grown for more replicas as the expected maximum of dp noisy pipelines
+        (≈ √(2 ln dp)) grows."""
+        skew = self.profile.get("replica_skew")
+        if dp == 1 or not skew:
+            return 0.0
+        measured = float(skew["0" if zero == 0 else "1"])
+        return measured * math.sqrt(math.log(dp) / math.log(2))
+
+    def step_overhead_time(self) -> float:
+        """The rest of a step as measured: the batch, zeroing gradients, the loss all-reduce."""
+        return float(self.overhead["base_ms"]) if self.optimizer is not None else 0.0
 
     def to_dict(self) -> dict:
         facts = {"source": "profile", "device": self.profile.get("device", "")}

@@ -22,21 +22,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from functools import partial
 
 from pipeloom.costs import Costs
 from pipeloom.errors import InfeasibleError, PipeloomError
 from pipeloom.ir.schedule import Schedule
 from pipeloom.passes.mario import mario
-from pipeloom.passes.offload import OffloadTimeline, simulate_offload, t_offload
+from pipeloom.passes.offload import simulate_offload, t_offload
 from pipeloom.passes.trecomp import t_recomp
 from pipeloom.passes.weight_parts import weight_parts
 from pipeloom.schedules.registry import build_schedule, get_generator
 from pipeloom.schedules.svpp import table3_forwards
-from pipeloom.sim.simulate import Timeline, simulate
+from pipeloom.sim.simulate import simulate
 from pipeloom.tune.cost_model import CostModel
-from pipeloom.tune.measures import StaticOption, static_options
+from pipeloom.tune.evaluation import Evaluation, TuneResult, packed, restore
+from pipeloom.tune.measures import static_options
 from pipeloom.tune.partition import partition_layers
 from pipeloom.tune.pool import ROUND, RoundPool, default_jobs
 from pipeloom.tune.space import DEFAULT_SCHEMES, SCHEMES, Candidate, candidates
@@ -46,64 +46,6 @@ __all__ = ["Evaluation", "TuneResult", "tune", "evaluate"]
 _EPS = 1e-9
 SLICED_OPS_LIMIT = 4_000
 """SVPP's list scheduler runs a dozen greedy passes in Python; beyond this many ops it is skipped."""
-
-
-@dataclass
-class Evaluation:
-    candidate: Candidate
-    feasible: bool = False
-    reason: str = ""
-    """Why it was rejected or pruned; empty when it fits."""
-    partition: list[int] = field(default_factory=list)
-    costs: Costs | None = None
-    schedule: Schedule | None = None
-    timeline: Timeline | None = None
-    offload: OffloadTimeline | None = None
-    pipeline_time: float = math.inf
-    allreduce_time: float = 0.0
-    optimizer_time: float = 0.0
-    static_memory: list[float] = field(default_factory=list)
-    peak_memory: list[float] = field(default_factory=list)
-    unfit: list[tuple[str, float, str]] = field(default_factory=list)
-    """(plan, step time, why) of the pass chains tried here that did not fit."""
-    options: list[StaticOption] = field(default_factory=list, repr=False)
-    """The static-memory measures, in the order they are tried, with their costs; the first is
-    ZeRO-0 (none)."""
-
-    @property
-    def step_time(self) -> float:
-        return self.pipeline_time + self.allreduce_time + self.optimizer_time
-
-    @property
-    def bubble_rate(self) -> float:
-        return self.timeline.bubble_rate if self.timeline else math.nan
-
-    @property
-    def static_option(self) -> StaticOption | None:
-        """The static-memory measure this plan took."""
-        offload_all = "offload-all" in self.candidate.passes
-        chosen = [o for o in self.options if o.zero == self.candidate.zero and o.offload_all == offload_all]
-        return chosen[0] if chosen else None
-
-
-@dataclass
-class TuneResult:
-    ranked: list[Evaluation]
-    """Plans that fit, fastest first (at most `keep`)."""
-    rejected: list[Evaluation]
-    """Candidates that do not fit, with the reason."""
-    global_batch: int
-    memory: float
-    evaluated: int = 0
-    pruned: int = 0
-
-    @property
-    def best(self) -> Evaluation:
-        return self.ranked[0]
-
-    def throughput(self, evaluation: Evaluation) -> float:
-        """Samples per second."""
-        return self.global_batch / (evaluation.step_time / 1e3)
 
 
 def tune(
@@ -154,7 +96,7 @@ def tune(
         return ranked[keep - 1].step_time if len(ranked) >= keep and not exhaustive else math.inf
 
     task = partial(_simulate_task, memory=memory, memory_passes=memory_passes)
-    with RoundPool(task, jobs if jobs is not None else default_jobs(), pack=_packed) as pool:
+    with RoundPool(task, jobs if jobs is not None else default_jobs(), pack=packed) as pool:
         for first in range(0, len(prepared), ROUND):
             batch = list(enumerate(prepared[first : first + ROUND], first))
             limit = threshold()
@@ -183,7 +125,7 @@ def tune(
                 if progress:
                     progress(index + 1, len(prepared))
     for evaluation in ranked:
-        _restore(evaluation)
+        restore(evaluation)
     if not ranked:
         raise InfeasibleError(_binding_constraint(rejected, memory))
     return TuneResult(ranked, rejected, global_batch, memory, evaluated, pruned)
@@ -207,12 +149,9 @@ def _prepare(
     candidate: Candidate, cost_model: CostModel, memory: float, static_measures: bool = True
 ) -> tuple[Evaluation, float]:
     """Partition, the static-memory measures that fit, and a lower bound on the step time."""
-    evaluation = Evaluation(candidate)
+    evaluation = Evaluation(candidate, overhead_time=cost_model.step_overhead_time())
     stages = candidate.num_stages
     ops = 2 * stages * candidate.num_microbatches * candidate.slices
-    if candidate.slices > 1 and not getattr(cost_model, "models_slices", True):
-        evaluation.reason = "cost model: the profile timed whole micro-batches, not slices of them"
-        return evaluation, math.inf
     if candidate.slices > 1 and ops > SLICED_OPS_LIMIT:
         evaluation.reason = f"size: {ops} slice ops, beyond the {SLICED_OPS_LIMIT} the tuner builds SVPP for"
         return evaluation, math.inf
@@ -247,11 +186,13 @@ def _prepare(
     costs = plain.costs
     share = 1 / candidate.replicas  # each replica sees its share of the micro-batches
     work = max(
-        sum(costs.F[s] + costs.B[s] + costs.W[s] for s in stages_on) * candidate.num_microbatches * share
+        sum(_whole(costs.F[s]) + _whole(costs.B[s]) + _whole(costs.W[s]) for s in stages_on)
+        * candidate.num_microbatches
+        * share
         for stages_on in candidate.placement
     )
     extra = min(option.allreduce_time + option.optimizer_time for option in fitting)
-    return evaluation, work + extra
+    return evaluation, work + extra + evaluation.overhead_time
 
 
 _RESULT_FIELDS = (
@@ -264,30 +205,6 @@ def _simulate_task(evaluation: Evaluation, threshold: float, memory: float, memo
     """One candidate simulated: (the evaluation, whether it was kept)."""
     kept = _simulate_candidate(evaluation, memory, threshold, memory_passes)
     return evaluation, kept
-
-
-def _packed(result: tuple[Evaluation, bool], threshold: float) -> tuple[Evaluation, bool]:
-    """What a worker sends back: timelines are left out (the search ranks on the step and
-    peaks; `_restore` rebuilds them for the plans it keeps), and so is the schedule of a plan
-    that cannot enter the ranking."""
-    evaluation, kept = result
-    evaluation.timeline = evaluation.offload = None
-    if not (evaluation.feasible and evaluation.step_time < threshold - _EPS):
-        evaluation.schedule = None
-    return evaluation, kept
-
-
-def _restore(evaluation: Evaluation) -> None:
-    """The timeline (and offload lanes) of a kept plan whose worker left them out."""
-    if evaluation.timeline is not None:
-        return
-    schedule, costs, passes = evaluation.schedule, evaluation.costs, evaluation.candidate.passes
-    if "offload" in passes or "offload-all" in passes:
-        stages = range(schedule.num_stages) if "offload-all" in passes else None
-        evaluation.offload = simulate_offload(t_offload(schedule, stages), costs)
-        evaluation.timeline = evaluation.offload.timeline
-    else:
-        evaluation.timeline = simulate(schedule, costs)
 
 
 def _simulate_candidate(
@@ -360,6 +277,7 @@ def _simulate_candidate(
             evaluation.candidate = candidate.with_passes(candidate.passes + passes, zero=option.zero)
             evaluation.schedule, evaluation.timeline, evaluation.offload = current, timeline, offload
             evaluation.pipeline_time, evaluation.peak_memory = pipeline, peaks
+            evaluation.allreduce_time = option.allreduce_time + option.replica_skew * pipeline
             evaluation.static_memory = list(timeline.static_memory)
             if max(peaks) <= memory + _EPS:
                 if best is None or evaluation.step_time < best["step_time"] - _EPS:
@@ -409,6 +327,11 @@ def _apply(name: str, schedule: Schedule, costs: Costs, budget: list[float]) -> 
     if name in ("offload", "offload-all"):
         return schedule  # a plan layer, simulated beside the schedule
     raise AssertionError(name)
+
+
+def _whole(value: float | tuple[float, ...]) -> float:
+    """A stage's time for a whole micro-batch, given as one value or per slice."""
+    return sum(value) if isinstance(value, tuple) else value
 
 
 def _binding_constraint(rejected: list[Evaluation], memory: float) -> str:

@@ -1,0 +1,100 @@
+"""What moving bytes between ranks costs on this machine: p2p and the data-parallel collectives.
+
+Each is measured between two forked gloo ranks at two sizes — a tiny tensor for the latency and a
+large one for the bandwidth — and fitted as time = latency + bytes / bandwidth, bytes being the
+whole tensor's: p2p (`send`/`recv`), and the collectives the runtime runs over dp replicas — the
+all-reduce of ZeRO-0's gradients, the reduce-scatter of ZeRO-1/2's and the all-gather of their new
+weights. dp = 2 is the most ranks a probe forks; the tuner scales a collective to other dp by the
+ring algorithm: dp − 1 latencies and 2(dp − 1)/dp of the bytes per rank.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ping_seconds", "measure_links"]
+
+_SMALL, _LARGE = 16, 4 * 2**20
+"""fp32 elements of the two sizes measured: 64 bytes (latency), 16 MiB (bandwidth)."""
+
+
+def ping_seconds(rank: int, tensor: torch.Tensor, repeats: int = 5) -> float:
+    """Median one-way time of `tensor` between ranks 0 and 1 of the current group (other ranks
+    only join the barriers)."""
+    samples = []
+    for _ in range(repeats):
+        dist.barrier()
+        began = time.perf_counter()
+        if rank == 0:
+            dist.send(tensor, 1)
+            dist.recv(tensor, 1)
+        elif rank == 1:
+            dist.recv(tensor, 0)
+            dist.send(tensor, 0)
+        samples.append((time.perf_counter() - began) / 2)
+    return statistics.median(samples)
+
+
+COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather")
+
+
+def collective_seconds(name: str, elements: int, repeats: int = 5) -> float:
+    """Median time of one collective over a whole fp32 tensor of `elements` across the group."""
+    whole = torch.zeros(elements)
+    share = torch.zeros(elements // dist.get_world_size())
+    run = {
+        "allreduce": lambda: dist.all_reduce(whole),
+        "reduce_scatter": lambda: dist.reduce_scatter_single(share, whole),
+        "all_gather": lambda: dist.all_gather_single(whole, share),
+    }[name]
+    samples = []
+    for _ in range(repeats):
+        dist.barrier()
+        began = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - began)
+    return statistics.median(samples)
+
+
+def measure_links(sizes: tuple[int, ...] = (_SMALL, _LARGE), repeats: int = 9) -> dict:
+    """{"p2p": ..., "allreduce": ..., "reduce_scatter": ..., "all_gather": ...}, each
+    {"latency_ms", "bytes_per_ms"} (the collectives also "dp": 2)."""
+    context = multiprocessing.get_context("fork")
+    with tempfile.TemporaryDirectory(prefix="pipeloom-links-") as directory:
+        processes = [context.Process(target=_link_rank, args=(r, directory, sizes, repeats)) for r in range(2)]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(120)
+        values = [float(x) for x in Path(directory, "links").read_text().split()]
+    nbytes = [4 * n for n in sizes]
+    rows = [values[i : i + len(sizes)] for i in range(0, len(values), len(sizes))]
+    links = {"p2p": _line(nbytes, rows[0])}
+    for name, row in zip(COLLECTIVES, rows[1:]):
+        links[name] = {**_line(nbytes, row), "dp": 2}
+    return links
+
+
+def _line(nbytes: list[int], ms: list[float]) -> dict:
+    """latency + bytes / bandwidth through the smallest and largest size."""
+    slope = (ms[-1] - ms[0]) / (nbytes[-1] - nbytes[0])
+    latency = max(0.0, ms[0] - slope * nbytes[0])
+    return {"latency_ms": latency, "bytes_per_ms": 1 / slope if slope > 0 else float(nbytes[-1]) / max(ms[-1], 1e-6)}
+
+
+def _link_rank(rank: int, directory: str, sizes: tuple[int, ...], repeats: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank, world_size=2)
+    seconds = [ping_seconds(rank, torch.zeros(n), repeats) for n in sizes]
+    for name in COLLECTIVES:
+        seconds += [collective_seconds(name, n, repeats) for n in sizes]
+    if rank == 0:
+        Path(directory, "links").write_text(" ".join(str(1e3 * s) for s in seconds))
+    dist.destroy_process_group()

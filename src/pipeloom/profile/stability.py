@@ -1,0 +1,122 @@
+"""When a measurement can be trusted: warm-up left out, repeated until its median holds still.
+
+A machine that is busy (another job, a turbo clock settling, a cold cache) makes one run of a
+probe read slower or faster than the next. Each probe is therefore a series of rounds — a round
+is one run of a few training steps, its first step(s) left out as warm-up — and a quantity (an
+op's time, the optimizer's) is taken as the median of its rounds' medians. Rounds are added until
+the latest round's median agrees with the earlier rounds' — within `tolerance` of it, or within
+what noise alone would explain (twice the standard error of the difference) — or `max_rounds`
+have run. So there are always two rounds: one that ran wholly in a busy spell would look settled
+on its own. The spread (the
+interquartile range over the median) says how noisy the samples were, so a profile can report
+how far to trust it. This module imports no torch, so it is tested on a fake clock.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Measured", "until_stable", "relative_spread", "falling_per_sample", "TOLERANCE"]
+
+TOLERANCE = 0.02
+"""A median that moves by at most this share from one round to the next counts as settled."""
+
+
+@dataclass(frozen=True)
+class Measured:
+    median: float
+    """The median of the rounds' medians."""
+    spread: float
+    """Interquartile range over the median, of the samples kept."""
+    samples: int
+    rounds: int
+    stable: bool
+    """False when `max_rounds` ran out before the median settled."""
+
+
+def relative_spread(samples: Sequence[float]) -> float:
+    """Interquartile range over the median (0 for fewer than two samples or a zero median)."""
+    if len(samples) < 2:
+        return 0.0
+    low, _, high = statistics.quantiles(samples, n=4, method="inclusive")
+    middle = statistics.median(samples)
+    return (high - low) / abs(middle) if middle else 0.0
+
+
+def until_stable(
+    run_round: Callable[[], Mapping[str, Sequence[float]]],
+    *,
+    tolerance: float = TOLERANCE,
+    floor: float = 0.0,
+    max_rounds: int = 4,
+) -> dict[str, Measured]:
+    """Each quantity's median over rounds of `run_round()` (samples per quantity, warm-up already
+    left out), with as many rounds as it takes every median to settle — the latest round to
+    agree with the earlier ones within `tolerance`, noise, or `floor` (for quantities too small
+    to matter) — at most `max_rounds`."""
+    if max_rounds < 1:
+        raise ValueError(f"max_rounds must be at least 1, got {max_rounds}")
+    kept: dict[str, list[float]] = {}
+    per_round: dict[str, list[float]] = {}
+    rounds = 0
+    settled = False
+    while rounds < max_rounds:
+        fresh = {key: [float(v) for v in values] for key, values in run_round().items() if len(values)}
+        rounds += 1
+        if kept:
+            settled = all(_agrees(values, kept.get(key, []), tolerance, floor) for key, values in fresh.items())
+        for key, values in fresh.items():
+            kept.setdefault(key, []).extend(values)
+            per_round.setdefault(key, []).append(statistics.median(values))
+        if settled:
+            break
+    return {  # the median of the rounds' medians: a busy spell is one round, outvoted by the others
+        key: Measured(statistics.median(per_round[key]), relative_spread(values), len(values), rounds, settled)
+        for key, values in kept.items()
+    }
+
+
+def _standard_error(values: Sequence[float]) -> float:
+    """Of the median, from the interquartile range (σ ≈ IQR / 1.349, SE ≈ 1.253 σ / √n): noise
+    itself moves a median by about this much from one round to the next."""
+    if len(values) < 4:
+        return 0.0
+    low, _, high = statistics.quantiles(values, n=4, method="inclusive")
+    return 1.253 * (high - low) / 1.349 / len(values) ** 0.5
+
+
+def _agrees(fresh: Sequence[float], earlier: Sequence[float], tolerance: float, floor: float) -> bool:
+    """Whether a round's median is the earlier rounds' within `tolerance`, `floor`, or twice the
+    standard error of their difference (each side's noise from its own spread, so a drift from
+    round to round shows however noisy the rounds are put together)."""
+    if not fresh or not earlier:
+        return False
+    new, old = statistics.median(fresh), statistics.median(earlier)
+    noise = 2 * (_standard_error(fresh) ** 2 + _standard_error(earlier) ** 2) ** 0.5
+    return abs(new - old) <= max(tolerance * max(abs(new), abs(old)), floor, noise)
+
+
+def falling_per_sample(fits: dict, noise: float, describe: bool = False) -> list:
+    """Micro-batch sizes whose per-sample layer time (F + B + W per layer, over the micro-batch
+    size) is lower than a smaller size's by more than `noise` — on a CPU a busy spell during
+    the small size's probes reads that way; with `describe`, one warning per such pair."""
+    sizes = sorted(int(size) for size in fits)
+    suspects, warnings = set(), []
+    for small, large in zip(sizes, sizes[1:]):
+        per_small = _layer_ms(fits[str(small)]) / small
+        per_large = _layer_ms(fits[str(large)]) / large
+        if per_large < per_small * (1 - noise):
+            suspects |= {small, large}
+            warnings.append(
+                f"per-sample layer time falls from {per_small:.3g} ms at micro-batch {small} to {per_large:.3g} ms "
+                f"at {large}, beyond the {noise:.0%} the probes varied by, even measured again: the machine "
+                "may have been busy (run `profile` again on an idle one), or larger micro-batches are truly "
+                "more efficient here"
+            )
+    return warnings if describe else sorted(suspects)
+
+
+def _layer_ms(fit: dict) -> float:
+    return sum(fit[kind]["per_layer"] for kind in ("F", "B", "W") if kind in fit)

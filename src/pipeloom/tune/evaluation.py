@@ -1,0 +1,102 @@
+"""What the tuner knows of one candidate (`Evaluation`) and of a whole search (`TuneResult`), and
+how an evaluation travels back from a worker process without its bulk."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pipeloom.costs import Costs
+from pipeloom.ir.schedule import Schedule
+from pipeloom.passes.offload import OffloadTimeline, simulate_offload, t_offload
+from pipeloom.sim.simulate import Timeline, simulate
+from pipeloom.tune.measures import StaticOption
+from pipeloom.tune.space import Candidate
+
+__all__ = ["Evaluation", "TuneResult", "packed", "restore"]
+
+_EPS = 1e-9
+
+
+@dataclass
+class Evaluation:
+    candidate: Candidate
+    feasible: bool = False
+    reason: str = ""
+    """Why it was rejected or pruned; empty when it fits."""
+    partition: list[int] = field(default_factory=list)
+    costs: Costs | None = None
+    schedule: Schedule | None = None
+    timeline: Timeline | None = None
+    offload: OffloadTimeline | None = None
+    pipeline_time: float = math.inf
+    allreduce_time: float = 0.0
+    optimizer_time: float = 0.0
+    overhead_time: float = 0.0
+    """The rest of a step: the batch, zeroing gradients, the loss all-reduce."""
+    static_memory: list[float] = field(default_factory=list)
+    peak_memory: list[float] = field(default_factory=list)
+    unfit: list[tuple[str, float, str]] = field(default_factory=list)
+    """(plan, step time, why) of the pass chains tried here that did not fit."""
+    options: list[StaticOption] = field(default_factory=list, repr=False)
+    """The static-memory measures, in the order they are tried, with their costs; the first is
+    ZeRO-0 (none)."""
+
+    @property
+    def step_time(self) -> float:
+        return self.pipeline_time + self.allreduce_time + self.optimizer_time + self.overhead_time
+
+    @property
+    def bubble_rate(self) -> float:
+        return self.timeline.bubble_rate if self.timeline else math.nan
+
+    @property
+    def static_option(self) -> StaticOption | None:
+        """The static-memory measure this plan took."""
+        offload_all = "offload-all" in self.candidate.passes
+        chosen = [o for o in self.options if o.zero == self.candidate.zero and o.offload_all == offload_all]
+        return chosen[0] if chosen else None
+
+
+@dataclass
+class TuneResult:
+    ranked: list[Evaluation]
+    """Plans that fit, fastest first (at most `keep`)."""
+    rejected: list[Evaluation]
+    """Candidates that do not fit, with the reason."""
+    global_batch: int
+    memory: float
+    evaluated: int = 0
+    pruned: int = 0
+
+    @property
+    def best(self) -> Evaluation:
+        return self.ranked[0]
+
+    def throughput(self, evaluation: Evaluation) -> float:
+        """Samples per second."""
+        return self.global_batch / (evaluation.step_time / 1e3)
+
+
+def packed(result: tuple[Evaluation, bool], threshold: float) -> tuple[Evaluation, bool]:
+    """What a worker sends back: timelines are left out (the search ranks on the step and
+    peaks; `restore` rebuilds them for the plans it keeps), and so is the schedule of a plan
+    that cannot enter the ranking."""
+    evaluation, kept = result
+    evaluation.timeline = evaluation.offload = None
+    if not (evaluation.feasible and evaluation.step_time < threshold - _EPS):
+        evaluation.schedule = None
+    return evaluation, kept
+
+
+def restore(evaluation: Evaluation) -> None:
+    """The timeline (and offload lanes) of a kept plan whose worker left them out."""
+    if evaluation.timeline is not None:
+        return
+    schedule, costs, passes = evaluation.schedule, evaluation.costs, evaluation.candidate.passes
+    if "offload" in passes or "offload-all" in passes:
+        stages = range(schedule.num_stages) if "offload-all" in passes else None
+        evaluation.offload = simulate_offload(t_offload(schedule, stages), costs)
+        evaluation.timeline = evaluation.offload.timeline
+    else:
+        evaluation.timeline = simulate(schedule, costs)
