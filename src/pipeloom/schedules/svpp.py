@@ -282,7 +282,9 @@ class _SliceScheduler:
             if earliest[d] > now + _EPS:
                 # Wait for the next known input, but no later than another device's clock: an op
                 # whose producer has not run cannot become ready before that.
-                later = min(earliest[d], agenda.earliest_after(now + _EPS))
+                later = earliest[d]
+                if agenda.events and later > agenda.events[0][0]:  # else no clock after now comes sooner
+                    later = min(later, agenda.earliest_after(now + _EPS))
                 if later < math.inf:
                     clock[d] = later
                     agenda.push(later, d)

@@ -65,8 +65,11 @@ class RoundPool:
         if self.pool:
             self.pool.shutdown(wait=True, cancel_futures=True)
 
-    def run(self, evaluations: Sequence, threshold: float) -> list:
-        """The results, in the order given."""
+    def run(self, evaluations: Sequence, threshold: float, sizes: Sequence[float] | None = None) -> list:
+        """The results, in the order given. With `sizes` (a guess at each one's work), the
+        largest are sent first, so that no core is left with a big one as the round ends."""
         if self.pool is None or len(evaluations) < 2:
             return [self.simulate(evaluation, threshold) for evaluation in evaluations]
-        return list(self.pool.map(_run, evaluations, [threshold] * len(evaluations)))
+        order = sorted(range(len(evaluations)), key=lambda i: -sizes[i]) if sizes else range(len(evaluations))
+        futures = {i: self.pool.submit(_run, evaluations[i], threshold) for i in order}
+        return [futures[i].result() for i in range(len(evaluations))]

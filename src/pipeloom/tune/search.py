@@ -101,7 +101,9 @@ def tune(
             batch = list(enumerate(prepared[first : first + ROUND], first))
             limit = threshold()
             todo = [index for index, (evaluation, bound) in batch if not evaluation.reason and bound < limit - _EPS]
-            results = dict(zip(todo, pool.run([prepared[index][0] for index in todo], limit)))
+            sent = [prepared[index][0] for index in todo]
+            sizes = [_ops(evaluation.candidate) for evaluation in sent]
+            results = dict(zip(todo, pool.run(sent, limit, sizes)))
             evaluated += len(todo)
             for index, (evaluation, bound) in batch:
                 if index in results or not evaluation.reason:  # (a simulation may have set a reason)
@@ -151,7 +153,7 @@ def _prepare(
     """Partition, the static-memory measures that fit, and a lower bound on the step time."""
     evaluation = Evaluation(candidate, overhead_time=cost_model.step_overhead_time())
     stages = candidate.num_stages
-    ops = 2 * stages * candidate.num_microbatches * candidate.slices
+    ops = _ops(candidate)
     if candidate.slices > 1 and ops > SLICED_OPS_LIMIT:
         evaluation.reason = f"size: {ops} slice ops, beyond the {SLICED_OPS_LIMIT} the tuner builds SVPP for"
         return evaluation, math.inf
@@ -327,6 +329,11 @@ def _apply(name: str, schedule: Schedule, costs: Costs, budget: list[float]) -> 
     if name in ("offload", "offload-all"):
         return schedule  # a plan layer, simulated beside the schedule
     raise AssertionError(name)
+
+
+def _ops(candidate: Candidate) -> int:
+    """How many ops its schedule has: a guess at how long it takes to build and simulate."""
+    return 2 * candidate.num_stages * candidate.num_microbatches * candidate.slices
 
 
 def _whole(value: float | tuple[float, ...]) -> float:
