@@ -16,7 +16,6 @@ per-op overhead, the optimizer step and the rest of a step (`overheads`).
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -78,13 +77,14 @@ def profile_model(
         if progress:
             progress(done, total)
     warnings: list[str] = []
-    rerun = falling_per_sample(_fits(measured, micro_batches), _noise_margin(measured))
+    fits = _fits(measured, micro_batches)
+    rerun = falling_per_sample(fits, _noise_margin(measured))
     if rerun:  # re-measure the sizes that look cheaper per sample, once, before trusting them
         for mbs in rerun:
             for n in layer_counts:
                 measured[(mbs, n)] = _measure_probe(model, mbs, n, steps, threads, workload_for, dtype, max_rounds)
-        warnings = falling_per_sample(_fits(measured, micro_batches), _noise_margin(measured), describe=True)
-    fits = _fits(measured, micro_batches)
+        fits = _fits(measured, micro_batches)
+        warnings = falling_per_sample(fits, _noise_margin(measured), describe=True)
     links = measure_links()
     for mbs in micro_batches:
         activation_bytes = compute_bytes(dtype) * mbs * model.seq_len * model.hidden
@@ -195,10 +195,9 @@ def _fits(measured: dict[tuple[int, int], _Probe], micro_batches: Sequence[int])
 
 def _noise_margin(measured: dict) -> float:
     """How much cheaper per sample a larger micro-batch may look before it is suspect: three
-    standard errors of the probes' op-time medians (the samples' spread shrinks by √n in a
-    median), at least 3 %."""
+    standard errors of the probes' op-time medians, at least 3 %."""
     errors = [
-        0.93 * m.spread / math.sqrt(m.samples)
+        m.relative_error
         for probe in measured.values()
         for key, m in probe.values.items()
         if key.split("@")[0] in _OP_KINDS

@@ -14,11 +14,15 @@ how far to trust it. This module imports no torch, so it is tested on a fake clo
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = ["Measured", "until_stable", "relative_spread", "falling_per_sample", "TOLERANCE"]
+
+_SE_PER_IQR = 1.253 / 1.349
+"""Standard error of a median per interquartile range, times √n (normal samples)."""
 
 TOLERANCE = 0.02
 """A median that moves by at most this share from one round to the next counts as settled."""
@@ -34,6 +38,11 @@ class Measured:
     rounds: int
     stable: bool
     """False when `max_rounds` ran out before the median settled."""
+
+    @property
+    def relative_error(self) -> float:
+        """The median's standard error over the median, from the spread (`_standard_error`)."""
+        return _SE_PER_IQR * self.spread / math.sqrt(self.samples) if self.samples >= 4 else 0.0
 
 
 def relative_spread(samples: Sequence[float]) -> float:
@@ -84,7 +93,7 @@ def _standard_error(values: Sequence[float]) -> float:
     if len(values) < 4:
         return 0.0
     low, _, high = statistics.quantiles(values, n=4, method="inclusive")
-    return 1.253 * (high - low) / 1.349 / len(values) ** 0.5
+    return _SE_PER_IQR * (high - low) / math.sqrt(len(values))
 
 
 def _agrees(fresh: Sequence[float], earlier: Sequence[float], tolerance: float, floor: float) -> bool:

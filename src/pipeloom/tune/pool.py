@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 
 __all__ = ["ROUND", "default_jobs", "RoundPool"]
 
@@ -55,7 +54,9 @@ class RoundPool:
     def __init__(self, simulate: Callable, jobs: int, pack: Callable = _as_is):
         self.simulate = simulate
         self.pool = None
-        if jobs > 1:
+        if jobs > 1:  # imported here: one process needs no multiprocessing machinery
+            from concurrent.futures import ProcessPoolExecutor
+
             self.pool = ProcessPoolExecutor(jobs, initializer=_start_worker, initargs=(simulate, pack))
 
     def __enter__(self) -> RoundPool:
