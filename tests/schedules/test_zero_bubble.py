@@ -6,6 +6,8 @@ import random
 import pytest
 
 from pipeloom import ConfigError, Costs, InfeasibleError, OpKind, build_schedule, simulate, validate
+from pipeloom.schedules.v_blocks import v_half_block, v_min_block
+from pipeloom.schedules.v_search import paper_block_budget
 from pipeloom.schedules.v_shape import v_placement
 from pipeloom.tune.zb_profiles import PAPER_TABLE5, ZB_PROFILES
 
@@ -107,11 +109,16 @@ def test_v_shapes_validate_and_keep_their_budgets():
         p = rng.randint(1, 8)
         m = rng.randint(1, 4 * p)
         c = random_costs(rng, 2 * p)
-        for name, fraction in (("zb-v", 1), ("v-half", 1 / 2), ("v-min", 1 / 3)):
+        table = c.resolve(p, 2 * p)
+        for name, budget in (
+            ("zb-v", p),
+            ("v-half", paper_block_budget(v_half_block(p), table)[0]),
+            ("v-min", paper_block_budget(v_min_block(p), table)[0]),
+        ):
             schedule = build_schedule(name, p, m, costs=c)
             validate(schedule)
             assert [schedule.stages_on(d) for d in range(p)] == [[d, 2 * p - 1 - d] for d in range(p)]
-            budget = max(fraction * p, 1.0)  # never below one micro-batch through both stages
+            budget = max(budget, 1.0)  # never below one micro-batch through both stages
             assert max(simulate(schedule, c).peak_activation_memory) <= budget + 1e-9, (case, name, p, m)
         budget = [round(rng.uniform(1, 1.5 * p), 1) for _ in range(p)]
         peaks = simulate(build_schedule("v-auto", p, m, costs=c, mem_limit=budget), c).peak_activation_memory

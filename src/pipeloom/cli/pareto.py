@@ -60,10 +60,17 @@ def run(args: argparse.Namespace) -> int:
         return 0
     memory = memory_scale(costs, [q.peak_memory for q in points])
     rows = [
-        ["*" if q.on_frontier else "", q.label, memory.number(q.peak_memory), f"{q.bubble_rate:.2%}", num(q.cost)]
+        [_mark(q), q.label, memory.number(q.peak_memory), f"{q.bubble_rate:.2%}", "-" if q.reference else num(q.cost)]
         for q in points
-        if q.on_frontier or not args.frontier_only
+        if q.on_frontier or q.reference or not args.frontier_only
     ]
-    print(f"p={args.p} m={args.m} costs: {costs_text(costs)}   (* = on the frontier)")
+    legend = "* = on the frontier" + (
+        "; a = the authors' schedule (their code), for reference" if any(q.reference for q in points) else ""
+    )
+    print(f"p={args.p} m={args.m} costs: {costs_text(costs)}   ({legend})")
     print(table(["", "schedule", f"peak act. ({memory.unit})", "bubble", f"cost ({time_unit(costs)})"], rows))
     return 0
+
+
+def _mark(point) -> str:
+    return "a" if point.reference else "*" if point.on_frontier else ""

@@ -5,12 +5,12 @@ devices and comes back up, and the first and last stage share device 0. Each dev
 the same mix of early (long-lived) and late (short-lived) activations, which balances memory,
 and the turn at device p−1 needs no communication.
 
-The family differs only in the activation-memory budget the scheduler (Zero Bubble's heuristic,
-`list_scheduler`) may use, relative to 1F1B's p·M_B (M_B: one device's share of the model):
+The family differs only in the activation-memory budget (`v_search` finds the shortest schedule
+within it), relative to 1F1B's p·M_B (M_B: one device's share of the model):
 
 * ``zb-v``   — p·M_B; zero bubble when T_F = T_B = T_W and m ≥ 2p;
-* ``v-half`` — p·M_B / 2;
-* ``v-min``  — p·M_B / 3;
+* ``v-half`` — the memory of the paper's V-Half block, about p·M_B / 2 (+ one micro-batch);
+* ``v-min``  — the memory of the paper's V-Min block, about p·M_B / 3 (+ one micro-batch);
 * ``v-auto`` — any budget (one number or one per device), in the costs' memory unit.
 
 A budget is never set below one micro-batch's activations through both stages of a device.
@@ -22,40 +22,26 @@ from collections.abc import Sequence
 
 from pipeloom.costs import Costs
 from pipeloom.ir.schedule import Schedule
-from pipeloom.schedules.auto_search import auto_schedule, min_memory_limits
-from pipeloom.schedules.list_scheduler import FLAGS, Heuristics
+from pipeloom.schedules.auto_search import min_memory_limits, resolve_limits
 from pipeloom.schedules.registry import register
+from pipeloom.schedules.v_blocks import VBlock, v_half_block, v_min_block
+from pipeloom.schedules.v_search import best_v_schedule, paper_block_budget, v_placement
 from pipeloom.schedules.zero_bubble import DEFAULT_ZB_COSTS
 
 __all__ = ["v_placement", "zb_v", "v_half", "v_min", "v_auto"]
 
-# A V run costs twice a linear one (2p stages) and there are more flags, so the search flips one
-# flag at a time, from the settings that suit two stages per device best: among ready forwards the
-# deeper one (the turn of the V), and no W in gaps shorter than T_W. Three flags that almost never
-# helped a V (in 63 setups: 3 wins, together 2.5 % of one step) are left out: a quarter less time.
-_SEARCH = {
-    "search": "descent",
-    "start": Heuristics(deepest_forward=True, small_gap_rule=False),
-    "flags": tuple(flag for flag in FLAGS if flag not in ("eager_warmup", "unpaced", "tail_reserve")),
-}
 _DOMAIN = "p >= 1, m >= 1; costs give T_F, T_B, T_W, comm, M_B, M_W (default all times 1)"
 
 
-def v_placement(num_devices: int) -> list[int]:
-    """Stage → device for the V: 0, 1, .., p−1, p−1, .., 1, 0."""
-    return list(range(num_devices)) + list(range(num_devices - 1, -1, -1))
+def _at_least_one_microbatch(p: int, costs: Costs, budget: list[float]) -> list[float]:
+    floor = min_memory_limits(v_placement(p), costs.resolve(p, 2 * p))
+    return [max(b, f) for b, f in zip(budget, floor)]
 
 
-def _fraction_of_1f1b(name: str, num_devices: int, num_microbatches: int, costs: Costs | None, fraction: float):
+def _block_budget(name: str, p: int, m: int, costs: Costs | None, block: VBlock) -> Schedule:
     costs = costs or DEFAULT_ZB_COSTS
-    placement = v_placement(num_devices)
-    table = costs.resolve(num_devices, len(placement))
-    floor = min_memory_limits(placement, table)
-    budget = [
-        max(floor[d], fraction * num_devices * (table.M_B[d] + table.M_B[2 * num_devices - 1 - d]))
-        for d in range(num_devices)
-    ]
-    return auto_schedule(name, placement, num_microbatches, costs, budget, **_SEARCH).schedule
+    budget = _at_least_one_microbatch(p, costs, paper_block_budget(block, costs.resolve(p, 2 * p)))
+    return best_v_schedule(name, p, m, costs, budget)
 
 
 @register(
@@ -67,31 +53,34 @@ def _fraction_of_1f1b(name: str, num_devices: int, num_microbatches: int, costs:
     options=("costs",),
 )
 def zb_v(num_devices: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
-    return _fraction_of_1f1b("zb-v", num_devices, num_microbatches, costs, 1.0)
+    costs = costs or DEFAULT_ZB_COSTS
+    p, table = num_devices, costs.resolve(num_devices, 2 * num_devices)
+    budget = [p * (table.M_B[d] + table.M_B[2 * p - 1 - d]) for d in range(p)]
+    return best_v_schedule("zb-v", p, num_microbatches, costs, _at_least_one_microbatch(p, costs, budget))
 
 
 @register(
     "v-half",
     family="v-shape",
     paper="Qi et al. 2024, Pipeline Parallelism with Controllable Memory (V-Half)",
-    summary="V placement at half of 1F1B's activation memory",
+    summary="V placement within the memory of the paper's V-Half block (about half of 1F1B's)",
     domain=_DOMAIN,
     options=("costs",),
 )
 def v_half(num_devices: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
-    return _fraction_of_1f1b("v-half", num_devices, num_microbatches, costs, 1 / 2)
+    return _block_budget("v-half", num_devices, num_microbatches, costs, v_half_block(num_devices))
 
 
 @register(
     "v-min",
     family="v-shape",
     paper="Qi et al. 2024, Pipeline Parallelism with Controllable Memory (V-Min)",
-    summary="V placement at a third of 1F1B's activation memory",
+    summary="V placement within the memory of the paper's V-Min block (about a third of 1F1B's)",
     domain=_DOMAIN,
     options=("costs",),
 )
 def v_min(num_devices: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
-    return _fraction_of_1f1b("v-min", num_devices, num_microbatches, costs, 1 / 3)
+    return _block_budget("v-min", num_devices, num_microbatches, costs, v_min_block(num_devices))
 
 
 @register(
@@ -109,4 +98,9 @@ def v_auto(
     mem_limit: float | Sequence[float] | None = None,
 ) -> Schedule:
     costs = costs or DEFAULT_ZB_COSTS
-    return auto_schedule("v-auto", v_placement(num_devices), num_microbatches, costs, mem_limit, **_SEARCH).schedule
+    p = num_devices
+    placement = v_placement(p)
+    budget = None
+    if mem_limit is not None:
+        budget = resolve_limits("v-auto", mem_limit, p, placement, costs.resolve(p, 2 * p))
+    return best_v_schedule("v-auto", p, num_microbatches, costs, budget)

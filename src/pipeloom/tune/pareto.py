@@ -10,7 +10,7 @@ Memory is one device's share (Costs' scaling), so schedules with different stage
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pipeloom.costs import Costs
@@ -21,9 +21,10 @@ from pipeloom.schedules.auto_search import min_memory_limits
 from pipeloom.schedules.registry import build_schedule, get_generator, require_int
 from pipeloom.schedules.v_shape import v_placement
 from pipeloom.sim.simulate import Timeline, simulate
+from pipeloom.tune.zb_profiles import AUTHORS_V, table6_profile
 from pipeloom.units import memory_unit, time_unit
 
-__all__ = ["ParetoPoint", "explore_pareto", "frontier"]
+__all__ = ["ParetoPoint", "explore_pareto", "frontier", "authors_points"]
 
 _FIXED = (
     "gpipe", "1f1b", "interleaved", "chimera", "tpipe", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min", "dualpipe", "dualpipev",
@@ -42,6 +43,8 @@ class ParetoPoint:
     cost: float
     on_frontier: bool = False
     timeline: Timeline | None = None
+    reference: bool = False
+    """One of the authors' named schedules (`authors_points`): shown beside ours, never on the frontier."""
 
     def to_dict(self) -> dict[str, Any]:
         """The point; `memory_unit` and `time_unit` say what peak_activation_memory and cost are in."""
@@ -52,6 +55,8 @@ class ParetoPoint:
             "cost": self.cost,
             "on_frontier": self.on_frontier,
         }
+        if self.reference:
+            facts |= {"reference": True, "cost": None}
         if self.timeline is not None:
             costs = self.timeline.costs
             facts |= {"memory_unit": memory_unit(costs), "time_unit": time_unit(costs)}
@@ -93,7 +98,7 @@ def explore_pareto(
             )
         if progress:
             progress(done, len(jobs))
-    return frontier(points)
+    return frontier(points + authors_points(num_devices, num_microbatches, costs))
 
 
 def frontier(points: list[ParetoPoint]) -> list[ParetoPoint]:
@@ -102,10 +107,24 @@ def frontier(points: list[ParetoPoint]) -> list[ParetoPoint]:
     best = float("inf")
     marked = []
     for point in ordered:
-        on = point.bubble_rate < best - 1e-12
-        best = min(best, point.bubble_rate)
-        marked.append(ParetoPoint(point.label, point.peak_memory, point.bubble_rate, point.cost, on, point.timeline))
+        on = not point.reference and point.bubble_rate < best - 1e-12
+        if not point.reference:
+            best = min(best, point.bubble_rate)
+        marked.append(replace(point, on_frontier=on))
     return marked
+
+
+def authors_points(num_devices: int, num_microbatches: int, costs: Costs) -> list[ParetoPoint]:
+    """The V family authors' named schedules (ZB-V, V-Half, V-Min) when the costs are a Zero Bubble
+    Table 6 profile (their bubble and peak from `zb_profiles.AUTHORS_V`); else none."""
+    prof = table6_profile(num_devices, num_microbatches, costs)
+    if prof is None:
+        return []
+    named = AUTHORS_V[(prof.model, num_microbatches)]
+    return [
+        ParetoPoint(f"authors: {name}", peak, bubble, float("nan"), reference=True)
+        for name, (bubble, peak) in named.items()
+    ]
 
 
 def _jobs(p: int, m: int, costs: Costs, budgets: int) -> Iterator[tuple[str, Callable[[], Any]]]:

@@ -31,7 +31,8 @@ def pareto_figure(points: Sequence[ParetoPoint], costs: Costs | None = None, tit
     figure, axes = plt.subplots(figsize=(9, 5.5))
     families: dict[str, list[ParetoPoint]] = {}
     for point in points:
-        families.setdefault(point.label.split("@")[0], []).append(point)
+        if not point.reference:
+            families.setdefault(point.label.split("@")[0], []).append(point)
     colors = plt.get_cmap("tab20")
     for index, (family, members) in enumerate(families.items()):
         axes.scatter(
@@ -42,6 +43,18 @@ def pareto_figure(points: Sequence[ParetoPoint], costs: Costs | None = None, tit
             color=colors(index % 20),
             marker="os^Dv<>p"[index % 8],
             label=family,
+        )
+    authors = [q for q in points if q.reference]
+    if authors:
+        axes.scatter(
+            [memory.value(q.peak_memory) for q in authors],
+            [100 * q.bubble_rate for q in authors],
+            s=70,
+            facecolors="none",
+            edgecolors="red",
+            linewidths=1.5,
+            marker="*",
+            label="the authors' schedules",
         )
     best = sorted((q for q in points if q.on_frontier), key=lambda q: q.peak_memory)
     if best:
@@ -60,7 +73,8 @@ def pareto_figure(points: Sequence[ParetoPoint], costs: Costs | None = None, tit
     axes.grid(alpha=0.3)
     axes.legend(ncol=1 if len(families) <= 14 else 2, title="generator", **LEGEND_OUTSIDE)
     figure.tight_layout()
-    _place_labels(figure, axes, [(q.label, memory.value(q.peak_memory), 100 * q.bubble_rate) for q in best])
+    named = best + authors
+    _place_labels(figure, axes, [(q.label, memory.value(q.peak_memory), 100 * q.bubble_rate) for q in named])
     return figure
 
 

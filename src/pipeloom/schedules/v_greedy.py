@@ -1,0 +1,237 @@
+"""The V-shape greedy of "Pipeline Parallelism with Controllable Memory" (Qi et al. 2024, ZB-V).
+
+Unlike `list_scheduler`, which lets the earliest free device decide, this greedy fills the V in
+rounds that follow its shape, so its warm-up is planned rather than discovered:
+
+1. warm-up: every device runs micro-batch 0's chunk-0 forward, then, from the turn back to device
+   0, each device runs more chunk-0 forwards (on itself and every device above it) while memory
+   and the time before its chunk-1 input arrives allow; devices then catch up on forwards,
+   alternating chunks from the turn outwards;
+2. steady state, one round per micro-batch and chunk: each device runs its next backward (the
+   chunk whose input is there, chunk 1 first), then its next forward; a pending W runs first when
+   it fits wholly in the wait for the op's input, or when the wait would exceed what the device
+   may idle (the largest accumulated bubble of any device, less what it was allowed);
+3. drain: the remaining W.
+
+A device runs W whenever memory would not hold the next F or B. The per-device bubbles of one run
+become the allowance ("approved bubble") of the next, which is iterated while the largest bubble
+shrinks; four variants (whether W may fill before a chunk-0 B, before an F) are tried.
+
+Chunk 0 of device d is stage d, chunk 1 stage 2p−1−d. Costs are per stage, so uneven stages keep
+their own times; memory is per stage (M_B on F, M_W kept after B, freed by W).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pipeloom.costs import StageCosts
+from pipeloom.errors import InfeasibleError
+from pipeloom.ir.ops import Op, OpKind
+from pipeloom.ir.schedule import Schedule
+
+__all__ = ["v_greedy"]
+
+_EPS = 1e-9
+_F, _B, _W = 0, 1, 2
+_KINDS = (OpKind.F, OpKind.B, OpKind.W)
+
+
+class _Run:
+    """One greedy pass; `order` per device as (kind, stage, micro-batch)."""
+
+    def __init__(self, p: int, m: int, table: StageCosts, limits: list[float], fill_b: bool, fill_f: bool, approved):
+        self.p, self.m, self.t, self.limits = p, m, table, limits
+        self.fill_b, self.fill_f = fill_b, fill_f
+        self.approved = approved
+        self.most_approved = max(approved) if approved else -1.0
+        self.count = [[[0, 0] for _ in range(3)] for _ in range(p)]  # [device][kind][chunk]
+        self.end = {}  # (kind, stage, mb) -> end time
+        self.clock = [0.0] * p
+        self.mem = [0.0] * p
+        self.bubble = [0.0] * p
+        self.pending = [deque() for _ in range(p)]
+        self.order = [[] for _ in range(p)]
+
+    def stage(self, d: int, chunk: int) -> int:
+        return d if chunk == 0 else 2 * self.p - 1 - d
+
+    def delta(self, kind: int, s: int) -> float:
+        t = self.t
+        return t.M_B[s] if kind == _F else (t.M_W[s] - t.M_B[s] if kind == _B else -t.M_W[s])
+
+    def input_end(self, kind: int, d: int, chunk: int, mb: int) -> float | None:
+        """End time of the op on another device whose output this F or B needs (None: none, or
+        on this device); -1 if it has not run."""
+        p = self.p
+        if kind == _F:
+            src = d - 1 if chunk == 0 else d + 1
+        else:  # backward runs from the last stage (chunk 1 on device 0) back
+            src = d - 1 if chunk == 1 else d + 1
+        if not 0 <= src < p:
+            return None
+        return self.end.get((kind, self.stage(src, chunk), mb), -1.0)
+
+    def put(self, kind: int, d: int, chunk: int) -> None:
+        mb = self.count[d][kind][chunk]
+        s = self.stage(d, chunk)
+        t = self.t
+        duration = (t.F, t.B, t.W)[kind][s]
+        if mb >= self.m or self.mem[d] + self.delta(kind, s) > self.limits[d] + _EPS:
+            raise _Stuck
+        if not self._local_inputs_done(kind, d, chunk, mb):
+            raise _Stuck
+        ready = self.clock[d]
+        if kind != _W:
+            arrival = self.input_end(kind, d, chunk, mb)
+            if arrival is not None:
+                if arrival < 0:
+                    raise _Stuck
+                ready = max(ready, arrival + t.comm)
+        if self.count[d][_F][0]:
+            self.bubble[d] += ready - self.clock[d]
+        self.clock[d] = ready + duration
+        self.end[(kind, s, mb)] = self.clock[d]
+        self.mem[d] += self.delta(kind, s)
+        self.order[d].append((_KINDS[kind], s, mb))
+        self.count[d][kind][chunk] += 1
+        if kind == _B:
+            self.pending[d].append(chunk)
+
+    def _local_inputs_done(self, kind: int, d: int, chunk: int, mb: int) -> bool:
+        """The inputs of this op that come from this device itself have run."""
+        s, end = self.stage(d, chunk), self.end
+        if kind == _F:
+            return not (chunk == 1 and d == self.p - 1) or (_F, s - 1, mb) in end
+        if kind == _B:
+            return (_F, s, mb) in end and (not (chunk == 0 and d == self.p - 1) or (_B, s + 1, mb) in end)
+        return (_B, s, mb) in end
+
+    def put_w(self, d: int) -> None:
+        self.put(_W, d, self.pending[d].popleft())
+
+    def allowance(self, d: int) -> float:
+        most = max(self.bubble)
+        if self.approved:
+            most = max(most, self.most_approved - self.approved[d])
+        return most - self.bubble[d]
+
+    def fill(self, d: int, arrival: float | None, eager: bool) -> None:
+        """W into the wait for an input: those that fit wholly, and one more if `eager` and the
+        wait exceeds what the device may idle."""
+        if arrival is None:
+            return
+        t, pending = self.t, self.pending[d]
+        while pending and arrival >= 0 and arrival + t.comm >= self.clock[d] + t.W[self.stage(d, pending[0])]:
+            self.put_w(d)
+        if pending and eager and arrival + t.comm - self.clock[d] > self.allowance(d):
+            self.put_w(d)
+
+    def make_room(self, d: int, kind: int, chunk: int) -> None:
+        while self.mem[d] + self.delta(kind, self.stage(d, chunk)) > self.limits[d] + _EPS:
+            if not self.pending[d]:
+                raise _Stuck
+            self.put_w(d)
+
+    def run(self) -> None:
+        p, m, t = self.p, self.m, self.t
+        count = self.count
+        for d in range(p):
+            self.put(_F, d, 0)
+        for d in range(p - 1, -1, -1):
+            if d < p - 1:
+                arrival = self.end[(_F, self.stage(d + 1, 1), 0)] + t.comm
+                reserve = sum(t.M_B[self.stage(d, c)] for c in (0, 1))
+                while (
+                    self.mem[d] + (d + 1) * reserve <= self.limits[d] + _EPS
+                    and self.clock[d] + t.F[d] <= arrival + _EPS
+                    and count[d][_F][0] < m
+                ):
+                    for e in range(d + 1):
+                        self.put(_F, e, 0)
+            self.put(_F, d, 1)
+        chunk = 0
+        for d in range(1, p):
+            fc, prev = count[d][_F], count[d - 1][_F]
+            while fc[0] + fc[1] < prev[0] + prev[1] or fc[1] <= prev[1] < m:
+                for e in range(p - 1, d - 1, -1):
+                    if count[e][_F][chunk] < m:
+                        self.put(_F, e, chunk)
+                chunk = 1 - chunk
+        for _ in range(2 * m):
+            self.backward_round()
+            self.forward_round()
+        for d in range(p):
+            while self.pending[d]:
+                self.put_w(d)
+
+    def backward_round(self) -> None:
+        p, m, count = self.p, self.m, self.count
+        for d in range(p):
+            self.make_room(d, _B, 0)
+        first, second = [], []  # devices whose next B is of chunk 1 (the earlier), of chunk 0
+        for d in range(p):
+            b = count[d][_B]
+            if b[0] >= b[1]:
+                first.append(d)
+            elif d == p - 1 or b[1] >= m or self.input_end(_B, d, 0, b[0]) >= 0:
+                second.append(d)
+            else:
+                first.append(d)
+        for d, chunk in [(d, 0) for d in reversed(second)] + [(d, 1) for d in first]:
+            arrival = self.input_end(_B, d, chunk, count[d][_B][chunk])
+            self.fill(d, arrival if arrival is not None else -1.0, chunk == 0 or self.fill_b)
+            self.put(_B, d, chunk)
+
+    def forward_round(self) -> None:
+        p, m, count = self.p, self.m, self.count
+        for d in range(p):
+            f = count[d][_F]
+            if f[1] >= m:
+                continue
+            if f[1] >= f[0]:
+                chunk = 0
+            elif d == p - 1 or self.end.get((_F, self.stage(d + 1, 1), f[1]), -1.0) >= 0:
+                chunk = 1
+            elif f[0] < m and (d == 0 or self.end.get((_F, d - 1, f[0]), -1.0) >= 0):
+                chunk = 0
+            else:
+                continue
+            self.make_room(d, _F, chunk)
+            arrival = self.input_end(_F, d, chunk, f[chunk])
+            self.fill(d, arrival if arrival is not None else -1.0, self.fill_f)
+            self.put(_F, d, chunk)
+
+
+class _Stuck(Exception):
+    """The greedy's rounds cannot go on under this memory limit."""
+
+
+def _attempt(p, m, table, limits, fill_b, fill_f):
+    """Runs iterated on their own bubbles while the largest one shrinks; the best run, or None."""
+    best, approved = None, None
+    while True:
+        run = _Run(p, m, table, limits, fill_b, fill_f, approved)
+        try:
+            run.run()
+        except _Stuck:
+            return best
+        worst = max(run.bubble)
+        if best is not None and worst >= max(best.bubble) - _EPS:
+            return best
+        best, approved = run, list(run.bubble)
+
+
+def v_greedy(name: str, p: int, m: int, table: StageCosts, limits: list[float]) -> Schedule:
+    """The best of the greedy's four variants (smallest largest per-device bubble); InfeasibleError
+    if none completes under `limits` (activation memory per device)."""
+    best = None
+    for fill_b in (True, False):
+        for fill_f in (True, False):
+            run = _attempt(p, m, table, limits, fill_b, fill_f)
+            if run is not None and (best is None or max(run.bubble) < max(best.bubble) - _EPS):
+                best = run
+    if best is None:
+        raise InfeasibleError(f"{name}: the V greedy cannot fill its rounds within the memory limit")
+    devices = [[Op(kind, s, mb) for kind, s, mb in ops] for ops in best.order]
+    return Schedule.build(name, devices, num_stages=2 * p, num_microbatches=m)
