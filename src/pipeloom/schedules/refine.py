@@ -62,6 +62,9 @@ def _sweep(timeline: Timeline, comm: float, budget: Sequence[float]) -> tuple[li
                         continue
                     if delta[g] > 0 and max(level[k - 1 : i]) + delta[g] > limit:
                         continue
+                    op = graph.ops[g]
+                    if any(graph.ops[h].kind == op.kind and graph.ops[h].stage == op.stage for h in order[k:i]):
+                        continue  # one stage's ops of a kind stay in micro-batch order (gradients sum in it)
                     order.insert(k, order.pop(i))
                     start[g], end[g] = ready, ready + duration
                     level = _levels(order, delta)
