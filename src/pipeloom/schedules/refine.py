@@ -76,9 +76,9 @@ def _sweep(timeline: Timeline, comm: float, budget: Sequence[float]) -> tuple[li
 
 
 def _levels(order: list[int], delta: Sequence[float]) -> list[float]:
-    """Memory after each op; index -1 (before the first) reads 0 through the appended sentinel."""
+    """Memory after each op."""
     level, acc = [], 0.0
     for g in order:
         acc += delta[g]
         level.append(acc)
-    return level + [0.0]
+    return level

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
 
-__all__ = ["PERIOD", "VBlock", "v_min_block", "v_half_block", "block_memory", "block_schedule"]
+__all__ = ["PERIOD", "VBlock", "v_min_block", "v_half_block", "block_memory", "block_peak", "block_schedule"]
 
 PERIOD = 6
 """Slots per micro-batch per device: F, B and W of two chunks."""
@@ -102,11 +102,16 @@ def _peak(times: list[list[int]], deltas: list[float]) -> float:
 
 def block_memory(block: VBlock, device: int, M_B: tuple[float, float], M_W: tuple[float, float]) -> float:
     """Steady-state peak activation memory of `device` when the block repeats: the most
-    micro-batches whose chunk lifespans (F to B for M_B − M_W, F to W for M_W) overlap one slot."""
+    micro-batches whose chunk lifespans (F to B for M_B − M_W, F to W for M_W) overlap one slot.
+    `M_B`, `M_W`: per chunk (down, up)."""
+    return block_peak(block, device, _deltas(M_B, M_W))
+
+
+def block_peak(block: VBlock, device: int, deltas: list[float]) -> float:
+    """`block_memory` from a device's pass deltas (`chunk_deltas`)."""
     repeats = 4 * len(block.slots) + 8  # the middle period lies past the warm-up (< 1.2p periods)
     times = [[slot + PERIOD * j for j in range(repeats)] for slot in block.slots[device]]
     _place_w(times)
-    deltas = _deltas(M_B, M_W)
     counts = [0.0] * PERIOD
     middle = PERIOD * repeats // 2
     # a micro-batch's pass changes memory at its slot; sum the live amounts at one period's slots

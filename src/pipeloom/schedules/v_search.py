@@ -22,7 +22,15 @@ from pipeloom.ir.schedule import Schedule
 from pipeloom.schedules.auto_search import auto_schedule
 from pipeloom.schedules.list_scheduler import FLAGS, Heuristics
 from pipeloom.schedules.refine import fill_gaps
-from pipeloom.schedules.v_blocks import VBlock, block_memory, block_schedule, chunk_deltas, v_half_block, v_min_block
+from pipeloom.schedules.v_blocks import (
+    VBlock,
+    block_memory,
+    block_peak,
+    block_schedule,
+    chunk_deltas,
+    v_half_block,
+    v_min_block,
+)
 from pipeloom.schedules.v_greedy import v_greedy
 from pipeloom.sim.simulate import Timeline, simulate
 
@@ -59,9 +67,7 @@ def paper_block_budget(block: VBlock, table: StageCosts) -> list[float]:
     return [max(peaks)] * p
 
 
-def best_v_schedule(
-    name: str, p: int, m: int, costs: Costs, budget: Sequence[float] | None, search_flags: bool = True
-) -> Schedule:
+def best_v_schedule(name: str, p: int, m: int, costs: Costs, budget: Sequence[float] | None) -> Schedule:
     """The shortest V schedule found within `budget` (activation memory per device; None:
     unlimited), refined. InfeasibleError if no construction fits."""
     table = costs.resolve(p, 2 * p)
@@ -77,7 +83,7 @@ def best_v_schedule(
     for block in (v_min_block(p), v_half_block(p)):
         for planned in (PAPER_MODEL,) if many else (PAPER_MODEL, None):
             deltas = [chunk_deltas(table.M_B, table.M_W, d, p, planned) for d in range(p)]
-            own = [block_memory(block, d, *_chunks(deltas[d])) for d in range(p)]
+            own = [block_peak(block, d, deltas[d]) for d in range(p)]
             if any(o > limit + _EPS for o, limit in zip(own, limits)):
                 continue
             caps = {tuple([max(own)] * p)}
@@ -99,7 +105,7 @@ def best_v_schedule(
             budget,
             search="descent",
             start=_START,
-            flags=() if many or not search_flags else _FLAGS,
+            flags=() if many else _FLAGS,
         )
         consider(listed.schedule)
     except InfeasibleError:
@@ -108,12 +114,4 @@ def best_v_schedule(
         raise InfeasibleError(f"{name}: no V schedule found within the memory budget {limits}")
     best = min(candidates, key=lambda timeline: timeline.cost)
     refined = fill_gaps(best.schedule, costs, limits)
-    schedule = refined.schedule if refined.cost < best.cost - _EPS else best.schedule
-    return schedule.with_devices(schedule.devices, name=name)
-
-
-def _chunks(deltas: list[float]) -> tuple[tuple[float, float], tuple[float, float]]:
-    """(M_B, M_W) per chunk back from a device's pass deltas."""
-    mb = (deltas[0], deltas[1])
-    mw = (-deltas[5], -deltas[4])
-    return mb, mw
+    return refined.schedule if refined.cost < best.cost - _EPS else best.schedule
