@@ -20,11 +20,11 @@ import dataclasses
 import time
 
 from pipeloom.errors import InfeasibleError
+from pipeloom.static_memory import static_bytes
 from pipeloom.tune.cost_model import AnalyticCostModel
 from pipeloom.tune.presets import load_hardware, load_model
 from pipeloom.tune.search import TuneResult, tune
 from pipeloom.tune.space import power_of_two_sizes
-from pipeloom.tune.static_memory import static_bytes
 
 CLUSTERS = ("a100-40g:16", "a100-80g:8", "h100:64")
 PLAIN = {"schemes": ("1f1b",), "memory_passes": False, "static_measures": False}

@@ -20,7 +20,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from pipeloom.profile.profiler import llama_config, profile_model
+from pipeloom.models.llama import llama_config
+from pipeloom.profile.profiler import profile_model
 from pipeloom.profile.stability import until_stable
 from pipeloom.runtime.local import run_local
 from pipeloom.runtime.training import TrainSpec
@@ -101,7 +102,7 @@ def main() -> None:
         )
         runs = []
 
-        def run_round():
+        def run_round(spec=spec, runs=runs):
             runs.append(run_local(spec))
             steps = runs[-1][0].phase_seconds[1:]
             return {"step": [1e3 * s for s in runs[-1][0].step_seconds[1:]]} | {
@@ -116,7 +117,9 @@ def main() -> None:
         parts = [f"{plan.predicted.get(p + '_ms', 0.0):6.1f}/{measured_parts[p].median:<6.1f}" for p in PHASES]
         cells = []
         for device, expected in enumerate(plan.predicted["peak_activation_memory"]):
-            stash = max(r.peak_stash_bytes for replica in range(plan.dp) for r in results[replica * plan.pp + device].records)
+            stash = max(
+                r.peak_stash_bytes for replica in range(plan.dp) for r in results[replica * plan.pp + device].records
+            )
             memory_errors.append(abs(stash - expected) / stash)
             cells.append(f"{expected / 2**20:.1f}/{stash / 2**20:.1f}")
         print(

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import statistics
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
 from torch.distributed import pipelining
 
 from pipeloom import Costs, parse_op, simulate
 from pipeloom.profile.profiler import ping_seconds  # noqa: F401 - the races import it from here
 from pipeloom.runtime.comm import plan_messages
 from pipeloom.runtime.executor import DeviceExecutor
+from pipeloom.runtime.mailbox import Mailbox
 from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
 
 
@@ -29,10 +30,9 @@ def pipeloom_executor(schedule, rank: int, stages, boundaries, loss) -> tuple[De
     plan = plan_messages(schedule)
     pairs = sorted({(msg.src, msg.dst) for sends in plan.sends for msg in sends})
     groups = {pair: dist.new_group(list(pair)) for pair in pairs}
+    mail = Mailbox(plan, rank, boundaries, lambda d: d, groups, torch.device("cpu"), timedelta(seconds=60))
     m = schedule.num_microbatches
-    executor = DeviceExecutor(
-        schedule, plan, rank, own, queue, lambda d: d, boundaries, 1.0 / m, loss, pair_groups=groups
-    )
+    executor = DeviceExecutor(schedule, rank, own, queue, mail, 1.0 / m, loss)
     return executor, list(own.values())
 
 

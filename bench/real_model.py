@@ -27,9 +27,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from pipelining_race import ping_seconds, pipeloom_executor, race, summarise, torch_schedule_for  # noqa: I001 - bench/ is on the path
 from torch.distributed import pipelining
-
-from pipelining_race import pipeloom_executor, ping_seconds, race, summarise, torch_schedule_for  # noqa: I001 - bench/ is on the path
 
 from pipeloom import Costs, build_schedule
 from pipeloom.data import TextTokens, sample_corpus, train_tokenizer

@@ -18,14 +18,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from pipelining_race import ping_seconds, pipeloom_executor, race, summarise, torch_schedule_for  # noqa: I001 - bench/ is on the path
 from torch.distributed import pipelining
-
-from pipelining_race import pipeloom_executor, ping_seconds, race, summarise, torch_schedule_for  # noqa: I001 - bench/ is on the path
 
 from pipeloom import Costs, build_schedule
 from pipeloom.models.llama import LlamaConfig
+from pipeloom.models.workload import llama_workload
 from pipeloom.runtime.boundary import TensorSpec
-from pipeloom.runtime.workload import llama_workload
 
 CONFIG = LlamaConfig(vocab=512, hidden=512, layers=8, heads=8, ffn=1024, seq_len=64, microbatch_size=2)
 CASES = {  # name -> (pipeloom generator, kwargs, torch schedule class, stages of rank d)

@@ -18,8 +18,8 @@ import platform
 import time
 
 from pipeloom.tune.cost_model import AnalyticCostModel
-from pipeloom.tune.presets import load_hardware, load_model
 from pipeloom.tune.pool import default_jobs
+from pipeloom.tune.presets import load_hardware, load_model
 from pipeloom.tune.search import tune
 from pipeloom.tune.space import candidates
 
@@ -39,7 +39,9 @@ def run(title: str, model: str, hardware: str, devices: int, batch: int, goal: f
         f"  {points} configurations (each also with Mario / T-Recomp where memory is short): simulated {result.evaluated}, "
         f"pruned {result.pruned}, ruled out {len(result.rejected)}"
     )
-    print(f"  wall time {seconds:.2f} s on {jobs} process(es) (goal ≤ {goal:g} s: {'met' if seconds <= goal else 'missed'})")
+    print(
+        f"  wall time {seconds:.2f} s on {jobs} process(es) (goal ≤ {goal:g} s: {'met' if seconds <= goal else 'missed'})"
+    )
     print(
         f"  best: {best.candidate.label}, step {best.step_time:.0f} ms, {result.throughput(best):.1f} samples/s, "
         f"peak {max(best.peak_memory) / GIB:.1f} GiB, layers per stage {best.partition[:4]}..."

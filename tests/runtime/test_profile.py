@@ -7,6 +7,7 @@ import pytest
 pytest.importorskip("torch")
 
 from pipeloom.cli import main  # noqa: E402
+from pipeloom.errors import ConfigError  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -98,3 +99,22 @@ def test_profile_simulate_tune_train(tmp_path, capsys):
     for device in range(saved["pp"]):  # the stash the runtime measured is what the plan predicted
         line = next(line for line in out.splitlines() if line.strip().startswith(f"device {device} activations"))
         assert "(+0.0%)" in line or "(-0.0%)" in line
+
+    # The same plan from Python, through the runtime's public surface only.
+    from pipeloom.runtime import reference_training, run_in_process, spec_from_plan
+
+    spec = spec_from_plan(plan, steps=2)
+    assert spec.schedule.to_text() == saved_schedule_text(plan) and spec.dp == saved["dp"]
+    results = run_in_process(spec)
+    losses, _ = reference_training(spec)
+    assert results[0].losses == pytest.approx(losses, rel=1e-5)
+    with pytest.raises(ConfigError, match="the plan fixes dp"):
+        spec_from_plan(plan, dp=3)
+    with pytest.raises(ConfigError, match="unknown option"):
+        spec_from_plan(plan, stepz=3)
+
+
+def saved_schedule_text(plan_path) -> str:
+    from pipeloom.tune.plan import Plan
+
+    return Plan.load(str(plan_path)).schedule.to_text()

@@ -1,4 +1,8 @@
-"""The runtime (torch, gloo, forked ranks): every schedule trains exactly like one process."""
+"""The runtime: every schedule trains exactly like one process.
+
+Correctness runs every device in this process (`run_in_process`, the ranks' own code with
+messages in memory); forked gloo ranks are kept for what only they show — the transport giving
+the same bits, data parallelism, a dead or stalled peer, the CLI and torchrun."""
 
 import json
 import multiprocessing
@@ -13,12 +17,20 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from helpers.runtime import (  # noqa: E402
+    assert_matches_reference,
+    assert_same_results,
+    tiny_spec,
+    trains_like_one_process,
+)
+
 from pipeloom import Costs, OpKind, Schedule, build_schedule, simulate  # noqa: E402
 from pipeloom.errors import ConfigError, RuntimeFault, ScheduleError  # noqa: E402
 from pipeloom.models.llama import LlamaConfig  # noqa: E402
 from pipeloom.passes import apply_checkpoint, mario, split_backward, t_recomp  # noqa: E402
+from pipeloom.runtime.in_process import run_in_process  # noqa: E402
 from pipeloom.runtime.local import _worker, run_local  # noqa: E402
-from pipeloom.runtime.training import TrainSpec, check_spec, reference_training  # noqa: E402
+from pipeloom.runtime.training import TrainSpec, check_spec  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -45,23 +57,7 @@ GENERATORS = {
 }
 
 
-def spec_for(schedule, **changes):
-    config = LlamaConfig(layers=max(4, schedule.num_stages), hidden=32, heads=2, ffn=64, vocab=64, seq_len=16)
-    return TrainSpec(schedule, config=config, **changes)
-
-
-def assert_matches_reference(spec, results):
-    losses, reference = reference_training(spec)
-    assert results[0].losses == pytest.approx(losses, rel=1e-5)
-    # Slice by slice, attention sums in another order; AdamW normalises each update, so where a
-    # gradient is near zero that rounding can move a weight by up to a few 1e-5 after two steps.
-    sliced = spec.schedule.num_slices > 1
-    for result in results:
-        for stage, parameters in result.parameters.items():
-            for name, value in parameters.items():
-                torch.testing.assert_close(
-                    value, reference[stage][name], rtol=1e-4 if sliced else 1e-5, atol=5e-5 if sliced else 1e-6
-                )
+spec_for = tiny_spec
 
 
 def test_registry_is_covered():
@@ -80,15 +76,31 @@ def test_every_generator_trains_like_one_process(name, p, m):
     if name == "dualpipev":
         m = max(m, 2 * p - 1)
     schedule = build_schedule(name, p, m, **GENERATORS[name])
-    spec = spec_for(schedule, steps=2)
-    assert_matches_reference(spec, run_local(spec))
+    trains_like_one_process(spec_for(schedule, steps=2))
+
+
+@pytest.mark.parametrize(
+    "name, options, dp",
+    [("chimera", {}, 1), ("dualpipev", {}, 1), ("svpp", {"num_chunks": 2, "num_slices": 2}, 1), ("zb-v", {}, 2)],
+)
+def test_forked_ranks_give_the_in_process_bits(name, options, dp):
+    """The in-process tier is the gloo path without the transport: the same spec forked into
+    ranks gives bit-identical parameters and the same losses (Chimera's cross-device sums, a
+    V-shape's hand-over in memory, overlapped pairs, slices, data-parallel replicas)."""
+    spec = spec_for(build_schedule(name, 2, 4, **options), steps=2, dp=dp)
+    assert_same_results(run_local(spec), run_in_process(spec))
+
+
+def test_in_process_refuses_what_needs_ranks():
+    with pytest.raises(ConfigError, match="ZeRO, clipping need one process per rank; use run_local"):
+        run_in_process(spec_for(build_schedule("1f1b", 2, 4), dp=2, zero=1, clip_norm=1.0))
 
 
 def test_checkpointed_overlapped_pairs_train_like_one_process():
     """Each R runs just before the pair whose backward needs it; the pair's forward is checkpointed."""
     schedule = apply_checkpoint(build_schedule("dualpipev", 2, 4))
     assert any(op.overlap_next and op.ckpt for _, _, op in schedule.ops())
-    assert_matches_reference(spec_for(schedule, steps=2), run_local(spec_for(schedule, steps=2)))
+    assert_matches_reference(spec_for(schedule, steps=2), run_in_process(spec_for(schedule, steps=2)))
 
 
 def test_split_and_concatenated_weight_gradients_match_fused():
@@ -96,16 +108,16 @@ def test_split_and_concatenated_weight_gradients_match_fused():
     spec = spec_for(fused, steps=2)
     for split in (split_backward(fused, "after"), split_backward(fused, "deferred", batch=True)):
         for concat in (False, True):
-            results = run_local(spec_for(split, steps=2, concat_w=concat))
+            results = run_in_process(spec_for(split, steps=2, concat_w=concat))
             assert_matches_reference(spec, results)
 
 
 def test_checkpointing_recomputes_once_and_holds_what_the_simulator_predicts():
     base = build_schedule("1f1b", 4, 8)
-    plain = run_local(spec_for(base, steps=1))
+    plain = run_in_process(spec_for(base, steps=1))
     kept = None
     for checkpointed in (apply_checkpoint(base), mario(base, Costs(F=1, B=2, R=1))):
-        results = run_local(spec_for(checkpointed, steps=1))
+        results = run_in_process(spec_for(checkpointed, steps=1))
         assert_matches_reference(spec_for(base, steps=1), results)
         for device, result in enumerate(results):
             planned = sum(op.kind is OpKind.R for op in checkpointed.devices[device])
@@ -130,13 +142,13 @@ def test_partial_recompute_trains_like_one_process_and_holds_what_the_simulator_
     config = LlamaConfig(layers=8, hidden=32, heads=2, ffn=64, vocab=64, seq_len=16)
     base = build_schedule("1f1b", 2, 4)
     checkpointed = apply_checkpoint(base)
-    plain = run_local(TrainSpec(base, config=config, steps=1))
-    full = run_local(TrainSpec(checkpointed, config=config, steps=1))
+    plain = run_in_process(TrainSpec(base, config=config, steps=1))
+    full = run_in_process(TrainSpec(checkpointed, config=config, steps=1))
     forward = [plain[s].records[0].entry_bytes[f"{s}F0"] for s in range(2)]
     kept = [full[s].records[0].entry_bytes[f"{s}F0c"] for s in range(2)]
     for layers in (1, 3):
         spec = TrainSpec(checkpointed, config=config, steps=2, recompute_layers=layers)
-        results = run_local(spec)
+        results = run_in_process(spec)
         assert_matches_reference(TrainSpec(base, config=config, steps=2), results)
         assert [r.records[0].recomputes for r in results] == [4, 4]
         costs = Costs(M_B=forward, M_ckpt=kept, recompute_fraction=layers / 4)
@@ -150,8 +162,8 @@ def test_partial_recompute_trains_like_one_process_and_holds_what_the_simulator_
 def test_tpipe_with_trecomp_trains_like_one_process_and_holds_what_the_simulator_predicts():
     base = build_schedule("tpipe", 2, 6)
     recomputed = t_recomp(base)
-    plain = run_local(spec_for(base, steps=1))
-    results = run_local(spec_for(recomputed, steps=1))
+    plain = run_in_process(spec_for(base, steps=1))
+    results = run_in_process(spec_for(recomputed, steps=1))
     assert_matches_reference(spec_for(base, steps=1), results)
     entries = [plain[s % 2].records[0].entry_bytes[f"{s}F0"] for s in range(4)]
     kept = [results[s % 2].records[0].entry_bytes.get(f"{s}F0c", 0) for s in range(4)]
@@ -180,12 +192,12 @@ def regression_batch(rows, step):
 
 
 def test_any_list_of_blocks_trains_like_one_process():
-    from pipeloom.runtime.workload import blocks_workload
+    from pipeloom.models.workload import blocks_workload
 
     work = blocks_workload(mlp_blocks, regression_batch, torch.nn.functional.mse_loss, (3, 8), microbatch_size=3)
     for schedule in (build_schedule("1f1b", 2, 4), build_schedule("zb-h1", 4, 4)):
         spec = TrainSpec(schedule, steps=2, workload=work)
-        assert_matches_reference(spec, run_local(spec))
+        assert_matches_reference(spec, run_in_process(spec))
 
 
 @pytest.mark.parametrize("name", ["1f1b", "chimera"])
@@ -230,7 +242,7 @@ class _StallOnRankOne(torch.nn.Module):
 
 
 def test_a_stalled_rank_makes_the_others_fail_within_the_timeout():
-    from pipeloom.runtime.workload import blocks_workload
+    from pipeloom.models.workload import blocks_workload
 
     def blocks():
         return [*mlp_blocks(), _StallOnRankOne()]

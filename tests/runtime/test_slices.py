@@ -1,4 +1,5 @@
-"""Slices and weight-gradient parts in the runtime (MEPipe §4–5, TeraPipe): same training as one process."""
+"""Slices and weight-gradient parts in the runtime (MEPipe §4–5, TeraPipe): same training as one
+process (every device in this process)."""
 
 import pytest
 
@@ -7,7 +8,7 @@ torch = pytest.importorskip("torch")
 from pipeloom import Costs, build_schedule, simulate  # noqa: E402
 from pipeloom.models.llama import LlamaConfig, build_stages  # noqa: E402
 from pipeloom.passes import apply_checkpoint, overlap_recompute, weight_parts  # noqa: E402
-from pipeloom.runtime.local import run_local  # noqa: E402
+from pipeloom.runtime.in_process import run_in_process  # noqa: E402
 from pipeloom.runtime.training import TrainSpec, reference_training  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -17,7 +18,7 @@ CONFIG = LlamaConfig(layers=4, hidden=32, heads=2, ffn=64, vocab=64, seq_len=16)
 
 def assert_trains_like_one_process(schedule, steps=2):
     spec = TrainSpec(schedule, config=CONFIG, steps=steps)
-    results = run_local(spec)
+    results = run_in_process(spec)
     losses, reference = reference_training(spec)
     assert results[0].losses == pytest.approx(losses, rel=1e-5)
     for result in results:
@@ -65,10 +66,10 @@ def test_weight_gradient_parts_train_like_one_process():
 def test_slices_shrink_the_stash_as_the_simulator_predicts():
     """Peak stash of SVPP (s = 2, 4) against 1F1B on the same model and sequence: measured ratio
     against the simulator's, given the bytes one F of a stage stashes (per slice)."""
-    plain = run_local(TrainSpec(build_schedule("1f1b", 2, 4), config=CONFIG, steps=1))
+    plain = run_in_process(TrainSpec(build_schedule("1f1b", 2, 4), config=CONFIG, steps=1))
     for slices in (2, 4):
         schedule = build_schedule("svpp", 2, 4, num_slices=slices, costs=Costs(F=1, B=2))
-        sliced = run_local(TrainSpec(schedule, config=CONFIG, steps=1))
+        sliced = run_in_process(TrainSpec(schedule, config=CONFIG, steps=1))
         per_slice = [
             [sliced[d].records[0].entry_bytes[f"{d}F0.{s}" if s else f"{d}F0"] for s in range(slices)] for d in range(2)
         ]

@@ -16,7 +16,7 @@ from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime  # n
 from pipeloom import build_schedule  # noqa: E402
 from pipeloom.ir.torch_csv import to_torch_csv  # noqa: E402
 from pipeloom.models.llama import LlamaConfig  # noqa: E402
-from pipeloom.runtime.workload import llama_workload  # noqa: E402
+from pipeloom.models.workload import llama_workload  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

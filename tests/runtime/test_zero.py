@@ -8,7 +8,7 @@ from pipeloom import ConfigError, build_schedule  # noqa: E402
 from pipeloom.models.llama import LlamaConfig  # noqa: E402
 from pipeloom.runtime.local import run_local  # noqa: E402
 from pipeloom.runtime.training import TrainSpec, check_spec, reference_training  # noqa: E402
-from pipeloom.tune.static_memory import static_bytes  # noqa: E402
+from pipeloom.static_memory import static_bytes  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -7,11 +7,11 @@ import pytest
 
 from pipeloom.cli import main
 from pipeloom.errors import InfeasibleError
+from pipeloom.static_memory import collective_bytes, offload_saving, static_bytes
 from pipeloom.tune.cost_model import AnalyticCostModel
 from pipeloom.tune.plan import Plan, plan_from_evaluation
 from pipeloom.tune.presets import load_hardware, load_model
 from pipeloom.tune.search import tune
-from pipeloom.tune.static_memory import collective_bytes, offload_saving, static_bytes
 
 GIB = 2**30
 

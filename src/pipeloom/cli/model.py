@@ -12,7 +12,7 @@ import argparse
 
 from pipeloom.errors import ConfigError
 
-__all__ = ["add_model_arguments", "workload_from_args"]
+__all__ = ["add_model_arguments", "data_from_args", "workload_from_args"]
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +37,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _data(args, seq_len: int):
+def data_from_args(args, seq_len: int):
+    """The --data source (a token file, or text through --tokenizer); None: synthetic tokens."""
     if args.tokenizer and not args.data:
         raise ConfigError("--tokenizer tokenizes the --data text file: give --data too")
     if args.data_dtype and not args.data:
@@ -61,7 +62,7 @@ def workload_from_args(args: argparse.Namespace, layer_counts=None, microbatch_s
         path = spec[3:]
         if not path:
             raise ConfigError("--model hf: needs a path, e.g. hf:./my-llama")
-        return hf_workload(path, args.seed, mbs, args.seq_len, layer_counts, _data(args, args.seq_len)), None
+        return hf_workload(path, args.seed, mbs, args.seq_len, layer_counts, data_from_args(args, args.seq_len)), None
     if spec and spec.startswith("torchvision:"):
         if args.data:
             raise ConfigError("--data feeds language models; torchvision models train on synthetic images")
@@ -69,7 +70,7 @@ def workload_from_args(args: argparse.Namespace, layer_counts=None, microbatch_s
 
         return resnet_workload(spec.split(":", 1)[1], mbs, args.image_size, seed=args.seed, counts=layer_counts), None
     if spec:
-        from pipeloom.profile.profiler import llama_config
+        from pipeloom.models.llama import llama_config
         from pipeloom.tune.presets import load_model
 
         model = load_model(spec)
@@ -84,10 +85,10 @@ def workload_from_args(args: argparse.Namespace, layer_counts=None, microbatch_s
             seq_len=args.seq_len,
             microbatch_size=mbs,
         )
-    data = _data(args, config.seq_len)
+    data = data_from_args(args, config.seq_len)
     if data is None:
         return None, config
-    from pipeloom.runtime.workload import llama_workload
+    from pipeloom.models.workload import llama_workload
 
     if data.vocab_limit > config.vocab:
         raise ConfigError(

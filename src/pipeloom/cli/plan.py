@@ -24,45 +24,22 @@ _SCHEDULE_FLAGS = (
 
 
 def spec_from_plan(args: argparse.Namespace):
-    """The TrainSpec of a plan; schedule and model flags would contradict it, so they are refused."""
+    """The TrainSpec of a plan (`pipeloom.runtime.spec_from_plan`); schedule and model flags
+    would contradict it, so they are refused."""
+    from pipeloom.cli.model import data_from_args
     from pipeloom.cli.train_args import run_options
-    from pipeloom.passes.offload import t_offload
-    from pipeloom.profile.profiler import llama_config
-    from pipeloom.runtime.training import TrainSpec
+    from pipeloom.runtime.plan_run import spec_from_plan as plan_spec
     from pipeloom.tune.plan import Plan
 
     given = [flag for flag in _SCHEDULE_FLAGS if getattr(args, flag, None)]
     if given or args.ckpt != "none" or args.dp != 1:
         raise ConfigError("--plan fixes the schedule, the model and dp: drop the other schedule options")
     plan = Plan.load(args.plan)
-    model = plan.model
-    source = args.model or plan.cost_model.get("model")
     fields = run_options(args)
     if args.zero == 0:  # the plan's static-memory measures, unless the flags ask for others
-        fields["zero"] = plan.zero
-    if plan.offload_stages:
-        fields.setdefault("offload_stages", plan.offload_stages)
-    elif "offload" in plan.passes:
-        fields.setdefault("offload_stages", t_offload(plan.schedule).stages)
-    if source and source.startswith("hf:"):  # the profiled Hugging Face model, cut as planned
-        from pipeloom.cli.model import workload_from_args
-
-        args.model, args.seq_len = source, model.seq_len
-        work, _ = workload_from_args(args, plan.partition, plan.micro_batch_size)
-        return TrainSpec(schedule=plan.schedule, workload=work, dp=plan.dp, report=True, **fields)
-    if not model.gated or model.kv_heads is not None or model.params > 5e8:
-        raise ConfigError(
-            f"the built-in decoder is a small LLaMA-style one; plan model {model.name!r} is not one "
-            "(gated, without GQA, under 0.5B parameters): give --model hf:DIR, or plan from its profile"
-        )
-    return TrainSpec(
-        schedule=plan.schedule,
-        config=llama_config(model, model.layers, plan.micro_batch_size),
-        dp=plan.dp,
-        layer_counts=plan.partition,
-        report=True,
-        **fields,
-    )
+        del fields["zero"]
+    data = data_from_args(args, plan.model.seq_len)
+    return plan_spec(plan, args.model, data, report=True, **fields)
 
 
 def fidelity_report(plan, results) -> str:

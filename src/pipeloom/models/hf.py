@@ -234,7 +234,7 @@ def hf_workload(
     """The Workload of a transformers model directory: causal LMs learn the next token, BERT the
     masked ones; `data` (a `pipeloom.data` source) replaces synthetic tokens."""
     from pipeloom.data import SyntheticTokens, masked_lm
-    from pipeloom.runtime.workload import Workload, token_loss
+    from pipeloom.models.workload import Workload, token_loss
 
     config = load_hf_config(path, layers)
     family = config.model_type

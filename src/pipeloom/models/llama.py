@@ -20,7 +20,7 @@ from torch import nn
 from pipeloom.errors import ConfigError
 from pipeloom.models.cut import counts_per_stage
 
-__all__ = ["LlamaConfig", "build_stages", "synthetic_batch", "stage_layer_counts"]
+__all__ = ["LlamaConfig", "build_stages", "llama_config", "synthetic_batch", "stage_layer_counts"]
 
 
 @dataclass(frozen=True)
@@ -175,3 +175,16 @@ def synthetic_batch(config: LlamaConfig, num_sequences: int, seed: int, step: in
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
     tokens = torch.randint(0, config.vocab, (num_sequences, config.seq_len + 1), generator=generator)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def llama_config(model, layers: int, micro_batch: int) -> LlamaConfig:
+    """The built-in decoder of a planned model (`pipeloom.tune.presets.ModelSpec`) with `layers`."""
+    return LlamaConfig(
+        vocab=model.vocab,
+        hidden=model.hidden,
+        layers=layers,
+        heads=model.heads,
+        ffn=model.ffn,
+        seq_len=model.seq_len,
+        microbatch_size=micro_batch,
+    )

@@ -55,7 +55,7 @@ def resnet_workload(
     seed: int = 0,
     counts=None,
 ):
-    from pipeloom.runtime.workload import blocks_workload
+    from pipeloom.models.workload import blocks_workload
 
     return blocks_workload(
         lambda: resnet_blocks(name, num_classes, seed),

@@ -24,33 +24,21 @@ from pipeloom.costs import Costs
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
 from pipeloom.ir.text import parse_op
-from pipeloom.models.llama import LlamaConfig, build_stages
+from pipeloom.models.llama import build_stages, llama_config
 from pipeloom.passes.split_backward import split_backward
 from pipeloom.profile.links import measure_links, ping_seconds
 from pipeloom.profile.overheads import linear_fit, op_overhead_ms
 from pipeloom.profile.stability import falling_per_sample, until_stable
 from pipeloom.schedules.registry import build_schedule
+from pipeloom.static_memory import compute_bytes
 from pipeloom.tune.presets import ModelSpec
 from pipeloom.tune.profiled import PROFILE_FORMAT, ProfiledCostModel, fit_positions
-from pipeloom.tune.static_memory import compute_bytes
 
-__all__ = ["profile_model", "llama_config", "ping_seconds", "probe_schedule"]
+__all__ = ["profile_model", "ping_seconds", "probe_schedule"]
 
 _POSITIONS = {0: "first", 1: "last"}
 STATIC_BYTES_PER_PARAM = 16
 """fp32 weights, gradients and AdamW's two moments: what the runtime holds per parameter."""
-
-
-def llama_config(model: ModelSpec, layers: int, micro_batch: int) -> LlamaConfig:
-    return LlamaConfig(
-        vocab=model.vocab,
-        hidden=model.hidden,
-        layers=layers,
-        heads=model.heads,
-        ffn=model.ffn,
-        seq_len=model.seq_len,
-        microbatch_size=micro_batch,
-    )
 
 
 def profile_model(
@@ -141,6 +129,7 @@ _SETTLED_MS = 0.1
 
 def _measure_probe(model, mbs, n, steps, threads, workload_for, dtype, max_rounds) -> _Probe:
     from pipeloom.runtime.local import run_local
+    from pipeloom.runtime.rank import probe_spec
     from pipeloom.runtime.training import TrainSpec
 
     p = 2
@@ -154,7 +143,8 @@ def _measure_probe(model, mbs, n, steps, threads, workload_for, dtype, max_round
         workload=workload_for(n * p, mbs) if workload_for else None,
         dtype=dtype,
     )
-    values = until_stable(lambda: _samples(run_local(spec)), floor=_SETTLED_MS, max_rounds=max_rounds)
+    probe = probe_spec(spec)  # the same boundaries every round
+    values = until_stable(lambda: _samples(run_local(spec, probe=probe)), floor=_SETTLED_MS, max_rounds=max_rounds)
     return _Probe(mbs, n, schedule, values)
 
 

@@ -60,13 +60,16 @@ def probe_stages(
     """Run one example micro-batch through every stage. `run(stage, inputs)` is how the executor
     calls a stage (slices, precision), returning its outputs as handed on. The pass runs on fake
     tensors (shapes and dtypes only), so it costs nothing even for a model far larger than this
-    host's CPU could run; a model whose control flow reads tensor values is run for real."""
+    host's CPU could run; a small model (`_cheap`), or one whose control flow reads tensor
+    values, is run for real."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     modes = [module.training for stage in stages for module in stage.modules()]
     try:
         for stage in stages:
             stage.eval()
+        if _cheap(stages, example):
+            return _walk(stages, example, run)
         try:
             with FakeTensorMode(allow_non_fake_inputs=True) as fake:
                 return _walk(stages, tuple(fake.from_tensor(t) for t in example), run)
@@ -77,6 +80,17 @@ def probe_stages(
         for stage in stages:
             for module in stage.modules():
                 module.training = next(flags)
+
+
+_REAL_PASS_MACS = 1e8
+"""Below this many multiply-adds (weights × example elements) a real pass takes milliseconds,
+less than dispatching it through fake tensors."""
+
+
+def _cheap(stages: Sequence[nn.Module], example: tuple[torch.Tensor, ...]) -> bool:
+    weights = sum(t.numel() for stage in stages for t in stage.parameters())
+    elements = sum(t.numel() for t in example)
+    return weights * elements < _REAL_PASS_MACS
 
 
 def _walk(stages, example, run) -> StageProbe:

@@ -30,18 +30,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
+from typing import assert_never
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pipeloom.errors import ConfigError, RuntimeFault
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
-from pipeloom.runtime.boundary import TensorSpec
-from pipeloom.runtime.comm import MessagePlan
-from pipeloom.runtime.mailbox import Mailbox, peer_failure
+from pipeloom.runtime.mailbox import Mail, MessageKey, peer_failure
 from pipeloom.runtime.precision import Precision
 from pipeloom.runtime.split_linear import WeightGradQueue
 from pipeloom.runtime.stage_call import earlier_keys_values, run_stage, split_stage
@@ -114,18 +111,14 @@ class DeviceExecutor:
     def __init__(
         self,
         schedule: Schedule,
-        plan: MessagePlan,
         device: int,
         stages: dict[int, nn.Module],
         queue: WeightGradQueue,
-        rank_of: Callable[[int], int],
-        boundaries: Sequence[tuple[TensorSpec, ...]],
+        mail: Mail,
         loss_scale: float,
         loss: Callable[[object, object], torch.Tensor],
         concat_w: bool = False,
-        pair_groups: dict[tuple[int, int], dist.ProcessGroup] | None = None,
         device_type: torch.device | None = None,
-        timeout_s: float = 60.0,
         before_forward: Callable[[int], None] | None = None,
         precision: Precision | None = None,
         recompute_layers: int | None = None,
@@ -143,12 +136,8 @@ class DeviceExecutor:
         self.precision = precision or Precision()
         self.last_stage = schedule.num_stages - 1
         self.torch_device = device_type or torch.device("cpu")
-        # One group per ordered pair of devices: each carries one direction only, so posting its
-        # receives ahead in the sender's order can never block a send the other way (NCCL runs a
-        # pair's operations in order on one stream).
-        self.mail = Mailbox(
-            plan, device, boundaries, rank_of, pair_groups or {}, self.torch_device, timedelta(seconds=timeout_s)
-        )
+        self.mail = mail
+        """Where messages come from and go: gloo/NCCL (`Mailbox`) or memory (`MemoryMailbox`)."""
         self.before_forward = before_forward
         """Called with the stage before each F: T-Offload's RELOAD of weights stepped on the host."""
         self._parameter_ptrs = {p.data_ptr() for module in stages.values() for p in module.parameters()}
@@ -163,6 +152,8 @@ class DeviceExecutor:
                 "slices need stages with forward_slice (the LLaMA-style decoder's, or a Hugging Face causal LM's)"
             )
         self.slice_len = 0
+        self._step = _Step((), (), StepRecord(), 0.0)
+        self._index = 0
         self.halves = (
             {s: split_stage(module, recompute_layers) for s, module in stages.items()} if recompute_layers else {}
         )
@@ -174,30 +165,72 @@ class DeviceExecutor:
 
     def run_step(self, inputs: Sequence[Tensors], targets: Sequence[object]) -> StepRecord:
         """Run the device's ops; `inputs[j]` / `targets[j]` are micro-batch j's data."""
+        self.begin(inputs, targets)
+        while not self.done:
+            self.advance()
+        return self.finish()
+
+    # -- the same step, one unit at a time (for a driver that runs all devices in one process) ----
+
+    def begin(self, inputs: Sequence[Tensors], targets: Sequence[object]) -> None:
         if self.num_slices > 1:
             self.slice_len = inputs[0][0].shape[1] // self.num_slices
-        step = _Step(inputs, targets, StepRecord(), time.perf_counter())
+        self._step = _Step(inputs, targets, StepRecord(), time.perf_counter())
+        self._index = 0
         self.mail.open()
-        index = 0
-        while index < len(self.ops):
-            op = self.ops[index]
-            step.start = step.now()
-            if op.kind is _W:
-                index += self._weight_op(step, index)
-                continue
-            if op.overlap_next:
-                self._pair_op(step, op, self.ops[index + 1])
-                index += 2
-                continue
+
+    @property
+    def done(self) -> bool:
+        return self._index >= len(self.ops)
+
+    @property
+    def next_op(self) -> Op:
+        return self.ops[self._index]
+
+    def needs(self) -> list[MessageKey]:
+        """The messages the next unit (an op, an overlapped pair) waits for."""
+        op = self.ops[self._index]
+        unit = [op, self.ops[self._index + 1]] if op.overlap_next else [op]
+        return [key for member in unit for key in self._inputs_of(member)]
+
+    def advance(self) -> None:
+        """Run the next unit: one op, an overlapped pair, or a run of W concatenated into one GEMM."""
+        step, op = self._step, self.ops[self._index]
+        step.start = step.now()
+        if op.kind is _W:
+            self._index += self._weight_op(step, self._index)
+        elif op.overlap_next:
+            self._pair_op(step, op, self.ops[self._index + 1])
+            self._index += 2
+        else:
             self._handlers[op.kind](step, op)
             step.record.ops.append((op.text, step.start, step.now()))
-            index += 1
+            self._index += 1
+
+    def finish(self) -> StepRecord:
+        step = self._step
         step.record.sent_bytes = self.mail.sent_bytes
         step.record.sent_dtypes = tuple(sorted(self.mail.sent_dtypes))
         self.mail.close()
         if step.stash or step.kv or len(self.queue):
             raise RuntimeFault(f"device {self.device}: the step ended with work left (stash {list(step.stash)})")
         return step.record
+
+    def _inputs_of(self, op: Op) -> list[MessageKey]:
+        stage, mb, slice_ = op.key
+        match op.kind:
+            case OpKind.F:
+                return [(False, stage, mb, slice_)] if stage > 0 else []
+            case OpKind.R:
+                return [(True, stage, mb, slice_)] if op.after_grad and stage != self.last_stage else []
+            case OpKind.B | OpKind.BW:
+                entry = self._step.stash.get(op.key)
+                waited = entry is not None and entry.grads is not None  # an R inside the backward took it
+                return [(True, stage, mb, slice_)] if stage != self.last_stage and not waited else []
+            case OpKind.W:
+                return []
+            case _:
+                assert_never(op.kind)
 
     # -- handlers, one per op kind ----------------------------------------------------------------
 

@@ -13,7 +13,7 @@ does the data-parallel sum itself (`pipeloom.runtime.zero`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,7 @@ from torch import nn
 
 from pipeloom.ir.schedule import Schedule
 
-__all__ = ["GradientBuckets", "grad_of", "tie_groups", "unique_parameters"]
+__all__ = ["GradientBuckets", "grad_of", "reduce_in_process", "tie_groups", "unique_parameters"]
 
 
 def grad_of(parameter: nn.Parameter) -> torch.Tensor | None:
@@ -64,6 +64,7 @@ class GradientBuckets:
         all_stages: Sequence[nn.Module],
         rank: int,
         across_replicas: bool = True,
+        new_group: Callable[[list[int]], dist.ProcessGroup | None] = dist.new_group,
     ) -> None:
         p = schedule.num_devices
         spans = [range(dp)] if across_replicas else [[replica] for replica in range(dp)]
@@ -81,29 +82,60 @@ class GradientBuckets:
                     ranks |= stage_ranks[stage]
             for key, ranks in logical.values():
                 by_ranks.setdefault(tuple(sorted(ranks)), []).append(key)
-        self.buckets: list[tuple[dist.ProcessGroup, list[int], list[nn.Parameter]]] = []
+        self.buckets: list[tuple[dist.ProcessGroup | None, list[int], list[nn.Parameter]]] = []
         lookup = {
             (s, n): prm for s, m in enumerate(all_stages) for n, prm in m.named_parameters(remove_duplicate=False)
         }
         for ranks, keys in sorted(by_ranks.items()):
             if len(ranks) < 2:
                 continue
-            group = dist.new_group(list(ranks))  # every rank creates every group, in this order
+            group = new_group(list(ranks))  # every rank creates every group, in this order
             if rank in ranks:
                 self.buckets.append((group, list(ranks), [lookup[key] for key in sorted(keys)]))
 
     def reduce(self) -> None:
-        for group, _, parameters in self.buckets:
-            for parameter in parameters:
-                if grad_of(parameter) is None:
-                    parameter.grad = torch.zeros_like(parameter)
-            flat = torch.cat([grad_of(parameter).reshape(-1).float() for parameter in parameters])
+        for index, (group, _, _) in enumerate(self.buckets):
+            flat = self.flat(index)
             dist.all_reduce(flat, group=group)
-            offset = 0
-            for parameter in parameters:
-                size = parameter.numel()
-                grad_of(parameter).copy_(flat[offset : offset + size].view_as(parameter))
-                offset += size
+            self.assign(index, flat)
+
+    def flat(self, index: int) -> torch.Tensor:
+        """Bucket `index`'s gradients as one fp32 tensor (a missing gradient counts as zeros)."""
+        parameters = self.buckets[index][2]
+        for parameter in parameters:
+            if grad_of(parameter) is None:
+                parameter.grad = torch.zeros_like(parameter)
+        return torch.cat([_grad(parameter).reshape(-1).float() for parameter in parameters])
+
+    def assign(self, index: int, flat: torch.Tensor) -> None:
+        """Write a bucket's summed gradients back into its parameters."""
+        offset = 0
+        for parameter in self.buckets[index][2]:
+            size = parameter.numel()
+            _grad(parameter).copy_(flat[offset : offset + size].view_as(parameter))
+            offset += size
 
     def describe(self) -> list[list[int]]:
         return [ranks for _, ranks, _ in self.buckets]
+
+
+def _grad(parameter: nn.Parameter) -> torch.Tensor:
+    grad = grad_of(parameter)
+    assert grad is not None, "flat() gave every parameter of a bucket a gradient"
+    return grad
+
+
+def reduce_in_process(per_rank: Sequence[GradientBuckets]) -> None:
+    """Every rank's buckets summed in this process, as the all-reduces of the ranks would: a
+    bucket's holders built it identically, so its flats line up; the sum runs in rank order."""
+    by_ranks: dict[tuple[int, ...], list[tuple[GradientBuckets, int]]] = {}
+    for buckets in per_rank:
+        for index, (_, ranks, _) in enumerate(buckets.buckets):
+            by_ranks.setdefault(tuple(ranks), []).append((buckets, index))
+    for holders in by_ranks.values():
+        flats = [buckets.flat(index) for buckets, index in holders]
+        total = flats[0].clone()
+        for flat in flats[1:]:
+            total += flat
+        for buckets, index in holders:
+            buckets.assign(index, total)

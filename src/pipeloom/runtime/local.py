@@ -18,15 +18,17 @@ from pathlib import Path
 import torch
 
 from pipeloom.errors import PipeloomError, RuntimeFault
+from pipeloom.runtime.boundary import StageProbe
+from pipeloom.runtime.rank import probe_spec
 from pipeloom.runtime.training import RankResult, TrainSpec, check_spec, train_rank
 
 __all__ = ["run_local"]
 
 
-def _worker(spec: TrainSpec, rank: int, world_size: int, directory: str) -> None:
+def _worker(spec: TrainSpec, rank: int, world_size: int, directory: str, probe: StageProbe | None = None) -> None:
     init_method = f"file://{directory}/store"
     try:
-        result = train_rank(spec, rank, world_size, init_method)
+        result = train_rank(spec, rank, world_size, init_method, probe=probe)
         torch.save(result, f"{directory}/rank{rank}.pt")
     except PipeloomError as error:
         Path(f"{directory}/rank{rank}.error").write_text(error.summary)
@@ -36,14 +38,27 @@ def _worker(spec: TrainSpec, rank: int, world_size: int, directory: str) -> None
         sys.exit(4)
 
 
-def run_local(spec: TrainSpec, timeout_s: float = 300.0) -> list[RankResult]:
-    """Run all p × dp ranks of `spec` as forked processes; return their results by rank."""
+def _import_before_forking() -> None:
+    """Import in the parent what every rank would otherwise import on its own, lazily: torch's
+    compiler front end (the optimizer's step and the FLOP counter reach it) alone takes longer
+    than a small rank's whole training, and a forked child inherits what its parent imported."""
+    import torch._dynamo  # noqa: F401
+    import torch.utils.flop_counter  # noqa: F401
+
+
+def run_local(spec: TrainSpec, timeout_s: float = 300.0, probe: StageProbe | None = None) -> list[RankResult]:
+    """Run all p × dp ranks of `spec` as forked processes; return their results by rank.
+
+    What crosses the stage boundaries is the same for every rank, so it is probed once here
+    (or given: `probe_spec(spec)`, for a caller that runs one spec many times) and inherited."""
     world_size = spec.schedule.num_devices * spec.dp
     check_spec(spec, world_size)
+    _import_before_forking()
+    probe = probe or probe_spec(spec)
     context = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="pipeloom-") as directory:
         processes = [
-            context.Process(target=_worker, args=(spec, rank, world_size, directory), daemon=True)
+            context.Process(target=_worker, args=(spec, rank, world_size, directory, probe), daemon=True)
             for rank in range(world_size)
         ]
         for process in processes:

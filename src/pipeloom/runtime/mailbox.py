@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -21,10 +22,26 @@ from pipeloom.errors import RuntimeFault
 from pipeloom.runtime.boundary import TensorSpec
 from pipeloom.runtime.comm import Message, MessagePlan
 
-__all__ = ["Mailbox", "peer_failure"]
+__all__ = ["Mail", "Mailbox", "MessageKey", "message_specs", "peer_failure"]
 
-Key = tuple[bool, int, int, int]
+MessageKey = tuple[bool, int, int, int]
 """(gradient?, consuming stage, micro-batch, slice)."""
+Key = MessageKey
+
+
+class Mail(Protocol):
+    """What an executor needs of its transport: a step's messages in (`take`) and out (`give`)."""
+
+    sent_bytes: int
+    sent_dtypes: set[str]
+
+    def open(self) -> None: ...
+
+    def take(self, grad: bool, stage: int, microbatch: int, slice_: int) -> tuple[torch.Tensor, ...]: ...
+
+    def give(self, grad: bool, stage: int, microbatch: int, slice_: int, tensors: Sequence[torch.Tensor]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Mailbox:
@@ -49,10 +66,7 @@ class Mailbox:
         self.sent_dtypes: set[str] = set()
 
     def specs(self, grad: bool, stage: int) -> tuple[TensorSpec, ...]:
-        """What a message for `stage` holds: its input, or the gradient of its output."""
-        if grad:
-            return tuple(spec for spec in self.boundaries[stage + 1] if spec.floating)
-        return self.boundaries[stage]
+        return message_specs(self.boundaries, grad, stage)
 
     def open(self) -> None:
         """Post every receive of the step, in each sender's order."""
@@ -126,6 +140,13 @@ class Mailbox:
 
     def _tag(self, message: Message, index: int) -> int:
         return self.plan.tag(message) * self.width + index
+
+
+def message_specs(boundaries: Sequence[tuple[TensorSpec, ...]], grad: bool, stage: int) -> tuple[TensorSpec, ...]:
+    """What a message for `stage` holds: its input, or the gradient of its output (floating only)."""
+    if grad:
+        return tuple(spec for spec in boundaries[stage + 1] if spec.floating)
+    return boundaries[stage]
 
 
 def peer_failure(error: RuntimeError) -> str:

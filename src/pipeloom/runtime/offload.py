@@ -3,7 +3,7 @@
 For each offloaded stage (any set of them) a rank keeps host buffers of its own — fp32 master
 weights, gradients and the AdamW state — and the device keeps only the weights its passes use (in
 the compute type under mixed precision) and an fp32 gradient buffer (`GradientStore`): 6 bytes per
-weight in bf16 where ZeRO-0 holds 16 (`pipeloom.tune.static_memory`). At the end of a step, once
+weight in bf16 where ZeRO-0 holds 16 (`pipeloom.static_memory`). At the end of a step, once
 gradients are reduced, OFFLOAD copies the stage's gradients into the host buffers; HOST_STEP then runs AdamW on the host copies in a worker thread while the
 rank goes on (the next step's other stages, its data); RELOAD waits for that step and copies the
 new weights back just before the stage's first forward of the next step — optionally rounded

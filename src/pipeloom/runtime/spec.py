@@ -12,10 +12,10 @@ from pipeloom.errors import ConfigError
 from pipeloom.ir.schedule import Schedule
 from pipeloom.ir.validate import validate
 from pipeloom.models.llama import LlamaConfig, stage_layer_counts
+from pipeloom.models.workload import Workload, llama_workload
 from pipeloom.runtime.checkpoint import find_checkpoint
 from pipeloom.runtime.executor import StepRecord
 from pipeloom.runtime.precision import Precision
-from pipeloom.runtime.workload import Workload, llama_workload
 
 __all__ = ["TrainSpec", "RankResult", "check_spec", "check_device"]
 
@@ -116,7 +116,7 @@ class RankResult:
     static_bytes: dict[str, int] = field(default_factory=dict)
     """Measured on this rank: weights, gradients, optimizer (device) and host bytes."""
     planned_static_bytes: dict[str, float] = field(default_factory=dict)
-    """The same, as `pipeloom.tune.static_memory` plans them for this rank's weights."""
+    """The same, as `pipeloom.static_memory` plans them for this rank's weights."""
     offload_events: list[tuple[str, float, float]] = field(default_factory=list)
     """T-Offload's OFFLOAD, HOST_STEP and RELOAD on this rank (perf_counter seconds)."""
     all_results: list | None = None

@@ -19,7 +19,7 @@ checkpoints treat them alike:
   the step either way; what sharding saves is its width, at the price of accumulating in bf16.
 
 The flat buffer is padded to a multiple of dp, so every shard has the same size and the bytes are
-exactly `static_bytes` (the planner's `pipeloom.tune.static_memory`). Sharding is elementwise and
+exactly `static_bytes` (the planner's `pipeloom.static_memory`). Sharding is elementwise and
 AdamW is elementwise, so a sharded step is the unsharded one. The collectives are torch's
 (`reduce_scatter_single`, `all_gather_single`) over the device's data-parallel group.
 """

@@ -174,28 +174,9 @@ def simulate(schedule: Schedule, costs: Costs | None = None, not_before: Mapping
 def _op_costs(graph: DependencyGraph, table: StageCosts) -> tuple[list[float], list[float]]:
     """Duration and memory change of every op, by flat index."""
     num_slices = table.num_slices
-    F, B, W, R = table.F, table.B, table.W, table.R
-    M_B, M_W, M_ckpt = table.M_B, table.M_W, table.M_ckpt
-    durations: list[float] = []
-    deltas: list[float] = []
-    for op in graph.ops:
-        i = op.stage * num_slices + op.slice
-        kind = op.kind
-        if kind is OpKind.F:
-            durations.append(F[i])
-            deltas.append(M_ckpt[i] if op.ckpt else M_B[i])
-        elif kind is OpKind.BW:
-            durations.append(B[i] + W[i])
-            deltas.append(-M_B[i])
-        elif kind is OpKind.B:
-            durations.append(B[i])
-            deltas.append(M_W[i] - M_B[i])
-        elif kind is OpKind.W:
-            durations.append(W[i] / op.parts)
-            deltas.append(-M_W[i] / op.parts)
-        else:  # R
-            durations.append(R[i])
-            deltas.append(M_B[i] - M_ckpt[i])
+    duration, memory_delta = table.duration, table.memory_delta
+    durations = [duration(op) for op in graph.ops]
+    deltas = [memory_delta(op) for op in graph.ops]
     for g in graph.paired:  # the pair's whole time on its first op (the walk adds the two)
         first, second = graph.ops[g], graph.ops[g + 1]
         forward, backward = (first, second) if first.kind is OpKind.F else (second, first)

@@ -17,15 +17,15 @@ layer's weights (4h² + 2h·ffn for GPT, 2·ffn·h + h·ffn more for a gated MLP
   bytes (dispatch and combine), which the cost model prices as a2a_F and a2a_B;
 * the head: 2bs·hV FLOPs per pass and fp32 logits, 4bsV bytes; the embedding is a lookup;
 * static memory per weight: as the runtime holds it under each ZeRO level or offload
-  (`pipeloom.tune.static_memory`): 16 bytes under ZeRO-0, 2 + 4 + 12/dp under ZeRO-1 in bf16.
+  (`pipeloom.static_memory`): 16 bytes under ZeRO-0, 2 + 4 + 12/dp under ZeRO-1 in bf16.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeloom.static_memory import static_bytes
 from pipeloom.tune.presets import ModelSpec
-from pipeloom.tune.static_memory import static_bytes
 
 __all__ = ["LayerFigures", "layer_figures", "static_bytes_per_param"]
 

@@ -10,7 +10,7 @@ same questions, so the tuner does not care where the numbers come from:
   the runtime's own overhead (the batch, zeroing gradients, the loss all-reduce).
 
 Static memory and those step additions depend on the ZeRO level (`zero`, see
-`pipeloom.tune.static_memory`): ZeRO-1/2 shrink the optimizer state by dp at the price of an
+`pipeloom.static_memory`): ZeRO-1/2 shrink the optimizer state by dp at the price of an
 all-gather of the new weights; M_offload is what offloading a stage's optimizer takes off the device.
 """
 
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pipeloom.costs import Costs
+from pipeloom.static_memory import collective_bytes, offload_saving, static_bytes
 from pipeloom.tune.analytic import (
     all_to_all_bytes,
     head_figures,
@@ -29,7 +30,6 @@ from pipeloom.tune.analytic import (
     static_bytes_per_param,
 )
 from pipeloom.tune.presets import HardwareSpec, ModelSpec
-from pipeloom.tune.static_memory import collective_bytes, offload_saving, static_bytes
 
 __all__ = ["CostModel", "AnalyticCostModel", "ADAM_FLOPS_PER_PARAM"]
 

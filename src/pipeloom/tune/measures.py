@@ -1,5 +1,5 @@
 """The static-memory measures a tuner candidate can take — ZeRO-0/1/2 and every stage's
-optimizer on the host (`pipeloom.tune.static_memory`) — each with its costs, static bytes per
+optimizer on the host (`pipeloom.static_memory`) — each with its costs, static bytes per
 device and what it adds to a step."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@
 
 Times are milliseconds, memory bytes, throughput samples per second. Readers ignore extra keys.
 `zero` is the ZeRO level of the static memory and `offload_stages` the stages whose optimizer the
-host steps (`pipeloom.tune.static_memory`); both are absent from older plans and default to none.
+host steps (`pipeloom.static_memory`); both are absent from older plans and default to none.
 """
 
 from __future__ import annotations

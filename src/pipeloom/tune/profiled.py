@@ -4,7 +4,7 @@ A profile holds, per micro-batch size and per pass (F, B, W, R) and memory (M_B,
 per layer and an intercept per stage position (first: embedding; last: head and loss; middle:
 neither, taken as the cheaper end; single: both, taken as the dearer end). Other micro-batch sizes are interpolated linearly between the profiled
 ones (extrapolated past the ends). Static memory is the runtime's: 16 bytes per parameter (fp32
-weights, gradients and AdamW moments) under ZeRO-0, `pipeloom.tune.static_memory`'s figures in the
+weights, gradients and AdamW moments) under ZeRO-0, `pipeloom.static_memory`'s figures in the
 profile's compute type under ZeRO-1/2 and offload. The runtime does not count a pending W's inputs in its
 stash, so M_W is 0 here. What the runtime adds beyond the ops is priced as measured: a per-op
 overhead on every F, B, W and R; p2p as latency + bytes / bandwidth; the dp = 2 all-reduce, scaled
@@ -22,8 +22,8 @@ from os import PathLike
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError
 from pipeloom.files import read_json
+from pipeloom.static_memory import collective_bytes, compute_bytes, static_bytes
 from pipeloom.tune.presets import ModelSpec, model_from_config
-from pipeloom.tune.static_memory import collective_bytes, compute_bytes, static_bytes
 
 __all__ = ["PROFILE_FORMAT", "ProfiledCostModel", "fit_positions", "profile_costs_keys"]
 

@@ -3,7 +3,7 @@
 A `Candidate` is one point. Passes that trade time for memory (Mario, T-Recomp, T-Offload) are
 tried only when the plain schedule does not fit (`Candidate.fallbacks`): each makes the step
 longer, so a fitting schedule without them always wins. Static-memory measures (ZeRO-1/2, every
-stage's optimizer offloaded: `pipeloom.tune.static_memory`) are tried the same way, after those
+stage's optimizer offloaded: `pipeloom.static_memory`) are tried the same way, after those
 passes fail at the level before.
 """
 
@@ -55,6 +55,18 @@ SCHEMES: dict[str, SchemeSpec] = {
     ),
     "dualpipev": SchemeSpec("dualpipev", fallbacks=(), fewest_microbatches=lambda pp: 2 * pp - 1),
 }
+NOT_TUNED: dict[str, str] = {
+    "chimera-eager": "chimera's order with one more micro-batch in flight; compare it with `pipeloom compare`",
+    "zb-1p": "zb-auto within p·M_B, which the tuner searches with its own budget",
+    "zb-2p": "zb-auto within 2p·M_B, which the tuner searches with its own budget",
+    "zb-h2": "zb-auto at (2p-1)·M_B finds it or better; `pareto` lists it",
+    "zb-v": "the tuner's zb-v runs v-auto under the memory left after static memory (p·M_B or any other)",
+    "v-half": "v-auto (the tuner's zb-v) within V-Half's budget; `pareto` lists it",
+    "v-min": "v-auto (the tuner's zb-v) within V-Min's budget; `pareto` lists it",
+    "terapipe": "svpp with every forward before the first backward is TeraPipe; svpp's search includes it",
+}
+"""Registered generators the tuner does not search, and why: every generator is either the
+generator of a scheme in SCHEMES or named here (a test checks), so a new one cannot be missed."""
 _V_SCHEMES = ("zb-v", "dualpipev")
 DEFAULT_SCHEMES = (
     "1f1b", "interleaved", "chimera", "zb-h1", "zb-auto", "zb-v", "tpipe", "svpp", "dualpipe", "dualpipev",

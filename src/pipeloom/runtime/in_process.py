@@ -1,0 +1,114 @@
+"""Every device of a schedule in this one process: the runtime without processes or a backend.
+
+The correctness of a schedule — the same gradients as one process — does not depend on the
+transport, so checking it need not fork ranks, rendezvous and build process groups (most of a
+small run's time). `run_in_process` sets every rank up with the code the ranks run
+(`rank.RankRun`), hands each executor a mailbox in memory, and runs their ops one unit at a time:
+a device runs its next op as soon as the messages it needs are there, each device in its own
+order. Any order that respects the dependencies gives the same numbers, since each device's
+arithmetic follows its own op list, and the buckets are summed in rank order as gloo's two-rank
+all-reduce would. A step in which no device can go on is a deadlock, named by the ops waiting.
+
+It covers the pipeline, its data-parallel replicas and the gradient sums between copies of a
+stage (Chimera, tied embeddings), in every precision; clipping, post-validation, fp16 loss
+scaling, ZeRO, host offload, checkpoints and timeouts talk to other ranks through
+torch.distributed and are run by `local.run_local`.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+
+from pipeloom.errors import ConfigError, ScheduleError
+from pipeloom.runtime.comm import plan_messages
+from pipeloom.runtime.executor import DeviceExecutor, StepRecord
+from pipeloom.runtime.gradients import reduce_in_process
+from pipeloom.runtime.memory_mailbox import MemoryMailbox, Postbox
+from pipeloom.runtime.rank import RankRun, Transport, probe_spec
+from pipeloom.runtime.spec import RankResult, TrainSpec, check_spec
+
+__all__ = ["run_in_process"]
+
+
+def run_in_process(spec: TrainSpec) -> list[RankResult]:
+    """Train `spec` with all p × dp ranks in this process; their results by rank, as `run_local`'s."""
+    world_size = spec.schedule.num_devices * spec.dp
+    check_spec(spec, world_size)
+    _check_in_process(spec)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(spec.threads)  # each rank's kernels, blocked and summed as a rank's are
+    try:
+        return _train_all(spec, world_size)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_all(spec: TrainSpec, world_size: int) -> list[RankResult]:
+    p = spec.schedule.num_devices
+    plan = plan_messages(spec.schedule)
+    postboxes: list[Postbox] = [{} for _ in range(spec.dp)]
+    probe = probe_spec(spec)
+    runs = [
+        RankRun.set_up(spec, rank, Transport(world_size, postboxes[rank // p]), plan, probe)
+        for rank in range(world_size)
+    ]
+    for step in range(spec.steps):
+        data = [run.begin_step(step) for run in runs]
+        for replica in range(spec.dp):
+            _drive(
+                [run.executor for run in runs[replica * p : (replica + 1) * p]], data[replica * p : (replica + 1) * p]
+            )
+        records = [run.executor.finish() for run in runs]
+        for run in runs:
+            run.pipeline_done()
+        reduce_in_process([run.buckets for run in runs])
+        for run in runs:
+            run.step_optimizer(step, lambda _, call: call())
+        loss = _sum_losses(records)
+        for run, record in zip(runs, records):
+            run.end_step(step, record, loss)
+    return [run.tear_down() for run in runs]
+
+
+def _drive(executors: list[DeviceExecutor], data: list[tuple[list, list]]) -> None:
+    """Run the devices' op lists to their ends, each op once the messages it needs are in."""
+    for executor, (inputs, targets) in zip(executors, data):
+        executor.begin(inputs, targets)
+    mailboxes = [cast(MemoryMailbox, executor.mail) for executor in executors]
+    while True:
+        progressed, waiting = False, []
+        for executor, mail in zip(executors, mailboxes):
+            while not executor.done and all(mail.has(key) for key in executor.needs()):
+                executor.advance()
+                progressed = True
+            if not executor.done:
+                waiting.append(f"device {executor.device} at {executor.next_op.text}")
+        if not waiting:
+            return
+        if not progressed:
+            raise ScheduleError(f"deadlock: every device waits for a message ({', '.join(waiting)})")
+
+
+def _sum_losses(records: list[StepRecord]) -> float:
+    """The step's loss as the ranks' float64 all-reduce gives it: every device's share, summed."""
+    total = torch.zeros((), dtype=torch.float64)
+    for record in records:
+        total += record.loss
+    return float(total)
+
+
+def _check_in_process(spec: TrainSpec) -> None:
+    needs_ranks = {
+        "ZeRO": spec.zero != 0,
+        "host offload": bool(spec.offload_stages),
+        "clipping": spec.clip_norm is not None,
+        "post-validation": spec.post_validation,
+        "fp16 loss scaling": spec.dtype == "fp16",
+        "checkpoints": spec.save_every > 0 or spec.resume_dir is not None,
+        "CUDA devices": spec.torch_device_type != "cpu",
+    }
+    named = [what for what, used in needs_ranks.items() if used]
+    if named:
+        raise ConfigError(f"run_in_process: {', '.join(named)} need one process per rank; use run_local")

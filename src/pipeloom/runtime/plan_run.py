@@ -1,0 +1,83 @@
+"""A tuned plan (`pipeloom tune --output plan.json`) as a training run, from Python.
+
+`spec_from_plan` reads the schedule, the partition, dp, ZeRO and offload from the plan and the
+model from where its costs came from (a Hugging Face directory the profile recorded, or the
+built-in decoder of a small planned LLaMA); `train_plan` runs it. `pipeloom train --plan` is a
+thin layer over these. Options a plan fixes (the schedule, the model's cut, dp) are not
+arguments; everything else is a `TrainSpec` field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields as dataclass_fields
+from pathlib import Path
+
+from pipeloom.errors import ConfigError
+from pipeloom.models.llama import llama_config
+from pipeloom.passes.offload import t_offload
+from pipeloom.runtime.spec import RankResult, TrainSpec
+from pipeloom.tune.plan import Plan
+
+__all__ = ["spec_from_plan", "train_plan"]
+
+_FIXED_BY_PLAN = {"schedule", "config", "dp", "layer_counts", "workload"}
+
+
+def spec_from_plan(plan: Plan | str | Path, model: str | None = None, data=None, **options) -> TrainSpec:
+    """The run a plan describes. `model`: "hf:DIR" to train a Hugging Face model cut as planned
+    (default: the model the plan's profile measured, else the built-in decoder); `data`: a
+    `pipeloom.data` source (default synthetic tokens); `options`: further `TrainSpec` fields
+    (steps, lr, dtype, save_dir, ...)."""
+    plan = plan if isinstance(plan, Plan) else Plan.load(str(plan))
+    known = {f.name for f in dataclass_fields(TrainSpec)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(f"train_plan: unknown option(s) {', '.join(unknown)}; TrainSpec takes {sorted(known)}")
+    fixed = sorted(set(options) & _FIXED_BY_PLAN)
+    if fixed:
+        raise ConfigError(f"train_plan: the plan fixes {', '.join(fixed)}; drop them")
+    options.setdefault("zero", plan.zero)
+    if plan.offload_stages:
+        options.setdefault("offload_stages", plan.offload_stages)
+    elif "offload" in plan.passes:
+        options.setdefault("offload_stages", t_offload(plan.schedule).stages)
+    planned = plan.model
+    source = model or plan.cost_model.get("model")
+    if source and source.startswith("hf:"):
+        from pipeloom.models.hf import hf_workload
+
+        if not source[3:]:
+            raise ConfigError("train_plan: model hf: needs a path, e.g. hf:./my-llama")
+        work = hf_workload(
+            source[3:],
+            options.get("seed", 0),
+            plan.micro_batch_size,
+            planned.seq_len,
+            plan.partition,
+            data,
+        )
+        return TrainSpec(schedule=plan.schedule, workload=work, dp=plan.dp, **options)
+    if not planned.gated or planned.kv_heads is not None or planned.params > 5e8:
+        raise ConfigError(
+            f"the built-in decoder is a small LLaMA-style one; plan model {planned.name!r} is not one "
+            "(gated, without GQA, under 0.5B parameters): give model='hf:DIR', or plan from its profile"
+        )
+    config = llama_config(planned, planned.layers, plan.micro_batch_size)
+    if data is not None:
+        from pipeloom.models.workload import llama_workload
+
+        if data.vocab_limit > config.vocab:
+            raise ConfigError(
+                f"data: token ids reach {data.vocab_limit - 1}, beyond the planned model's vocabulary of {config.vocab}"
+            )
+
+        work = llama_workload(config, options.get("seed", 0), plan.partition, data)
+        return TrainSpec(schedule=plan.schedule, workload=work, dp=plan.dp, **options)
+    return TrainSpec(schedule=plan.schedule, config=config, dp=plan.dp, layer_counts=plan.partition, **options)
+
+
+def train_plan(plan: Plan | str | Path, model: str | None = None, data=None, **options) -> list[RankResult]:
+    """Train a plan on this machine, one forked process per rank (`run_local`); the ranks' results."""
+    from pipeloom.runtime.local import run_local
+
+    return run_local(spec_from_plan(plan, model, data, **options))

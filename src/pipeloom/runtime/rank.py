@@ -1,0 +1,416 @@
+"""One rank of a training run, in three parts: set-up, a step, teardown.
+
+`RankRun.set_up` builds what a rank needs — its stages (split for W), the gradient buckets, the
+optimizer (replicated, sharded, host-stepped), the executor and its mailbox, the optimizer sync —
+from the spec; `begin_step` and `end_step` frame the pipeline (batch and zeroing before it;
+fault injection, reduction, clipping and the optimizer step after it); `tear_down` collects what
+the rank reports. Two drivers use it: `training.train_rank`, one process per rank over
+torch.distributed, and `in_process.run_in_process`, every device of a replica in this process
+with messages in memory. The two differ only in the transport they hand in (`Transport`), so
+the in-process tier tests the very code the ranks run.
+
+Rank r is device r mod p of data-parallel replica r // p. Every rank builds the full model from
+the seed and keeps the stages its device hosts, so all replicas start identical. A step feeds
+replica k the micro-batches k·m .. k·m+m−1 of the step's batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pipeloom.errors import ConfigError
+from pipeloom.ir.ops import OpKind
+from pipeloom.models.workload import Workload, rows_of
+from pipeloom.runtime.boundary import StageProbe, probe_stages
+from pipeloom.runtime.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from pipeloom.runtime.comm import MessagePlan, plan_messages
+from pipeloom.runtime.executor import DeviceExecutor, StepRecord
+from pipeloom.runtime.gradients import GradientBuckets, grad_of, unique_parameters
+from pipeloom.runtime.mailbox import Mail, Mailbox
+from pipeloom.runtime.memory_mailbox import MemoryMailbox, Postbox
+from pipeloom.runtime.offload import HostOffload
+from pipeloom.runtime.optimizer_sync import OptimizerSync
+from pipeloom.runtime.precision import LossScaler, Precision
+from pipeloom.runtime.spec import RankResult, TrainSpec
+from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
+from pipeloom.runtime.stage_call import run_stage
+from pipeloom.runtime.zero import JointSteppers, ReplicatedAdamW, ShardedAdamW
+from pipeloom.static_memory import compute_bytes, static_bytes
+
+__all__ = ["RankRun", "Transport", "probe_boundaries", "probe_spec", "torch_device_of"]
+
+
+@dataclass(frozen=True)
+class Transport:
+    """How a rank talks to the others: process groups and messages over torch.distributed, or
+    (`postbox` set) every device in this process, messages in memory and no process groups."""
+
+    world_size: int
+    postbox: Postbox | None = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.postbox is None
+
+    def new_group(self, ranks: list[int]) -> dist.ProcessGroup | None:
+        return dist.new_group(ranks) if self.distributed else None
+
+
+def torch_device_of(spec: TrainSpec) -> torch.device:
+    if spec.torch_device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@dataclass
+class RankRun:
+    spec: TrainSpec
+    rank: int
+    transport: Transport
+    where: torch.device
+    precision: Precision
+    work: Workload
+    stages: dict[int, torch.nn.Module]
+    buckets: GradientBuckets
+    stepper: ReplicatedAdamW | ShardedAdamW
+    optimizers: ReplicatedAdamW | ShardedAdamW | JointSteppers
+    host: HostOffload | None
+    holders: list
+    """What a checkpoint saves besides the weights."""
+    executor: DeviceExecutor
+    mail: Mail
+    scaler: LossScaler | None
+    sync: OptimizerSync | None
+    result: RankResult
+    parameters: list
+    first_step: int = 0
+    progress: Callable[[int | None], None] | None = None
+    _times: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def device(self) -> int:
+        return self.rank % self.spec.schedule.num_devices
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.spec.schedule.num_devices
+
+    # -- set-up ----------------------------------------------------------------------------------
+
+    @classmethod
+    def set_up(
+        cls,
+        spec: TrainSpec,
+        rank: int,
+        transport: Transport,
+        plan: MessagePlan | None = None,
+        probe: StageProbe | None = None,
+    ) -> RankRun:
+        """`plan` and `probe` are the same on every rank: a driver of several ranks passes them once."""
+        schedule, work = spec.schedule, spec.resolved_workload()
+        p = schedule.num_devices
+        replica, device = divmod(rank, p)
+        where, precision = torch_device_of(spec), Precision(spec.dtype)
+        all_stages = work.build(schedule.num_stages)
+        probe = probe or probe_boundaries(spec, work, all_stages, precision)
+        hosted = schedule.stages_on(device)
+        buckets = GradientBuckets(
+            schedule, spec.dp, all_stages, rank, across_replicas=spec.zero == 0, new_group=transport.new_group
+        )
+        dp_groups = [transport.new_group([r * p + d for r in range(spec.dp)]) for d in range(p)] if spec.zero else None
+        queue = WeightGradQueue()
+        stages = {s: all_stages[s].to(where) for s in hosted}
+        if any(op.kind is OpKind.W for op in schedule.devices[device]):  # fused backwards keep plain linears
+            for module in stages.values():
+                split_linears(module, queue)
+        offloaded = [s for s in hosted if s in spec.offload_stages]
+        owned = _owned(schedule, all_stages, device)
+        host = None
+        if offloaded:
+            dp_group = dp_groups[device] if dp_groups else None  # else the buckets sum over the replicas
+            host = HostOffload(stages, offloaded, spec.lr, spec.reload_bits, precision.dtype, owned, dp_group)
+        on_host = {id(t) for s in offloaded for t in stages[s].parameters()}
+        parameters = [t for t in unique_parameters([stages[s] for s in hosted]) if id(t) not in on_host]
+        stepper: ReplicatedAdamW | ShardedAdamW
+        if dp_groups:
+            label = f"device{device}"
+            stepper = ShardedAdamW(parameters, owned, spec.lr, spec.zero, dp_groups[device], precision.dtype, label)
+        else:
+            stepper = ReplicatedAdamW(parameters, owned, spec.lr)
+        plan = plan or plan_messages(schedule)
+        mail = _mail(spec, transport, plan, device, replica, probe, where)
+        executor = DeviceExecutor(
+            schedule,
+            device,
+            stages,
+            queue,
+            mail,
+            loss=work.loss,
+            loss_scale=1.0 / (schedule.num_microbatches * spec.dp * schedule.num_slices),
+            concat_w=spec.concat_w,
+            device_type=where,
+            before_forward=host.reload if host else None,
+            precision=precision,
+            recompute_layers=spec.recompute_layers,
+        )
+        scaler = LossScaler(spec.initial_loss_scale, spec.loss_scale_growth_interval) if spec.dtype == "fp16" else None
+        optimizers = JointSteppers(host, stepper) if host is not None else stepper  # the host's starts first
+        sync = _optimizer_sync(spec, transport, optimizers, device, replica, scaler)
+        m, b = schedule.num_microbatches, work.microbatch_size
+        result = RankResult(rank, sample_tokens=work.sample_tokens, samples_per_step=spec.dp * m * b)
+        result.forward_flops = m * sum(probe.forward_flops[s] for s in hosted)
+        run = cls(
+            spec,
+            rank,
+            transport,
+            where,
+            precision,
+            work,
+            stages,
+            buckets,
+            stepper,
+            optimizers,
+            host,
+            [stepper] + ([host] if host is not None else []),
+            executor,
+            mail,
+            scaler,
+            sync,
+            result,
+            parameters,
+            progress=_progress(spec, rank, result),
+        )
+        if spec.resume_dir is not None:
+            found = find_checkpoint(
+                spec.resume_dir, transport.world_size, schedule.name, spec.zero, spec.offload_stages
+            )
+            run.first_step = load_checkpoint(found[0], stages, run.holders)
+        if where.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(where)
+        return run
+
+    # -- a step ----------------------------------------------------------------------------------
+
+    def begin_step(self, step: int) -> tuple[list, list]:
+        """This replica's micro-batches of `step`, with gradients zeroed: (inputs, targets)."""
+        self._times = {"began": time.perf_counter()}
+        m, b = self.spec.schedule.num_microbatches, self.work.microbatch_size
+        inputs, targets = self.work.batch(self.spec.dp * m * b, step)
+        rows = [slice((self.replica * m + j) * b, (self.replica * m + j + 1) * b) for j in range(m)]
+        micro_inputs = [tuple(t.to(self.where) for t in rows_of(inputs, r)) for r in rows]
+        micro_targets = [targets[r].to(self.where) for r in rows]
+        if self.sync is not None:
+            self.sync.validate()  # the previous step, against the full state the last device sent back
+        self.optimizers.zero_grad()
+        if self.scaler is not None:
+            self.executor.grad_scale = self.scaler.scale
+            self.result.loss_scales.append(self.scaler.scale)
+        self._times["piped"] = time.perf_counter()
+        return micro_inputs, micro_targets
+
+    def pipeline_done(self) -> None:
+        self._times["reducing"] = time.perf_counter()
+
+    def step_optimizer(self, step: int, reduce: Callable[[str, Callable[[], None]], None]) -> None:
+        """After the gradient buckets are summed: faults (tests), ZeRO's reduction, unscaling,
+        recording, the optimizer step (or the sync's, which may skip or roll back)."""
+        _inject_faults(self.spec, step, self.stages)
+        reduce("the data-parallel reduction of the sharded gradients", self.optimizers.reduce)
+        self._times["stepping"] = time.perf_counter()
+        if self.scaler is not None:
+            self.optimizers.scale(1.0 / self.scaler.scale)
+        if self.spec.record_gradients:
+            self.result.gradients = {
+                s: {
+                    n: grad.detach().float().cpu().clone()
+                    for n, t in module.named_parameters()
+                    if (grad := grad_of(t)) is not None
+                }
+                for s, module in self.stages.items()
+            }
+        if self.sync is not None:  # the host steps offloaded stages while this rank goes on
+            self.sync.step(step)
+        else:
+            self.optimizers.step()
+        self._times["stepped"] = time.perf_counter()
+
+    def end_step(self, step: int, record: StepRecord, loss: float) -> None:
+        """Book the step (its loss summed over every rank) and save a checkpoint when one is due."""
+        times, result = self._times, self.result
+        result.losses.append(loss)
+        result.step_seconds.append(time.perf_counter() - times["began"])
+        result.phase_seconds.append(
+            {
+                "pipeline": times["reducing"] - times["piped"],
+                "allreduce": times["stepping"] - times["reducing"],
+                "optimizer": times["stepped"] - times["stepping"],
+                "overhead": result.step_seconds[-1] - (times["stepped"] - times["piped"]),
+            }
+        )
+        result.records.append(record)
+        if self.progress is not None:
+            self.progress(step)
+        spec = self.spec
+        if spec.save_every and (step + 1) % spec.save_every == 0:
+            if self.sync is not None:
+                self.sync.validate()
+            save_checkpoint(
+                spec.save_dir, step + 1, self.stages, self.holders, spec.schedule.name, spec.zero, spec.offload_stages
+            )
+
+    # -- teardown --------------------------------------------------------------------------------
+
+    def tear_down(self) -> RankResult:
+        result = self.result
+        if self.sync is not None:
+            self.sync.validate()
+            result.rollbacks, result.skipped_steps = self.sync.rollbacks, self.sync.skipped
+        if self.progress is not None:
+            self.progress(None)
+        if self.host is not None:
+            self.host.finish()
+            result.offload_events = self.host.events
+        if self.where.type == "cuda":
+            result.peak_memory_bytes = int(torch.cuda.max_memory_allocated(self.where))
+        result.static_bytes, result.planned_static_bytes = _static_bytes(
+            self.spec, self.stepper, self.host, self.parameters, self.precision
+        )
+        result.parameters = {
+            s: {n: t.detach().cpu().clone() for n, t in module.named_parameters()} for s, module in self.stages.items()
+        }
+        return result
+
+
+def _mail(
+    spec: TrainSpec,
+    transport: Transport,
+    plan: MessagePlan,
+    device: int,
+    replica: int,
+    probe: StageProbe,
+    where: torch.device,
+) -> Mail:
+    if transport.postbox is not None:
+        return MemoryMailbox(plan, device, probe.boundaries, transport.postbox)
+    p = spec.schedule.num_devices
+    # One group per ordered pair of devices: each carries one direction only, so posting its
+    # receives ahead in the sender's order can never block a send the other way (NCCL runs a
+    # pair's operations in order on one stream). Every rank creates every replica's groups.
+    pairs = sorted({(m.src, m.dst) for sends in plan.sends for m in sends})
+    groups = [{(a, b): dist.new_group([r * p + a, r * p + b]) for a, b in pairs} for r in range(spec.dp)]
+    return Mailbox(
+        plan,
+        device,
+        probe.boundaries,
+        lambda d: replica * p + d,
+        groups[replica],
+        where,
+        timedelta(seconds=spec.timeout_s),
+    )
+
+
+def probe_spec(spec: TrainSpec) -> StageProbe:
+    """The boundaries and FLOPs of `spec`'s stages, from a model built for the purpose."""
+    work = spec.resolved_workload()
+    return probe_boundaries(spec, work, work.build(spec.schedule.num_stages), Precision(spec.dtype))
+
+
+def probe_boundaries(spec: TrainSpec, work: Workload, all_stages, precision: Precision) -> StageProbe:
+    """Boundary shapes and forward FLOPs from one micro-batch of step 0 (a slice, with slices)."""
+    inputs, _ = work.batch(work.microbatch_size, 0)
+    example = rows_of(inputs, slice(0, work.microbatch_size))
+    slices = spec.schedule.num_slices
+    if slices > 1:
+        example = tuple(t[:, : t.shape[1] // slices] for t in example)
+    past = [] if slices > 1 else None
+    cpu = torch.device("cpu")
+    return probe_stages(all_stages, example, lambda module, x: run_stage(module, x, past, precision, cpu, True)[0])
+
+
+def _progress(spec: TrainSpec, rank: int, result: RankResult):
+    if not spec.report or rank != 0:
+        return None
+    from pipeloom.runtime.metrics import StepReporter
+
+    return StepReporter(result, spec.steps, spec.peak_tflops)
+
+
+def _optimizer_sync(spec: TrainSpec, transport: Transport, stepper, device: int, replica: int, scaler):
+    """Global clipping / skipping (also fp16's overflow skip), if asked for; its process groups
+    are made on every rank alike."""
+    if spec.clip_norm is None and not spec.post_validation and scaler is None:
+        return None
+    if not transport.distributed:
+        raise ConfigError("in-process runs do not clip, post-validate or scale fp16 losses; use run_local")
+    p = spec.schedule.num_devices
+    groups = [dist.new_group([r * p + d for d in range(p)]) for r in range(spec.dp)]
+    return OptimizerSync(
+        stepper,
+        spec.clip_norm,
+        spec.post_validation,
+        device,
+        p,
+        lambda d: replica * p + d,
+        groups[replica],
+        spec.timeout_s,
+        on_decision=scaler.update if scaler is not None else None,
+    )
+
+
+def _owned(schedule, all_stages, device: int):
+    """Whether this device counts a parameter in the global gradient norm: each counts once, on
+    the lowest device hosting its first stage."""
+    owners = {
+        s: min(d for d in range(schedule.num_devices) if s in schedule.stages_on(d)) for s in range(schedule.num_stages)
+    }
+    first_stage: dict[int, int] = {}
+    for s, module in enumerate(all_stages):
+        for parameter in module.parameters():
+            first_stage.setdefault(id(parameter), s)
+    return lambda parameter: owners[first_stage[id(parameter)]] == device
+
+
+def _static_bytes(spec: TrainSpec, stepper, host, parameters, precision: Precision) -> tuple[dict, dict]:
+    """(measured, planned) weight, gradient, optimizer and host bytes of this rank: the tensors it
+    holds, beside `pipeloom.static_memory`'s figures for as many weights."""
+    compute = compute_bytes(precision.name)
+    measured = {
+        "weights": stepper.weight_bytes,
+        "gradients": stepper.gradient_bytes,
+        "optimizer": stepper.optimizer_bytes,
+        "host": 0,
+    }
+    planned = static_bytes(
+        sum(t.numel() for t in parameters), spec.dp, spec.zero, compute=compute, padded=True
+    ).to_dict()
+    planned.pop("device")
+    if host is not None:
+        on_host = [t for params in host.device_params.values() for t in params]
+        offloaded = static_bytes(sum(t.numel() for t in on_host), offloaded=True, compute=compute)
+        measured["weights"] += sum(t.numel() * t.element_size() for t in on_host)
+        measured["gradients"] += host.store.bytes
+        measured["host"] = host.host_bytes
+        planned["weights"] += offloaded.weights
+        planned["gradients"] += offloaded.gradients
+        planned["host"] = offloaded.host
+    return measured, planned
+
+
+def _inject_faults(spec: TrainSpec, step: int, stages: dict) -> None:
+    for when, stage, kind, factor in spec.gradient_faults:
+        if when != step or stage not in stages:
+            continue
+        grads = [grad for t in stages[stage].parameters() if (grad := grad_of(t)) is not None]
+        if kind == "nan":
+            grads[0].view(-1)[0] = float("nan")
+        elif kind == "inf":
+            grads[0].view(-1)[0] = float("inf")
+        else:
+            for grad in grads:
+                grad.mul_(factor)

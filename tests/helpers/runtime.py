@@ -1,0 +1,69 @@
+"""What the runtime tests share: the tiny decoder, the single-process reference (computed once
+per model, data and step count, then reused by every schedule that trains it) and the check that
+a pipeline trained exactly like it.
+
+Tolerances follow from the arithmetic: a pipeline runs the reference's kernels on the same
+tensors, but fp32 sums (a gradient over micro-batches, tied weights over both ends) may add in
+another order, and AdamW's normalised update turns an ulp in a near-zero gradient into up to
+lr × 1e-3 of a weight; slice by slice, attention itself sums in another order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeloom.models.llama import LlamaConfig
+from pipeloom.runtime.in_process import run_in_process
+from pipeloom.runtime.training import TrainSpec, reference_training
+
+TINY_LLAMA = dict(hidden=32, heads=2, ffn=64, vocab=64, seq_len=16)
+
+_references: dict[tuple, tuple[list[float], list[dict[str, torch.Tensor]]]] = {}
+
+
+def tiny_spec(schedule, **changes) -> TrainSpec:
+    """The built-in decoder, at least as many layers as the schedule has stages."""
+    config = LlamaConfig(layers=max(4, schedule.num_stages), **TINY_LLAMA)
+    return TrainSpec(schedule, config=config, **changes)
+
+
+def reference(spec: TrainSpec):
+    """`reference_training(spec)`, cached for the built-in decoder (what it depends on is the key)."""
+    if spec.workload is not None:
+        return reference_training(spec)
+    s = spec.schedule
+    key = (spec.config, spec.seed, spec.layer_counts, s.num_stages, s.num_microbatches * spec.dp)
+    key += (spec.steps, spec.lr, spec.dtype, spec.threads)
+    if key not in _references:
+        _references[key] = reference_training(spec)
+    return _references[key]
+
+
+def assert_matches_reference(spec: TrainSpec, results, rtol: float | None = None, atol: float | None = None):
+    """Every rank's parameters after training, and the losses, as one process gives them."""
+    losses, expected = reference(spec)
+    sliced = spec.schedule.num_slices > 1
+    rtol = rtol if rtol is not None else (1e-4 if sliced else 1e-5)
+    atol = atol if atol is not None else (5e-5 if sliced else 1e-6)
+    assert results[0].losses == pytest.approx(losses, rel=rtol)
+    for result in results:
+        for stage, parameters in result.parameters.items():
+            for name, value in parameters.items():
+                torch.testing.assert_close(value, expected[stage][name], rtol=rtol, atol=atol, msg=f"{stage} {name}")
+    return results
+
+
+def trains_like_one_process(spec: TrainSpec, rtol: float | None = None, atol: float | None = None):
+    """Run `spec` with every device in this process and check it against the reference."""
+    return assert_matches_reference(spec, run_in_process(spec), rtol, atol)
+
+
+def assert_same_results(one, other) -> None:
+    """Two runs of one spec gave the same losses and bit-identical parameters on every rank."""
+    assert [r.losses for r in one] == [r.losses for r in other]
+    for a, b in zip(one, other, strict=True):
+        assert a.parameters.keys() == b.parameters.keys()
+        for stage in a.parameters:
+            for name, value in a.parameters[stage].items():
+                assert torch.equal(value, b.parameters[stage][name]), (a.rank, stage, name)
