@@ -2,14 +2,16 @@
 #   make demo   create .venv if missing, install; tune a small model for this machine (profile it, search,
 #               run the best plan, show predicted vs measured); tune GPT3-13B on 32 A100-40G from presets;
 #               compare the classic and zero-bubble schedules in one figure
-#   make test   same set-up, then the whole test suite
+#   make test   same set-up, then lint (ruff), types (mypy: the planning core, then everything) and
+#               the whole test suite on every core
+#   make lint   just ruff and mypy
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEMO_DIR ?= demo-output
 
-.PHONY: demo test bench clean
+.PHONY: demo test lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,8 +32,18 @@ demo: $(STAMP)
 	$(VENV)/bin/pipeloom compare gpipe 1f1b interleaved chimera zb-h1 zb-h2 zb-2p zb-v -p 8 -m 16 -v 2 \
 		--costs F=1,B=1,W=1,M_W=0.25 --plot $(DEMO_DIR)/compare.png
 
-test: $(STAMP)
-	$(PY) -m pytest
+CORE := src/pipeloom/__init__.py src/pipeloom/errors.py src/pipeloom/units.py src/pipeloom/files.py \
+	src/pipeloom/costs.py src/pipeloom/budget.py src/pipeloom/static_memory.py src/pipeloom/ir src/pipeloom/sim \
+	src/pipeloom/schedules src/pipeloom/passes src/pipeloom/tune
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/mypy $(CORE)
+	$(VENV)/bin/mypy src/pipeloom
+
+test: lint
+	$(PY) -m pytest -n auto --dist worksteal
 
 bench: $(STAMP)
 	$(PY) bench/sim_speed.py
@@ -50,4 +62,4 @@ bench: $(STAMP)
 	$(PY) bench/real_model.py --model resnet152 --microbatch-size 2
 
 clean:
-	rm -rf $(VENV) $(DEMO_DIR) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(DEMO_DIR) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

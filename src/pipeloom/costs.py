@@ -210,6 +210,15 @@ class Costs:
 
     # -- resolution for one schedule shape -------------------------------------------------
 
+    def stage_value(self, key: str, stage: int) -> float:
+        """A per-stage key's value for `stage`, over a whole micro-batch (per-slice entries
+        summed); a scalar stands for every stage."""
+        value = getattr(self, key)
+        if not isinstance(value, tuple):
+            return float(value)
+        entry = value[stage]
+        return float(sum(entry)) if isinstance(entry, tuple) else float(entry)
+
     def resolve(self, num_devices: int, num_stages: int, num_slices: int = 1) -> StageCosts:
         """Per (stage, slice) values for a schedule of this shape (see the module docstring)."""
 
@@ -265,7 +274,7 @@ class Costs:
                 f"costs: {key} has {len(value)} per-stage values but the schedule has {num_stages} stages; "
                 f"give one value per stage or a scalar (one device's share of the model)"
             )
-        out = []
+        out: list[float] = []
         for stage, entry in enumerate(value):
             if isinstance(entry, tuple):
                 if len(entry) != num_slices:

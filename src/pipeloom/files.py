@@ -28,7 +28,9 @@ def read_json(path: str | PathLike[str], what: str, error: type[PipeloomError]) 
 def check_writable(*paths: str | PathLike[str] | None) -> None:
     """Refuse, before any work, a destination that cannot be written: a missing or read-only
     directory, or a path that is a directory."""
-    for path in filter(None, paths):
+    for path in paths:
+        if not path:
+            continue
         target = Path(path)
         parent = target.resolve().parent
         if not parent.is_dir():

@@ -166,8 +166,8 @@ def mem_limit_from_args(args: argparse.Namespace):
     """--mem-limit; a size in bytes only for costs in bytes (a file, or memory_unit=bytes)."""
     from pipeloom.budget import budget_from_flag
 
-    costs = getattr(args, "costs", None)
-    in_bytes = bool(costs) and ("=" not in costs or Costs.parse(costs).memory_unit == "bytes")
+    costs: str | None = getattr(args, "costs", None)
+    in_bytes = bool(costs) and costs is not None and ("=" not in costs or Costs.parse(costs).memory_unit == "bytes")
     return budget_from_flag(getattr(args, "mem_limit", None), costs_in_bytes=in_bytes)
 
 

@@ -138,16 +138,23 @@ def clock_bar(what: str, seconds: float, quiet: bool = False):
         return None
     from tqdm import tqdm
 
-    bar = tqdm(total=round(seconds, 1), desc=what, unit="s", file=sys.stderr, leave=False, bar_format=_CLOCK_FORMAT)
+    return _ClockBar(
+        tqdm(total=round(seconds, 1), desc=what, unit="s", file=sys.stderr, leave=False, bar_format=_CLOCK_FORMAT)
+    )
 
-    def report(elapsed: float, best: float | None) -> None:
-        bar.n = min(round(elapsed, 1), bar.total)
+
+class _ClockBar:
+    def __init__(self, bar) -> None:
+        self.bar = bar
+
+    def __call__(self, elapsed: float, best: float | None) -> None:
+        self.bar.n = min(round(elapsed, 1), self.bar.total)
         if best is not None:
-            bar.set_postfix_str(f"best makespan {best:.6g}", refresh=False)
-        bar.refresh()
+            self.bar.set_postfix_str(f"best makespan {best:.6g}", refresh=False)
+        self.bar.refresh()
 
-    report.close = bar.close
-    return report
+    def close(self) -> None:
+        self.bar.close()
 
 
 _CLOCK_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} s{postfix}"
@@ -204,7 +211,7 @@ def write_outputs(
     torch_csv = to_torch_csv(timeline.schedule) if export and export.endswith(".csv") else None  # may refuse
     if plot:
         plot_timeline(timeline, plot, lanes=lanes)  # first: the only output with an optional dependency
-    if torch_csv is not None:
+    if torch_csv is not None and export:
         Path(export).write_text(torch_csv)  # torch.distributed.pipelining's format
     elif export:
         timeline.schedule.to_json(export)

@@ -118,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     if plot:
         from pipeloom.viz.plot import plot_timeline
 
+        assert best.timeline is not None, "the plan's timeline was restored above"
         plot_timeline(best.timeline, plot, lanes=best.offload.lane_ops if best.offload else None)
     if args.json:
         print(json.dumps([_row_dict(e, result) for e in result.ranked], allow_nan=False))

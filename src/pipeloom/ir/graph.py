@@ -61,7 +61,7 @@ def build_graph(schedule: Schedule) -> DependencyGraph:
     The graph is kept on the schedule (which never changes), so every later simulation of it,
     under whatever costs, skips the indexing."""
     graph = schedule._graph
-    if graph is None:
+    if not isinstance(graph, DependencyGraph):
         graph = _index(schedule)
         object.__setattr__(schedule, "_graph", graph)
     return graph

@@ -97,7 +97,7 @@ def _op_from_dict(entry: Any, device: int, step: int) -> Op:
     if not isinstance(entry, dict):
         raise ScheduleError(f"{where}: expected an op object, got {entry!r}")
     try:
-        kind = OpKind(entry.get("op"))
+        kind = OpKind(str(entry.get("op")))
     except ValueError:
         raise ScheduleError(f"{where}: unknown op {entry.get('op')!r} (expected one of F, B, W, BW, R)") from None
 

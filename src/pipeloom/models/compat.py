@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 from pipeloom.errors import ConfigError
 
 __all__ = ["import_transformers", "import_torchvision"]
 
-_declared = None
+_declared: torch.library.Library | bool | None = None
 
 
 def _declare_missing_torchvision_ops() -> None:
@@ -27,7 +31,8 @@ def _declare_missing_torchvision_ops() -> None:
     import torch
 
     spec = importlib.util.find_spec("torchvision")
-    library = next(Path(spec.origin).parent.glob("_C*.so"), None)
+    origin = spec.origin if spec is not None else None
+    library = next(Path(origin).parent.glob("_C*.so"), None) if origin else None
     if library is not None:
         try:
             torch.ops.load_library(str(library))
@@ -36,9 +41,10 @@ def _declare_missing_torchvision_ops() -> None:
     if hasattr(torch.ops.torchvision, "nms"):
         _declared = False
         return
-    _declared = torch.library.Library("torchvision", "DEF")
-    _declared.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    _declared.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    library_ops = torch.library.Library("torchvision", "DEF")
+    library_ops.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    library_ops.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    _declared = library_ops
 
 
 def import_transformers():

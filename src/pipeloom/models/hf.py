@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -97,8 +98,9 @@ def _build(path: str | Path, config, seed: int) -> nn.Module:
     return model.train()
 
 
-def _parts(model: nn.Module, family: str) -> dict:
-    """The library's modules by role: embed, (positions), layers, norm, head, (rotary)."""
+def _parts(model: Any, family: str) -> dict:
+    """The library's modules by role: embed, (positions), layers, norm, head, (rotary). `model`
+    is a transformers model of `family`, whose attribute names differ by family."""
     if family in ("llama", "mistral", "qwen2"):
         inner = model.model
         return {
@@ -202,6 +204,8 @@ def _tensor(out) -> torch.Tensor:
 
 def _layer_index(layer: nn.Module) -> int:
     attention = getattr(layer, "self_attn", None) or getattr(layer, "attn", None)
+    if attention is None:
+        raise ConfigError(f"{type(layer).__name__} has no attention module to read its layer index from")
     return attention.layer_idx
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -90,7 +91,7 @@ class DecoderLayer(nn.Module):
         offset = 0 if past_k is None else past_k.shape[-2]
         q, k, v = self.qkv(self.attn_norm(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
         q, k = _rotary(q, offset), _rotary(k, offset)
-        if past_k is None:
+        if past_k is None or past_v is None:
             attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             keys, values = torch.cat((past_k, k), dim=-2), torch.cat((past_v, v), dim=-2)
@@ -127,7 +128,7 @@ class Stage(nn.Module):
         def tail(x: torch.Tensor) -> torch.Tensor:
             for layer in self.layers[count:]:
                 x = layer(x)
-            return self.head(self.norm(x)) if self.head is not None else x
+            return self.output(x)
 
         return head, tail
 
@@ -141,11 +142,15 @@ class Stage(nn.Module):
         kv = []
         for index, layer in enumerate(self.layers):
             past_k, past_v = past[index] if past else (None, None)
-            x, k, v = layer.forward_slice(x, past_k, past_v)
+            x, k, v = cast(DecoderLayer, layer).forward_slice(x, past_k, past_v)
             kv.append((k, v))
-        if self.head is not None:
-            x = self.head(self.norm(x))
-        return x, kv
+        return self.output(x), kv
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        """The last stage's norm and LM head; other stages hand `x` on as it is."""
+        if self.norm is None or self.head is None:
+            return x
+        return self.head(self.norm(x))
 
 
 def stage_layer_counts(config: LlamaConfig, num_stages: int, counts: Sequence[int] | None = None) -> list[int]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,18 +28,18 @@ Batch = tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor]
 
 @dataclass(frozen=True)
 class Workload:
-    build: Callable[[int], list[nn.Module]]
+    build: Callable[[int], Sequence[nn.Module]]
     """Number of stages → the stage modules, identical on every call."""
     batch: Callable[[int, int], Batch]
     """(rows, step) → inputs (a tensor or a tuple of them) and targets of a step, identical on every
     rank; replica k trains rows k·m·b .. (k+1)·m·b − 1."""
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    loss: Callable[[Any, Any], torch.Tensor]
     """Last stage's output and targets of one micro-batch → its mean loss."""
     microbatch_size: int
     sample_tokens: int = 1
     """Tokens per sample (the sequence length), for tokens/s; 1 for images."""
     name: str = "model"
-    check: Callable[[int], None] | None = None
+    check: Callable[[int], object] | None = None
     """Number of stages → raises ConfigError if the model cannot be cut so (before any compute)."""
 
 

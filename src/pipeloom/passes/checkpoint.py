@@ -44,7 +44,7 @@ def apply_checkpoint(
     >>> apply_checkpoint(build_schedule("1f1b", 2, 1)).to_text().splitlines()[1:]
     ['0F0c 0R0g 0BW0', '1F0c 1R0g 1BW0']
     """
-    devices_out = []
+    devices_out: list[list[Op] | tuple[Op, ...]] = []
     for d, ops in enumerate(schedule.devices):
         if devices is not None and d not in devices:
             devices_out.append(ops)

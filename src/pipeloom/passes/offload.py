@@ -271,7 +271,8 @@ def _windows(
     idle = [idle_intervals(baseline, device) for device in range(baseline.num_devices)]
     windows = []
     for device, stage in sorted(first_forward):
-        last = ends.get(last_backward.get((device, stage)), baseline.makespan)
+        backward = last_backward.get((device, stage))
+        last = ends.get(backward, baseline.makespan) if backward is not None else baseline.makespan
         windows.append(
             LaneWindow(
                 stage=stage,
@@ -304,12 +305,13 @@ def _lane_durations(plan: OffloadPlan, costs: Costs) -> dict[LaneOpKind, list[fl
         LaneOpKind.RELOAD: [b * plan.reload_bits / 16 for b in costs.per_slice("reload_bytes", p, num_stages)],
     }
     flops = costs.per_slice("host_step_flops", p, num_stages)
-    if any(moved[kind][s] for kind in moved for s in plan.stages) and costs.host_bandwidth is None:
+    bandwidth, host_flops = costs.host_bandwidth, costs.host_flops
+    if any(moved[kind][s] for kind in moved for s in plan.stages) and bandwidth is None:
         raise ConfigError("T-Offload moves bytes: give costs host_bandwidth (bytes per time unit)")
-    if any(flops[s] for s in plan.stages) and costs.host_flops is None:
+    if any(flops[s] for s in plan.stages) and host_flops is None:
         raise ConfigError("T-Offload runs host_step_flops on the host: give costs host_flops (FLOPs per time unit)")
-    out = {kind: [b / costs.host_bandwidth if b else 0.0 for b in values] for kind, values in moved.items()}
-    out[LaneOpKind.HOST_STEP] = [f / costs.host_flops if f else 0.0 for f in flops]
+    out = {kind: [_divide(b, bandwidth) for b in values] for kind, values in moved.items()}
+    out[LaneOpKind.HOST_STEP] = [_divide(f, host_flops) for f in flops]
     return out
 
 
@@ -333,3 +335,11 @@ def _times(timeline: Timeline, ops, end: bool) -> dict[Op, float]:
     """Start (or end) of each of `ops` in `timeline`."""
     wanted = set(ops)
     return {t.op: (t.end if end else t.start) for t in timeline.timings() if t.op in wanted}
+
+
+def _divide(amount: float, rate: float | None) -> float:
+    """Time to move or compute `amount` at `rate`; nothing to do takes no time (and no rate)."""
+    if not amount:
+        return 0.0
+    assert rate is not None, "checked by _lane_durations"
+    return amount / rate

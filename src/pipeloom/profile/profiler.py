@@ -19,6 +19,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 from pipeloom.costs import Costs
 from pipeloom.ir.ops import Op, OpKind
@@ -249,7 +250,7 @@ def _replica_skew(profile, zero, model, mbs, layers, steps, threads, workload_fo
 
 def _probe_costs(probe: _Probe, p: int, fitted: Costs) -> Costs:
     """The probe's own measured op times per stage (not the fit's), with the fitted rest."""
-    times = {
+    times: dict[str, Any] = {
         kind: [probe.median(f"{kind}@{rank}") for rank in range(p)]
         for kind in _OP_KINDS
         if all(f"{kind}@{rank}" in probe.values for rank in range(p))

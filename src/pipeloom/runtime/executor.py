@@ -309,9 +309,13 @@ class DeviceExecutor:
             grads = self.mail.take(True, stage, mb, slice_)
             step.start = step.now()
         before = len(self.queue)
+        assert entry.output is not None, "F or R left the outputs to back-propagate from"
+        outputs: list[torch.Tensor]
+        out_grads: list[torch.Tensor | None]
         if stage == self.last_stage:
             outputs, out_grads = [entry.output[0]], [None]
         else:  # the floating outputs, in order, each with its received gradient
+            assert grads is not None
             floating = [t for t in entry.output if t.is_floating_point()]
             pairs = [(t, g) for t, g in zip(floating, grads) if t.requires_grad]
             outputs, out_grads = [t for t, _ in pairs], [g for _, g in pairs]

@@ -80,18 +80,18 @@ class GradientBuckets:
                 for name, parameter in module.named_parameters(remove_duplicate=False):
                     key, ranks = logical.setdefault(id(parameter), ((stage, name), set()))
                     ranks |= stage_ranks[stage]
-            for key, ranks in logical.values():
-                by_ranks.setdefault(tuple(sorted(ranks)), []).append(key)
+            for key, holders in logical.values():
+                by_ranks.setdefault(tuple(sorted(holders)), []).append(key)
         self.buckets: list[tuple[dist.ProcessGroup | None, list[int], list[nn.Parameter]]] = []
         lookup = {
             (s, n): prm for s, m in enumerate(all_stages) for n, prm in m.named_parameters(remove_duplicate=False)
         }
-        for ranks, keys in sorted(by_ranks.items()):
-            if len(ranks) < 2:
+        for members, keys in sorted(by_ranks.items()):
+            if len(members) < 2:
                 continue
-            group = new_group(list(ranks))  # every rank creates every group, in this order
-            if rank in ranks:
-                self.buckets.append((group, list(ranks), [lookup[key] for key in sorted(keys)]))
+            group = new_group(list(members))  # every rank creates every group, in this order
+            if rank in members:
+                self.buckets.append((group, list(members), [lookup[key] for key in sorted(keys)]))
 
     def reduce(self) -> None:
         for index, (group, _, _) in enumerate(self.buckets):

@@ -78,7 +78,7 @@ def run_local(spec: TrainSpec, timeout_s: float = 300.0, probe: StageProbe | Non
                     process.terminate()
             for process in processes:
                 process.join(5)
-                if process.is_alive():
+                if process.is_alive() and process.pid is not None:
                     os.kill(process.pid, 9)
             if failed is None:
                 raise RuntimeFault(f"training did not finish within {timeout_s:g} s")

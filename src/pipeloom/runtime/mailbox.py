@@ -79,7 +79,11 @@ class Mailbox:
                 buffer = spec.empty(self.torch_device)
                 try:
                     works.append(
-                        dist.irecv(buffer, src=self.rank_of(message.src), group=group, tag=self._tag(message, index))
+                        posted(
+                            dist.irecv(
+                                buffer, src=self.rank_of(message.src), group=group, tag=self._tag(message, index)
+                            )
+                        )
                     )
                 except RuntimeError as error:  # the pair is already broken: its peer is gone
                     raise self.fault(f"posting a receive from rank {self.rank_of(message.src)}", error) from None
@@ -118,7 +122,9 @@ class Mailbox:
         for index, tensor in enumerate(tensors):
             payload = tensor.detach().contiguous()
             try:
-                work = dist.isend(payload, dst=self.rank_of(consumer), group=group, tag=self._tag(message, index))
+                work = posted(
+                    dist.isend(payload, dst=self.rank_of(consumer), group=group, tag=self._tag(message, index))
+                )
             except RuntimeError as error:
                 raise self.fault(doing, error) from None
             self.sends.append((work, doing, payload))  # the payload lives until its send is done
@@ -140,6 +146,14 @@ class Mailbox:
 
     def _tag(self, message: Message, index: int) -> int:
         return self.plan.tag(message) * self.width + index
+
+
+def posted(work: dist.Work | None) -> dist.Work:
+    """A point-to-point operation's handle: torch returns None only to a rank outside the group,
+    which a plan never asks to send or receive."""
+    if work is None:
+        raise RuntimeFault("a send or receive was posted to a group this rank is not in")
+    return work
 
 
 def message_specs(boundaries: Sequence[tuple[TensorSpec, ...]], grad: bool, stage: int) -> tuple[TensorSpec, ...]:

@@ -106,6 +106,7 @@ class HostOffload:
         for stage, params in self.device_params.items():
             began = time.perf_counter()
             for parameter, master in zip(params, self.master[stage]):
+                assert master.grad is not None, "set to zeros when the host copy was made"
                 master.grad.copy_(self.store.grad_of(parameter))
             self.events.append((f"{stage}OFFLOAD", began, time.perf_counter()))
         self._stale = set(self.device_params)

@@ -21,6 +21,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pipeloom.runtime.mailbox import posted
+
 __all__ = ["OptimizerSync", "decide", "adamw_rollback"]
 
 _TAG = 1 << 24  # above every activation tag
@@ -59,7 +61,9 @@ class _Pending:
     stepped: bool
     coefficient: float
     full: torch.Tensor
-    work: object | None
+    work: dist.Work | None
+    """The receive of the full state from the next device (None on the last)."""
+    tag: int
 
 
 class OptimizerSync:
@@ -115,20 +119,21 @@ class OptimizerSync:
         partial = local.clone()
         if self.device > 0:
             received = torch.zeros(2, dtype=torch.float64, device=device)
-            dist.irecv(received, src=self.rank_of(self.device - 1), tag=tag).wait(self.timeout)
+            posted(dist.irecv(received, src=self.rank_of(self.device - 1), tag=tag)).wait(self.timeout)
             partial += received
         if self.device < self.p - 1:
-            dist.isend(partial.clone(), dst=self.rank_of(self.device + 1), tag=tag).wait(self.timeout)
+            posted(dist.isend(partial.clone(), dst=self.rank_of(self.device + 1), tag=tag)).wait(self.timeout)
         stepped, coefficient = decide(float(partial[0]), float(partial[1]) == 0, self.clip_norm)
         self._apply(stepped, coefficient)
         full, work = partial, None
+        work_tag = tag + 1
         if self.device == self.p - 1:  # the full state starts back up the pipeline
             if self.device > 0:
-                dist.isend(full.clone(), dst=self.rank_of(self.device - 1), tag=tag + 1).wait(self.timeout)
+                posted(dist.isend(full.clone(), dst=self.rank_of(self.device - 1), tag=work_tag)).wait(self.timeout)
         else:
             full = torch.zeros(2, dtype=torch.float64, device=device)
-            work = dist.irecv(full, src=self.rank_of(self.device + 1), tag=tag + 1)
-        self.pending = _Pending(stepped, coefficient, full, (work, tag + 1))
+            work = posted(dist.irecv(full, src=self.rank_of(self.device + 1), tag=work_tag))
+        self.pending = _Pending(stepped, coefficient, full, work, work_tag)
 
     def validate(self) -> None:
         """At the next step's start (and after the last step): check the optimistic step against
@@ -136,11 +141,11 @@ class OptimizerSync:
         pending, self.pending = self.pending, None
         if pending is None:
             return
-        work, tag = pending.work
+        work, tag = pending.work, pending.tag
         if work is not None:
             work.wait(self.timeout)
             if self.device > 0:
-                dist.isend(pending.full.clone(), dst=self.rank_of(self.device - 1), tag=tag).wait(self.timeout)
+                posted(dist.isend(pending.full.clone(), dst=self.rank_of(self.device - 1), tag=tag)).wait(self.timeout)
         stepped, coefficient = decide(float(pending.full[0]), float(pending.full[1]) == 0, self.clip_norm)
         self._decided(stepped)
         if (stepped, coefficient) == (pending.stepped, pending.coefficient):

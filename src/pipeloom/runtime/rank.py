@@ -139,8 +139,9 @@ class RankRun:
         parameters = [t for t in unique_parameters([stages[s] for s in hosted]) if id(t) not in on_host]
         stepper: ReplicatedAdamW | ShardedAdamW
         if dp_groups:
-            label = f"device{device}"
-            stepper = ShardedAdamW(parameters, owned, spec.lr, spec.zero, dp_groups[device], precision.dtype, label)
+            group = dp_groups[device]
+            assert group is not None, "ZeRO shards over torch.distributed; in-process runs refuse it"
+            stepper = ShardedAdamW(parameters, owned, spec.lr, spec.zero, group, precision.dtype, f"device{device}")
         else:
             stepper = ReplicatedAdamW(parameters, owned, spec.lr)
         plan = plan or plan_messages(schedule)
@@ -257,7 +258,7 @@ class RankRun:
         if self.progress is not None:
             self.progress(step)
         spec = self.spec
-        if spec.save_every and (step + 1) % spec.save_every == 0:
+        if spec.save_every and spec.save_dir is not None and (step + 1) % spec.save_every == 0:
             if self.sync is not None:
                 self.sync.validate()
             save_checkpoint(
@@ -328,7 +329,7 @@ def probe_boundaries(spec: TrainSpec, work: Workload, all_stages, precision: Pre
     slices = spec.schedule.num_slices
     if slices > 1:
         example = tuple(t[:, : t.shape[1] // slices] for t in example)
-    past = [] if slices > 1 else None
+    past: list | None = [] if slices > 1 else None
     cpu = torch.device("cpu")
     return probe_stages(all_stages, example, lambda module, x: run_stage(module, x, past, precision, cpu, True)[0])
 

@@ -10,6 +10,7 @@ is no global state.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import cast
 
 import torch
 from torch import nn
@@ -108,10 +109,13 @@ class SplitLinear(nn.Module):
     """An nn.Linear (or a Hugging Face Conv1D, whose weight is stored transposed) whose weight
     gradient waits in `queue` for the W op."""
 
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, linear: nn.Module, queue: WeightGradQueue, transposed: bool = False) -> None:
         super().__init__()
-        self.weight = linear.weight
-        self.bias = linear.bias
+        self.weight = cast(torch.Tensor, linear.weight)
+        self.bias = cast(torch.Tensor | None, linear.bias)
         self.queue = queue
         self.transposed = transposed
 

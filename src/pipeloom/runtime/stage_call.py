@@ -8,6 +8,7 @@ stages and block stages have both where they make sense).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,7 +34,7 @@ def split_stage(module: nn.Module, layers: int) -> tuple[Callable, Callable]:
 
 
 def run_stage(
-    module: Callable, x: Tensors, past: list | None, precision: Precision, device: torch.device, hand_on: bool
+    module: Any, x: Tensors, past: list | None, precision: Precision, device: torch.device, hand_on: bool
 ) -> tuple[Tensors, list]:
     """A stage's forward as the executor runs it: (outputs — cast to the compute type when they are
     handed on to the next stage; this slice's keys and values per layer, [] unsliced)."""

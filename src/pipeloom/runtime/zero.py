@@ -62,7 +62,8 @@ class GradientStore:
             self.offsets.append((parameter, offset))
             offset += parameter.numel()
             if parameter.dtype != dtype:
-                parameter.main_grad = view
+                # Megatron's name for the fp32 gradient of a weight kept in the compute type
+                parameter.main_grad = view  # type: ignore[attr-defined]
                 parameter.register_post_accumulate_grad_hook(_fold_into_main_grad)
         self.zero()
 
@@ -82,7 +83,7 @@ class GradientStore:
 
 def _fold_into_main_grad(parameter: nn.Parameter) -> None:
     if parameter.grad is not None:  # None when the weight's gradient waits for W (SplitLinear)
-        parameter.main_grad.add_(parameter.grad)
+        parameter.main_grad.add_(parameter.grad)  # type: ignore[attr-defined]
         parameter.grad = None
 
 
@@ -196,7 +197,8 @@ class ShardedAdamW:
         self.store = GradientStore(self.parameters, torch.float32 if level == 1 else weight_dtype, self.size)
         # ZeRO-1 reduce-scatters the fp32 buffer in place: the shard's gradient is its own slice.
         own = self.store.flat[begin:end]
-        self.master.grad = own if level == 1 else torch.zeros_like(master)
+        self.master_grad = own if level == 1 else torch.zeros_like(master)
+        self.master.grad = self.master_grad  # AdamW reads it there
 
     def zero_grad(self) -> None:
         self.store.zero()
@@ -213,11 +215,11 @@ class ShardedAdamW:
         for low in range(0, self.shard, _CHUNK):
             high = min(low + _CHUNK, self.shard)
             piece = rows[:, low:high].float().contiguous().view(-1)  # rank r's part is row r
-            dist.reduce_scatter_single(self.master.grad[low:high], piece, group=self.group)
+            dist.reduce_scatter_single(self.master_grad[low:high], piece, group=self.group)
 
     def local_state(self) -> torch.Tensor:
         """[squares, non-finite count] of the owned elements, summed over the group's shards."""
-        grad = self.master.grad
+        grad = self.master_grad
         finite = torch.isfinite(grad)
         counted = self.owned_mask
         squares = torch.where(finite & counted, grad, torch.zeros_like(grad)).double().pow(2).sum()
@@ -227,7 +229,7 @@ class ShardedAdamW:
         return state
 
     def scale(self, factor: float) -> None:
-        self.master.grad.mul_(factor)
+        self.master_grad.mul_(factor)
 
     def step(self) -> None:
         self.optimizer.step()
@@ -258,7 +260,7 @@ class ShardedAdamW:
     @property
     def gradient_bytes(self) -> int:
         """The accumulation buffer, and under ZeRO-2 the fp32 shard it is reduce-scattered into."""
-        shard = self.master.grad.numel() * self.master.grad.element_size() if self.level == 2 else 0
+        shard = self.master_grad.numel() * self.master_grad.element_size() if self.level == 2 else 0
         return self.store.bytes + shard
 
     def checkpoint_state(self, keys: dict[int, str]) -> dict[str, torch.Tensor]:

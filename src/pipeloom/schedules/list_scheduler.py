@@ -239,8 +239,9 @@ class ListScheduler:
         def place(d: int, op: tuple, ready: float, duration: float, delta: float) -> float:
             nonlocal most_bubble
             start = clock[d] if clock[d] > ready else ready
-            if first[d] is None:
-                first[d] = start
+            began = first[d]
+            if began is None:
+                first[d] = began = start
             elif start > clock[d]:
                 bubble[d] += start - clock[d]
                 if bubble[d] > most_bubble:
@@ -251,7 +252,7 @@ class ListScheduler:
                 peak[d] = mem[d]
             clock[d] = start + duration
             work_left[d] -= duration
-            if clock[d] - first[d] + work_left[d] > bound:
+            if clock[d] - began + work_left[d] > bound:
                 raise _Beaten
             return clock[d]
 
@@ -373,5 +374,5 @@ class ListScheduler:
         if any(left):
             stuck = [d for d in range(P) if left[d]]
             raise InfeasibleError(f"{self.name}: the greedy scheduler stalled on devices {stuck} (internal error)")
-        spans = [clock[d] - first[d] if first[d] is not None else 0.0 for d in range(P)]
+        spans = [clock[d] - began if (began := first[d]) is not None else 0.0 for d in range(P)]
         return ListResult(self.name, out, S, m, max(spans), peak, h, frozenset(mattered))

@@ -93,7 +93,7 @@ def svpp(
         raise ConfigError("svpp: give the number of forwards before the first backward or a memory limit, not both")
     if forwards is not None:
         require_int("svpp", "forwards (f)", forwards, v * s)
-        return _best_of_policies(p, m, v, s, forwards, costs).schedule
+        return _shortest(p, m, v, s, forwards, costs).schedule
     lowest = _lowest_bubble(p, m, v, s, costs)
     if mem_limit is None:
         return lowest.schedule
@@ -183,11 +183,20 @@ def _best_of_policies(
     return _Built(forwards, makespan, held, schedule)
 
 
+def _shortest(p: int, m: int, v: int, s: int, forwards: int, costs: Costs) -> _Built:
+    """The shortest step over the policies, with no bound to beat: a reserving run never
+    deadlocks, so there always is one."""
+    built = _best_of_policies(p, m, v, s, forwards, costs)
+    if built is None:
+        raise InfeasibleError(f"svpp: every policy deadlocked at f = {forwards} (internal error)")
+    return built
+
+
 def _lowest_bubble(p: int, m: int, v: int, s: int, costs: Costs) -> _Built:
     """The least f whose step is within `_NEAR` of the shortest any f gives. Under MEPipe's
     T_B = T_F this is Table 3's f; a longer backward needs more forwards in flight to cover the
     first backward's round trip."""
-    unlimited = _best_of_policies(p, m, v, s, m * v * s, costs)
+    unlimited = _shortest(p, m, v, s, m * v * s, costs)
     good_enough = unlimited.makespan * (1 + _NEAR)
     low, high = min(table3_forwards(p, v, s), unlimited.held), unlimited.held
     while low < high:
@@ -196,7 +205,7 @@ def _lowest_bubble(p: int, m: int, v: int, s: int, costs: Costs) -> _Built:
             high = middle
         else:
             low = middle + 1
-    return _best_of_policies(p, m, v, s, max(low, v * s), costs)
+    return _shortest(p, m, v, s, max(low, v * s), costs)
 
 
 def _largest_fitting(p: int, m: int, v: int, s: int, costs: Costs, mem_limit, lowest: _Built) -> _Built:
@@ -214,7 +223,7 @@ def _largest_fitting(p: int, m: int, v: int, s: int, costs: Costs, mem_limit, lo
     if fits(lowest):
         return lowest
     low, high = v * s, lowest.forwards - 1
-    best = _best_of_policies(p, m, v, s, low, costs)
+    best = _shortest(p, m, v, s, low, costs)
     if not fits(best):
         over = peaks(best)
         device = max(range(p), key=lambda d: over[d] - limits[d])
@@ -224,7 +233,7 @@ def _largest_fitting(p: int, m: int, v: int, s: int, costs: Costs, mem_limit, lo
         )
     while low < high:
         middle = (low + high + 1) // 2
-        candidate = _best_of_policies(p, m, v, s, middle, costs)
+        candidate = _shortest(p, m, v, s, middle, costs)
         if fits(candidate):
             low, best = middle, candidate
         else:

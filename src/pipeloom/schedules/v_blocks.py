@@ -66,7 +66,7 @@ def _place_w(times: list[list[int]]) -> None:
     """Append W slots (chunk 1's, then chunk 0's) to one device's pass times: each free slot takes
     the oldest pending W, chunk 1 first."""
     busy = sorted((t, kind) for kind in range(4) for t in times[kind])
-    queues = {_BU: deque(), _BD: deque()}
+    queues: dict[int, deque] = {_BU: deque(), _BD: deque()}
     w_up, w_down = [], []
     slot, i = 0, 0
     while i < len(busy) or queues[_BU] or queues[_BD]:
@@ -148,7 +148,7 @@ def _squeeze(
     again: moving a pass changes which slots are free for them."""
     with_w = len(kinds) == 6
     order = sorted((times[d][k][j], d, k, j) for d in range(p) for k in kinds for j in range(m))
-    busy = [set() for _ in range(p)]
+    busy: list[set[int]] = [set() for _ in range(p)]
     for t, d, _, _ in order:
         busy[d].add(t)
     level = []

@@ -46,12 +46,12 @@ class _Run:
         self.approved = approved
         self.most_approved = max(approved) if approved else -1.0
         self.count = [[[0, 0] for _ in range(3)] for _ in range(p)]  # [device][kind][chunk]
-        self.end = {}  # (kind, stage, mb) -> end time
+        self.end: dict[tuple[int, int, int], float] = {}  # (kind, stage, mb) -> end time
         self.clock = [0.0] * p
         self.mem = [0.0] * p
         self.bubble = [0.0] * p
-        self.pending = [deque() for _ in range(p)]
-        self.order = [[] for _ in range(p)]
+        self.pending: list[deque] = [deque() for _ in range(p)]
+        self.order: list[list[tuple[OpKind, int, int]]] = [[] for _ in range(p)]
 
     def stage(self, d: int, chunk: int) -> int:
         return d if chunk == 0 else 2 * self.p - 1 - d
@@ -174,7 +174,7 @@ class _Run:
             b = count[d][_B]
             if b[0] >= b[1]:
                 first.append(d)
-            elif d == p - 1 or b[1] >= m or self.input_end(_B, d, 0, b[0]) >= 0:
+            elif d == p - 1 or b[1] >= m or _has_run(self.input_end(_B, d, 0, b[0])):
                 second.append(d)
             else:
                 first.append(d)
@@ -235,3 +235,8 @@ def v_greedy(name: str, p: int, m: int, table: StageCosts, limits: list[float]) 
         raise InfeasibleError(f"{name}: the V greedy cannot fill its rounds within the memory limit")
     devices = [[Op(kind, s, mb) for kind, s, mb in ops] for ops in best.order]
     return Schedule.build(name, devices, num_stages=2 * p, num_microbatches=m)
+
+
+def _has_run(end: float | None) -> bool:
+    """Whether an op's input from another device is there (None: it needs none)."""
+    return end is None or end >= 0

@@ -94,6 +94,7 @@ def restore(evaluation: Evaluation) -> None:
     if evaluation.timeline is not None:
         return
     schedule, costs, passes = evaluation.schedule, evaluation.costs, evaluation.candidate.passes
+    assert schedule is not None and costs is not None, "only evaluations that were simulated are kept"
     if "offload" in passes or "offload-all" in passes:
         stages = range(schedule.num_stages) if "offload-all" in passes else None
         evaluation.offload = simulate_offload(t_offload(schedule, stages), costs)

@@ -129,7 +129,7 @@ def solve_exact(
         for j in range(m):
             for kind in (_F, _B, _W):
                 key = (kind, s, j)
-                start[key] = model.NewIntVar(0, horizon, f"{kind.value}{s}_{j}")
+                start[key] = model.new_int_var(0, horizon, f"{kind.value}{s}_{j}")
                 end[key] = start[key] + dur[kind][s]
                 per_device[placement[s]].append(key)
 
@@ -139,37 +139,37 @@ def solve_exact(
     for s in range(S):
         for j in range(m):
             if s:
-                model.Add(start[(_F, s, j)] >= end[(_F, s - 1, j)] + across(s - 1, s))
-            model.Add(start[(_B, s, j)] >= end[(_F, s, j)])
+                model.add(start[(_F, s, j)] >= end[(_F, s - 1, j)] + across(s - 1, s))
+            model.add(start[(_B, s, j)] >= end[(_F, s, j)])
             if s + 1 < S:
-                model.Add(start[(_B, s, j)] >= end[(_B, s + 1, j)] + across(s + 1, s))
-            model.Add(start[(_W, s, j)] >= end[(_B, s, j)])
+                model.add(start[(_B, s, j)] >= end[(_B, s + 1, j)] + across(s + 1, s))
+            model.add(start[(_W, s, j)] >= end[(_B, s, j)])
             if j:
                 for kind in (_F, _B, _W):
-                    model.Add(start[(kind, s, j)] >= end[(kind, s, j - 1)])
+                    model.add(start[(kind, s, j)] >= end[(kind, s, j - 1)])
 
     # The ASAP timing the simulator uses starts each device with its first stage's first forward
     # as early as the forward chain allows; spans are measured from there.
     earliest = [0] * S
     for s in range(1, S):
         earliest[s] = earliest[s - 1] + dur[_F][s - 1] + across(s - 1, s)
-    span = model.NewIntVar(0, horizon, "span")
+    span = model.new_int_var(0, horizon, "span")
     for d in range(P):
         if not per_device[d]:
             continue
         first_stage = min(s for s in range(S) if placement[s] == d)
         origin = earliest[first_stage]
-        model.Add(start[(_F, first_stage, 0)] == origin)
+        model.add(start[(_F, first_stage, 0)] == origin)
         keys = per_device[d]
-        model.AddNoOverlap([model.NewIntervalVar(start[k], dur[k[0]][k[1]], end[k], f"i{k}") for k in keys])
+        model.add_no_overlap([model.new_interval_var(start[k], dur[k[0]][k[1]], end[k], f"i{k}") for k in keys])
         for k in keys:
             if k[0] is _W or (k[0] is _B and dur[_W][k[1]] == 0):
-                model.Add(span >= end[k] - origin)
+                model.add(span >= end[k] - origin)
         if limits[d] < math.inf:
-            model.AddReservoirConstraint(
+            model.add_reservoir_constraint(
                 [start[k] for k in keys], [delta[k[0]][k[1]] for k in keys], 0, int(limits[d] * mem_scale + 0.5)
             )
-    model.Minimize(span)
+    model.minimize(span)
 
     hint_cost = None
     if hint is not None:
@@ -184,19 +184,19 @@ def solve_exact(
         for t in timed.timings():
             op = t.op
             if op.kind in (_F, _B, _W) and (op.kind, op.stage, op.microbatch) in start:
-                model.AddHint(start[(op.kind, op.stage, op.microbatch)], int(round(t.start)))
+                model.add_hint(start[(op.kind, op.stage, op.microbatch)], int(round(t.start)))
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit)
     solver.parameters.num_workers = max(1, int(workers))
     began = time.perf_counter()
     if progress is None:
-        status = solver.Solve(model)
+        status = solver.solve(model)
     else:
         with _Ticker(progress, time_scale) as ticker:
-            status = solver.Solve(model, ticker.callback(cp_model))
+            status = solver.solve(model, ticker.callback(cp_model))
     wall = time.perf_counter() - began
-    status_name = solver.StatusName(status)
+    status_name = solver.status_name(status)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if status == cp_model.INFEASIBLE:
             raise InfeasibleError(f"{name}: no schedule fits the memory limit (CP-SAT proved it infeasible)")
@@ -204,11 +204,11 @@ def solve_exact(
 
     devices = []
     for d in range(P):
-        keys = sorted(per_device[d], key=lambda k: (solver.Value(start[k]), k[0] is not _W))
+        keys = sorted(per_device[d], key=lambda k: (solver.value(start[k]), k[0] is not _W))
         devices.append([Op(kind, s, j) for kind, s, j in keys])
     schedule = Schedule.build(name, devices, num_stages=S, num_microbatches=m)
-    objective = solver.ObjectiveValue()
-    bound = solver.BestObjectiveBound()
+    objective = solver.objective_value
+    bound = solver.best_objective_bound
     return ExactResult(
         schedule=schedule,
         cost=simulate(schedule, costs).cost,
@@ -268,7 +268,7 @@ class _Ticker:
 
         class OnSolution(cp_model.CpSolverSolutionCallback):
             def on_solution_callback(self) -> None:
-                ticker.best = self.ObjectiveValue() / ticker.time_scale
+                ticker.best = self.objective_value / ticker.time_scale
 
         return OnSolution()
 

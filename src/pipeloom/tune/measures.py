@@ -53,22 +53,21 @@ def static_options(
                 zero,
                 False,
                 costs,
-                [sum(costs.M_static[s] for s in stages_on) for stages_on in placement],
+                [sum(costs.stage_value("M_static", s) for s in stages_on) for stages_on in placement],
                 cost_model.allreduce_time(on_device, candidate.pp, replicas, zero=zero),
                 cost_model.optimizer_time(on_device, candidate.dp, zero=zero),
                 cost_model.replica_skew(candidate.dp, zero=zero),  # Chimera's twins share a pipeline's clock
             )
         )
     plain = options[0]
-    saved = plain.costs.M_offload
-    saved = list(saved) if isinstance(saved, tuple) else [saved] * candidate.num_stages
+    saved = [plain.costs.stage_value("M_offload", s) for s in range(candidate.num_stages)]
     if static_measures and any(value > 0 for value in saved):
         options.append(
             StaticOption(
                 0,
                 True,
                 plain.costs,
-                [sum(plain.costs.M_static[s] - saved[s] for s in stages_on) for stages_on in placement],
+                [sum(plain.costs.stage_value("M_static", s) - saved[s] for s in stages_on) for stages_on in placement],
                 plain.allreduce_time,
                 0.0,  # the host steps every stage, in the offload lanes
                 plain.replica_skew,

@@ -15,6 +15,7 @@ from typing import Any
 
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError, PipeloomError
+from pipeloom.ir.schedule import Schedule
 from pipeloom.passes.split_backward import split_backward
 from pipeloom.passes.trecomp import t_recomp
 from pipeloom.schedules.auto_search import min_memory_limits
@@ -127,6 +128,10 @@ def authors_points(num_devices: int, num_microbatches: int, costs: Costs) -> lis
     ]
 
 
+def _split_fill(name: str, p: int, m: int, costs: Costs) -> Callable[[], Schedule]:
+    return lambda: split_backward(build_schedule(name, p, m), "fill", costs=costs)
+
+
 def _jobs(p: int, m: int, costs: Costs, budgets: int) -> Iterator[tuple[str, Callable[[], Any]]]:
     def fixed(name: str, **kwargs: Any) -> Callable[[], Any]:
         return lambda: build_schedule(name, p, m, **kwargs)
@@ -135,10 +140,7 @@ def _jobs(p: int, m: int, costs: Costs, budgets: int) -> Iterator[tuple[str, Cal
         kwargs = {"costs": costs} if "costs" in get_generator(name).options else {}
         yield name, fixed(name, **kwargs)
         if name in _SPLIT:
-            yield (
-                f"{name}+split-fill",
-                lambda name=name: split_backward(build_schedule(name, p, m), "fill", costs=costs),
-            )
+            yield f"{name}+split-fill", _split_fill(name, p, m, costs)
         if name == "tpipe":
             yield "tpipe+trecomp", lambda: t_recomp(build_schedule("tpipe", p, m))
     for name, placement_of in _BUDGETED.items():

@@ -160,7 +160,8 @@ def plan_from_evaluation(
     evaluation: Evaluation, result: TuneResult, model: ModelSpec, cost_model: dict, tp: int
 ) -> Plan:
     candidate = evaluation.candidate
-    timeline = evaluation.timeline
+    timeline, schedule, costs = evaluation.timeline, evaluation.schedule, evaluation.costs
+    assert timeline is not None and schedule is not None and costs is not None, "a plan is made of a kept evaluation"
     return Plan(
         model=model,
         cost_model=cost_model,
@@ -175,8 +176,8 @@ def plan_from_evaluation(
         slices=candidate.slices,
         passes=candidate.passes,
         partition=tuple(evaluation.partition),
-        schedule=evaluation.schedule,
-        costs=evaluation.costs,
+        schedule=schedule,
+        costs=costs,
         predicted={
             "step_time_ms": evaluation.step_time,
             "pipeline_ms": evaluation.pipeline_time,

@@ -38,6 +38,7 @@ def _start_worker(simulate: Callable, pack: Callable) -> None:
 
 
 def _run(evaluation, threshold: float):
+    assert _task is not None, "set by _start_worker in every worker"
     simulate, pack = _task
     return pack(simulate(evaluation, threshold), threshold)
 

@@ -19,7 +19,7 @@ import statistics
 from collections.abc import Sequence
 from os import PathLike
 
-from pipeloom.costs import Costs
+from pipeloom.costs import Costs, CostValue
 from pipeloom.errors import ConfigError
 from pipeloom.files import read_json
 from pipeloom.static_memory import collective_bytes, compute_bytes, static_bytes
@@ -85,7 +85,7 @@ class ProfiledCostModel:
     def load(cls, path: str | PathLike[str], tp: int = 1) -> ProfiledCostModel:
         return cls(read_json(path, "profile", ConfigError), tp)
 
-    def _value(self, key: str, field: str, micro_batch: int) -> float:
+    def _value(self, key: str, field: str, micro_batch: float) -> float:
         """A fitted coefficient at `micro_batch`, linear between the profiled sizes."""
         sizes = self.sizes
         if len(sizes) == 1:
@@ -97,7 +97,7 @@ class ProfiledCostModel:
         a, b = self.fits[low][key][field], self.fits[high][key][field]
         return max(0.0, a + (b - a) * (micro_batch - low) / (high - low))
 
-    def _p2p(self, micro_batch: int) -> float:
+    def _p2p(self, micro_batch: float) -> float:
         if "p2p" in self.links:  # latency + bytes / bandwidth, activations in the compute type
             link = self.links["p2p"]
             nbytes = self.compute * micro_batch * self.model.seq_len * self.model.hidden
@@ -115,7 +115,7 @@ class ProfiledCostModel:
             return "single"
         return "first" if stage == 0 else "last" if stage == stages - 1 else "middle"
 
-    def _per_stage(self, key: str, counts: Sequence[int], micro_batch: int) -> list[float]:
+    def _per_stage(self, key: str, counts: Sequence[int], micro_batch: float) -> list[float]:
         slope = self._value(key, "per_layer", micro_batch)
         return [n * slope + self._value(key, self._position(i, len(counts)), micro_batch) for i, n in enumerate(counts)]
 
@@ -131,18 +131,23 @@ class ProfiledCostModel:
         the fits extended below the smallest profiled size — so a slice keeps its fixed costs
         (the fits' intercepts) instead of a 1/slices share of them."""
         size = micro_batch / slices
-        times = {key: self._per_stage(key, counts, size) for key in _TIMES}
-        memory = self._per_stage("M_B", counts, size)
-        kept = [min(self._value("M_ckpt", self._position(i, len(counts)), size), m) for i, m in enumerate(memory)]
-        if slices > 1:  # per-slice entries: Costs would otherwise share a stage's value out evenly
-            times = {key: [[value] * slices for value in values] for key, values in times.items()}
-            memory, kept = ([[value] * slices for value in values] for values in (memory, kept))
+        per_stage = {key: self._per_stage(key, counts, size) for key in (*_TIMES, "M_B")}
+        per_stage["M_ckpt"] = [
+            min(self._value("M_ckpt", self._position(i, len(counts)), size), m) for i, m in enumerate(per_stage["M_B"])
+        ]
+        # With slices, per-slice entries: Costs would otherwise share a stage's value out evenly.
+        value: dict[str, CostValue] = {
+            key: [[v] * slices for v in values] if slices > 1 else values for key, values in per_stage.items()
+        }
         return Costs(
-            **times,
+            F=value["F"],
+            B=value["B"],
+            W=value["W"],
+            R=value["R"],
             comm=self._p2p(size),
-            M_B=memory,
+            M_B=value["M_B"],
             M_W=0.0,
-            M_ckpt=kept,
+            M_ckpt=value["M_ckpt"],
             M_static=[self._static(n, dp, zero) for n in self.stage_params(counts)],
             op_overhead=self.op_overhead,
             time_unit="ms",

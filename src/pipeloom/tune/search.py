@@ -188,7 +188,7 @@ def _prepare(
     costs = plain.costs
     share = 1 / candidate.replicas  # each replica sees its share of the micro-batches
     work = max(
-        sum(_whole(costs.F[s]) + _whole(costs.B[s]) + _whole(costs.W[s]) for s in stages_on)
+        sum(costs.stage_value("F", s) + costs.stage_value("B", s) + costs.stage_value("W", s) for s in stages_on)
         * candidate.num_microbatches
         * share
         for stages_on in candidate.placement
@@ -334,11 +334,6 @@ def _apply(name: str, schedule: Schedule, costs: Costs, budget: list[float]) -> 
 def _ops(candidate: Candidate) -> int:
     """How many ops its schedule has: a guess at how long it takes to build and simulate."""
     return 2 * candidate.num_stages * candidate.num_microbatches * candidate.slices
-
-
-def _whole(value: float | tuple[float, ...]) -> float:
-    """A stage's time for a whole micro-batch, given as one value or per slice."""
-    return sum(value) if isinstance(value, tuple) else value
 
 
 def _binding_constraint(rejected: list[Evaluation], memory: float) -> str:

@@ -58,7 +58,8 @@ def pareto_figure(points: Sequence[ParetoPoint], costs: Costs | None = None, tit
         )
     best = sorted((q for q in points if q.on_frontier), key=lambda q: q.peak_memory)
     if best:
-        xs, ys = [], []
+        xs: list[float] = []
+        ys: list[float] = []
         for q in best:
             if xs:
                 xs.append(memory.value(q.peak_memory))
@@ -82,7 +83,7 @@ def _place_labels(figure, axes, labels: list[tuple[str, float, float]]) -> None:
     """Each label at the first offset whose box meets no label placed before it (the last tried
     if none is free): a greedy layout, enough for the tens of points a frontier has."""
     renderer = figure.canvas.get_renderer()
-    placed = []
+    placed: list = []
     for text, x, y in labels:
         for dx, dy in _OFFSETS:
             artist = axes.annotate(

@@ -131,7 +131,7 @@ def legend_handles(timeline: Timeline, lane_rows: Sequence = ()) -> list:
 
     ops = [op for device_ops in timeline.schedule.devices for op in device_ops]
     kinds = sorted({op.kind for op in ops}, key=list(KIND_COLORS).index)
-    handles = [Patch(color=KIND_COLORS[kind], label=KIND_NAMES[kind]) for kind in kinds]
+    handles: list[Patch | Line2D] = [Patch(color=KIND_COLORS[kind], label=KIND_NAMES[kind]) for kind in kinds]
     if any(op.ckpt for op in ops):
         handles.append(Patch(color=_CKPT_COLOR, label="F checkpointed (keeps its input)"))
     chunks = max(len(timeline.schedule.stages_on(d)) for d in range(timeline.num_devices))
