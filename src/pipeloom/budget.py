@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 
 from pipeloom.errors import ConfigError
 
-__all__ = ["budget_from_flag", "check_within_budget", "parse_memory_budget"]
+__all__ = ["budget_from_flag", "check_within_budget", "parse_memory_budget", "per_device"]
 
 _UNITS = {
     "": 1,
@@ -81,3 +82,22 @@ def check_within_budget(peaks, budget: float | list[float] | None, what: str) ->
             f"{what} breaks --mem-limit: device {device} peaks at {peak:g} of activation memory, "
             f"{excess:g} over its limit {limit:g}"
         )
+
+
+def per_device(
+    budget: float | Sequence[float] | None, num_devices: int, what: str, unlimited: float | None = math.inf
+) -> list[float]:
+    """A budget as one limit per device: a number is every device's; a sequence must have one
+    entry per device; None is `unlimited` on every device. `what` names the caller in errors."""
+    if budget is None:
+        if unlimited is None:
+            raise ConfigError(f"{what}: a memory limit is needed")
+        return [unlimited] * num_devices
+    if isinstance(budget, (int, float)):
+        return [float(budget)] * num_devices
+    limits = [float(x) for x in budget]
+    if len(limits) != num_devices:
+        raise ConfigError(
+            f"{what}: {len(limits)} memory limits given for {num_devices} devices; give one or one per device"
+        )
+    return limits

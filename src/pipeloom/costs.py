@@ -331,12 +331,15 @@ class StageCosts:
         """Where `op`'s stage and slice sit in the per-stage lists."""
         return op.stage * self.num_slices + op.slice
 
-    # `kind is ...` chains rather than `match`: the simulator calls these for every op, and an
-    # identity test is several times cheaper than match's equality on a StrEnum. Both end in
+    # What an op costs and holds: the one definition the simulator, the schedulers, the passes
+    # and the exact solver read. `time_of` / `delta_of` take a kind and a list index, for the
+    # schedulers that work on indices; `duration` / `memory_delta` take an op. `kind is ...`
+    # chains rather than `match`: these run for every op of every simulation, and an identity
+    # test is several times cheaper than match's equality on a StrEnum. Both end in
     # assert_never, so mypy rejects a kind left out and an unknown one fails loudly.
-    def duration(self, op: Op) -> float:
-        """How long `op` runs alone (an overlapped pair's time is `pair_time`'s)."""
-        i, kind = op.stage * self.num_slices + op.slice, op.kind
+
+    def time_of(self, kind: OpKind, i: int, parts: int = 1) -> float:
+        """How long an op of `kind` at index `i` runs alone (a W in `parts` its share)."""
         if kind is OpKind.F:
             return self.F[i]
         if kind is OpKind.BW:
@@ -344,27 +347,33 @@ class StageCosts:
         if kind is OpKind.B:
             return self.B[i]
         if kind is OpKind.W:
-            return self.W[i] / op.parts
+            return self.W[i] / parts
         if kind is OpKind.R:
             return self.R[i]
         assert_never(kind)
 
-    def memory_delta(self, op: Op) -> float:
-        """What `op` adds to its device's activation memory (negative: frees): F keeps M_B (a
-        checkpointed F its input, M_ckpt); R restores the rest; B frees M_B but keeps M_W for
-        its W; W frees its share of M_W; BW frees M_B."""
-        i, kind = op.stage * self.num_slices + op.slice, op.kind
+    def delta_of(self, kind: OpKind, i: int, ckpt: bool = False, parts: int = 1) -> float:
+        """What an op of `kind` at index `i` adds to its device's activation memory (negative:
+        frees): F keeps M_B (checkpointed, its input M_ckpt); R restores the rest; B frees M_B
+        but keeps M_W for its W; W frees its share of M_W; BW frees M_B."""
         if kind is OpKind.F:
-            return self.M_ckpt[i] if op.ckpt else self.M_B[i]
+            return self.M_ckpt[i] if ckpt else self.M_B[i]
         if kind is OpKind.BW:
             return -self.M_B[i]
         if kind is OpKind.B:
             return self.M_W[i] - self.M_B[i]
         if kind is OpKind.W:
-            return -self.M_W[i] / op.parts
+            return -self.M_W[i] / parts
         if kind is OpKind.R:
             return self.M_B[i] - self.M_ckpt[i]
         assert_never(kind)
+
+    def duration(self, op: Op) -> float:
+        """How long `op` runs alone (an overlapped pair's time is `pair_time`'s)."""
+        return self.time_of(op.kind, op.stage * self.num_slices + op.slice, op.parts)
+
+    def memory_delta(self, op: Op) -> float:
+        return self.delta_of(op.kind, op.stage * self.num_slices + op.slice, op.ckpt, op.parts)
 
     def pair_time(self, forward: int, backward: int, fused: bool) -> float:
         """An overlapped F&B pair: forward of index `forward`, backward (a BW if `fused`) of index

@@ -301,3 +301,13 @@ def test_torchrun_launch(tmp_path):
         [sys.executable, "-m", "pipeloom.train", "--schedule", "1f1b"], capture_output=True, text=True
     )
     assert alone.returncode == 2 and "launch with torchrun" in alone.stderr
+
+
+@pytest.mark.parametrize("kind", list(OpKind))
+def test_every_op_kind_has_a_runtime_handler(kind):
+    from pipeloom.runtime.executor import DeviceExecutor
+
+    executor = object.__new__(DeviceExecutor)  # the dispatch reads no state
+    assert callable(DeviceExecutor._handler(executor, kind))
+    with pytest.raises(AssertionError):
+        DeviceExecutor._handler(executor, "X")

@@ -3,7 +3,7 @@ memory rule, dependencies and a runtime handler — a new one cannot be silently
 
 import pytest
 
-from pipeloom import Costs, Op, OpKind, list_generators
+from pipeloom import Costs, Op, OpKind, Schedule, list_generators
 from pipeloom.tune.space import NOT_TUNED, SCHEMES
 
 
@@ -23,3 +23,27 @@ def test_every_op_kind_has_a_cost_and_a_memory_rule(kind):
     op = Op(kind, 0, 0)
     assert table.duration(op) >= 0
     assert isinstance(table.memory_delta(op), float)
+
+
+@pytest.mark.parametrize("kind", list(OpKind))
+def test_every_op_kind_has_dependencies(kind):
+    """A one-stage schedule with one op of each kind its key needs builds a graph (validate)."""
+    from pipeloom import validate
+
+    ops = {
+        OpKind.F: "0F0 0BW0",
+        OpKind.BW: "0F0 0BW0",
+        OpKind.B: "0F0 0B0 0W0",
+        OpKind.W: "0F0 0B0 0W0",
+        OpKind.R: "0F0c 0R0 0BW0",
+    }[kind]
+    validate(Schedule.from_text(ops))
+
+
+def test_a_kind_no_rule_knows_fails_loudly():
+    """Not costed as some other kind: the rules end in assert_never (which mypy also checks)."""
+    table = Costs().resolve(1, 1)
+    with pytest.raises(AssertionError):
+        table.time_of("X", 0)  # type: ignore[arg-type]
+    with pytest.raises(AssertionError):
+        table.delta_of("X", 0)  # type: ignore[arg-type]

@@ -9,7 +9,7 @@ the absence of cycles is checked by walking it (`pipeloom.ir.walk`, which the si
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, assert_never
 
 from pipeloom.errors import ScheduleError
 from pipeloom.ir.ops import OVERLAPPABLE, Op, OpKind
@@ -95,10 +95,17 @@ def _index(schedule: Schedule) -> DependencyGraph:
                 continue
             key = (stage * num_mb + microbatch) * num_slices + slice_
             kind = op.kind
-            if kind is _W:
+            if kind is OpKind.W:
                 w_at.setdefault(key, []).append(g)
                 continue
-            table = f_at if kind is _F else r_at if kind is _R else b_at
+            if kind is OpKind.F:
+                table = f_at
+            elif kind is OpKind.R:
+                table = r_at
+            elif kind is OpKind.B or kind is OpKind.BW:
+                table = b_at
+            else:
+                assert_never(kind)
             if table[key] >= 0:
                 problems.append((f"duplicated {_role(kind)} of key {_key_text(op)}", (table[key], g)))
             else:
@@ -144,23 +151,27 @@ def _index(schedule: Schedule) -> DependencyGraph:
     for op in ops:
         key = (op.stage * num_mb + op.microbatch) * num_slices + op.slice
         kind = op.kind
-        if kind is _F:
+        if kind is OpKind.F:
             need = []
             if op.stage:
                 need.append(f_at[key - stage_stride])
             if op.slice:
                 need.append(f_at[key - 1])
             deps.append(tuple(need))
-        elif kind is _W:
+        elif kind is OpKind.W:
             deps.append((b_at[key],))
-        else:  # R, B or BW: the gradient inputs of the backward, for B/BW and an R inside it
-            need = [f_at[key] if kind is _R or not ops[f_at[key]].ckpt else r_at[key]]
-            if kind is not _R or op.after_grad:
+        elif (
+            kind is OpKind.R or kind is OpKind.B or kind is OpKind.BW
+        ):  # and the gradient inputs, for B/BW and an R inside it
+            need = [f_at[key] if kind is OpKind.R or not ops[f_at[key]].ckpt else r_at[key]]
+            if kind is not OpKind.R or op.after_grad:
                 if op.stage != last_stage:
                     need.append(b_at[key + stage_stride])
                 if op.slice != last_slice:
                     need.append(b_at[key + 1])
             deps.append(tuple(need))
+        else:
+            assert_never(kind)
     paired = frozenset(pair_heads)
     if not paired:
         return DependencyGraph(schedule, ops, device_of, offsets, deps, deps, paired)

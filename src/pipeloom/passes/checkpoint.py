@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import replace
 
+from pipeloom.budget import per_device
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError
 from pipeloom.ir.ops import Op, OpKind
@@ -162,8 +163,7 @@ def relax_checkpoint(schedule: Schedule, costs: Costs, mem_limit: float | Sequen
             if op.kind is not _R or op.key not in forward_step:
                 continue
             first = forward_step[op.key]
-            index = op.stage * table.num_slices + op.slice
-            extra = table.M_B[index] - table.M_ckpt[index]
+            extra = table.memory_delta(op)  # what the R restores, held from the F on if not dropped
             if max(levels[first:step], default=0.0) + extra <= peak + _EPS:
                 relaxed.add(op.key)
                 for held in range(first, step):
@@ -227,10 +227,7 @@ def refuse_pairs(schedule: Schedule, what: str) -> None:
 def _per_device(limit: float | Sequence[float] | None, num_devices: int) -> list[float] | None:
     if limit is None:
         return None
-    limits = [float(limit)] * num_devices if isinstance(limit, (int, float)) else [float(x) for x in limit]
-    if len(limits) != num_devices:
-        raise ConfigError(f"{len(limits)} memory limits given for {num_devices} devices; give one or one per device")
-    return limits
+    return per_device(limit, num_devices, "checkpoint")
 
 
 def _tagged(name: str, tag: str) -> str:
@@ -245,12 +242,7 @@ def _simulate(schedule: Schedule, costs: Costs):
 
 def _durations(schedule: Schedule, costs: Costs) -> dict[Op, float]:
     table = costs.resolve(schedule.num_devices, schedule.num_stages, schedule.num_slices)
-    by_kind = {_F: table.F, _R: table.R}
-    out = {}
-    for _, _, op in schedule.ops():
-        if op.kind in by_kind:
-            out[op] = by_kind[op.kind][op.stage * table.num_slices + op.slice]
-    return out
+    return {op: table.duration(op) for _, _, op in schedule.ops() if op.kind in (_F, _R)}
 
 
 def _gaps(times: list[tuple[float, float]]) -> list[list]:

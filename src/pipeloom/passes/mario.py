@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 
+from pipeloom.budget import per_device
 from pipeloom.costs import Costs
-from pipeloom.errors import ConfigError, InfeasibleError
+from pipeloom.errors import InfeasibleError
 from pipeloom.ir.schedule import Schedule
 from pipeloom.passes.checkpoint import (
     apply_checkpoint,
@@ -112,13 +113,4 @@ def _checkpointed_budget(schedule: Schedule, costs: Costs, peaks: list[float]) -
 
 
 def _limits(mem_limit: float | Sequence[float] | None, num_devices: int) -> list[float]:
-    if mem_limit is None:
-        return [float("inf")] * num_devices
-    if isinstance(mem_limit, (int, float)):
-        return [float(mem_limit)] * num_devices
-    limits = [float(x) for x in mem_limit]
-    if len(limits) != num_devices:
-        raise ConfigError(
-            f"mario: {len(limits)} memory limits given for {num_devices} devices; give one or one per device"
-        )
-    return limits
+    return per_device(mem_limit, num_devices, "mario")

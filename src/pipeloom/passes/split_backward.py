@@ -123,7 +123,7 @@ def _place_into_gap(out: list[Op], ready: deque[Op], clock: float, gap_end: floa
     """Append ready W ops that finish by `gap_end`; return the new clock."""
     while ready:
         op = ready[0]
-        duration = table.W[op.stage * table.num_slices + op.slice]
+        duration = table.time_of(OpKind.W, table.index(op))
         if clock + duration > gap_end + _EPS:
             break
         out.append(ready.popleft())

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Sequence
 from heapq import heappop, heappush
 
+from pipeloom.budget import per_device
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError
 from pipeloom.ir.graph import build_graph
@@ -98,10 +99,7 @@ def _limits(schedule: Schedule, costs: Costs, mem_limit) -> list[float]:
     p = schedule.num_devices
     if mem_limit is None:
         return [max(simulate(schedule, costs).peak_activation_memory)] * p
-    limits = list(mem_limit) if isinstance(mem_limit, Sequence) else [mem_limit] * p
-    if len(limits) != p:
-        raise ConfigError(f"weight_parts: {len(limits)} memory limits given for {p} devices")
-    return [float(limit) for limit in limits]
+    return per_device(mem_limit, p, "weight_parts")
 
 
 class _Placer:
@@ -114,21 +112,14 @@ class _Placer:
         """The step's length, once `run` has placed every op."""
         table = costs.resolve(fused.num_devices, fused.num_stages, fused.num_slices)
         self.comm = table.comm
-        L = fused.num_slices
         self.duration, self.delta, self.w_time, self.w_memory = [], [], [], []
         for op in graph.ops:
-            i = op.stage * L + op.slice
-            if op.kind is _F:
-                self.duration.append(table.F[i])
-                self.delta.append(table.M_ckpt[i] if op.ckpt else table.M_B[i])
-            elif op.kind is _R:
-                self.duration.append(table.R[i])
-                self.delta.append(table.M_B[i] - table.M_ckpt[i])
-            else:
-                self.duration.append(table.B[i])
-                self.delta.append(table.M_W[i] - table.M_B[i])
-            self.w_time.append(table.W[i] / parts)
-            self.w_memory.append(table.M_W[i] / parts)
+            i = table.index(op)
+            kind = _B if op.kind is _BW else op.kind  # the skeleton's BW stands for its B
+            self.duration.append(table.time_of(kind, i))
+            self.delta.append(table.delta_of(kind, i, op.ckpt))
+            self.w_time.append(table.time_of(_W, i, parts))
+            self.w_memory.append(-table.delta_of(_W, i, parts=parts))
 
     def run(self) -> list[list[Op]]:
         """Event-driven: a heap of (clock, device) over the devices that can act, and devices

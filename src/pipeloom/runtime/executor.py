@@ -1,6 +1,6 @@
 """Run one device's op list of a pipeloom schedule for one training step (docs/design.md §5).
 
-Each op kind has its own handler (`_HANDLERS`), so a new op is one method: F runs a stage forward
+Each op kind has its own handler (`_handler`), so a new op is one method: F runs a stage forward
 (checkpointed: without autograd, keeping only its input); R re-runs it with autograd (counted).
 With `recompute_layers` = k a checkpointed F runs only the stage's first k layers (its head,
 `split_at`) without autograd and the rest with it; R re-runs the head, and the backward runs
@@ -158,7 +158,6 @@ class DeviceExecutor:
             {s: split_stage(module, recompute_layers) for s, module in stages.items()} if recompute_layers else {}
         )
         """Per stage (head, tail) under a partial checkpoint; empty: checkpoints take whole stages."""
-        self._handlers = {_F: self._forward_op, _R: self._recompute_op, _B: self._backward_op, _BW: self._backward_op}
         self._side = torch.cuda.Stream(self.torch_device) if self.torch_device.type == "cuda" else None  # pairs' F
 
     # -- one step ------------------------------------------------------------------------------
@@ -203,7 +202,7 @@ class DeviceExecutor:
             self._pair_op(step, op, self.ops[self._index + 1])
             self._index += 2
         else:
-            self._handlers[op.kind](step, op)
+            self._handler(op.kind)(step, op)
             step.record.ops.append((op.text, step.start, step.now()))
             self._index += 1
 
@@ -233,6 +232,19 @@ class DeviceExecutor:
                 assert_never(op.kind)
 
     # -- handlers, one per op kind ----------------------------------------------------------------
+
+    def _handler(self, kind: OpKind) -> Callable[[_Step, Op], None]:
+        """The handler of a lone op of `kind` (W runs through `_weight_op`, which may join a run
+        of them into one GEMM)."""
+        if kind is OpKind.F:
+            return self._forward_op
+        if kind is OpKind.R:
+            return self._recompute_op
+        if kind is OpKind.B or kind is OpKind.BW:
+            return self._backward_op
+        if kind is OpKind.W:
+            return self._lone_weight_op
+        assert_never(kind)
 
     def _forward_op(self, step: _Step, op: Op) -> None:
         stage, mb, slice_ = op.key
@@ -352,9 +364,9 @@ class DeviceExecutor:
             if side is not None and op.kind is _F:
                 side.wait_stream(torch.cuda.current_stream(self.torch_device))
                 with torch.cuda.stream(side):
-                    self._handlers[_F](step, op)
+                    self._forward_op(step, op)
             else:
-                self._handlers[op.kind](step, op)
+                self._handler(op.kind)(step, op)
             step.record.ops.append((op.text, step.start, step.now()))
         if side is not None:
             torch.cuda.current_stream(self.torch_device).wait_stream(side)
@@ -363,19 +375,25 @@ class DeviceExecutor:
         """Run the W at `index` (with `concat_w`, and the W of its stage right after it, as one
         GEMM); return how many ops it consumed."""
         op = self.ops[index]
-        if op.parts > 1:
-            self.queue.run_part(op.key, op.part, op.parts)
+        if op.parts > 1 or not self.concat_w:
+            self._lone_weight_op(step, op)
             step.record.ops.append((op.text, step.start, step.now()))
             return 1
         ops = [op]
-        if self.concat_w:
-            for following in self.ops[index + 1 :]:
-                if following.kind is not _W or following.stage != op.stage or following.parts > 1:
-                    break
-                ops.append(following)
+        for following in self.ops[index + 1 :]:
+            if following.kind is not _W or following.stage != op.stage or following.parts > 1:
+                break
+            ops.append(following)
         self.queue.run(*(o.key for o in ops))
         step.record.ops.append((op.text, step.start, step.now()))
         return len(ops)
+
+    def _lone_weight_op(self, step: _Step, op: Op) -> None:
+        """One W: the queued GEMMs of its key, or its share of them."""
+        if op.parts > 1:
+            self.queue.run_part(op.key, op.part, op.parts)
+        else:
+            self.queue.run(op.key)
 
     # -- helpers -------------------------------------------------------------------------------
 

@@ -10,8 +10,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
+from pipeloom.budget import per_device
 from pipeloom.costs import Costs, StageCosts
-from pipeloom.errors import ConfigError, InfeasibleError
+from pipeloom.errors import InfeasibleError
 from pipeloom.schedules.list_scheduler import FLAGS, Heuristics, ListResult, ListScheduler
 
 LINEAR_FLAGS = ("eager_warmup", "lazy_forward", "critical_first", "tail_reserve")
@@ -89,14 +90,7 @@ def resolve_limits(
     """One activation budget per device (inf when unlimited); InfeasibleError below the minimum."""
     if mem_limit is None:
         return [float("inf")] * num_devices
-    if isinstance(mem_limit, (int, float)):
-        limits = [float(mem_limit)] * num_devices
-    else:
-        limits = [float(x) for x in mem_limit]
-        if len(limits) != num_devices:
-            raise ConfigError(
-                f"{name}: {len(limits)} memory limits given for {num_devices} devices; give one or one per device"
-            )
+    limits = per_device(mem_limit, num_devices, name)
     for device, (limit, need) in enumerate(zip(limits, min_memory_limits(placement, table))):
         if limit + _EPS < need:
             raise InfeasibleError(

@@ -269,7 +269,7 @@ class ListScheduler:
             if left[d] == 0:  # drain: the remaining W, one by one
                 while pending[d]:
                     s, j = pending[d].popleft()
-                    place(d, (_W, s, j), 0.0, t.W[s], -t.M_W[s])
+                    place(d, (_W, s, j), 0.0, t.time_of(_W, s), t.delta_of(_W, s))
                 continue
             # Candidates: the next B and the next F of each stage on the device.
             b_choice = f_choice = None
@@ -319,7 +319,7 @@ class ListScheduler:
                         b_choice = None
             if b_choice is not None:
                 ready, s, j = b_choice
-                end_b[s * m + j] = place(d, (_B, s, j), ready, t.B[s], t.M_W[s] - t.M_B[s])
+                end_b[s * m + j] = place(d, (_B, s, j), ready, t.time_of(_B, s), t.delta_of(_B, s))
                 front_b[j] = s
                 nb[s] += 1
                 left[d] -= 1
@@ -339,7 +339,7 @@ class ListScheduler:
                     mattered.add("lazy_forward")
                     hold = hold or h.lazy_forward
                 if not hold:
-                    end_f[s * m + j] = place(d, (_F, s, j), ready, t.F[s], t.M_B[s])
+                    end_f[s * m + j] = place(d, (_F, s, j), ready, t.time_of(_F, s), t.delta_of(_F, s))
                     front_f[j] = s
                     nf[s] += 1
                     left[d] -= 1
@@ -361,7 +361,7 @@ class ListScheduler:
                     fill = not h.tail_reserve
                 if fill or (f_blocked and b_choice is None):  # or recycle memory
                     pending[d].popleft()
-                    place(d, (_W, s, j), 0.0, t.W[s], -t.M_W[s])
+                    place(d, (_W, s, j), 0.0, t.time_of(_W, s), t.delta_of(_W, s))
                     carried = carry_on(d, max(now, clock[d]))
                     continue
             # Nothing to run: wait for a known ready time, or for a producer to place an input.

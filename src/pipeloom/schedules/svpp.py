@@ -36,6 +36,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pipeloom.budget import per_device
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError, InfeasibleError
 from pipeloom.ir.ops import Op, OpKind
@@ -210,9 +211,7 @@ def _lowest_bubble(p: int, m: int, v: int, s: int, costs: Costs) -> _Built:
 
 def _largest_fitting(p: int, m: int, v: int, s: int, costs: Costs, mem_limit, lowest: _Built) -> _Built:
     """The largest f (up to the lowest-bubble one) whose simulated peaks fit `mem_limit` (§4.5)."""
-    limits = list(mem_limit) if isinstance(mem_limit, Sequence) else [mem_limit] * p
-    if len(limits) != p:
-        raise ConfigError(f"svpp: {len(limits)} memory limits given for {p} devices")
+    limits = per_device(mem_limit, p, "svpp")
 
     def peaks(built: _Built) -> list[float]:
         return simulate(built.schedule, costs).peak_activation_memory

@@ -57,8 +57,7 @@ class _Run:
         return d if chunk == 0 else 2 * self.p - 1 - d
 
     def delta(self, kind: int, s: int) -> float:
-        t = self.t
-        return t.M_B[s] if kind == _F else (t.M_W[s] - t.M_B[s] if kind == _B else -t.M_W[s])
+        return self.t.delta_of(_KINDS[kind], s)
 
     def input_end(self, kind: int, d: int, chunk: int, mb: int) -> float | None:
         """End time of the op on another device whose output this F or B needs (None: none, or

@@ -173,18 +173,17 @@ def simulate(schedule: Schedule, costs: Costs | None = None, not_before: Mapping
 
 def _op_costs(graph: DependencyGraph, table: StageCosts) -> tuple[list[float], list[float]]:
     """Duration and memory change of every op, by flat index."""
-    num_slices = table.num_slices
-    duration, memory_delta = table.duration, table.memory_delta
-    durations = [duration(op) for op in graph.ops]
-    deltas = [memory_delta(op) for op in graph.ops]
+    time_of, delta_of, num_slices = table.time_of, table.delta_of, table.num_slices
+    durations: list[float] = []
+    deltas: list[float] = []
+    for op in graph.ops:  # StageCosts.duration and memory_delta, one call each instead of two
+        i = op.stage * num_slices + op.slice
+        durations.append(time_of(op.kind, i, op.parts))
+        deltas.append(delta_of(op.kind, i, op.ckpt, op.parts))
     for g in graph.paired:  # the pair's whole time on its first op (the walk adds the two)
         first, second = graph.ops[g], graph.ops[g + 1]
         forward, backward = (first, second) if first.kind is OpKind.F else (second, first)
-        durations[g] = table.pair_time(
-            forward.stage * num_slices + forward.slice,
-            backward.stage * num_slices + backward.slice,
-            backward.kind is OpKind.BW,
-        )
+        durations[g] = table.pair_time(table.index(forward), table.index(backward), backward.kind is OpKind.BW)
         durations[g + 1] = 0.0
     return durations, deltas
 

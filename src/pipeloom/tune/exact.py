@@ -112,12 +112,10 @@ def solve_exact(
     def ticks(x: float) -> int:
         return int(round(x * time_scale))
 
-    dur = {_F: [ticks(x) for x in table.F], _B: [ticks(x) for x in table.B], _W: [ticks(x) for x in table.W]}
+    dur = {kind: [ticks(table.time_of(kind, i)) for i in range(len(table.F))] for kind in (_F, _B, _W)}
     comm = ticks(costs.comm)
     delta = {
-        _F: [int(round(x * mem_scale)) for x in table.M_B],
-        _B: [int(round((w - b) * mem_scale)) for b, w in zip(table.M_B, table.M_W)],
-        _W: [-int(round(x * mem_scale)) for x in table.M_W],
+        kind: [int(round(table.delta_of(kind, i) * mem_scale)) for i in range(len(table.M_B))] for kind in (_F, _B, _W)
     }
     horizon = sum(m * (dur[_F][s] + dur[_B][s] + dur[_W][s]) + 2 * comm for s in range(S)) * 2
 
