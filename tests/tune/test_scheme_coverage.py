@@ -4,17 +4,31 @@ memory rule, dependencies and a runtime handler — a new one cannot be silently
 import pytest
 
 from pipeloom import Costs, Op, OpKind, Schedule, list_generators
-from pipeloom.tune.space import NOT_TUNED, SCHEMES
+from pipeloom.schedules.registry import Tuning, register  # noqa: I001
+from pipeloom.tune.space import DEFAULT_SCHEMES, GENERATOR_OF, SCHEMES
 
 
 def test_every_generator_is_tuned_or_says_why_not():
-    tuned = {spec.generator for spec in SCHEMES.values()}
-    registered = {info.name for info in list_generators()}
-    missing = sorted(registered - tuned - set(NOT_TUNED))
-    assert not missing, f"generators the tuner neither searches nor excuses in NOT_TUNED: {missing}"
-    assert not tuned & set(NOT_TUNED), "a generator is both tuned and excused"
-    assert set(NOT_TUNED) <= registered, "NOT_TUNED names a generator that is not registered"
-    assert all(reason.strip() for reason in NOT_TUNED.values())
+    for info in list_generators():
+        assert (info.tuning is None) != (not info.not_tuned), info.name
+    tuned = {info.name for info in list_generators() if info.tuning is not None}
+    assert set(GENERATOR_OF.values()) == tuned and set(DEFAULT_SCHEMES) <= set(SCHEMES)
+
+
+def test_registering_a_generator_without_a_tuner_description_fails():
+    with pytest.raises(RuntimeError, match="give tuning= or not_tuned='why', exactly one"):
+        register("undescribed", family="x", paper="x", summary="x", domain="x")
+    with pytest.raises(RuntimeError, match="exactly one"):
+        register("both", family="x", paper="x", summary="x", domain="x", tuning=Tuning("both"), not_tuned="why")
+
+
+def test_layouts_place_every_stage_once_per_copy():
+    for tuning in SCHEMES.values():
+        for p in (1, 2, 4):
+            chunks = max(tuning.chunks)
+            hosted = [s for stages in tuning.stages_on(p, chunks) for s in stages]
+            stages = tuning.num_stages(p, chunks)
+            assert sorted(hosted) == sorted(list(range(stages)) * tuning.replicas), (tuning.scheme, p)
 
 
 @pytest.mark.parametrize("kind", list(OpKind))

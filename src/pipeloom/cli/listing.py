@@ -1,4 +1,5 @@
-"""`pipeloom list`: every schedule generator, with what it trades and its paper."""
+"""`pipeloom list`: every schedule generator, with what it trades, its paper and how `tune`
+searches it (the registry's description, which the tuner itself reads)."""
 
 from __future__ import annotations
 
@@ -27,9 +28,19 @@ def run(args: argparse.Namespace) -> int:
     generators = list_generators()
     if args.json:
         keys = ("name", "family", "paper", "summary", "domain")
-        listing = [{key: getattr(g, key) for key in keys} | {"options": list(g.options)} for g in generators]
+        listing = [
+            {key: getattr(g, key) for key in keys} | {"options": list(g.options), "tuned": _tuned(g)}
+            for g in generators
+        ]
         print(json.dumps(listing, indent=2))
         return 0
-    rows = [[g.name, g.summary, g.paper, g.domain] for g in generators]
-    print(table(["schedule", "what it trades", "paper", "domain"], rows))
+    rows = [[g.name, g.summary, g.paper, g.domain, _tuned(g)] for g in generators]
+    print(table(["schedule", "what it trades", "paper", "domain", "tune"], rows))
     return 0
+
+
+def _tuned(generator) -> str:
+    """How `tune` searches it (its --schemes name), or why it does not."""
+    if generator.tuning is not None:
+        return f"as {generator.tuning.scheme}"
+    return f"no: {generator.not_tuned}"

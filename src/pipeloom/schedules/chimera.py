@@ -25,7 +25,7 @@ from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
 from pipeloom.schedules.classic import one_f_one_b_order
 from pipeloom.schedules.merge import merge_queues
-from pipeloom.schedules.registry import register
+from pipeloom.schedules.registry import Tuning, register
 
 __all__ = ["chimera", "chimera_eager"]
 
@@ -40,6 +40,8 @@ _NOMINAL_DURATION = {OpKind.F: 1.0, OpKind.BW: 2.0}
     summary="down and up pipelines superposed, weights replicated twice; fewer bubbles than 1F1B; "
     "at most p micro-batches per device (Mario Table 1)",
     domain="p even >= 2, m even >= 2",
+    tuning=Tuning("chimera", layout="mirrored", even=True, min_devices=2),
+    pareto="fixed",
 )
 def chimera(num_devices: int, num_microbatches: int) -> Schedule:
     """Chimera with the down pipeline on stages 0..p-1 = devices 0..p-1 and the up one reversed.
@@ -60,6 +62,7 @@ def chimera(num_devices: int, num_microbatches: int) -> Schedule:
     paper="Li & Hoefler 2021, Chimera: bidirectional pipelines",
     summary="chimera whose devices hold p+1 micro-batches once m > p (D with `chimera`), for fewer bubbles under comm",
     domain="p even >= 2, m even >= 2",
+    not_tuned="chimera's order with one more micro-batch in flight; compare it with `pipeloom compare`",
 )
 def chimera_eager(num_devices: int, num_microbatches: int) -> Schedule:
     """Chimera with each pipeline's full 1F1B warm-up; the same as `chimera` when m ≤ p."""

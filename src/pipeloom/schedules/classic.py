@@ -9,7 +9,7 @@ from __future__ import annotations
 from pipeloom.errors import ConfigError
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
-from pipeloom.schedules.registry import register, require_int
+from pipeloom.schedules.registry import Tuning, register, require_int
 
 __all__ = ["gpipe", "one_f_one_b", "interleaved", "one_f_one_b_order"]
 
@@ -22,6 +22,8 @@ F, BW = OpKind.F, OpKind.BW
     paper="Huang et al. 2019, GPipe",
     summary="all forwards, then all backwards; every micro-batch's activations live at once",
     domain="p >= 1, m >= 1",
+    tuning=Tuning("gpipe", default=False),
+    pareto="fixed",
 )
 def gpipe(num_devices: int, num_microbatches: int) -> Schedule:
     """GPipe: device d runs ``dF0 .. dF(m-1)`` then ``dBW0 .. dBW(m-1)``.
@@ -41,6 +43,8 @@ def gpipe(num_devices: int, num_microbatches: int) -> Schedule:
     paper="Fan et al. 2021, DAPPLE (PipeDream-Flush)",
     summary="warm-up forwards, then one forward one backward; device d holds at most p-d micro-batches",
     domain="p >= 1, m >= 1 (m < p runs all forwards of a device before its backwards)",
+    tuning=Tuning("1f1b"),
+    pareto="fixed",
 )
 def one_f_one_b(num_devices: int, num_microbatches: int) -> Schedule:
     """1F1B: device d warms up with ``p-d-1`` forwards, alternates F and BW, then drains.
@@ -65,6 +69,8 @@ def one_f_one_b(num_devices: int, num_microbatches: int) -> Schedule:
     summary="v chunks per device, stage s on device s mod p; bubble shrinks by v",
     domain="p >= 1, v >= 1, m >= 1 and m a multiple of p when m > p",
     options=("num_chunks",),
+    tuning=Tuning("interleaved", chunks=(2,), whole_rounds=True, fallbacks=(("trecomp",), ("mario",))),
+    pareto="fixed",
 )
 def interleaved(num_devices: int, num_microbatches: int, num_chunks: int = 2) -> Schedule:
     """Megatron's interleaved 1F1B: micro-batches move through the chunks in groups of p.

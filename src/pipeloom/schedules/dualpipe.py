@@ -41,11 +41,21 @@ from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
-from pipeloom.schedules.registry import register
+from pipeloom.schedules.registry import Tuning, register
 
 __all__ = ["dualpipe", "dualpipev", "dual_steps"]
 
 _F, _B, _BW, _W = OpKind.F, OpKind.B, OpKind.BW, OpKind.W
+
+
+def _two_p_minus_2(pp: int) -> int:
+    """DualPipe's steady state needs 2p-2 micro-batches (p-1 per direction)."""
+    return 2 * pp - 2
+
+
+def _two_p_minus_1(pp: int) -> int:
+    """DualPipeV's steps need 2p-1 micro-batches."""
+    return 2 * pp - 1
 
 
 @register(
@@ -56,6 +66,10 @@ _F, _B, _BW, _W = OpKind.F, OpKind.B, OpKind.BW, OpKind.W
     "communication inside F and B (MoE all-to-all) hides; 2× parameters, p+1 activations",
     domain="p even >= 2, m even >= 2p - 2; costs (split the pairs that hide nothing)",
     options=("costs",),
+    tuning=Tuning(
+        "dualpipe", layout="mirrored", even=True, min_devices=2, fallbacks=(), fewest_microbatches=_two_p_minus_2
+    ),
+    pareto="fixed",
 )
 def dualpipe(num_devices: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
     """DualPipe on p devices: micro-batches 0..m/2−1 go down, m/2..m−1 go up.
@@ -92,6 +106,8 @@ def dualpipe(num_devices: int, num_microbatches: int, costs: Costs | None = None
     "forward-backward pairs without DualPipe's 2× parameters",
     domain="p >= 1, m >= 2p - 1; costs (split the pairs that hide nothing)",
     options=("costs",),
+    tuning=Tuning("dualpipev", layout="v", fallbacks=(), fewest_microbatches=_two_p_minus_1),
+    pareto="fixed",
 )
 def dualpipev(num_devices: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
     """DualPipeV on p devices: 2p stages, device d runs stages d and 2p−1−d.

@@ -42,7 +42,7 @@ from pipeloom.errors import ConfigError, InfeasibleError
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
 from pipeloom.schedules.agenda import Agenda
-from pipeloom.schedules.registry import register, require_int
+from pipeloom.schedules.registry import Tuning, register, require_int
 from pipeloom.sim.simulate import simulate
 
 __all__ = ["svpp", "terapipe", "table3_forwards", "DEFAULT_SVPP_COSTS"]
@@ -70,6 +70,9 @@ def table3_forwards(num_devices: int, num_chunks: int, num_slices: int) -> int:
     summary="slices × virtual chunks, forward and backward interleaved per slice: ~A/min(s,p) activations",
     domain="p, m >= 1; v >= 1 chunks, s >= 1 slices; f >= v·s forwards before the first backward",
     options=("num_chunks", "num_slices", "forwards", "costs", "mem_limit"),
+    tuning=Tuning(
+        "svpp", chunks=(1, 2), slices=(2, 4), passes=("wparts",), budgeted=True, table3_forwards=True, fallbacks=()
+    ),
 )
 def svpp(
     num_devices: int,
@@ -108,6 +111,7 @@ def svpp(
     summary="GPipe over slices: all slice forwards, then all backwards",
     domain="p, m >= 1; s >= 1 slices",
     options=("num_slices",),
+    not_tuned="svpp with every forward before the first backward is TeraPipe; svpp's search includes it",
 )
 def terapipe(num_devices: int, num_microbatches: int, num_slices: int = 2) -> Schedule:
     """TeraPipe: device d runs every (micro-batch, slice) forward, then the backwards in reverse

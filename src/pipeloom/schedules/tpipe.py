@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
-from pipeloom.schedules.registry import register, require_int
+from pipeloom.schedules.registry import Tuning, register, require_int
 
 __all__ = ["tpipe", "SlotTemplate", "slot_template", "schedule_from_template"]
 
@@ -162,6 +162,8 @@ def schedule_from_template(template: SlotTemplate, num_microbatches: int, name: 
     summary="v chunks per device, backwards as early as possible: ~75% of 1F1B's activations, 1F1B's bubble",
     domain="p >= 2, v >= 2, m >= 1",
     options=("num_chunks",),
+    tuning=Tuning("tpipe", chunks=(2,), min_devices=2, fallbacks=(("trecomp",), ("trecomp", "offload"), ("mario",))),
+    pareto="fixed",
 )
 def tpipe(num_devices: int, num_microbatches: int, num_chunks: int = 2) -> Schedule:
     """T-Pipe: a periodic F B F B ... cycle per device, micro-batch j one cycle after j−1.

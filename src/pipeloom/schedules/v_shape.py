@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pipeloom.costs import Costs
 from pipeloom.ir.schedule import Schedule
 from pipeloom.schedules.auto_search import min_memory_limits, resolve_limits
-from pipeloom.schedules.registry import register
+from pipeloom.schedules.registry import Tuning, register
 from pipeloom.schedules.v_blocks import VBlock, v_half_block, v_min_block
 from pipeloom.schedules.v_search import best_v_schedule, paper_block_budget, v_placement
 from pipeloom.schedules.zero_bubble import DEFAULT_ZB_COSTS
@@ -51,6 +51,8 @@ def _block_budget(name: str, p: int, m: int, costs: Costs | None, block: VBlock)
     summary="V placement at 1F1B's memory; zero bubble when T_F = T_B = T_W",
     domain=_DOMAIN,
     options=("costs",),
+    not_tuned="the tuner's zb-v runs v-auto under the memory left after static memory (p·M_B or any other)",
+    pareto="fixed",
 )
 def zb_v(num_devices: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
     costs = costs or DEFAULT_ZB_COSTS
@@ -66,6 +68,8 @@ def zb_v(num_devices: int, num_microbatches: int, costs: Costs | None = None) ->
     summary="V placement within the memory of the paper's V-Half block (about half of 1F1B's)",
     domain=_DOMAIN,
     options=("costs",),
+    not_tuned="v-auto (the tuner's zb-v) within V-Half's budget",
+    pareto="fixed",
 )
 def v_half(num_devices: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
     return _block_budget("v-half", num_devices, num_microbatches, costs, v_half_block(num_devices))
@@ -78,6 +82,8 @@ def v_half(num_devices: int, num_microbatches: int, costs: Costs | None = None) 
     summary="V placement within the memory of the paper's V-Min block (about a third of 1F1B's)",
     domain=_DOMAIN,
     options=("costs",),
+    not_tuned="v-auto (the tuner's zb-v) within V-Min's budget",
+    pareto="fixed",
 )
 def v_min(num_devices: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
     return _block_budget("v-min", num_devices, num_microbatches, costs, v_min_block(num_devices))
@@ -90,6 +96,8 @@ def v_min(num_devices: int, num_microbatches: int, costs: Costs | None = None) -
     summary="V placement under any activation-memory budget",
     domain=_DOMAIN + "; mem_limit per device (None: unlimited)",
     options=("costs", "mem_limit"),
+    tuning=Tuning("zb-v", layout="v", budgeted=True, fallbacks=()),
+    pareto="budgeted",
 )
 def v_auto(
     num_devices: int,

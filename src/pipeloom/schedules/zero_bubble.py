@@ -17,7 +17,7 @@ from pipeloom.costs import Costs
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
 from pipeloom.schedules.auto_search import LINEAR_FLAGS, auto_schedule
-from pipeloom.schedules.registry import register
+from pipeloom.schedules.registry import Tuning, register
 
 __all__ = ["zb_h1", "zb_h2", "zb_auto", "zb_1p", "zb_2p", "DEFAULT_ZB_COSTS"]
 
@@ -52,6 +52,8 @@ def _handcrafted(name: str, p: int, m: int, warmup: Sequence[int], lag: Sequence
     paper="Qi et al. 2024, Zero Bubble Pipeline Parallelism, §2.1",
     summary="1F1B with split backward, W of device d delayed by d: 1F1B's memory, a third of its bubble",
     domain="p >= 1, m >= 1",
+    tuning=Tuning("zb-h1"),
+    pareto="fixed",
 )
 def zb_h1(num_devices: int, num_microbatches: int) -> Schedule:
     """ZB-H1: 1F1B's order with device d's W lagging d micro-batches behind its B.
@@ -69,6 +71,8 @@ def zb_h1(num_devices: int, num_microbatches: int) -> Schedule:
     paper="Qi et al. 2024, Zero Bubble Pipeline Parallelism, §2.2",
     summary="more warm-up forwards and W reordered into a parallelogram: zero bubble at (2p-1)·M_B",
     domain="p >= 1, m >= 1 (zero bubble from m >= 2p-1 when T_F = T_B = T_W)",
+    not_tuned="zb-auto at (2p-1)·M_B finds it or better",
+    pareto="fixed",
 )
 def zb_h2(num_devices: int, num_microbatches: int) -> Schedule:
     """ZB-H2: device d warms up with 2(p−d)−1 forwards; its W lag 2d micro-batches behind its B."""
@@ -86,6 +90,8 @@ _AUTO_DOMAIN = "p >= 1, m >= 1; costs give T_F, T_B, T_W, comm, M_B, M_W (defaul
     summary="automatic F/B/W scheduling from profiled costs under an activation-memory limit",
     domain=_AUTO_DOMAIN + "; mem_limit per device (None: unlimited)",
     options=("costs", "mem_limit"),
+    tuning=Tuning("zb-auto", budgeted=True, fallbacks=()),
+    pareto="budgeted",
 )
 def zb_auto(
     num_devices: int,
@@ -115,6 +121,7 @@ def _stage_budget(num_devices: int, costs: Costs, factor: int) -> list[float]:
     summary="zb-auto limited to p·M_B, the peak activation memory of 1F1B",
     domain=_AUTO_DOMAIN,
     options=("costs",),
+    not_tuned="zb-auto within p·M_B, which the tuner searches with its own budget",
 )
 def zb_1p(num_devices: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
     costs = costs or DEFAULT_ZB_COSTS
@@ -129,6 +136,7 @@ def zb_1p(num_devices: int, num_microbatches: int, costs: Costs | None = None) -
     summary="zb-auto limited to 2p·M_B: close to zero bubble",
     domain=_AUTO_DOMAIN,
     options=("costs",),
+    not_tuned="zb-auto within 2p·M_B, which the tuner searches with its own budget",
 )
 def zb_2p(num_devices: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
     costs = costs or DEFAULT_ZB_COSTS

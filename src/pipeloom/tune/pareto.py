@@ -19,19 +19,17 @@ from pipeloom.ir.schedule import Schedule
 from pipeloom.passes.split_backward import split_backward
 from pipeloom.passes.trecomp import t_recomp
 from pipeloom.schedules.auto_search import min_memory_limits
-from pipeloom.schedules.registry import build_schedule, get_generator, require_int
-from pipeloom.schedules.v_shape import v_placement
+from pipeloom.schedules.registry import build_schedule, get_generator, list_generators, require_int
 from pipeloom.sim.simulate import Timeline, simulate
 from pipeloom.tune.zb_profiles import AUTHORS_V, table6_profile
 from pipeloom.units import memory_unit, time_unit
 
 __all__ = ["ParetoPoint", "explore_pareto", "frontier", "authors_points"]
 
-_FIXED = (
-    "gpipe", "1f1b", "interleaved", "chimera", "tpipe", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min", "dualpipe", "dualpipev",
-)  # fmt: skip
 _SPLIT = ("1f1b", "interleaved")  # also shown with the backward split and W filling bubbles
-_BUDGETED = {"zb-auto": lambda p: list(range(p)), "v-auto": v_placement}
+"""Pareto's own variants (passes, not generators): the split backward filling 1F1B's and the
+interleaved schedule's bubbles; T-Recomp on TPipe. Which generators appear, and how, is the
+registry's `pareto` description."""
 
 
 @dataclass(frozen=True)
@@ -136,15 +134,19 @@ def _jobs(p: int, m: int, costs: Costs, budgets: int) -> Iterator[tuple[str, Cal
     def fixed(name: str, **kwargs: Any) -> Callable[[], Any]:
         return lambda: build_schedule(name, p, m, **kwargs)
 
-    for name in _FIXED:
+    fixed_names = [info.name for info in list_generators() if info.pareto == "fixed"]
+    budgeted = [info for info in list_generators() if info.pareto == "budgeted"]
+    for name in fixed_names:
         kwargs = {"costs": costs} if "costs" in get_generator(name).options else {}
         yield name, fixed(name, **kwargs)
         if name in _SPLIT:
             yield f"{name}+split-fill", _split_fill(name, p, m, costs)
         if name == "tpipe":
             yield "tpipe+trecomp", lambda: t_recomp(build_schedule("tpipe", p, m))
-    for name, placement_of in _BUDGETED.items():
-        placement = placement_of(p)
+    for info in budgeted:
+        name = info.name
+        assert info.tuning is not None, "a budgeted pareto entry is tuned: its layout places the stages"
+        placement = info.tuning.device_of_stage(p)
         table = costs.resolve(p, len(placement))
         low = max(min_memory_limits(placement, table))
         high = max(low, 2.0 * p * max(table.M_B) * len(placement) / p)  # ZB-2p's budget, one device's share

@@ -39,7 +39,7 @@ from pipeloom.tune.evaluation import Evaluation, TuneResult, packed, restore
 from pipeloom.tune.measures import static_options
 from pipeloom.tune.partition import partition_layers
 from pipeloom.tune.pool import ROUND, RoundPool, default_jobs
-from pipeloom.tune.space import DEFAULT_SCHEMES, SCHEMES, Candidate, candidates
+from pipeloom.tune.space import DEFAULT_SCHEMES, GENERATOR_OF, SCHEMES, Candidate, candidates
 
 __all__ = ["Evaluation", "TuneResult", "tune", "evaluate"]
 
@@ -300,23 +300,24 @@ def _simulate_candidate(
 def _uses_budget(candidate: Candidate) -> bool:
     """Whether the generator reads the memory budget (so each static measure builds its own)."""
     spec = SCHEMES[candidate.scheme]
-    return spec.budgeted and spec.generator != "svpp"
+    return spec.budgeted and not spec.table3_forwards
 
 
 def _generate(candidate: Candidate, costs: Costs, budget: list[float]) -> Schedule:
-    spec = SCHEMES[candidate.scheme]
+    spec, generator = SCHEMES[candidate.scheme], GENERATOR_OF[candidate.scheme]
+    options = get_generator(generator).options
     kwargs: dict = {}
-    if candidate.chunks > 1 or spec.generator in ("svpp",):
+    if "num_chunks" in options and (candidate.chunks > 1 or spec.table3_forwards):
         kwargs["num_chunks"] = candidate.chunks
-    if spec.generator == "svpp":
+    if "num_slices" in options:
         kwargs["num_slices"] = candidate.slices
-    if "costs" in get_generator(spec.generator).options:
+    if "costs" in options:
         kwargs["costs"] = costs
-    if spec.generator == "svpp":  # Table 3's variant: one build, where searching f would take many
+    if spec.table3_forwards:  # one build, where searching the forwards would take many
         kwargs["forwards"] = table3_forwards(candidate.pp, candidate.chunks, candidate.slices)
     elif _uses_budget(candidate):
         kwargs["mem_limit"] = budget
-    return build_schedule(spec.generator, candidate.pp, candidate.num_microbatches, **kwargs)
+    return build_schedule(generator, candidate.pp, candidate.num_microbatches, **kwargs)
 
 
 def _apply(name: str, schedule: Schedule, costs: Costs, budget: list[float]) -> Schedule:

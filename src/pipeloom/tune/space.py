@@ -9,69 +9,21 @@ passes fail at the level before.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from pipeloom.errors import ConfigError
+from pipeloom.schedules.registry import Tuning, list_generators
 
-__all__ = ["Candidate", "SCHEMES", "DEFAULT_SCHEMES", "candidates", "power_of_two_sizes"]
-
-
-@dataclass(frozen=True)
-class SchemeSpec:
-    generator: str
-    chunks: tuple[int, ...] = (1,)
-    slices: tuple[int, ...] = (1,)
-    fallbacks: tuple[tuple[str, ...], ...] = (("mario",),)
-    """Pass chains to try, in order, when the plain schedule is over the memory limit."""
-    passes: tuple[str, ...] = ()
-    """Passes always applied."""
-    budgeted: bool = False
-    """The generator takes the activation budget left after static memory (mem_limit)."""
-    min_devices: int = 1
-    even: bool = False
-    """p and m must be even (Chimera)."""
-    fewest_microbatches: Callable[[int], int] = lambda pp: 1
-    """The least m the generator's steps need with pp devices (DualPipe's steady state)."""
-    replicas: int = 1
-    """Copies of each stage per pipeline (Chimera, DualPipe: 2)."""
+__all__ = ["Candidate", "DEFAULT_SCHEMES", "GENERATOR_OF", "SCHEMES", "candidates", "power_of_two_sizes"]
 
 
-SCHEMES: dict[str, SchemeSpec] = {
-    "1f1b": SchemeSpec("1f1b"),
-    "gpipe": SchemeSpec("gpipe"),
-    "interleaved": SchemeSpec("interleaved", chunks=(2,), fallbacks=(("trecomp",), ("mario",))),
-    "chimera": SchemeSpec("chimera", even=True, min_devices=2, replicas=2),
-    "zb-h1": SchemeSpec("zb-h1"),
-    "zb-auto": SchemeSpec("zb-auto", budgeted=True, fallbacks=()),
-    "zb-v": SchemeSpec("v-auto", budgeted=True, fallbacks=(), min_devices=1),
-    "tpipe": SchemeSpec(
-        "tpipe", chunks=(2,), min_devices=2, fallbacks=(("trecomp",), ("trecomp", "offload"), ("mario",))
-    ),
-    "svpp": SchemeSpec("svpp", chunks=(1, 2), slices=(2, 4), passes=("wparts",), budgeted=True, fallbacks=()),
-    # No memory fallbacks: Mario's recomputes would sit inside the overlapped pairs.
-    "dualpipe": SchemeSpec(
-        "dualpipe", even=True, min_devices=2, replicas=2, fallbacks=(), fewest_microbatches=lambda pp: 2 * pp - 2
-    ),
-    "dualpipev": SchemeSpec("dualpipev", fallbacks=(), fewest_microbatches=lambda pp: 2 * pp - 1),
-}
-NOT_TUNED: dict[str, str] = {
-    "chimera-eager": "chimera's order with one more micro-batch in flight; compare it with `pipeloom compare`",
-    "zb-1p": "zb-auto within p·M_B, which the tuner searches with its own budget",
-    "zb-2p": "zb-auto within 2p·M_B, which the tuner searches with its own budget",
-    "zb-h2": "zb-auto at (2p-1)·M_B finds it or better; `pareto` lists it",
-    "zb-v": "the tuner's zb-v runs v-auto under the memory left after static memory (p·M_B or any other)",
-    "v-half": "v-auto (the tuner's zb-v) within V-Half's budget; `pareto` lists it",
-    "v-min": "v-auto (the tuner's zb-v) within V-Min's budget; `pareto` lists it",
-    "terapipe": "svpp with every forward before the first backward is TeraPipe; svpp's search includes it",
-}
-"""Registered generators the tuner does not search, and why: every generator is either the
-generator of a scheme in SCHEMES or named here (a test checks), so a new one cannot be missed."""
-_V_SCHEMES = ("zb-v", "dualpipev")
-DEFAULT_SCHEMES = (
-    "1f1b", "interleaved", "chimera", "zb-h1", "zb-auto", "zb-v", "tpipe", "svpp", "dualpipe", "dualpipev",
-)  # fmt: skip
-RUNNABLE_SCHEMES = ("gpipe", *DEFAULT_SCHEMES)
+SCHEMES: dict[str, Tuning] = {info.tuning.scheme: info.tuning for info in list_generators() if info.tuning is not None}
+"""The tuner's schemes, from the registry's descriptions (`schedules.registry.Tuning`)."""
+GENERATOR_OF = {info.tuning.scheme: info.name for info in list_generators() if info.tuning is not None}
+"""The generator that builds each scheme (the tuner's zb-v is v-auto under its budget)."""
+DEFAULT_SCHEMES = tuple(name for name, tuning in SCHEMES.items() if tuning.default)
+RUNNABLE_SCHEMES = tuple(SCHEMES)
 """What the runtime executes: every scheme (offload, slices and W parts included)."""
 
 
@@ -90,7 +42,7 @@ class Candidate:
 
     @property
     def num_stages(self) -> int:
-        return 2 * self.pp if self.scheme in _V_SCHEMES else self.pp * self.chunks
+        return SCHEMES[self.scheme].num_stages(self.pp, self.chunks)
 
     @property
     def label(self) -> str:
@@ -107,12 +59,7 @@ class Candidate:
     @property
     def placement(self) -> list[list[int]]:
         """The stages each device hosts."""
-        p, stages = self.pp, self.num_stages
-        if self.scheme in _V_SCHEMES:
-            return [[d, 2 * p - 1 - d] for d in range(p)]
-        if SCHEMES[self.scheme].replicas == 2:  # down and up pipelines
-            return [[d, p - 1 - d] for d in range(p)]
-        return [list(range(d, stages, p)) for d in range(p)]
+        return SCHEMES[self.scheme].stages_on(self.pp, self.chunks)
 
     @property
     def replicas(self) -> int:
@@ -171,7 +118,7 @@ def candidates(
                         )
                     continue
                 for v in spec.chunks:
-                    if name == "interleaved" and m > pp and m % pp:
+                    if spec.whole_rounds and m > pp and m % pp:
                         continue
                     for s in spec.slices:
                         candidate = Candidate(name, pp, dp, mbs, m, v, s, spec.passes)
