@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from pipeloom.errors import ConfigError
 from pipeloom.ir.ops import OpKind
+from pipeloom.ir.schedule import Schedule
 from pipeloom.models.workload import Workload, rows_of
 from pipeloom.runtime.boundary import StageProbe, probe_stages
 from pipeloom.runtime.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
@@ -37,7 +38,7 @@ from pipeloom.runtime.memory_mailbox import MemoryMailbox, Postbox
 from pipeloom.runtime.offload import HostOffload
 from pipeloom.runtime.optimizer_sync import OptimizerSync
 from pipeloom.runtime.precision import LossScaler, Precision
-from pipeloom.runtime.spec import RankResult, TrainSpec
+from pipeloom.runtime.spec import OptimizerPart, ParallelPart, RankResult, TrainSpec
 from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
 from pipeloom.runtime.stage_call import run_stage
 from pipeloom.runtime.zero import JointSteppers, ReplicatedAdamW, ShardedAdamW
@@ -113,39 +114,18 @@ class RankRun:
         probe: StageProbe | None = None,
     ) -> RankRun:
         """`plan` and `probe` are the same on every rank: a driver of several ranks passes them once."""
-        schedule, work = spec.schedule, spec.resolved_workload()
-        p = schedule.num_devices
-        replica, device = divmod(rank, p)
-        where, precision = torch_device_of(spec), Precision(spec.dtype)
+        parallel, optimizer = spec.parallelism, spec.optimizer
+        schedule, work = parallel.schedule, spec.resolved_workload()
+        replica, device = divmod(rank, schedule.num_devices)
+        where, precision = torch_device_of(spec), Precision(optimizer.dtype)
         all_stages = work.build(schedule.num_stages)
-        probe = probe or probe_boundaries(spec, work, all_stages, precision)
-        hosted = schedule.stages_on(device)
+        probe = probe or probe_boundaries(schedule, work, all_stages, precision)
         buckets = GradientBuckets(
-            schedule, spec.dp, all_stages, rank, across_replicas=spec.zero == 0, new_group=transport.new_group
+            schedule, parallel.dp, all_stages, rank, across_replicas=parallel.zero == 0, new_group=transport.new_group
         )
-        dp_groups = [transport.new_group([r * p + d for r in range(spec.dp)]) for d in range(p)] if spec.zero else None
-        queue = WeightGradQueue()
-        stages = {s: all_stages[s].to(where) for s in hosted}
-        if any(op.kind is OpKind.W for op in schedule.devices[device]):  # fused backwards keep plain linears
-            for module in stages.values():
-                split_linears(module, queue)
-        offloaded = [s for s in hosted if s in spec.offload_stages]
-        owned = _owned(schedule, all_stages, device)
-        host = None
-        if offloaded:
-            dp_group = dp_groups[device] if dp_groups else None  # else the buckets sum over the replicas
-            host = HostOffload(stages, offloaded, spec.lr, spec.reload_bits, precision.dtype, owned, dp_group)
-        on_host = {id(t) for s in offloaded for t in stages[s].parameters()}
-        parameters = [t for t in unique_parameters([stages[s] for s in hosted]) if id(t) not in on_host]
-        stepper: ReplicatedAdamW | ShardedAdamW
-        if dp_groups:
-            group = dp_groups[device]
-            assert group is not None, "ZeRO shards over torch.distributed; in-process runs refuse it"
-            stepper = ShardedAdamW(parameters, owned, spec.lr, spec.zero, group, precision.dtype, f"device{device}")
-        else:
-            stepper = ReplicatedAdamW(parameters, owned, spec.lr)
-        plan = plan or plan_messages(schedule)
-        mail = _mail(spec, transport, plan, device, replica, probe, where)
+        stages, queue = _hosted_stages(schedule, all_stages, device, where)
+        host, stepper, parameters = _steppers(parallel, optimizer, transport, all_stages, stages, device, precision)
+        mail = _mail(parallel, transport, plan or plan_messages(schedule), device, replica, probe, where)
         executor = DeviceExecutor(
             schedule,
             device,
@@ -153,19 +133,23 @@ class RankRun:
             queue,
             mail,
             loss=work.loss,
-            loss_scale=1.0 / (schedule.num_microbatches * spec.dp * schedule.num_slices),
-            concat_w=spec.concat_w,
+            loss_scale=1.0 / (schedule.num_microbatches * parallel.dp * schedule.num_slices),
+            concat_w=parallel.concat_w,
             device_type=where,
             before_forward=host.reload if host else None,
             precision=precision,
-            recompute_layers=spec.recompute_layers,
+            recompute_layers=spec.model.recompute_layers,
         )
-        scaler = LossScaler(spec.initial_loss_scale, spec.loss_scale_growth_interval) if spec.dtype == "fp16" else None
+        scaler = (
+            LossScaler(optimizer.initial_loss_scale, optimizer.loss_scale_growth_interval)
+            if optimizer.dtype == "fp16"
+            else None
+        )
         optimizers = JointSteppers(host, stepper) if host is not None else stepper  # the host's starts first
-        sync = _optimizer_sync(spec, transport, optimizers, device, replica, scaler)
+        sync = _optimizer_sync(optimizer, parallel, transport, optimizers, device, replica, scaler)
         m, b = schedule.num_microbatches, work.microbatch_size
-        result = RankResult(rank, sample_tokens=work.sample_tokens, samples_per_step=spec.dp * m * b)
-        result.forward_flops = m * sum(probe.forward_flops[s] for s in hosted)
+        result = RankResult(rank, sample_tokens=work.sample_tokens, samples_per_step=parallel.dp * m * b)
+        result.forward_flops = m * sum(probe.forward_flops[s] for s in stages)
         run = cls(
             spec,
             rank,
@@ -187,9 +171,10 @@ class RankRun:
             parameters,
             progress=_progress(spec, rank, result),
         )
-        if spec.resume_dir is not None:
+        checkpoints = spec.checkpoints
+        if checkpoints.resume_from is not None:
             found = find_checkpoint(
-                spec.resume_dir, transport.world_size, schedule.name, spec.zero, spec.offload_stages
+                checkpoints.resume_from, transport.world_size, schedule.name, parallel.zero, parallel.offload_stages
             )
             run.first_step = load_checkpoint(found[0], stages, run.holders)
         if where.type == "cuda":
@@ -221,7 +206,7 @@ class RankRun:
     def step_optimizer(self, step: int, reduce: Callable[[str, Callable[[], None]], None]) -> None:
         """After the gradient buckets are summed: faults (tests), ZeRO's reduction, unscaling,
         recording, the optimizer step (or the sync's, which may skip or roll back)."""
-        _inject_faults(self.spec, step, self.stages)
+        _inject_faults(self.spec.gradient_faults, step, self.stages)
         reduce("the data-parallel reduction of the sharded gradients", self.optimizers.reduce)
         self._times["stepping"] = time.perf_counter()
         if self.scaler is not None:
@@ -257,12 +242,18 @@ class RankRun:
         result.records.append(record)
         if self.progress is not None:
             self.progress(step)
-        spec = self.spec
-        if spec.save_every and spec.save_dir is not None and (step + 1) % spec.save_every == 0:
+        checkpoints, parallel = self.spec.checkpoints, self.spec.parallelism
+        if checkpoints.every and checkpoints.directory is not None and (step + 1) % checkpoints.every == 0:
             if self.sync is not None:
                 self.sync.validate()
             save_checkpoint(
-                spec.save_dir, step + 1, self.stages, self.holders, spec.schedule.name, spec.zero, spec.offload_stages
+                checkpoints.directory,
+                step + 1,
+                self.stages,
+                self.holders,
+                parallel.schedule.name,
+                parallel.zero,
+                parallel.offload_stages,
             )
 
     # -- teardown --------------------------------------------------------------------------------
@@ -280,7 +271,7 @@ class RankRun:
         if self.where.type == "cuda":
             result.peak_memory_bytes = int(torch.cuda.max_memory_allocated(self.where))
         result.static_bytes, result.planned_static_bytes = _static_bytes(
-            self.spec, self.stepper, self.host, self.parameters, self.precision
+            self.spec.parallelism, self.stepper, self.host, self.parameters, self.precision
         )
         result.parameters = {
             s: {n: t.detach().cpu().clone() for n, t in module.named_parameters()} for s, module in self.stages.items()
@@ -288,8 +279,50 @@ class RankRun:
         return result
 
 
+def _hosted_stages(schedule, all_stages, device: int, where: torch.device) -> tuple[dict, WeightGradQueue]:
+    """This device's stages on its torch device, their linears split for W when its ops have W
+    (fused backwards keep plain linears)."""
+    queue = WeightGradQueue()
+    stages = {s: all_stages[s].to(where) for s in schedule.stages_on(device)}
+    if any(op.kind is OpKind.W for op in schedule.devices[device]):
+        for module in stages.values():
+            split_linears(module, queue)
+    return stages, queue
+
+
+def _steppers(
+    parallel: ParallelPart,
+    optimizer: OptimizerPart,
+    transport: Transport,
+    all_stages,
+    stages: dict,
+    device: int,
+    precision: Precision,
+) -> tuple[HostOffload | None, ReplicatedAdamW | ShardedAdamW, list]:
+    """(the host's optimizer for offloaded stages, the device's optimizer — replicated or ZeRO
+    sharded — and the parameters it steps)."""
+    schedule, p = parallel.schedule, parallel.schedule.num_devices
+    dp_groups = (
+        [transport.new_group([r * p + d for r in range(parallel.dp)]) for d in range(p)] if parallel.zero else None
+    )
+    offloaded = [s for s in stages if s in parallel.offload_stages]
+    owned = _owned(schedule, all_stages, device)
+    host = None
+    if offloaded:
+        dp_group = dp_groups[device] if dp_groups else None  # else the buckets sum over the replicas
+        host = HostOffload(stages, offloaded, optimizer.lr, parallel.reload_bits, precision.dtype, owned, dp_group)
+    on_host = {id(t) for s in offloaded for t in stages[s].parameters()}
+    parameters = [t for t in unique_parameters(list(stages.values())) if id(t) not in on_host]
+    if not dp_groups:
+        return host, ReplicatedAdamW(parameters, owned, optimizer.lr), parameters
+    group = dp_groups[device]
+    assert group is not None, "ZeRO shards over torch.distributed; in-process runs refuse it"
+    label = f"device{device}"
+    return host, ShardedAdamW(parameters, owned, optimizer.lr, parallel.zero, group, precision.dtype, label), parameters
+
+
 def _mail(
-    spec: TrainSpec,
+    parallel: ParallelPart,
     transport: Transport,
     plan: MessagePlan,
     device: int,
@@ -299,12 +332,12 @@ def _mail(
 ) -> Mail:
     if transport.postbox is not None:
         return MemoryMailbox(plan, device, probe.boundaries, transport.postbox)
-    p = spec.schedule.num_devices
+    p = parallel.schedule.num_devices
     # One group per ordered pair of devices: each carries one direction only, so posting its
     # receives ahead in the sender's order can never block a send the other way (NCCL runs a
     # pair's operations in order on one stream). Every rank creates every replica's groups.
     pairs = sorted({(m.src, m.dst) for sends in plan.sends for m in sends})
-    groups = [{(a, b): dist.new_group([r * p + a, r * p + b]) for a, b in pairs} for r in range(spec.dp)]
+    groups = [{(a, b): dist.new_group([r * p + a, r * p + b]) for a, b in pairs} for r in range(parallel.dp)]
     return Mailbox(
         plan,
         device,
@@ -312,21 +345,21 @@ def _mail(
         lambda d: replica * p + d,
         groups[replica],
         where,
-        timedelta(seconds=spec.timeout_s),
+        timedelta(seconds=parallel.timeout_s),
     )
 
 
 def probe_spec(spec: TrainSpec) -> StageProbe:
     """The boundaries and FLOPs of `spec`'s stages, from a model built for the purpose."""
     work = spec.resolved_workload()
-    return probe_boundaries(spec, work, work.build(spec.schedule.num_stages), Precision(spec.dtype))
+    return probe_boundaries(spec.schedule, work, work.build(spec.schedule.num_stages), Precision(spec.dtype))
 
 
-def probe_boundaries(spec: TrainSpec, work: Workload, all_stages, precision: Precision) -> StageProbe:
+def probe_boundaries(schedule: Schedule, work: Workload, all_stages, precision: Precision) -> StageProbe:
     """Boundary shapes and forward FLOPs from one micro-batch of step 0 (a slice, with slices)."""
     inputs, _ = work.batch(work.microbatch_size, 0)
     example = rows_of(inputs, slice(0, work.microbatch_size))
-    slices = spec.schedule.num_slices
+    slices = schedule.num_slices
     if slices > 1:
         example = tuple(t[:, : t.shape[1] // slices] for t in example)
     past: list | None = [] if slices > 1 else None
@@ -342,24 +375,26 @@ def _progress(spec: TrainSpec, rank: int, result: RankResult):
     return StepReporter(result, spec.steps, spec.peak_tflops)
 
 
-def _optimizer_sync(spec: TrainSpec, transport: Transport, stepper, device: int, replica: int, scaler):
+def _optimizer_sync(
+    optimizer: OptimizerPart, parallel: ParallelPart, transport: Transport, stepper, device: int, replica: int, scaler
+):
     """Global clipping / skipping (also fp16's overflow skip), if asked for; its process groups
     are made on every rank alike."""
-    if spec.clip_norm is None and not spec.post_validation and scaler is None:
+    if not optimizer.needs_global_state:
         return None
     if not transport.distributed:
         raise ConfigError("in-process runs do not clip, post-validate or scale fp16 losses; use run_local")
-    p = spec.schedule.num_devices
-    groups = [dist.new_group([r * p + d for d in range(p)]) for r in range(spec.dp)]
+    p = parallel.schedule.num_devices
+    groups = [dist.new_group([r * p + d for d in range(p)]) for r in range(parallel.dp)]
     return OptimizerSync(
         stepper,
-        spec.clip_norm,
-        spec.post_validation,
+        optimizer.clip_norm,
+        optimizer.post_validation,
         device,
         p,
         lambda d: replica * p + d,
         groups[replica],
-        spec.timeout_s,
+        parallel.timeout_s,
         on_decision=scaler.update if scaler is not None else None,
     )
 
@@ -377,7 +412,7 @@ def _owned(schedule, all_stages, device: int):
     return lambda parameter: owners[first_stage[id(parameter)]] == device
 
 
-def _static_bytes(spec: TrainSpec, stepper, host, parameters, precision: Precision) -> tuple[dict, dict]:
+def _static_bytes(parallel: ParallelPart, stepper, host, parameters, precision: Precision) -> tuple[dict, dict]:
     """(measured, planned) weight, gradient, optimizer and host bytes of this rank: the tensors it
     holds, beside `pipeloom.static_memory`'s figures for as many weights."""
     compute = compute_bytes(precision.name)
@@ -388,7 +423,7 @@ def _static_bytes(spec: TrainSpec, stepper, host, parameters, precision: Precisi
         "host": 0,
     }
     planned = static_bytes(
-        sum(t.numel() for t in parameters), spec.dp, spec.zero, compute=compute, padded=True
+        sum(t.numel() for t in parameters), parallel.dp, parallel.zero, compute=compute, padded=True
     ).to_dict()
     planned.pop("device")
     if host is not None:
@@ -403,8 +438,9 @@ def _static_bytes(spec: TrainSpec, stepper, host, parameters, precision: Precisi
     return measured, planned
 
 
-def _inject_faults(spec: TrainSpec, step: int, stages: dict) -> None:
-    for when, stage, kind, factor in spec.gradient_faults:
+def _inject_faults(faults: tuple[tuple[int, int, str, float], ...], step: int, stages: dict) -> None:
+    """Tests' gradient faults: (step, stage, "nan", "inf" or "scale", factor)."""
+    for when, stage, kind, factor in faults:
         if when != step or stage not in stages:
             continue
         grads = [grad for t in stages[stage].parameters() if (grad := grad_of(t)) is not None]

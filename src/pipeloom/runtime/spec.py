@@ -17,7 +17,74 @@ from pipeloom.runtime.checkpoint import find_checkpoint
 from pipeloom.runtime.executor import StepRecord
 from pipeloom.runtime.precision import Precision
 
-__all__ = ["TrainSpec", "RankResult", "check_spec", "check_device"]
+__all__ = [
+    "CheckpointPart",
+    "ModelPart",
+    "OptimizerPart",
+    "ParallelPart",
+    "RankResult",
+    "TrainSpec",
+    "check_device",
+    "check_spec",
+]
+
+
+# A run in parts: each piece of the runtime takes the part it needs, not the whole TrainSpec.
+# TrainSpec keeps its flat fields (the public constructor) and hands out these views.
+
+
+@dataclass(frozen=True)
+class ModelPart:
+    """What is trained: the model, its data and loss, and how much of it a checkpoint recomputes."""
+
+    config: LlamaConfig
+    seed: int
+    layer_counts: tuple[int, ...] | None
+    workload: Workload | None
+    recompute_layers: int | None
+
+    def resolved(self) -> Workload:
+        return self.workload or llama_workload(self.config, self.seed, self.layer_counts)
+
+
+@dataclass(frozen=True)
+class ParallelPart:
+    """Where it runs: the pipeline schedule, data-parallel replicas, static-memory sharding and
+    offload, and the devices and backend of the ranks."""
+
+    schedule: Schedule
+    dp: int
+    zero: int
+    offload_stages: tuple[int, ...]
+    reload_bits: int
+    concat_w: bool
+    threads: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class OptimizerPart:
+    """How a step updates the weights: AdamW's rate, the precision, global clipping,
+    post-validation and fp16's loss scale."""
+
+    lr: float
+    dtype: str
+    clip_norm: float | None
+    post_validation: bool
+    initial_loss_scale: float
+    loss_scale_growth_interval: int
+
+    @property
+    def needs_global_state(self) -> bool:
+        """Whether a step waits on every stage's gradients (clipping, skipping, fp16's overflow)."""
+        return self.clip_norm is not None or self.post_validation or self.dtype == "fp16"
+
+
+@dataclass(frozen=True)
+class CheckpointPart:
+    every: int
+    directory: str | None
+    resume_from: str | None
 
 
 @dataclass(frozen=True)
@@ -76,7 +143,39 @@ class TrainSpec:
     """Continue from a checkpoint (a step-N directory, or the newest in this directory) up to `steps`."""
 
     def resolved_workload(self) -> Workload:
-        return self.workload or llama_workload(self.config, self.seed, self.layer_counts)
+        return self.model.resolved()
+
+    @property
+    def model(self) -> ModelPart:
+        return ModelPart(self.config, self.seed, self.layer_counts, self.workload, self.recompute_layers)
+
+    @property
+    def parallelism(self) -> ParallelPart:
+        return ParallelPart(
+            self.schedule,
+            self.dp,
+            self.zero,
+            self.offload_stages,
+            self.reload_bits,
+            self.concat_w,
+            self.threads,
+            self.timeout_s,
+        )
+
+    @property
+    def optimizer(self) -> OptimizerPart:
+        return OptimizerPart(
+            self.lr,
+            self.dtype,
+            self.clip_norm,
+            self.post_validation,
+            self.initial_loss_scale,
+            self.loss_scale_growth_interval,
+        )
+
+    @property
+    def checkpoints(self) -> CheckpointPart:
+        return CheckpointPart(self.save_every, self.save_dir, self.resume_dir)
 
     @property
     def torch_device_type(self) -> str:
@@ -124,59 +223,83 @@ class RankResult:
 
 
 def check_spec(spec: TrainSpec, world_size: int | None = None) -> None:
-    """Refuse before any compute: invalid schedule, wrong world size, uncuttable layers."""
-    validate(spec.schedule)
-    slices = spec.schedule.num_slices
-    seq_len = spec.workload.sample_tokens if spec.workload is not None else spec.config.seq_len
-    if slices > 1 and seq_len % slices:
-        raise ConfigError(f"train: sequence length {seq_len} does not split into {slices} equal slices")
-    if spec.dp < 1:
-        raise ConfigError(f"train: data-parallel size must be at least 1, got {spec.dp}")
-    if spec.zero not in (0, 1, 2):
-        raise ConfigError(f"train: the ZeRO level must be 0, 1 or 2, got {spec.zero!r}")
-    if spec.zero and spec.record_gradients:
+    """Refuse before any compute: invalid schedule, wrong world size, uncuttable layers — part by part."""
+    parallel = spec.parallelism
+    validate(parallel.schedule)
+    _check_parallelism(parallel, world_size)
+    if parallel.zero and spec.record_gradients:
         raise ConfigError("train: ZeRO keeps only a shard of the reduced gradients; record them with --zero 0")
     check_device(spec)
-    Precision(spec.dtype)
-    if spec.dtype == "fp16" and spec.offload_stages:
-        raise ConfigError("train: fp16's loss scale does not cover host-stepped (offloaded) stages; use bf16")
-    expected = spec.schedule.num_devices * spec.dp
+    _check_optimizer(spec.optimizer, parallel)
+    _check_model(spec.model, parallel.schedule)
+    _check_checkpoints(spec.checkpoints, parallel, spec.steps)
+
+
+def _check_parallelism(parallel: ParallelPart, world_size: int | None) -> None:
+    schedule = parallel.schedule
+    if parallel.dp < 1:
+        raise ConfigError(f"train: data-parallel size must be at least 1, got {parallel.dp}")
+    if parallel.zero not in (0, 1, 2):
+        raise ConfigError(f"train: the ZeRO level must be 0, 1 or 2, got {parallel.zero!r}")
+    expected = schedule.num_devices * parallel.dp
     if world_size is not None and world_size != expected:
         raise ConfigError(
-            f"train: world size {world_size} does not match p × dp = {spec.schedule.num_devices} × {spec.dp} = {expected}"
+            f"train: world size {world_size} does not match p × dp = {schedule.num_devices} × {parallel.dp} = {expected}"
         )
-    if spec.workload is None:
-        stage_layer_counts(spec.config, spec.schedule.num_stages, spec.layer_counts)
-    elif spec.workload.check is not None:
-        spec.workload.check(spec.schedule.num_stages)
-    bad = sorted(set(spec.offload_stages) - set(range(spec.schedule.num_stages)))
-    if bad or spec.reload_bits not in (16, 32):
+    bad = sorted(set(parallel.offload_stages) - set(range(schedule.num_stages)))
+    if bad or parallel.reload_bits not in (16, 32):
         raise ConfigError(
-            f"train: offload stages must be among the schedule's and reload bits 16 or 32 (got {bad}, {spec.reload_bits})"
+            f"train: offload stages must be among the schedule's and reload bits 16 or 32 (got {bad}, {parallel.reload_bits})"
         )
-    _check_recompute_layers(spec)
-    if spec.clip_norm is not None and spec.clip_norm <= 0:
-        raise ConfigError(f"train: the clipping norm must be positive, got {spec.clip_norm}")
-    if (spec.save_dir is None) != (spec.save_every == 0) or spec.save_every < 0:
+
+
+def _check_optimizer(optimizer: OptimizerPart, parallel: ParallelPart) -> None:
+    Precision(optimizer.dtype)
+    if optimizer.dtype == "fp16" and parallel.offload_stages:
+        raise ConfigError("train: fp16's loss scale does not cover host-stepped (offloaded) stages; use bf16")
+    if optimizer.clip_norm is not None and optimizer.clip_norm <= 0:
+        raise ConfigError(f"train: the clipping norm must be positive, got {optimizer.clip_norm}")
+
+
+def _check_model(model: ModelPart, schedule: Schedule) -> None:
+    slices = schedule.num_slices
+    seq_len = model.workload.sample_tokens if model.workload is not None else model.config.seq_len
+    if slices > 1 and seq_len % slices:
+        raise ConfigError(f"train: sequence length {seq_len} does not split into {slices} equal slices")
+    if model.workload is None:
+        stage_layer_counts(model.config, schedule.num_stages, model.layer_counts)
+    elif model.workload.check is not None:
+        model.workload.check(schedule.num_stages)
+    _check_recompute_layers(model.recompute_layers, schedule)
+
+
+def _check_checkpoints(checkpoints: CheckpointPart, parallel: ParallelPart, steps: int) -> None:
+    if (checkpoints.directory is None) != (checkpoints.every == 0) or checkpoints.every < 0:
         raise ConfigError("train: checkpoints need both a directory (--save) and a period (--save-every >= 1)")
-    if spec.resume_dir is not None:
-        _, done = find_checkpoint(spec.resume_dir, expected, spec.schedule.name, spec.zero, spec.offload_stages)
-        if done >= spec.steps:
+    if checkpoints.resume_from is not None:
+        schedule = parallel.schedule
+        _, done = find_checkpoint(
+            checkpoints.resume_from,
+            schedule.num_devices * parallel.dp,
+            schedule.name,
+            parallel.zero,
+            parallel.offload_stages,
+        )
+        if done >= steps:
             raise ConfigError(f"train: the checkpoint is already {done} steps in; ask for more than {done} --steps")
 
 
-def _check_recompute_layers(spec: TrainSpec) -> None:
-    k = spec.recompute_layers
+def _check_recompute_layers(k: int | None, schedule: Schedule) -> None:
     if k is None:
         return
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ConfigError(f"train: --recompute-layers must be a positive number of layers, got {k!r}")
-    if not any(op.ckpt for _, _, op in spec.schedule.ops()):
+    if not any(op.ckpt for _, _, op in schedule.ops()):
         raise ConfigError(
             "train: --recompute-layers sets how much of each checkpoint to recompute, but the schedule "
             "checkpoints nothing; add --ckpt full or mario"
         )
-    if spec.schedule.num_slices > 1:
+    if schedule.num_slices > 1:
         raise ConfigError("train: --recompute-layers checkpoints whole micro-batches; it does not run slice by slice")
 
 
