@@ -24,9 +24,9 @@ def test_cli_simulate_without_plot_imports_no_matplotlib():
     assert not {m for m in modules if m.split(".")[0] in ("torch", "matplotlib", "ortools")}
 
 
-def module_imports() -> dict[str, set[str]]:
-    """Module → the pipeloom modules it imports at load time (not inside functions, not for
-    type checking only), read from the source."""
+def module_imports(inside_functions: bool = False) -> dict[str, set[str]]:
+    """Module → the pipeloom modules it imports, read from the source: at load time only (lazy
+    imports inside functions are deliberate, for start-up time), or anywhere."""
     import ast
     from pathlib import Path
 
@@ -39,7 +39,7 @@ def module_imports() -> dict[str, set[str]]:
     for name, path in modules.items():
         tree = ast.parse(path.read_text())
         found = set()
-        for node in tree.body:  # top level only: lazy imports inside functions are deliberate
+        for node in ast.walk(tree) if inside_functions else tree.body:
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pipeloom"):
                 for alias in node.names:
                     sub = f"{node.module}.{alias.name}"
@@ -72,30 +72,6 @@ def test_modules_import_each_other_in_one_direction():
     assert not {m for m in graph if m.startswith("pipeloom.cli.") and "pipeloom.cli" in graph[m]}
 
 
-def all_imports() -> dict[str, set[str]]:
-    """Module → the pipeloom modules it imports anywhere, inside functions included."""
-    import ast
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1] / "src"
-    paths = {
-        ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): path
-        for path in (root / "pipeloom").rglob("*.py")
-    }
-    graph = {}
-    for name, path in paths.items():
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pipeloom"):
-                for alias in node.names:
-                    sub = f"{node.module}.{alias.name}"
-                    found.add(sub if sub in paths else node.module)
-            elif isinstance(node, ast.Import):
-                found |= {alias.name for alias in node.names if alias.name.startswith("pipeloom")}
-        graph[name] = {target for target in found if target in paths and target != name}
-    return graph
-
-
 # Layers, bottom up; a package may import its own layer and those below, never one above — at
 # load time or inside a function. The planning core imports no torch; models are what the
 # runtime trains; the runtime runs plans; the profiler measures with the runtime; the command
@@ -123,7 +99,7 @@ def layer_of(module: str) -> int:
 def test_no_module_imports_a_layer_above_its_own_even_inside_a_function():
     upward = sorted(
         f"{module} -> {target}"
-        for module, targets in all_imports().items()
+        for module, targets in module_imports(inside_functions=True).items()
         for target in targets
         if layer_of(target) > layer_of(module)
     )
