@@ -85,3 +85,16 @@ def test_the_readme_runs_in_order_on_a_fresh_directory(tmp_path, monkeypatch):
             if index + 1 < len(blocks) and blocks[index + 1][0] == "output":
                 assert printed == blocks[index + 1][1]
     assert (tmp_path / "plan.json").exists() and (tmp_path / "gpt3-plan.json").exists()
+
+
+def test_the_readme_python_example_imports_the_public_runtime_only():
+    """Its imports are `from pipeloom.runtime import ...`, and every name it imports is there."""
+    pytest.importorskip("torch")
+    import pipeloom.runtime
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    imports = [line for block in blocks for line in block.splitlines() if line.startswith(("from ", "import "))]
+    assert imports and all(line.startswith("from pipeloom.runtime import ") for line in imports), imports
+    for line in imports:
+        for name in line.removeprefix("from pipeloom.runtime import ").split(","):
+            assert name.strip() in pipeloom.runtime.__all__, name

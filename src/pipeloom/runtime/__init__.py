@@ -1,16 +1,18 @@
 """The runtime's public surface: what a Python user needs to train a schedule or a plan.
 
-    from pipeloom.runtime import TrainSpec, hf_workload, run_local, train_plan
+    from pipeloom.runtime import TrainSpec, build_schedule, hf_workload, run_local, train_plan
 
 A run is a `TrainSpec` (schedule, workload, parallel sizes, precision, optimizer, checkpoints);
 `run_local` forks its ranks on this machine over gloo, `run_in_process` runs every device in this
 process (messages in memory: for tests and quick checks), `train_rank` is one rank under
 `torchrun`; `reference_training` is the single-process run every schedule must reproduce. A
 workload is the model, its data and its loss: the built-in decoder, any list of blocks, a Hugging
-Face model or a torchvision ResNet. Importing this package imports torch.
+Face model or a torchvision ResNet; `build_schedule` is the planning core's, re-exported so
+one import serves a training script. Importing this package imports torch.
 """
 
 from pipeloom.models.hf import hf_workload
+from pipeloom.schedules import build_schedule
 from pipeloom.models.vision import resnet_workload
 from pipeloom.models.workload import Workload, blocks_workload, llama_workload
 from pipeloom.runtime.in_process import run_in_process
@@ -24,6 +26,7 @@ __all__ = [
     "TrainSpec",
     "Workload",
     "blocks_workload",
+    "build_schedule",
     "hf_workload",
     "llama_workload",
     "reference_training",

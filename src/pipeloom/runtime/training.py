@@ -1,11 +1,11 @@
 """Training with a pipeline schedule on a pp × dp grid of processes, and its single-process reference.
 
-Rank r is device r mod p of data-parallel replica r // p. Every rank builds the full model from
-the seed and keeps the stages its device hosts, so all replicas start identical. A step feeds
-replica k the micro-batches k·m .. k·m+m−1 of the step's batch, runs the device's op list, sums
-each stage's gradients over every copy of it (its data-parallel replicas and, in Chimera, its
-second pipeline's copy), then steps AdamW. `reference_training` runs the same model on the same
-data in one process — what every schedule must reproduce.
+`train_rank` is one rank over torch.distributed: it joins the process group and drives
+`rank.RankRun` (set-up, then per step the device's op list, the sum of each stage's gradients
+over every copy of it — data-parallel replicas, Chimera's second pipeline, tied weights — the
+optimizer step and the loss all-reduce, then teardown), turning a peer's failure into one line.
+`reference_training` runs the same model on the same data in one process — what every schedule
+must reproduce.
 """
 
 from __future__ import annotations
