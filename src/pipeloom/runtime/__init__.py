@@ -12,7 +12,6 @@ one import serves a training script. Importing this package imports torch.
 """
 
 from pipeloom.models.hf import hf_workload
-from pipeloom.schedules import build_schedule
 from pipeloom.models.vision import resnet_workload
 from pipeloom.models.workload import Workload, blocks_workload, llama_workload
 from pipeloom.runtime.in_process import run_in_process
@@ -20,6 +19,7 @@ from pipeloom.runtime.local import run_local
 from pipeloom.runtime.plan_run import spec_from_plan, train_plan
 from pipeloom.runtime.spec import RankResult, TrainSpec
 from pipeloom.runtime.training import reference_training, train_rank
+from pipeloom.schedules import build_schedule
 
 __all__ = [
     "RankResult",

@@ -176,10 +176,15 @@ def _op_costs(graph: DependencyGraph, table: StageCosts) -> tuple[list[float], l
     time_of, delta_of, num_slices = table.time_of, table.delta_of, table.num_slices
     durations: list[float] = []
     deltas: list[float] = []
-    for op in graph.ops:  # StageCosts.duration and memory_delta, one call each instead of two
+    known: dict[tuple, tuple[float, float]] = {}  # micro-batches repeat a stage's few distinct ops
+    for op in graph.ops:
         i = op.stage * num_slices + op.slice
-        durations.append(time_of(op.kind, i, op.parts))
-        deltas.append(delta_of(op.kind, i, op.ckpt, op.parts))
+        key = (op.kind, i, op.ckpt, op.parts)
+        costs = known.get(key)
+        if costs is None:
+            costs = known[key] = (time_of(op.kind, i, op.parts), delta_of(op.kind, i, op.ckpt, op.parts))
+        durations.append(costs[0])
+        deltas.append(costs[1])
     for g in graph.paired:  # the pair's whole time on its first op (the walk adds the two)
         first, second = graph.ops[g], graph.ops[g + 1]
         forward, backward = (first, second) if first.kind is OpKind.F else (second, first)
