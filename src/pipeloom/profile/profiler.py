@@ -130,7 +130,7 @@ _SETTLED_MS = 0.1
 
 def _measure_probe(model, mbs, n, steps, threads, workload_for, dtype, max_rounds) -> _Probe:
     from pipeloom.runtime.local import run_local
-    from pipeloom.runtime.rank import probe_spec
+    from pipeloom.runtime.probe import probe_spec
     from pipeloom.runtime.training import TrainSpec
 
     p = 2

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import assert_never
 
 import torch
@@ -42,67 +41,11 @@ from pipeloom.runtime.mailbox import Mail, MessageKey, peer_failure
 from pipeloom.runtime.precision import Precision
 from pipeloom.runtime.split_linear import WeightGradQueue
 from pipeloom.runtime.stage_call import earlier_keys_values, run_stage, split_stage
+from pipeloom.runtime.step_state import StashEntry, StepRecord, StepState, Tensors
 
-__all__ = ["StepRecord", "DeviceExecutor", "peer_failure", "run_stage"]
+__all__ = ["DeviceExecutor", "peer_failure", "run_stage"]
 
 _F, _R, _B, _W, _BW = OpKind.F, OpKind.R, OpKind.B, OpKind.W, OpKind.BW
-
-Tensors = tuple[torch.Tensor, ...]
-
-
-@dataclass
-class StepRecord:
-    loss: float = 0.0
-    """Sum of this device's scaled micro-batch losses (last stage only)."""
-    ops: list[tuple[str, float, float]] = field(default_factory=list)
-    """(op text, start, end) in seconds from the step's start; an op starts once its inputs are here."""
-    stash: list[tuple[float, int]] = field(default_factory=list)
-    """(time, bytes held) after every change."""
-    peak_stash_bytes: int = 0
-    entry_bytes: dict[str, int] = field(default_factory=dict)
-    """Bytes each F and R added to the stash, by op text."""
-    recomputes: int = 0
-    sent_bytes: int = 0
-    """Bytes this device sent to other devices (activations and gradients)."""
-    sent_dtypes: tuple[str, ...] = ()
-    """The dtypes of what it sent, e.g. ("bfloat16",)."""
-
-
-@dataclass
-class _Entry:
-    inputs: Tensors = ()
-    output: Tensors | None = None
-    """The outputs to back-propagate from (the loss on the last stage)."""
-    bytes: int = 0
-    grads: Tensors | None = None
-    """The output gradients, when an R inside the backward already waited for them."""
-    middle: Tensors = ()
-    """Partial checkpoint: the tail's input leaves (the head's output, computed without autograd)."""
-    recomputed: Tensors = ()
-    """Partial checkpoint: the head's output again, with autograd, from R."""
-
-
-@dataclass
-class _Step:
-    """What one step's ops share."""
-
-    inputs: Sequence[Tensors]
-    targets: Sequence[object]
-    record: StepRecord
-    began: float
-    stash: dict[tuple[int, int, int], _Entry] = field(default_factory=dict)
-    kv: dict[tuple[int, int, int], tuple[list, list]] = field(default_factory=dict)
-    """Slice key → (its keys/values per layer, their leaves for the later slices)."""
-    held: int = 0
-    start: float = 0.0
-
-    def now(self) -> float:
-        return time.perf_counter() - self.began
-
-    def note(self, change: int) -> None:
-        self.held += change
-        self.record.stash.append((self.now(), self.held))
-        self.record.peak_stash_bytes = max(self.record.peak_stash_bytes, self.held)
 
 
 class DeviceExecutor:
@@ -152,7 +95,7 @@ class DeviceExecutor:
                 "slices need stages with forward_slice (the LLaMA-style decoder's, or a Hugging Face causal LM's)"
             )
         self.slice_len = 0
-        self._step = _Step((), (), StepRecord(), 0.0)
+        self._step = StepState((), (), StepRecord(), 0.0)
         self._index = 0
         self.halves = (
             {s: split_stage(module, recompute_layers) for s, module in stages.items()} if recompute_layers else {}
@@ -174,7 +117,7 @@ class DeviceExecutor:
     def begin(self, inputs: Sequence[Tensors], targets: Sequence[object]) -> None:
         if self.num_slices > 1:
             self.slice_len = inputs[0][0].shape[1] // self.num_slices
-        self._step = _Step(inputs, targets, StepRecord(), time.perf_counter())
+        self._step = StepState(inputs, targets, StepRecord(), time.perf_counter())
         self._index = 0
         self.mail.open()
 
@@ -233,7 +176,7 @@ class DeviceExecutor:
 
     # -- handlers, one per op kind ----------------------------------------------------------------
 
-    def _handler(self, kind: OpKind) -> Callable[[_Step, Op], None]:
+    def _handler(self, kind: OpKind) -> Callable[[StepState, Op], None]:
         """The handler of a lone op of `kind` (W runs through `_weight_op`, which may join a run
         of them into one GEMM)."""
         if kind is OpKind.F:
@@ -246,7 +189,7 @@ class DeviceExecutor:
             return self._lone_weight_op
         assert_never(kind)
 
-    def _forward_op(self, step: _Step, op: Op) -> None:
+    def _forward_op(self, step: StepState, op: Op) -> None:
         stage, mb, slice_ = op.key
         module = self.stages[stage]
         if stage == 0:
@@ -258,7 +201,7 @@ class DeviceExecutor:
         step.start = step.now()  # the op's own time starts once its input is here
         past = earlier_keys_values(step.kv, op, self.num_slices)
         target = self._target(step, op)
-        entry = _Entry(inputs=x)
+        entry = StashEntry(inputs=x)
         if op.ckpt and self.halves:
             head, tail = self.halves[stage]
             with torch.no_grad():
@@ -287,7 +230,7 @@ class DeviceExecutor:
         step.record.entry_bytes[op.text] = entry.bytes
         step.note(entry.bytes)
 
-    def _recompute_op(self, step: _Step, op: Op) -> None:
+    def _recompute_op(self, step: StepState, op: Op) -> None:
         stage = op.stage
         entry = step.stash[op.key]
         if op.after_grad and stage != self.last_stage:  # recompute inside the backward
@@ -313,7 +256,7 @@ class DeviceExecutor:
         step.note(saved)
         entry.bytes += saved
 
-    def _backward_op(self, step: _Step, op: Op) -> None:
+    def _backward_op(self, step: StepState, op: Op) -> None:
         stage, mb, slice_ = op.key
         entry = step.stash.pop(op.key)
         grads = entry.grads
@@ -354,7 +297,7 @@ class DeviceExecutor:
         elif len(self.queue) == before and stage in self._split_stages:
             raise RuntimeFault(f"{op.text}: no weight gradients were queued")
 
-    def _pair_op(self, step: _Step, first: Op, second: Op) -> None:
+    def _pair_op(self, step: StepState, first: Op, second: Op) -> None:
         """An overlapped F&B pair in list order (messages leave as the plan derived), each op
         with its own times. On CUDA the forward runs on a side stream, its kernels and collectives
         under the backward's; elsewhere the two run one after the other."""
@@ -371,7 +314,7 @@ class DeviceExecutor:
         if side is not None:
             torch.cuda.current_stream(self.torch_device).wait_stream(side)
 
-    def _weight_op(self, step: _Step, index: int) -> int:
+    def _weight_op(self, step: StepState, index: int) -> int:
         """Run the W at `index` (with `concat_w`, and the W of its stage right after it, as one
         GEMM); return how many ops it consumed."""
         op = self.ops[index]
@@ -388,7 +331,7 @@ class DeviceExecutor:
         step.record.ops.append((op.text, step.start, step.now()))
         return len(ops)
 
-    def _lone_weight_op(self, step: _Step, op: Op) -> None:
+    def _lone_weight_op(self, step: StepState, op: Op) -> None:
         """One W: the queued GEMMs of its key, or its share of them."""
         if op.parts > 1:
             self.queue.run_part(op.key, op.part, op.parts)
@@ -397,7 +340,7 @@ class DeviceExecutor:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _target(self, step: _Step, op: Op):
+    def _target(self, step: StepState, op: Op):
         if op.stage != self.last_stage:
             return None
         return self._cut(step.targets[op.microbatch], op.slice)

@@ -23,11 +23,13 @@ import torch
 
 from pipeloom.errors import ConfigError, ScheduleError
 from pipeloom.runtime.comm import plan_messages
-from pipeloom.runtime.executor import DeviceExecutor, StepRecord
+from pipeloom.runtime.executor import DeviceExecutor
 from pipeloom.runtime.gradients import reduce_in_process
 from pipeloom.runtime.memory_mailbox import MemoryMailbox, Postbox
-from pipeloom.runtime.rank import RankRun, Transport, probe_spec
+from pipeloom.runtime.probe import probe_spec
+from pipeloom.runtime.rank import RankRun, Transport
 from pipeloom.runtime.spec import RankResult, TrainSpec, check_spec
+from pipeloom.runtime.step_state import StepRecord
 
 __all__ = ["run_in_process"]
 

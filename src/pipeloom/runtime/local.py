@@ -19,7 +19,7 @@ import torch
 
 from pipeloom.errors import PipeloomError, RuntimeFault
 from pipeloom.runtime.boundary import StageProbe
-from pipeloom.runtime.rank import probe_spec
+from pipeloom.runtime.probe import probe_spec
 from pipeloom.runtime.training import RankResult, TrainSpec, check_spec, train_rank
 
 __all__ = ["run_local"]

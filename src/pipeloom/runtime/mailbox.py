@@ -26,7 +26,6 @@ __all__ = ["Mail", "Mailbox", "MessageKey", "message_specs", "peer_failure"]
 
 MessageKey = tuple[bool, int, int, int]
 """(gradient?, consuming stage, micro-batch, slice)."""
-Key = MessageKey
 
 
 class Mail(Protocol):
@@ -59,8 +58,8 @@ class Mailbox:
         self.boundaries = boundaries
         self.pair_groups, self.torch_device, self.timeout = pair_groups, torch_device, timeout
         self.width = max((len(specs) for specs in boundaries), default=1)
-        self.pending: dict[Key, tuple[list[torch.Tensor], list[dist.Work], int]] = {}
-        self.handed: dict[Key, tuple[torch.Tensor, ...]] = {}
+        self.pending: dict[MessageKey, tuple[list[torch.Tensor], list[dist.Work], int]] = {}
+        self.handed: dict[MessageKey, tuple[torch.Tensor, ...]] = {}
         self.sends: list[tuple[dist.Work, str, torch.Tensor]] = []
         self.sent_bytes = 0
         self.sent_dtypes: set[str] = set()

@@ -24,27 +24,26 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pipeloom.errors import ConfigError
 from pipeloom.ir.ops import OpKind
-from pipeloom.ir.schedule import Schedule
 from pipeloom.models.workload import Workload, rows_of
-from pipeloom.runtime.boundary import StageProbe, probe_stages
+from pipeloom.runtime.boundary import StageProbe
 from pipeloom.runtime.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from pipeloom.runtime.comm import MessagePlan, plan_messages
-from pipeloom.runtime.executor import DeviceExecutor, StepRecord
+from pipeloom.runtime.executor import DeviceExecutor
 from pipeloom.runtime.gradients import GradientBuckets, grad_of, unique_parameters
 from pipeloom.runtime.mailbox import Mail, Mailbox
 from pipeloom.runtime.memory_mailbox import MemoryMailbox, Postbox
 from pipeloom.runtime.offload import HostOffload
 from pipeloom.runtime.optimizer_sync import OptimizerSync
 from pipeloom.runtime.precision import LossScaler, Precision
+from pipeloom.runtime.probe import probe_boundaries
 from pipeloom.runtime.spec import OptimizerPart, ParallelPart, RankResult, TrainSpec
 from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
-from pipeloom.runtime.stage_call import run_stage
+from pipeloom.runtime.static_report import rank_static_bytes
+from pipeloom.runtime.step_state import StepRecord
 from pipeloom.runtime.zero import JointSteppers, ReplicatedAdamW, ShardedAdamW
-from pipeloom.static_memory import compute_bytes, static_bytes
 
-__all__ = ["RankRun", "Transport", "probe_boundaries", "probe_spec", "torch_device_of"]
+__all__ = ["RankRun", "Transport", "torch_device_of"]
 
 
 @dataclass(frozen=True)
@@ -146,7 +145,7 @@ class RankRun:
             else None
         )
         optimizers = JointSteppers(host, stepper) if host is not None else stepper  # the host's starts first
-        sync = _optimizer_sync(optimizer, parallel, transport, optimizers, device, replica, scaler)
+        sync = _optimizer_sync(optimizer, parallel, optimizers, device, replica, scaler)
         m, b = schedule.num_microbatches, work.microbatch_size
         result = RankResult(rank, sample_tokens=work.sample_tokens, samples_per_step=parallel.dp * m * b)
         result.forward_flops = m * sum(probe.forward_flops[s] for s in stages)
@@ -270,7 +269,7 @@ class RankRun:
             result.offload_events = self.host.events
         if self.where.type == "cuda":
             result.peak_memory_bytes = int(torch.cuda.max_memory_allocated(self.where))
-        result.static_bytes, result.planned_static_bytes = _static_bytes(
+        result.static_bytes, result.planned_static_bytes = rank_static_bytes(
             self.spec.parallelism, self.stepper, self.host, self.parameters, self.precision
         )
         result.parameters = {
@@ -349,24 +348,6 @@ def _mail(
     )
 
 
-def probe_spec(spec: TrainSpec) -> StageProbe:
-    """The boundaries and FLOPs of `spec`'s stages, from a model built for the purpose."""
-    work = spec.resolved_workload()
-    return probe_boundaries(spec.schedule, work, work.build(spec.schedule.num_stages), Precision(spec.dtype))
-
-
-def probe_boundaries(schedule: Schedule, work: Workload, all_stages, precision: Precision) -> StageProbe:
-    """Boundary shapes and forward FLOPs from one micro-batch of step 0 (a slice, with slices)."""
-    inputs, _ = work.batch(work.microbatch_size, 0)
-    example = rows_of(inputs, slice(0, work.microbatch_size))
-    slices = schedule.num_slices
-    if slices > 1:
-        example = tuple(t[:, : t.shape[1] // slices] for t in example)
-    past: list | None = [] if slices > 1 else None
-    cpu = torch.device("cpu")
-    return probe_stages(all_stages, example, lambda module, x: run_stage(module, x, past, precision, cpu, True)[0])
-
-
 def _progress(spec: TrainSpec, rank: int, result: RankResult):
     if not spec.report or rank != 0:
         return None
@@ -375,15 +356,11 @@ def _progress(spec: TrainSpec, rank: int, result: RankResult):
     return StepReporter(result, spec.steps, spec.peak_tflops)
 
 
-def _optimizer_sync(
-    optimizer: OptimizerPart, parallel: ParallelPart, transport: Transport, stepper, device: int, replica: int, scaler
-):
+def _optimizer_sync(optimizer: OptimizerPart, parallel: ParallelPart, stepper, device: int, replica: int, scaler):
     """Global clipping / skipping (also fp16's overflow skip), if asked for; its process groups
     are made on every rank alike."""
     if not optimizer.needs_global_state:
         return None
-    if not transport.distributed:
-        raise ConfigError("in-process runs do not clip, post-validate or scale fp16 losses; use run_local")
     p = parallel.schedule.num_devices
     groups = [dist.new_group([r * p + d for d in range(p)]) for r in range(parallel.dp)]
     return OptimizerSync(
@@ -410,32 +387,6 @@ def _owned(schedule, all_stages, device: int):
         for parameter in module.parameters():
             first_stage.setdefault(id(parameter), s)
     return lambda parameter: owners[first_stage[id(parameter)]] == device
-
-
-def _static_bytes(parallel: ParallelPart, stepper, host, parameters, precision: Precision) -> tuple[dict, dict]:
-    """(measured, planned) weight, gradient, optimizer and host bytes of this rank: the tensors it
-    holds, beside `pipeloom.static_memory`'s figures for as many weights."""
-    compute = compute_bytes(precision.name)
-    measured = {
-        "weights": stepper.weight_bytes,
-        "gradients": stepper.gradient_bytes,
-        "optimizer": stepper.optimizer_bytes,
-        "host": 0,
-    }
-    planned = static_bytes(
-        sum(t.numel() for t in parameters), parallel.dp, parallel.zero, compute=compute, padded=True
-    ).to_dict()
-    planned.pop("device")
-    if host is not None:
-        on_host = [t for params in host.device_params.values() for t in params]
-        offloaded = static_bytes(sum(t.numel() for t in on_host), offloaded=True, compute=compute)
-        measured["weights"] += sum(t.numel() * t.element_size() for t in on_host)
-        measured["gradients"] += host.store.bytes
-        measured["host"] = host.host_bytes
-        planned["weights"] += offloaded.weights
-        planned["gradients"] += offloaded.gradients
-        planned["host"] = offloaded.host
-    return measured, planned
 
 
 def _inject_faults(faults: tuple[tuple[int, int, str, float], ...], step: int, stages: dict) -> None:

@@ -14,8 +14,8 @@ from pipeloom.ir.validate import validate
 from pipeloom.models.llama import LlamaConfig, stage_layer_counts
 from pipeloom.models.workload import Workload, llama_workload
 from pipeloom.runtime.checkpoint import find_checkpoint
-from pipeloom.runtime.executor import StepRecord
 from pipeloom.runtime.precision import Precision
+from pipeloom.runtime.step_state import StepRecord
 
 __all__ = [
     "CheckpointPart",

@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from pipeloom.budget import per_device
-from pipeloom.costs import Costs, StageCosts
+from pipeloom.costs import Costs
 from pipeloom.errors import InfeasibleError
 from pipeloom.schedules.list_scheduler import FLAGS, Heuristics, ListResult, ListScheduler
+from pipeloom.stage_costs import StageCosts
 
 LINEAR_FLAGS = ("eager_warmup", "lazy_forward", "critical_first", "tail_reserve")
 """The flags that matter with one stage per device (the others choose between a device's stages)."""

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 from collections import deque
 
-from pipeloom.costs import StageCosts
 from pipeloom.errors import InfeasibleError
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
+from pipeloom.stage_costs import StageCosts
 
 __all__ = ["v_greedy"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeloom.costs import Costs, StageCosts
+from pipeloom.costs import Costs
 from pipeloom.errors import InfeasibleError
 from pipeloom.ir.schedule import Schedule
 from pipeloom.schedules.auto_search import auto_schedule
@@ -33,6 +33,7 @@ from pipeloom.schedules.v_blocks import (
 )
 from pipeloom.schedules.v_greedy import v_greedy
 from pipeloom.sim.simulate import Timeline, simulate
+from pipeloom.stage_costs import StageCosts
 
 __all__ = ["v_placement", "best_v_schedule", "paper_block_budget", "PAPER_MODEL"]
 

@@ -17,11 +17,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-from pipeloom.costs import Costs, StageCosts
+from pipeloom.costs import Costs
 from pipeloom.ir.graph import DependencyGraph, build_graph
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
 from pipeloom.ir.walk import run
+from pipeloom.stage_costs import StageCosts
 from pipeloom.units import memory_unit, time_unit
 
 __all__ = ["Timeline", "simulate", "OpTiming"]

@@ -1,0 +1,37 @@
+"""Probing a run's stages once: what crosses each boundary and the FLOPs of each forward.
+
+The answer is the same on every rank (every rank builds the whole model from the seed), so a
+launcher that starts several ranks probes once and hands the result to all (`run_local`,
+`run_in_process`); a rank started alone (torchrun) probes for itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeloom.ir.schedule import Schedule
+from pipeloom.models.workload import Workload, rows_of
+from pipeloom.runtime.boundary import StageProbe, probe_stages
+from pipeloom.runtime.precision import Precision
+from pipeloom.runtime.spec import TrainSpec
+from pipeloom.runtime.stage_call import run_stage
+
+__all__ = ["probe_boundaries", "probe_spec"]
+
+
+def probe_spec(spec: TrainSpec) -> StageProbe:
+    """The boundaries and FLOPs of `spec`'s stages, from a model built for the purpose."""
+    work = spec.resolved_workload()
+    return probe_boundaries(spec.schedule, work, work.build(spec.schedule.num_stages), Precision(spec.dtype))
+
+
+def probe_boundaries(schedule: Schedule, work: Workload, all_stages, precision: Precision) -> StageProbe:
+    """Boundary shapes and forward FLOPs from one micro-batch of step 0 (a slice, with slices)."""
+    inputs, _ = work.batch(work.microbatch_size, 0)
+    example = rows_of(inputs, slice(0, work.microbatch_size))
+    slices = schedule.num_slices
+    if slices > 1:
+        example = tuple(t[:, : t.shape[1] // slices] for t in example)
+    past: list | None = [] if slices > 1 else None
+    cpu = torch.device("cpu")
+    return probe_stages(all_stages, example, lambda module, x: run_stage(module, x, past, precision, cpu, True)[0])

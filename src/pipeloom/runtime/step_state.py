@@ -1,0 +1,73 @@
+"""What one step of one device holds while its ops run, and what it leaves on record.
+
+`StepRecord` is the step as the trace, the summary and the simulator check see it (op times,
+stash bytes, messages sent); `StepState` and its `StashEntry`s are the executor's working state:
+each forward's inputs and outputs kept for its backward, the keys and values of earlier slices.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["StashEntry", "StepRecord", "StepState", "Tensors"]
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+@dataclass
+class StepRecord:
+    loss: float = 0.0
+    """Sum of this device's scaled micro-batch losses (last stage only)."""
+    ops: list[tuple[str, float, float]] = field(default_factory=list)
+    """(op text, start, end) in seconds from the step's start; an op starts once its inputs are here."""
+    stash: list[tuple[float, int]] = field(default_factory=list)
+    """(time, bytes held) after every change."""
+    peak_stash_bytes: int = 0
+    entry_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes each F and R added to the stash, by op text."""
+    recomputes: int = 0
+    sent_bytes: int = 0
+    """Bytes this device sent to other devices (activations and gradients)."""
+    sent_dtypes: tuple[str, ...] = ()
+    """The dtypes of what it sent, e.g. ("bfloat16",)."""
+
+
+@dataclass
+class StashEntry:
+    inputs: Tensors = ()
+    output: Tensors | None = None
+    """The outputs to back-propagate from (the loss on the last stage)."""
+    bytes: int = 0
+    grads: Tensors | None = None
+    """The output gradients, when an R inside the backward already waited for them."""
+    middle: Tensors = ()
+    """Partial checkpoint: the tail's input leaves (the head's output, computed without autograd)."""
+    recomputed: Tensors = ()
+    """Partial checkpoint: the head's output again, with autograd, from R."""
+
+
+@dataclass
+class StepState:
+    """What one step's ops share."""
+
+    inputs: Sequence[Tensors]
+    targets: Sequence[object]
+    record: StepRecord
+    began: float
+    stash: dict[tuple[int, int, int], StashEntry] = field(default_factory=dict)
+    kv: dict[tuple[int, int, int], tuple[list, list]] = field(default_factory=dict)
+    """Slice key → (its keys/values per layer, their leaves for the later slices)."""
+    held: int = 0
+    start: float = 0.0
+
+    def now(self) -> float:
+        return time.perf_counter() - self.began
+
+    def note(self, change: int) -> None:
+        self.held += change
+        self.record.stash.append((self.now(), self.held))
+        self.record.peak_stash_bytes = max(self.record.peak_stash_bytes, self.held)
