@@ -6,6 +6,7 @@ torch = pytest.importorskip("torch")
 
 from pipeloom import ConfigError, build_schedule  # noqa: E402
 from pipeloom.models.llama import LlamaConfig  # noqa: E402
+from pipeloom.runtime.layout import RankLayout  # noqa: E402
 from pipeloom.runtime.local import run_local  # noqa: E402
 from pipeloom.runtime.optimizer_sync import adamw_rollback, decide  # noqa: E402
 from pipeloom.runtime.training import TrainSpec, check_spec  # noqa: E402
@@ -59,7 +60,8 @@ def test_post_validation_equals_synchronous_with_nan_and_clipping(name, dp):
                 torch.testing.assert_close(value, synchronous[rank].parameters[stage][key], rtol=1e-5, atol=1e-6)
     # device 0 stepped on its partial state twice in vain (NaN downstream, then a norm it could not
     # see whole); the last device always sees the full state
-    assert [post[d].rollbacks for d in range(2)] == [2, 0]
+    layout = RankLayout(2, dp)  # ranks are numbered pp × dp × tp
+    assert [post[layout.rank(0, d)].rollbacks for d in range(2)] == [2, 0]
 
 
 @pytest.mark.slow

@@ -258,7 +258,7 @@ def test_a_stalled_rank_makes_the_others_fail_within_the_timeout():
 
 
 def test_bad_runs_are_refused_before_any_compute():
-    with pytest.raises(ConfigError, match="world size 3 does not match p × dp = 2 × 1 = 2"):
+    with pytest.raises(ConfigError, match="world size 3 does not match p × dp × tp = 2 × 1 × 1 = 2"):
         check_spec(spec_for(build_schedule("1f1b", 2, 2)), world_size=3)
     with pytest.raises(ConfigError, match="cannot be cut into 8 stages"):
         check_spec(TrainSpec(build_schedule("zb-v", 4, 4), config=LlamaConfig(layers=4)))

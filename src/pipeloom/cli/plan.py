@@ -35,6 +35,8 @@ def spec_from_plan(args: argparse.Namespace):
     if given or args.ckpt != "none" or args.dp != 1:
         raise ConfigError("--plan fixes the schedule, the model and dp: drop the other schedule options")
     plan = Plan.load(args.plan)
+    if args.tp is not None and args.tp != plan.tp:
+        raise ConfigError(f"--plan fixes tp = {plan.tp}: drop --tp {args.tp}")
     fields = run_options(args)
     if args.zero == 0:  # the plan's static-memory measures, unless the flags ask for others
         del fields["zero"]
@@ -44,6 +46,8 @@ def spec_from_plan(args: argparse.Namespace):
 
 def fidelity_report(plan, results) -> str:
     """Measured step time, peak stash and static bytes per device beside the plan's prediction."""
+    from pipeloom.runtime.layout import RankLayout
+
     predicted = plan.predicted
     times = results[0].step_seconds[1:] or results[0].step_seconds
     measured = 1e3 * statistics.median(times)
@@ -53,10 +57,10 @@ def fidelity_report(plan, results) -> str:
         lines.append(f"  step time   {expected:9.1f} ms  vs {measured:9.1f} ms  ({measured / expected - 1:+.1%})")
         lines += _breakdown(predicted, results[0].phase_seconds[1:] or results[0].phase_seconds)
     peaks = predicted.get("peak_activation_memory") or []
-    p = plan.pp
+    p, layout = plan.pp, RankLayout(plan.pp, plan.dp, plan.tp)
     for device in range(p):
         stash = max(
-            max(r.peak_stash_bytes for r in results[replica * p + device].records) for replica in range(plan.dp)
+            max(r.peak_stash_bytes for r in results[layout.rank(replica, device)].records) for replica in range(plan.dp)
         )
         if device < len(peaks) and peaks[device]:
             lines.append(
@@ -65,7 +69,7 @@ def fidelity_report(plan, results) -> str:
             )
     statics = predicted.get("static_memory") or []
     for device in range(p):  # weights, gradients and optimizer state the rank holds on its device
-        held = [results[replica * p + device].static_bytes for replica in range(plan.dp)]
+        held = [results[layout.rank(replica, device)].static_bytes for replica in range(plan.dp)]
         if device < len(statics) and statics[device] and all(held):
             device_bytes = max(b["weights"] + b["gradients"] + b["optimizer"] for b in held)
             lines.append(
@@ -74,7 +78,7 @@ def fidelity_report(plan, results) -> str:
             )
     totals = predicted.get("peak_memory") or []
     for device in range(p):  # on GPUs: everything the rank allocated, against static + activations
-        gpu = [results[replica * p + device].peak_memory_bytes for replica in range(plan.dp)]
+        gpu = [results[layout.rank(replica, device)].peak_memory_bytes for replica in range(plan.dp)]
         if device < len(totals) and totals[device] and all(value is not None for value in gpu):
             lines.append(
                 f"  device {device} GPU peak    {totals[device] / 2**20:8.2f} MiB vs {max(gpu) / 2**20:8.2f} MiB "

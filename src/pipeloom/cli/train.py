@@ -23,11 +23,14 @@ def register(commands) -> None:
         "train a model with a schedule on local ranks (torch, gloo); or run a plan from `tune`",
         [
             "pipeloom train zb-v -p 2 -m 4 --nproc 2 --steps 3",
-            "pipeloom train --schedule 1f1b -p 2 -m 4 --nproc 2 --model hf:examples/hf-llama-tiny --seq-len 64",
+            "pipeloom train --nproc 4 --schedule zb-h1 -p 2 -m 4 --tp 2 --sequence-parallel "
+            "--model hf:examples/hf-llama-tiny --seq-len 64",
             "pipeloom train --plan plan.json --steps 6",
         ],
     )
-    parser.add_argument("--nproc", type=int, help="ranks to start on this machine (= p × dp; with --plan, the plan's)")
+    parser.add_argument(
+        "--nproc", type=int, help="ranks to start on this machine (= p × dp × tp; with --plan, the plan's)"
+    )
     add_train_arguments(parser)
     parser.set_defaults(handler=run)
 
@@ -36,9 +39,9 @@ def run(args: argparse.Namespace) -> int:
     """Train locally with `--nproc` forked ranks (torch imported here only)."""
     check_train_flags(args)
     spec = train_spec_from_args(args, report=not args.quiet)
-    expected = spec.schedule.num_devices * spec.dp
+    expected = spec.parallelism.layout.world_size
     if args.nproc is None and not args.plan:
-        raise ConfigError("train needs --nproc (= p × dp ranks) or --plan")
+        raise ConfigError("train needs --nproc (= p × dp × tp ranks) or --plan")
     if spec.torch_device_type == "cuda":  # CUDA cannot be shared with forked children
         raise ConfigError(
             "--device cuda runs one process per GPU: "
@@ -46,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.nproc is not None and args.nproc != expected:
         raise ConfigError(
-            f"--nproc {args.nproc} does not match p × dp = {spec.schedule.num_devices} × {spec.dp} = {expected}"
+            f"--nproc {args.nproc} does not match p × dp × tp = {spec.schedule.num_devices} × {spec.dp} × {spec.tp} "
+            f"= {expected}"
         )
     from pipeloom.runtime.local import run_local
 
@@ -89,6 +93,7 @@ def train_spec_from_args(args: argparse.Namespace, report: bool = False):
         config=config or LlamaConfig(),
         workload=workload,
         dp=args.dp,
+        tp=args.tp or 1,
         layer_counts=counts,
         concat_w=args.concat_w,
         report=report,
@@ -109,6 +114,8 @@ def write_train_outputs(results, spec, args: argparse.Namespace) -> None:
         "schedule": spec.schedule.name,
         "p": spec.schedule.num_devices,
         "dp": spec.dp,
+        "tp": spec.tp,
+        "sequence_parallel": spec.sequence_parallel,
         "model": work.name,
         "dtype": spec.dtype,
         "device": spec.torch_device_type,
@@ -118,7 +125,8 @@ def write_train_outputs(results, spec, args: argparse.Namespace) -> None:
         write_summary(results, args.summary, spec.peak_tflops, **context)
     facts = summary(results, spec.peak_tflops, **context)
     print(
-        f"{facts['model']} · {facts['schedule']}: p={facts['p']} dp={facts['dp']} "
+        f"{facts['model']} · {facts['schedule']}: p={facts['p']} dp={facts['dp']} tp={facts['tp']}"
+        f"{' (sequence parallel)' if facts['sequence_parallel'] else ''} "
         f"{facts['dtype']} on {facts['device']}, ZeRO-{facts['zero']}, "
         f"recomputes {facts['recomputes']}"
     )

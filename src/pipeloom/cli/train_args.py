@@ -15,7 +15,9 @@ __all__ = ["add_train_arguments", "check_train_flags", "run_options"]
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments `pipeloom train` and `python -m pipeloom.train` share."""
-    parser.add_argument("--plan", metavar="PATH", help="run a plan written by `pipeloom tune` (schedule, model, dp)")
+    parser.add_argument(
+        "--plan", metavar="PATH", help="run a plan written by `pipeloom tune` (schedule, model, dp, tp)"
+    )
     add_schedule_source(parser)  # -m counts micro-batches per replica
     add_ckpt(parser)
     parser.add_argument(
@@ -25,7 +27,18 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --ckpt: checkpoint only the first K layers of each checkpointed stage forward and keep the "
         "others' activations (Megatron's --recompute-num-layers; simulate it with recompute_fraction=K/layers)",
     )
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world size = p × dp)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world size = p × dp × tp)")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        help="tensor-parallel ranks per pipeline device: attention heads, MLP columns and the vocabulary split "
+        "Megatron-style (Hugging Face models; default 1, or the plan's)",
+    )
+    parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp: norms and residuals on sequence shards (all-gather / reduce-scatter instead of all-reduce)",
+    )
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -107,6 +120,10 @@ def check_train_flags(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.dp < 1:
         raise ConfigError(f"--dp must be at least 1, got {args.dp}")
+    if args.tp is not None and args.tp < 1:
+        raise ConfigError(f"--tp must be at least 1, got {args.tp}")
+    if args.sequence_parallel and (args.tp or 1) < 2 and not args.plan:
+        raise ConfigError("--sequence-parallel shards the sequence over a tensor-parallel group: add --tp N (N > 1)")
     nproc = getattr(args, "nproc", None)  # torchrun's entry point has none
     if nproc is not None and nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {nproc}")
@@ -145,6 +162,7 @@ def run_options(args: argparse.Namespace) -> dict:
         "zero": args.zero,
         "peak_tflops": _peak_tflops(args),
         "recompute_layers": args.recompute_layers,
+        "sequence_parallel": args.sequence_parallel,
     }
     if args.offload_stages:
         fields["offload_stages"] = tuple(int_list(args.offload_stages, "--offload-stages"))

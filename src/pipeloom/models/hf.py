@@ -138,6 +138,9 @@ class HFStage(nn.Module):
         self.norm = parts.get("norm") if last else None
         self.head = parts["head"] if last else None
         self.rotary = parts.get("rotary") if layers else None
+        self.sequence_shard = (0, 1)
+        """(index, count): under sequence parallelism the hidden states this stage sees are shard
+        `index` of `count` along the sequence (positions follow the whole sequence)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(x, None)[0]
@@ -157,12 +160,14 @@ class HFStage(nn.Module):
 
     def _run(self, x: torch.Tensor, past: list | None, start: int = 0, stop: int | None = None):
         offset = past[0][0].shape[-2] if past else 0
-        seq = x.shape[1]
+        index, count = self.sequence_shard
+        embeds = self.embed is not None and start == 0
+        seq = x.shape[1] * (1 if embeds else count)  # token ids are whole; hidden states may be a shard
         positions = torch.arange(offset, offset + seq, device=x.device).unsqueeze(0)
         if self.embed is not None and start == 0:
             x = self.embed(x)
             if self.positions is not None:
-                x = x + self.positions(positions)
+                x = x + self.positions(positions.chunk(count, dim=1)[index])
         cache, mask = None, None
         if past is not None:
             cache = import_transformers().DynamicCache()
@@ -207,6 +212,79 @@ def _layer_index(layer: nn.Module) -> int:
     if attention is None:
         raise ConfigError(f"{type(layer).__name__} has no attention module to read its layer index from")
     return attention.layer_idx
+
+
+def tensor_parallel_plan(config, tp: int, sequence_parallel: bool):
+    """How a family's stages split over `tp` ranks (`pipeloom.models.workload.TensorParallelPlan`):
+    LLaMA, Mistral and Qwen2 from transformers' own `base_model_tp_plan` (which linears are column-
+    and row-parallel), plus where the region starts (attention and MLP inputs) and the vocabulary
+    ends; GPT-2 (fused q/k/v in one Conv1D) and BERT, which have no plan, in the same Megatron
+    layout written here."""
+    from pipeloom.models.workload import TensorParallelPlan
+
+    family = config.model_type
+    if family == "mamba":
+        raise ConfigError("hf: Mamba has no tensor-parallel plan (its mixer is not split into heads); use --tp 1")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size
+    for what, count in (
+        ("attention heads", heads),
+        ("key/value heads", kv_heads),
+        ("MLP columns", inner),
+        ("vocabulary entries", config.vocab_size),
+    ):
+        if count % tp:
+            raise ConfigError(f"hf: the model's {count} {what} do not divide by --tp {tp}")
+    if family in ("llama", "mistral", "qwen2"):
+        base = dict(getattr(config, "base_model_tp_plan", None) or {})
+        unknown = sorted({role for role in base.values() if role not in ("colwise", "rowwise")})
+        if unknown:
+            raise ConfigError(
+                f"hf: {family}'s tensor-parallel plan uses {', '.join(unknown)}, which pipeloom does not run"
+            )
+        blocks = {"layers.*.self_attn": "region_input", "layers.*.mlp": "region_input"}
+        modules = {**blocks, **base, "embed": "vocab_embedding", "head": "vocab_head"}
+        return TensorParallelPlan(modules, adjust=_shard_positions)
+    if family == "gpt2":
+
+        def fused_split(stage: nn.Module, size: int, index: int, sequence: bool) -> None:
+            for layer in getattr(stage, "layers", ()):
+                layer.attn.split_size = layer.attn.embed_dim // size
+            _shard_positions(stage, size, index, sequence)
+
+        modules = {
+            "layers.*.attn": "region_input",
+            "layers.*.mlp": "region_input",
+            "layers.*.attn.c_attn": "packed_colwise3",
+            "layers.*.attn.c_proj": "rowwise",
+            "layers.*.mlp.c_fc": "colwise",
+            "layers.*.mlp.c_proj": "rowwise",
+            "embed": "vocab_embedding",
+            "head": "vocab_head",
+        }
+        return TensorParallelPlan(modules, adjust=fused_split)
+    modules = {  # BERT: the embeddings' positions and norm run on the whole sequence, then it is cut
+        "layers.*.attention.self": "region_input",
+        "layers.*.intermediate": "region_input",
+        "layers.*.attention.self.query": "colwise",
+        "layers.*.attention.self.key": "colwise",
+        "layers.*.attention.self.value": "colwise",
+        "layers.*.attention.output.dense": "rowwise",
+        "layers.*.intermediate.dense": "colwise",
+        "layers.*.output.dense": "rowwise",
+        "embed.word_embeddings": "vocab_embedding_replicated",
+        "head.predictions.decoder": "vocab_head",
+    }
+    if sequence_parallel:
+        modules["embed"] = "scatter_after"
+    return TensorParallelPlan(modules, full_sequence=("embed",), adjust=_shard_positions)
+
+
+def _shard_positions(stage: nn.Module, size: int, index: int, sequence: bool) -> None:
+    """The stage's hidden states are sequence shard `index` of `size` (under sequence parallelism)."""
+    if isinstance(stage, HFStage):
+        stage.sequence_shard = (index, size) if sequence else (0, 1)
 
 
 def layer_counts_for(num_layers: int, num_stages: int, counts: Sequence[int] | None) -> list[int]:
@@ -262,4 +340,5 @@ def hf_workload(
         sample_tokens=seq_len,
         name=f"hf:{family}",
         check=lambda num_stages: layer_counts_for(config.num_hidden_layers, num_stages, layer_counts),
+        tensor_parallel=lambda tp, sequence: tensor_parallel_plan(config, tp, sequence),
     )

@@ -21,9 +21,32 @@ from torch import nn
 from pipeloom.models.cut import counts_per_stage
 from pipeloom.models.llama import LlamaConfig, build_stages, synthetic_batch
 
-__all__ = ["Workload", "llama_workload", "blocks_workload", "token_loss", "cut_blocks", "rows_of"]
+__all__ = [
+    "Workload",
+    "TensorParallelPlan",
+    "llama_workload",
+    "blocks_workload",
+    "token_loss",
+    "cut_blocks",
+    "rows_of",
+]
 
 Batch = tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """How a model's stages split over a tensor-parallel group (`runtime.tensor_parallel`)."""
+
+    modules: dict[str, str]
+    """Module path inside a stage (`*` matches one name) → its role: colwise, rowwise,
+    packed_colwise3 (a fused q/k/v), vocab_embedding(_replicated), vocab_head, scatter_after."""
+    full_sequence: tuple[str, ...] = ()
+    """Under sequence parallelism, modules that still see the whole sequence (their replicated
+    parameters' gradients are whole, not partial)."""
+    adjust: Callable[[nn.Module, int, int, bool], None] | None = None
+    """(stage, tp, tp index, sequence parallel) → fixes the stage's own bookkeeping to the shard
+    (a fused projection's split size; which positions a sequence shard holds)."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +64,9 @@ class Workload:
     name: str = "model"
     check: Callable[[int], object] | None = None
     """Number of stages → raises ConfigError if the model cannot be cut so (before any compute)."""
+    tensor_parallel: Callable[[int, bool], TensorParallelPlan] | None = None
+    """(tp, sequence parallel) → the plan, or ConfigError when heads, columns or the vocabulary do
+    not divide; None: the model has no tensor-parallel plan."""
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

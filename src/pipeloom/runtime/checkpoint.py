@@ -4,7 +4,9 @@ A checkpoint of the state after n steps is the directory ``DIR/step-n``. Every r
 stages' parameters and AdamW state (keyed by stage and parameter name, so data-parallel and
 Chimera copies of a stage are one entry, and split linears read what plain ones wrote; under ZeRO
 each replica writes its own shard of the fp32 master weights and moments, keyed by device and
-shard, and resuming needs the same ZeRO level and data-parallel size), the step
+shard, and resuming needs the same ZeRO level and data-parallel size; under tensor parallelism
+each cut weight and its optimizer state go in as a DTensor of this rank's shard, which DCP saves
+as shards of one tensor, and resuming needs the same tp), the step
 and its RNG state into ``DIR/step-n.partial``; after a barrier
 rank 0 renames it to ``DIR/step-n`` and only then writes the ``COMPLETE`` marker (JSON: step,
 world size, schedule). A crash at any point leaves either a ``.partial`` directory, ignored, or a
@@ -19,6 +21,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,7 +38,7 @@ MARKER = "COMPLETE"
 
 
 def find_checkpoint(
-    path: str | os.PathLike[str], world_size: int, schedule: str, zero: int = 0, offload_stages=()
+    path: str | os.PathLike[str], world_size: int, schedule: str, zero: int = 0, offload_stages=(), tp: int = 1
 ) -> tuple[Path, int]:
     """(directory, steps done) of the checkpoint at `path` — a ``step-n`` directory, or the newest
     one inside `path` — or ConfigError if it is missing, torn, or from another run's shape."""
@@ -59,6 +62,11 @@ def find_checkpoint(
         step = int(facts["step"])
     except (ValueError, KeyError, TypeError):
         raise ConfigError(f"checkpoint {str(chosen)!r} has an unreadable {MARKER} marker") from None
+    if facts.get("tp", 1) != tp:
+        raise ConfigError(
+            f"checkpoint {str(chosen)!r} holds weights cut over tp = {facts.get('tp', 1)} ranks, not {tp}: resume "
+            f"with --tp {facts.get('tp', 1)} (resharding to another tp is not supported)"
+        )
     if facts.get("world_size") != world_size or facts.get("schedule") != schedule:
         raise ConfigError(
             f"checkpoint {str(chosen)!r} was written by {facts.get('world_size')} ranks running "
@@ -77,18 +85,28 @@ def find_checkpoint(
     return chosen, step
 
 
-def _state(stages: dict[int, nn.Module], holders) -> dict:
+def _state(stages: dict[int, nn.Module], holders, shards: Callable | None = None) -> dict:
     """Tensors to save or to load into, in place: each parameter (by stage and name) and the
-    optimizers' state (`pipeloom.runtime.zero`, and the host's for offloaded stages)."""
+    optimizers' state (`pipeloom.runtime.zero`, and the host's for offloaded stages). `shards`
+    (parameter, tensor) → the tensor as a DTensor of this rank's shard, for a cut parameter."""
     state: dict = {}
     keys: dict[int, str] = {}
+    by_key: dict[str, nn.Parameter] = {}
     for stage, module in stages.items():
         for name, parameter in module.named_parameters():
             key = f"stage{stage}.{name}"
             state[f"model.{key}"] = parameter.data
             keys.setdefault(id(parameter), key)
+            by_key[key] = parameter
     for holder in holders:
         state.update(holder.checkpoint_state(keys))
+    if shards is not None:
+        for entry, value in state.items():
+            kind, _, rest = entry.partition(".")
+            key = rest if kind == "model" else rest.rpartition(".")[0]
+            owner = by_key.get(key) if kind in ("model", "optim", "host") else None
+            if owner is not None and isinstance(value, torch.Tensor) and value.shape == owner.shape:
+                state[entry] = shards(owner, value)
     return state
 
 
@@ -100,6 +118,8 @@ def save_checkpoint(
     schedule: str,
     zero: int = 0,
     offload_stages=(),
+    tp: int = 1,
+    shards: Callable | None = None,
 ) -> None:
     """Collective: every rank calls it after the same step. `holders` own the optimizer state."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -109,7 +129,7 @@ def save_checkpoint(
         final.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
-    state = _state(stages, holders)
+    state = _state(stages, holders, shards)
     state[f"rng.rank{rank}"] = torch.get_rng_state()
     state["step"] = torch.tensor(step)
     dcp.save(state, checkpoint_id=partial)
@@ -125,16 +145,17 @@ def save_checkpoint(
                     "schedule": schedule,
                     "zero": zero,
                     "offload_stages": sorted(offload_stages),
+                    "tp": tp,
                 }
             )
         )
     dist.barrier()
 
 
-def load_checkpoint(path: Path, stages: dict[int, nn.Module], holders) -> int:
+def load_checkpoint(path: Path, stages: dict[int, nn.Module], holders, shards: Callable | None = None) -> int:
     """Restore this rank's stages, optimizers and RNG in place; return the steps done."""
     rank = dist.get_rank()
-    state = _state(stages, holders)
+    state = _state(stages, holders, shards)
     state[f"rng.rank{rank}"] = torch.get_rng_state()
     state["step"] = torch.tensor(0)
     with torch.no_grad():

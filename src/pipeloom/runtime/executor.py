@@ -27,6 +27,7 @@ values of a slice are dropped with its B, the last op that reads them.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import assert_never
@@ -39,7 +40,7 @@ from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
 from pipeloom.runtime.mailbox import Mail, MessageKey, peer_failure
 from pipeloom.runtime.precision import Precision
-from pipeloom.runtime.split_linear import WeightGradQueue
+from pipeloom.runtime.split_linear import SplitLinear, WeightGradQueue
 from pipeloom.runtime.stage_call import earlier_keys_values, run_stage, split_stage
 from pipeloom.runtime.step_state import StashEntry, StepRecord, StepState, Tensors
 
@@ -65,6 +66,7 @@ class DeviceExecutor:
         before_forward: Callable[[int], None] | None = None,
         precision: Precision | None = None,
         recompute_layers: int | None = None,
+        loss_context: Callable[[], contextlib.AbstractContextManager] | None = None,
     ) -> None:
         self.schedule, self.device = schedule, device
         self.ops = schedule.devices[device]
@@ -75,6 +77,9 @@ class DeviceExecutor:
         self.grad_scale = 1.0
         """fp16's dynamic loss scale, set by the trainer every step; the recorded loss leaves it out."""
         self.loss_fn = loss
+        self.loss_context = loss_context or contextlib.nullcontext
+        """What the last stage's loss and its backward run in (tensor parallelism's
+        `loss_parallel`, whose backward ops must see it too)."""
         self.concat_w = concat_w
         self.precision = precision or Precision()
         self.last_stage = schedule.num_stages - 1
@@ -87,7 +92,9 @@ class DeviceExecutor:
         # Stages whose weight gradients wait for W (a stage of convolutions only computes its
         # weight gradients in B, and its W has nothing to do).
         self._split_stages = {
-            s for s, module in stages.items() if any(type(m).__name__ == "SplitLinear" for m in module.modules())
+            s
+            for s, module in stages.items()
+            if any(isinstance(m, SplitLinear) and m.queue is not None for m in module.modules())
         }
         self._saved_bytes: dict[tuple[OpKind, int, int, str], int] = {}  # once per (F or R, stage, slice, part)
         if self.num_slices > 1 and not all(hasattr(module, "forward_slice") for module in stages.values()):
@@ -282,7 +289,8 @@ class DeviceExecutor:
                         outputs.append(tensor)
                         out_grads.append(leaf.grad)
         if outputs:
-            torch.autograd.backward(outputs, out_grads)
+            with self.loss_context() if stage == self.last_stage else contextlib.nullcontext():
+                torch.autograd.backward(outputs, out_grads)
         boundary = [(h, leaf.grad) for h, leaf in zip(entry.recomputed, entry.middle) if leaf.grad is not None]
         if boundary:  # partial checkpoint: on through the recomputed head
             torch.autograd.backward([h for h, _ in boundary], [g for _, g in boundary])
@@ -375,7 +383,7 @@ class DeviceExecutor:
         seen: set[int] = {t.data_ptr() for t in x}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            ptr = tensor.data_ptr()
+            ptr = getattr(tensor, "_local_tensor", tensor).data_ptr()  # a DTensor's: its shard's
             if ptr not in self._parameter_ptrs and ptr not in seen:
                 seen.add(ptr)
                 saved[0] += _nbytes(tensor)

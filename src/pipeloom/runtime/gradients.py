@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeloom.ir.schedule import Schedule
+from pipeloom.runtime.layout import RankLayout
 
 __all__ = ["GradientBuckets", "grad_of", "reduce_in_process", "tie_groups", "unique_parameters"]
 
@@ -65,13 +66,16 @@ class GradientBuckets:
         rank: int,
         across_replicas: bool = True,
         new_group: Callable[[list[int]], dist.ProcessGroup | None] = dist.new_group,
+        layout: RankLayout | None = None,
     ) -> None:
+        layout = layout or RankLayout(schedule.num_devices, dp)
         p = schedule.num_devices
         spans = [range(dp)] if across_replicas else [[replica] for replica in range(dp)]
         by_ranks: dict[tuple[int, ...], list[tuple[int, str]]] = {}
-        for replicas in spans:
+        # The buckets of tensor-parallel index t hold ranks of index t: each sums copies of one shard.
+        for replicas, t in ((replicas, t) for t in range(layout.tp) for replicas in spans):
             stage_ranks = {
-                s: {replica * p + d for replica in replicas for d in range(p) if s in schedule.stages_on(d)}
+                s: {layout.rank(replica, d, t) for replica in replicas for d in range(p) if s in schedule.stages_on(d)}
                 for s in range(schedule.num_stages)
             }
             # A logical parameter: its first (stage, name); its holders: every rank hosting a user.
@@ -92,6 +96,19 @@ class GradientBuckets:
             group = new_group(list(members))  # every rank creates every group, in this order
             if rank in members:
                 self.buckets.append((group, list(members), [lookup[key] for key in sorted(keys)]))
+
+    def rebind(self, shards: dict[int, nn.Parameter]) -> None:
+        """After this rank's stages were cut over their tensor-parallel group: each bucket sums
+        this rank's shard (`shards`: full parameter by id → shard) of the parameters it holds."""
+        self.buckets = [
+            (group, members, [shards.get(id(p), p) for p in parameters]) for group, members, parameters in self.buckets
+        ]
+
+    def sum_over(self, group: dist.ProcessGroup | None, members: list[int], parameters: list[nn.Parameter]) -> None:
+        """One more bucket: `parameters` summed over `group` (sequence parallelism's replicated
+        weights, whose gradient each tensor-parallel rank took from its sequence shard only)."""
+        if parameters and len(members) > 1:
+            self.buckets.append((group, members, parameters))
 
     def reduce(self) -> None:
         for index, (group, _, _) in enumerate(self.buckets):

@@ -36,7 +36,7 @@ __all__ = ["run_in_process"]
 
 def run_in_process(spec: TrainSpec) -> list[RankResult]:
     """Train `spec` with all p × dp ranks in this process; their results by rank, as `run_local`'s."""
-    world_size = spec.schedule.num_devices * spec.dp
+    world_size = spec.parallelism.layout.world_size
     check_spec(spec, world_size)
     _check_in_process(spec)
     threads = torch.get_num_threads()
@@ -48,20 +48,19 @@ def run_in_process(spec: TrainSpec) -> list[RankResult]:
 
 
 def _train_all(spec: TrainSpec, world_size: int) -> list[RankResult]:
-    p = spec.schedule.num_devices
+    layout = spec.parallelism.layout
     plan = plan_messages(spec.schedule)
     postboxes: list[Postbox] = [{} for _ in range(spec.dp)]
     probe = probe_spec(spec)
     runs = [
-        RankRun.set_up(spec, rank, Transport(world_size, postboxes[rank // p]), plan, probe)
+        RankRun.set_up(spec, rank, Transport(world_size, postboxes[layout.coords(rank)[0]]), plan, probe)
         for rank in range(world_size)
     ]
     for step in range(spec.steps):
         data = [run.begin_step(step) for run in runs]
         for replica in range(spec.dp):
-            _drive(
-                [run.executor for run in runs[replica * p : (replica + 1) * p]], data[replica * p : (replica + 1) * p]
-            )
+            ranks = [layout.rank(replica, d) for d in range(spec.schedule.num_devices)]
+            _drive([runs[r].executor for r in ranks], [data[r] for r in ranks])
         records = [run.executor.finish() for run in runs]
         for run in runs:
             run.pipeline_done()
@@ -110,6 +109,7 @@ def _check_in_process(spec: TrainSpec) -> None:
         "fp16 loss scaling": spec.dtype == "fp16",
         "checkpoints": spec.save_every > 0 or spec.resume_dir is not None,
         "CUDA devices": spec.torch_device_type != "cpu",
+        "tensor parallelism (DTensor collectives over a process group)": spec.tp > 1,
     }
     named = [what for what, used in needs_ranks.items() if used]
     if named:

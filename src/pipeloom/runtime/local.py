@@ -47,11 +47,11 @@ def _import_before_forking() -> None:
 
 
 def run_local(spec: TrainSpec, timeout_s: float = 300.0, probe: StageProbe | None = None) -> list[RankResult]:
-    """Run all p × dp ranks of `spec` as forked processes; return their results by rank.
+    """Run all p × dp × tp ranks of `spec` as forked processes; return their results by rank.
 
     What crosses the stage boundaries is the same for every rank, so it is probed once here
     (or given: `probe_spec(spec)`, for a caller that runs one spec many times) and inherited."""
-    world_size = spec.schedule.num_devices * spec.dp
+    world_size = spec.parallelism.layout.world_size
     check_spec(spec, world_size)
     _import_before_forking()
     probe = probe or probe_spec(spec)

@@ -1,6 +1,6 @@
 """A tuned plan (`pipeloom tune --output plan.json`) as a training run, from Python.
 
-`spec_from_plan` reads the schedule, the partition, dp, ZeRO and offload from the plan and the
+`spec_from_plan` reads the schedule, the partition, dp, tp, ZeRO and offload from the plan and the
 model from where its costs came from (a Hugging Face directory the profile recorded, or the
 built-in decoder of a small planned LLaMA); `train_plan` runs it. `pipeloom train --plan` is a
 thin layer over these. Options a plan fixes (the schedule, the model's cut, dp) are not
@@ -20,7 +20,7 @@ from pipeloom.tune.plan import Plan
 
 __all__ = ["spec_from_plan", "train_plan"]
 
-_FIXED_BY_PLAN = {"schedule", "config", "dp", "layer_counts", "workload"}
+_FIXED_BY_PLAN = {"schedule", "config", "dp", "tp", "layer_counts", "workload"}
 
 
 def spec_from_plan(plan: Plan | str | Path, model: str | None = None, data=None, **options) -> TrainSpec:
@@ -56,7 +56,12 @@ def spec_from_plan(plan: Plan | str | Path, model: str | None = None, data=None,
             plan.partition,
             data,
         )
-        return TrainSpec(schedule=plan.schedule, workload=work, dp=plan.dp, **options)
+        return TrainSpec(schedule=plan.schedule, workload=work, dp=plan.dp, tp=plan.tp, **options)
+    if plan.tp > 1:
+        raise ConfigError(
+            f"the plan splits each stage over tp = {plan.tp} ranks, which needs a model with a tensor-parallel plan: "
+            "give model='hf:DIR' (--model hf:DIR), or plan with --tp 1"
+        )
     if not planned.gated or planned.kv_heads is not None or planned.params > 5e8:
         raise ConfigError(
             f"the built-in decoder is a small LLaMA-style one; plan model {planned.name!r} is not one "

@@ -9,9 +9,11 @@ torch.distributed, and `in_process.run_in_process`, every device of a replica in
 with messages in memory. The two differ only in the transport they hand in (`Transport`), so
 the in-process tier tests the very code the ranks run.
 
-Rank r is device r mod p of data-parallel replica r // p. Every rank builds the full model from
-the seed and keeps the stages its device hosts, so all replicas start identical. A step feeds
-replica k the micro-batches k·m .. k·m+m−1 of the step's batch.
+Ranks sit on a pp × dp × tp grid (`layout.RankLayout`, tensor parallelism innermost). Every rank
+builds the full model from the seed and keeps the stages its device hosts — under tensor
+parallelism its shard of them (`tensor_parallel`) — so all replicas start identical. A step feeds
+replica k the micro-batches k·m .. k·m+m−1 of the step's batch; the ranks of a tensor-parallel
+group all see the same ones.
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ from pipeloom.runtime.spec import OptimizerPart, ParallelPart, RankResult, Train
 from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
 from pipeloom.runtime.static_report import rank_static_bytes
 from pipeloom.runtime.step_state import StepRecord
+from pipeloom.runtime.tensor_parallel import (
+    TensorParallel,
+    loss_parallel,
+    parallel_loss,
+    shard_stages,
+    wire_boundaries,
+)
 from pipeloom.runtime.zero import JointSteppers, ReplicatedAdamW, ShardedAdamW
 
 __all__ = ["RankRun", "Transport", "torch_device_of"]
@@ -93,13 +102,16 @@ class RankRun:
     progress: Callable[[int | None], None] | None = None
     _times: dict[str, float] = field(default_factory=dict)
 
+    tensor: TensorParallel | None = None
+    """This rank's tensor-parallel group, with tp > 1."""
+
     @property
     def device(self) -> int:
-        return self.rank % self.spec.schedule.num_devices
+        return self.spec.parallelism.layout.coords(self.rank)[1]
 
     @property
     def replica(self) -> int:
-        return self.rank // self.spec.schedule.num_devices
+        return self.spec.parallelism.layout.coords(self.rank)[0]
 
     # -- set-up ----------------------------------------------------------------------------------
 
@@ -114,24 +126,53 @@ class RankRun:
     ) -> RankRun:
         """`plan` and `probe` are the same on every rank: a driver of several ranks passes them once."""
         parallel, optimizer = spec.parallelism, spec.optimizer
-        schedule, work = parallel.schedule, spec.resolved_workload()
-        replica, device = divmod(rank, schedule.num_devices)
+        schedule, work, layout = parallel.schedule, spec.resolved_workload(), parallel.layout
+        replica, device, tp_index = layout.coords(rank)
         where, precision = torch_device_of(spec), Precision(optimizer.dtype)
+        mesh = layout.mesh(where.type) if transport.distributed else None
+        tensor = (
+            TensorParallel(mesh["tp"], parallel.sequence_parallel) if mesh is not None and parallel.tp > 1 else None
+        )
         all_stages = work.build(schedule.num_stages)
         probe = probe or probe_boundaries(schedule, work, all_stages, precision)
+        owned = _owned(schedule, all_stages, device)  # by the full parameters, before any is cut
         buckets = GradientBuckets(
-            schedule, parallel.dp, all_stages, rank, across_replicas=parallel.zero == 0, new_group=transport.new_group
+            schedule,
+            parallel.dp,
+            all_stages,
+            rank,
+            across_replicas=parallel.zero == 0,
+            new_group=transport.new_group,
+            layout=layout,
         )
         stages, queue = _hosted_stages(schedule, all_stages, device, where)
-        host, stepper, parameters = _steppers(parallel, optimizer, transport, all_stages, stages, device, precision)
-        mail = _mail(parallel, transport, plan or plan_messages(schedule), device, replica, probe, where)
+        loss = work.loss
+        if tensor is not None:
+            assert work.tensor_parallel is not None, "check_spec refuses a model without a plan"
+            plan_tp = work.tensor_parallel(parallel.tp, parallel.sequence_parallel)
+            partial = shard_stages(stages, plan_tp, tensor, schedule.num_stages)
+            buckets.rebind(tensor.shards)
+            buckets.sum_over(
+                tensor.mesh.get_group(), [layout.rank(replica, device, t) for t in range(parallel.tp)], partial
+            )
+            probe = StageProbe(
+                wire_boundaries(probe.boundaries, parallel.tp), [f / parallel.tp for f in probe.forward_flops]
+            )
+            loss = parallel_loss(work.loss)
+            full_of = tensor.full_of
+            whole = owned
+            owned = lambda parameter: whole(full_of.get(id(parameter), parameter))  # noqa: E731
+        dp_group = mesh["dp"].get_group() if mesh is not None else None
+        host, stepper, parameters = _steppers(parallel, optimizer, dp_group, owned, stages, device, tp_index, precision)
+        mail = _mail(parallel, transport, plan or plan_messages(schedule), device, replica, tp_index, probe, where)
         executor = DeviceExecutor(
             schedule,
             device,
             stages,
             queue,
             mail,
-            loss=work.loss,
+            loss=loss,
+            loss_context=loss_parallel if tensor is not None else None,
             loss_scale=1.0 / (schedule.num_microbatches * parallel.dp * schedule.num_slices),
             concat_w=parallel.concat_w,
             device_type=where,
@@ -145,7 +186,7 @@ class RankRun:
             else None
         )
         optimizers = JointSteppers(host, stepper) if host is not None else stepper  # the host's starts first
-        sync = _optimizer_sync(optimizer, parallel, optimizers, device, replica, scaler)
+        sync = _optimizer_sync(optimizer, parallel, optimizers, device, replica, scaler)  # refused with tp > 1
         m, b = schedule.num_microbatches, work.microbatch_size
         result = RankResult(rank, sample_tokens=work.sample_tokens, samples_per_step=parallel.dp * m * b)
         result.forward_flops = m * sum(probe.forward_flops[s] for s in stages)
@@ -169,13 +210,19 @@ class RankRun:
             result,
             parameters,
             progress=_progress(spec, rank, result),
+            tensor=tensor,
         )
         checkpoints = spec.checkpoints
         if checkpoints.resume_from is not None:
             found = find_checkpoint(
-                checkpoints.resume_from, transport.world_size, schedule.name, parallel.zero, parallel.offload_stages
+                checkpoints.resume_from,
+                transport.world_size,
+                schedule.name,
+                parallel.zero,
+                parallel.offload_stages,
+                parallel.tp,
             )
-            run.first_step = load_checkpoint(found[0], stages, run.holders)
+            run.first_step = load_checkpoint(found[0], stages, run.holders, tensor.as_shard if tensor else None)
         if where.type == "cuda":
             torch.cuda.reset_peak_memory_stats(where)
         return run
@@ -213,7 +260,7 @@ class RankRun:
         if self.spec.record_gradients:
             self.result.gradients = {
                 s: {
-                    n: grad.detach().float().cpu().clone()
+                    n: self._whole(t, grad).detach().float().cpu().clone()
                     for n, t in module.named_parameters()
                     if (grad := grad_of(t)) is not None
                 }
@@ -253,6 +300,8 @@ class RankRun:
                 parallel.schedule.name,
                 parallel.zero,
                 parallel.offload_stages,
+                parallel.tp,
+                self.tensor.as_shard if self.tensor is not None else None,
             )
 
     # -- teardown --------------------------------------------------------------------------------
@@ -273,9 +322,20 @@ class RankRun:
             self.spec.parallelism, self.stepper, self.host, self.parameters, self.precision
         )
         result.parameters = {
-            s: {n: t.detach().cpu().clone() for n, t in module.named_parameters()} for s, module in self.stages.items()
+            s: {n: self._whole(t, t.detach()).cpu().clone() for n, t in module.named_parameters()}
+            for s, module in self.stages.items()
         }
         return result
+
+    def loss_share(self, record: StepRecord) -> float:
+        """What this rank adds to the step's loss, summed over every rank: the last stage's loss,
+        counted by one rank of its tensor-parallel group (all of them computed it)."""
+        return record.loss if self.tensor is None or self.tensor.index == 0 else 0.0
+
+    def _whole(self, parameter: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """`value` as one process would hold it: gathered over the tensor-parallel group when it is
+        a shard (a collective: every rank of the group calls it in the same order)."""
+        return self.tensor.full(parameter, value) if self.tensor is not None else value
 
 
 def _hosted_stages(schedule, all_stages, device: int, where: torch.device) -> tuple[dict, WeightGradQueue]:
@@ -292,32 +352,32 @@ def _hosted_stages(schedule, all_stages, device: int, where: torch.device) -> tu
 def _steppers(
     parallel: ParallelPart,
     optimizer: OptimizerPart,
-    transport: Transport,
-    all_stages,
+    dp_group: dist.ProcessGroup | None,
+    owned: Callable[[torch.nn.Parameter], bool],
     stages: dict,
     device: int,
+    tp_index: int,
     precision: Precision,
 ) -> tuple[HostOffload | None, ReplicatedAdamW | ShardedAdamW, list]:
     """(the host's optimizer for offloaded stages, the device's optimizer — replicated or ZeRO
-    sharded — and the parameters it steps)."""
-    schedule, p = parallel.schedule, parallel.schedule.num_devices
-    dp_groups = (
-        [transport.new_group([r * p + d for r in range(parallel.dp)]) for d in range(p)] if parallel.zero else None
-    )
+    sharded over `dp_group`, the mesh's data-parallel group of this rank — and the parameters it
+    steps)."""
     offloaded = [s for s in stages if s in parallel.offload_stages]
-    owned = _owned(schedule, all_stages, device)
     host = None
     if offloaded:
-        dp_group = dp_groups[device] if dp_groups else None  # else the buckets sum over the replicas
-        host = HostOffload(stages, offloaded, optimizer.lr, parallel.reload_bits, precision.dtype, owned, dp_group)
+        group = dp_group if parallel.zero else None  # else the buckets sum over the replicas
+        host = HostOffload(stages, offloaded, optimizer.lr, parallel.reload_bits, precision.dtype, owned, group)
     on_host = {id(t) for s in offloaded for t in stages[s].parameters()}
     parameters = [t for t in unique_parameters(list(stages.values())) if id(t) not in on_host]
-    if not dp_groups:
+    if not parallel.zero:
         return host, ReplicatedAdamW(parameters, owned, optimizer.lr), parameters
-    group = dp_groups[device]
-    assert group is not None, "ZeRO shards over torch.distributed; in-process runs refuse it"
-    label = f"device{device}"
-    return host, ShardedAdamW(parameters, owned, optimizer.lr, parallel.zero, group, precision.dtype, label), parameters
+    assert dp_group is not None, "ZeRO shards over torch.distributed; in-process runs refuse it"
+    label = f"device{device}" + (f".tp{tp_index}" if parallel.tp > 1 else "")
+    return (
+        host,
+        ShardedAdamW(parameters, owned, optimizer.lr, parallel.zero, dp_group, precision.dtype, label),
+        parameters,
+    )
 
 
 def _mail(
@@ -326,23 +386,29 @@ def _mail(
     plan: MessagePlan,
     device: int,
     replica: int,
+    tp_index: int,
     probe: StageProbe,
     where: torch.device,
 ) -> Mail:
     if transport.postbox is not None:
         return MemoryMailbox(plan, device, probe.boundaries, transport.postbox)
-    p = parallel.schedule.num_devices
+    layout = parallel.layout
     # One group per ordered pair of devices: each carries one direction only, so posting its
     # receives ahead in the sender's order can never block a send the other way (NCCL runs a
-    # pair's operations in order on one stream). Every rank creates every replica's groups.
+    # pair's operations in order on one stream). Tensor-parallel rank t talks to rank t of the
+    # next stage. Every rank creates every replica's and tensor-parallel index's groups.
     pairs = sorted({(m.src, m.dst) for sends in plan.sends for m in sends})
-    groups = [{(a, b): dist.new_group([r * p + a, r * p + b]) for a, b in pairs} for r in range(parallel.dp)]
+    groups = {
+        (r, t): {(a, b): dist.new_group([layout.rank(r, a, t), layout.rank(r, b, t)]) for a, b in pairs}
+        for r in range(parallel.dp)
+        for t in range(parallel.tp)
+    }
     return Mailbox(
         plan,
         device,
         probe.boundaries,
-        lambda d: replica * p + d,
-        groups[replica],
+        lambda d: layout.rank(replica, d, tp_index),
+        groups[(replica, tp_index)],
         where,
         timedelta(seconds=parallel.timeout_s),
     )
@@ -361,15 +427,15 @@ def _optimizer_sync(optimizer: OptimizerPart, parallel: ParallelPart, stepper, d
     are made on every rank alike."""
     if not optimizer.needs_global_state:
         return None
-    p = parallel.schedule.num_devices
-    groups = [dist.new_group([r * p + d for d in range(p)]) for r in range(parallel.dp)]
+    p, layout = parallel.schedule.num_devices, parallel.layout
+    groups = [dist.new_group([layout.rank(r, d) for d in range(p)]) for r in range(parallel.dp)]
     return OptimizerSync(
         stepper,
         optimizer.clip_norm,
         optimizer.post_validation,
         device,
         p,
-        lambda d: replica * p + d,
+        lambda d: layout.rank(replica, d),
         groups[replica],
         parallel.timeout_s,
         on_decision=scaler.update if scaler is not None else None,

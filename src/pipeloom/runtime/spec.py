@@ -14,6 +14,7 @@ from pipeloom.ir.validate import validate
 from pipeloom.models.llama import LlamaConfig, stage_layer_counts
 from pipeloom.models.workload import Workload, llama_workload
 from pipeloom.runtime.checkpoint import find_checkpoint
+from pipeloom.runtime.layout import RankLayout
 from pipeloom.runtime.precision import Precision
 from pipeloom.runtime.step_state import StepRecord
 
@@ -60,6 +61,12 @@ class ParallelPart:
     concat_w: bool
     threads: int
     timeout_s: float
+    tp: int = 1
+    sequence_parallel: bool = False
+
+    @property
+    def layout(self) -> RankLayout:
+        return RankLayout(self.schedule.num_devices, self.dp, self.tp)
 
 
 @dataclass(frozen=True)
@@ -141,6 +148,10 @@ class TrainSpec:
     save_dir: str | None = None
     resume_dir: str | None = None
     """Continue from a checkpoint (a step-N directory, or the newest in this directory) up to `steps`."""
+    tp: int = 1
+    """Tensor-parallel ranks per pipeline device (`runtime.tensor_parallel`): the world is p × dp × tp."""
+    sequence_parallel: bool = False
+    """With tp > 1: norms and residuals on sequence shards (all-gather / reduce-scatter)."""
 
     def resolved_workload(self) -> Workload:
         return self.model.resolved()
@@ -160,6 +171,8 @@ class TrainSpec:
             self.concat_w,
             self.threads,
             self.timeout_s,
+            self.tp,
+            self.sequence_parallel,
         )
 
     @property
@@ -232,6 +245,7 @@ def check_spec(spec: TrainSpec, world_size: int | None = None) -> None:
     check_device(spec)
     _check_optimizer(spec.optimizer, parallel)
     _check_model(spec.model, parallel.schedule)
+    _check_tensor_parallel(spec.model, parallel)
     _check_checkpoints(spec.checkpoints, parallel, spec.steps)
 
 
@@ -241,10 +255,17 @@ def _check_parallelism(parallel: ParallelPart, world_size: int | None) -> None:
         raise ConfigError(f"train: data-parallel size must be at least 1, got {parallel.dp}")
     if parallel.zero not in (0, 1, 2):
         raise ConfigError(f"train: the ZeRO level must be 0, 1 or 2, got {parallel.zero!r}")
-    expected = schedule.num_devices * parallel.dp
+    if not isinstance(parallel.tp, int) or parallel.tp < 1:
+        raise ConfigError(f"train: --tp must be a positive number of ranks, got {parallel.tp!r}")
+    if parallel.sequence_parallel and parallel.tp == 1:
+        raise ConfigError(
+            "train: --sequence-parallel shards the sequence over a tensor-parallel group; add --tp N (N > 1)"
+        )
+    expected = parallel.layout.world_size
     if world_size is not None and world_size != expected:
         raise ConfigError(
-            f"train: world size {world_size} does not match p × dp = {schedule.num_devices} × {parallel.dp} = {expected}"
+            f"train: world size {world_size} does not match p × dp × tp = {schedule.num_devices} × {parallel.dp} × "
+            f"{parallel.tp} = {expected}"
         )
     bad = sorted(set(parallel.offload_stages) - set(range(schedule.num_stages)))
     if bad or parallel.reload_bits not in (16, 32):
@@ -255,6 +276,11 @@ def _check_parallelism(parallel: ParallelPart, world_size: int | None) -> None:
 
 def _check_optimizer(optimizer: OptimizerPart, parallel: ParallelPart) -> None:
     Precision(optimizer.dtype)
+    if parallel.tp > 1 and optimizer.needs_global_state:
+        raise ConfigError(
+            "train: --tp does not yet combine with --clip-norm, --post-validation or fp16's overflow skip "
+            "(their global norm would have to sum the tensor-parallel shards); use bf16 without them"
+        )
     if optimizer.dtype == "fp16" and parallel.offload_stages:
         raise ConfigError("train: fp16's loss scale does not cover host-stepped (offloaded) stages; use bf16")
     if optimizer.clip_norm is not None and optimizer.clip_norm <= 0:
@@ -273,6 +299,23 @@ def _check_model(model: ModelPart, schedule: Schedule) -> None:
     _check_recompute_layers(model.recompute_layers, schedule)
 
 
+def _check_tensor_parallel(model: ModelPart, parallel: ParallelPart) -> None:
+    """A model that can be cut over `tp` ranks: its own plan says so, and the sequence splits."""
+    if parallel.tp == 1:
+        return
+    if parallel.schedule.num_slices > 1:
+        raise ConfigError("train: slices (svpp, terapipe) do not combine with --tp yet; use a schedule without slices")
+    work = model.resolved()
+    if work.tensor_parallel is None:
+        raise ConfigError(f"train: {work.name} has no tensor-parallel plan; use --tp 1")
+    work.tensor_parallel(parallel.tp, parallel.sequence_parallel)  # raises when heads, columns or vocab do not divide
+    if work.sample_tokens % parallel.tp:
+        raise ConfigError(
+            f"train: sequence length {work.sample_tokens} does not split into {parallel.tp} equal shards "
+            "(each tensor-parallel rank sends its shard between stages)"
+        )
+
+
 def _check_checkpoints(checkpoints: CheckpointPart, parallel: ParallelPart, steps: int) -> None:
     if (checkpoints.directory is None) != (checkpoints.every == 0) or checkpoints.every < 0:
         raise ConfigError("train: checkpoints need both a directory (--save) and a period (--save-every >= 1)")
@@ -280,10 +323,11 @@ def _check_checkpoints(checkpoints: CheckpointPart, parallel: ParallelPart, step
         schedule = parallel.schedule
         _, done = find_checkpoint(
             checkpoints.resume_from,
-            schedule.num_devices * parallel.dp,
+            parallel.layout.world_size,
             schedule.name,
             parallel.zero,
             parallel.offload_stages,
+            parallel.tp,
         )
         if done >= steps:
             raise ConfigError(f"train: the checkpoint is already {done} steps in; ask for more than {done} --steps")

@@ -46,7 +46,7 @@ class WeightGradQueue:
             gy = grad_outputs[0] if len(grad_outputs) == 1 else torch.cat(grad_outputs)
             a, b = (x.t(), gy) if layer.transposed else (gy.t(), x)
             _accumulate_product(layer.weight, a, b)
-            if layer.bias is not None:
+            if layer.bias is not None and layer.add_bias:
                 _accumulate(layer.bias, gy.sum(0))
 
     def run_part(self, key: tuple, part: int, parts: int) -> None:
@@ -107,26 +107,30 @@ class _InputGradOnly(torch.autograd.Function):
 
 class SplitLinear(nn.Module):
     """An nn.Linear (or a Hugging Face Conv1D, whose weight is stored transposed) whose weight
-    gradient waits in `queue` for the W op."""
+    gradient waits in `queue` for the W op; without a queue an ordinary linear (tensor
+    parallelism cuts every linear of a stage through this one class)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, linear: nn.Module, queue: WeightGradQueue, transposed: bool = False) -> None:
+    def __init__(self, linear: nn.Module, queue: WeightGradQueue | None, transposed: bool = False) -> None:
         super().__init__()
         self.weight = cast(torch.Tensor, linear.weight)
         self.bias = cast(torch.Tensor | None, linear.bias)
         self.queue = queue
         self.transposed = transposed
+        self.add_bias = True
+        """False for a row-parallel linear: its bias is added once, after the partial sums are
+        reduced (`tensor_parallel.Rowwise`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight.t() if self.transposed else self.weight
-        bias = self.bias
+        bias = self.bias if self.add_bias else None
         if torch.is_autocast_enabled(x.device.type):  # the product in the compute type, as autocast would
             dtype = torch.get_autocast_dtype(x.device.type)
             x, weight = x.to(dtype), weight.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
-        if not torch.is_grad_enabled():
+        if self.queue is None or not torch.is_grad_enabled():
             return nn.functional.linear(x, weight, bias)
         return _InputGradOnly.apply(x, weight, bias, self, self.queue)
 
@@ -136,9 +140,9 @@ def _is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
 
 
-def split_linears(module: nn.Module, queue: WeightGradQueue) -> int:
+def split_linears(module: nn.Module, queue: WeightGradQueue | None) -> int:
     """Replace every nn.Linear (and transformers Conv1D) inside `module` by a SplitLinear on
-    `queue`; return how many."""
+    `queue` (None: computing its weight gradient in the backward as usual); return how many."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):

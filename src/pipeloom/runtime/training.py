@@ -74,7 +74,7 @@ def _train(spec: TrainSpec, rank: int, probe: StageProbe | None) -> RankResult:
         run.pipeline_done()
         _collective(rank, f"the all-reduce of gradients with ranks {run.buckets.describe()}", run.buckets.reduce)
         run.step_optimizer(step, lambda what, call: _collective(rank, what, call))
-        loss = torch.tensor([record.loss], dtype=torch.float64, device=run.where)
+        loss = torch.tensor([run.loss_share(record)], dtype=torch.float64, device=run.where)
         _collective(rank, f"the all-reduce of the loss with ranks {world}", dist.all_reduce, loss)
         run.end_step(step, record, float(loss))
     return run.tear_down()

@@ -1,0 +1,192 @@
+"""Tensor and sequence parallelism inside a stage: pp × tp (× dp) gloo ranks train Hugging Face
+models on a token file like one process.
+
+These fork ranks: DTensor's collectives need a process group per rank, so tensor parallelism has
+no in-process tier. Each run is one small model, two steps.
+
+Tolerances follow from the arithmetic. A row-parallel linear sums its partial products in another
+order than one process, so gradients agree to fp32 rounding of their terms (checked relative to
+each tensor's scale). AdamW's first steps divide each gradient by its own size (+1e-8), which
+turns a rounding difference δ in a near-zero gradient into a weight difference of up to lr·δ/1e-8;
+with δ ≈ 1e-10 here the runs use lr = 1e-5 so that this stays under the 1e-6 of atol, and every
+parameter is then compared at rtol 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from helpers.runtime import assert_matches_reference  # noqa: E402
+
+from pipeloom import build_schedule  # noqa: E402
+from pipeloom.errors import ConfigError  # noqa: E402
+from pipeloom.models.hf import hf_workload  # noqa: E402
+from pipeloom.runtime.in_process import run_in_process  # noqa: E402
+from pipeloom.runtime.layout import RankLayout  # noqa: E402
+from pipeloom.runtime.local import run_local  # noqa: E402
+from pipeloom.runtime.training import TrainSpec, check_spec, reference_training  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+LR = 1e-5
+SEQ = 16
+LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": True,
+}
+OTHERS = {
+    "qwen2": {**LLAMA, "model_type": "qwen2"},  # biased q, k, v: column-parallel biases
+    "gpt2": {  # one fused Conv1D for q, k, v; tied embeddings
+        "model_type": "gpt2",
+        "vocab_size": 96,
+        "n_embd": 32,
+        "n_layer": 4,
+        "n_head": 4,
+        "n_positions": 64,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    },
+    "bert": {  # bidirectional; embeddings' norm on the whole sequence before it is cut
+        "model_type": "bert",
+        "vocab_size": 96,
+        "hidden_size": 32,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "intermediate_size": 64,
+        "max_position_embeddings": 64,
+    },
+}
+SCHEDULES = {"1f1b": {}, "zb-h1": {}, "interleaved": {"num_chunks": 2}, "zb-v": {}}
+
+
+def model_dir(tmp_path, config: dict):
+    directory = tmp_path / config["model_type"]
+    directory.mkdir(exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory):
+    from pipeloom.data import write_token_file
+
+    ids = torch.randint(0, 96, (4000,), generator=torch.Generator().manual_seed(5))
+    return write_token_file(tmp_path_factory.mktemp("tokens") / "tokens.bin", ids.numpy(), "uint16")
+
+
+def llama_spec(tmp_path, token_file, schedule: str, **changes) -> TrainSpec:
+    from pipeloom.data import TokenFile
+
+    work = hf_workload(
+        model_dir(tmp_path, LLAMA), seed=1, microbatch_size=2, seq_len=SEQ, data=TokenFile(token_file, SEQ, seed=2)
+    )
+    return TrainSpec(build_schedule(schedule, 2, 4, **SCHEDULES.get(schedule, {})), workload=work, lr=LR, **changes)
+
+
+def assert_trains_like_one_process(spec: TrainSpec, results) -> None:
+    """Losses and every gathered parameter as one process; the last step's gradients to rounding."""
+    assert_matches_reference(spec, results, rtol=1e-5, atol=1e-6)
+    expected: list = []
+    reference_training(spec, expected)
+    for result in results:
+        for stage, gradients in result.gradients.items():
+            for name, value in gradients.items():
+                scale = float(expected[stage][name].abs().max())
+                torch.testing.assert_close(value, expected[stage][name], rtol=1e-5, atol=1e-5 * scale, msg=name)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_pp2_tp2_trains_like_one_process(tmp_path, token_file, schedule, sequence_parallel):
+    spec = llama_spec(tmp_path, token_file, schedule, tp=2, sequence_parallel=sequence_parallel, record_gradients=True)
+    results = run_local(spec)
+    assert_trains_like_one_process(spec, results)
+    # each tensor-parallel rank sends its sequence shard: the group sends what one rank did without tp
+    alone = run_in_process(llama_spec(tmp_path, token_file, schedule, steps=1))
+    layout = spec.parallelism.layout
+    for device in range(2):
+        shards = [results[layout.rank(0, device, t)].records[-1].sent_bytes for t in range(2)]
+        assert shards[0] == shards[1] and sum(shards) == alone[device].records[-1].sent_bytes > 0
+
+
+def test_pp2_dp2_tp2_with_zero1_trains_like_one_process(tmp_path, token_file):
+    spec = llama_spec(tmp_path, token_file, "zb-h1", tp=2, dp=2, zero=1, sequence_parallel=True)
+    results = run_local(spec)
+    assert len(results) == 8
+    assert_matches_reference(spec, results, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", sorted(OTHERS))
+def test_other_families_train_like_one_process(tmp_path, token_file, family):
+    from pipeloom.data import TokenFile
+
+    work = hf_workload(
+        model_dir(tmp_path, OTHERS[family]), seed=1, microbatch_size=2, seq_len=SEQ, data=TokenFile(token_file, SEQ, 2)
+    )
+    spec = TrainSpec(build_schedule("zb-h1", 2, 4), workload=work, lr=LR, tp=2, sequence_parallel=family != "qwen2")
+    assert_matches_reference(spec, run_local(spec), rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoint_saves_tp_shards_and_resumes_on_the_same_layout(tmp_path, token_file):
+    whole = run_local(
+        llama_spec(tmp_path, token_file, "zb-h1", tp=2, steps=4, save_every=2, save_dir=str(tmp_path / "ckpt"))
+    )
+    resumed = run_local(
+        llama_spec(tmp_path, token_file, "zb-h1", tp=2, steps=4, resume_dir=str(tmp_path / "ckpt" / "step-2"))
+    )
+    assert resumed[0].losses == whole[0].losses[2:]
+    for rank, result in enumerate(resumed):
+        for stage, parameters in result.parameters.items():
+            for name, value in parameters.items():
+                assert torch.equal(value, whole[rank].parameters[stage][name]), name
+    with pytest.raises(ConfigError, match="tp = 2 ranks, not 1: resume with --tp 2"):
+        check_spec(llama_spec(tmp_path, token_file, "zb-h1", steps=4, resume_dir=str(tmp_path / "ckpt" / "step-2")))
+
+
+def test_rank_layout_puts_tensor_parallelism_innermost():
+    layout = RankLayout(devices=2, dp=2, tp=2)
+    assert [layout.rank(0, 0, t) for t in range(2)] == [0, 1]  # one node's consecutive ranks
+    assert layout.rank(1, 0, 0) == 2 and layout.rank(0, 1, 0) == 4
+    assert all(layout.rank(*layout.coords(r)) == r for r in range(layout.world_size))
+
+
+@pytest.mark.parametrize(
+    "family, changes, tp, sp, message",
+    [
+        ("llama", {"num_key_value_heads": 1}, 2, False, "1 key/value heads do not divide by --tp 2"),
+        ("llama", {"vocab_size": 95}, 2, False, "95 vocabulary entries do not divide"),
+        ("llama", {}, 3, False, "attention heads do not divide by --tp 3"),
+        ("mamba", {"state_size": 8, "expand": 2, "conv_kernel": 4}, 2, False, "Mamba has no tensor-parallel plan"),
+        ("llama", {}, 1, True, "--sequence-parallel shards the sequence"),
+    ],
+)
+def test_models_that_cannot_be_cut_are_refused_in_one_line(tmp_path, family, changes, tp, sp, message):
+    config = {**LLAMA, **changes, "model_type": family}
+    work = hf_workload(model_dir(tmp_path, config), microbatch_size=2, seq_len=SEQ)
+    spec = TrainSpec(build_schedule("1f1b", 2, 4), workload=work, tp=tp, sequence_parallel=sp)
+    with pytest.raises(ConfigError, match=message):
+        check_spec(spec)
+
+
+def test_world_size_slices_and_in_process_runs_are_checked(tmp_path):
+    work = hf_workload(model_dir(tmp_path, LLAMA), microbatch_size=2, seq_len=SEQ)
+    spec = TrainSpec(build_schedule("1f1b", 2, 4), workload=work, tp=2)
+    with pytest.raises(ConfigError, match=r"world size 2 does not match p × dp × tp = 2 × 1 × 2 = 4"):
+        check_spec(spec, 2)
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        run_in_process(spec)
+    sliced = TrainSpec(build_schedule("svpp", 2, 4, num_slices=2), workload=work, tp=2)
+    with pytest.raises(ConfigError, match="slices .* do not combine with --tp"):
+        check_spec(sliced)
