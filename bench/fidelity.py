@@ -8,7 +8,12 @@ trains each for `--steps` steps (the first left out; repeated until the median s
 times) and prints predicted and measured step time,
 the step's breakdown, and peak activation (stash) bytes per device, with their mean absolute
 percentage errors. Goal: MAPE ≤ 5 % for time, ≤ 2 % for memory (Mario reports 9.4 % and 5.1 %).
-Usage: python bench/fidelity.py [--profile profile.json] [--steps 8]
+
+Then tensor parallelism: the Hugging Face LLaMA of examples/hf-llama-tiny is profiled, a tp = 2
+plan on 4 ranks (pp = 2) is tuned with and without sequence parallelism and trained as planned
+(`spec_from_plan`), and each prints its step time and its tensor-parallel traffic predicted beside
+measured, and the bytes each rank sends per step between stages and in its group's collectives.
+Usage: python bench/fidelity.py [--profile profile.json] [--steps 8] [--only-tp]
 """
 
 from __future__ import annotations
@@ -68,7 +73,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", help="reuse a profile instead of measuring one")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--only-tp", action="store_true", help="only the tensor-parallel plans")
     args = parser.parse_args()
+    if args.only_tp:
+        tensor_parallel_plans(args.steps)
+        return
     model = load_model(MODEL)
     if args.profile:
         profile = json.loads(Path(args.profile).read_text())
@@ -138,6 +147,53 @@ def main() -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
         json.dump(profile, handle)
         print(f"profile kept at {handle.name} (--profile to reuse)")
+    tensor_parallel_plans(args.steps)
+
+
+def tensor_parallel_plans(steps: int) -> None:
+    """tp = 2 plans of a profiled Hugging Face LLaMA, with and without sequence parallelism."""
+    import dataclasses
+
+    from pipeloom.models.hf import hf_workload
+    from pipeloom.runtime.layout import RankLayout
+    from pipeloom.runtime.plan_run import spec_from_plan
+    from pipeloom.tune.presets import model_from_config
+
+    directory, seq_len = MODEL.parent / "hf-llama-tiny", 64
+    config = json.loads((directory / "config.json").read_text())
+    model = dataclasses.replace(model_from_config(config, name="hf-llama-tiny"), seq_len=seq_len)
+    profile = profile_model(
+        model,
+        micro_batches=(1, 2),
+        layer_counts=(1, 2),
+        steps=4,
+        workload_for=lambda layers, mbs: hf_workload(directory, 0, mbs, seq_len, layers=layers),
+    )
+    profile["source"] = f"hf:{directory}"
+    print(f"\ntensor parallelism: {model.name} at {seq_len} tokens, pp = 2 × tp = 2 on 4 gloo ranks, {steps} steps")
+    print(
+        f"{'plan':<34} {'step ms':>8} {'measured':>8} {'error':>7}  {'TP MiB/step (pred/meas)':>24}  "
+        f"{'TP ms (pred)':>12}  {'p2p MiB/step per rank':>21}"
+    )
+    for sequence_parallel in (False, True):
+        cost_model = ProfiledCostModel(profile, 2, sequence_parallel)
+        result = tune(cost_model, 4, 2**30, 8, tp=2, schemes=["zb-h1"], pp_values=[2], micro_batches=[1, 2])
+        plan = plan_from_evaluation(result.best, result, model, cost_model.to_dict(), 2)
+        times, sent = cost_model.tp_step(plan.schedule, plan.partition, plan.micro_batch_size)
+        spec = spec_from_plan(plan, steps=steps)
+        results = run_local(spec)
+        measured = 1e3 * statistics.median(results[0].step_seconds[1:])
+        predicted = plan.predicted["step_time_ms"]
+        layout = RankLayout(plan.pp, plan.dp, plan.tp)
+        tp_measured = max(r.records[-1].tp_sent_bytes for r in results)
+        p2p = [results[layout.rank(0, d, t)].records[-1].sent_bytes / 2**20 for d in range(2) for t in range(2)]
+        label = f"{result.best.candidate.label}{' +sp' if sequence_parallel else ''}"
+        print(
+            f"{label:<34} {predicted:>8.1f} {measured:>8.1f} {measured / predicted - 1:>+7.1%}  "
+            f"{max(sent) / 2**20:>11.2f}/{tp_measured / 2**20:<12.2f}  {max(times):>12.1f}  "
+            f"{' '.join(f'{b:.3f}' for b in p2p):>21}"
+        )
+    print("p2p: per rank (device 0 tp 0, tp 1, device 1 tp 0, tp 1); each sends its sequence shard")
 
 
 if __name__ == "__main__":

@@ -49,6 +49,13 @@ def test_fit_positions_shares_one_slope():
     )
 
 
+def test_noise_never_fits_a_layer_below_zero():
+    points = [("first", 1, 2.0), ("first", 2, 1.0), ("last", 1, 4.0), ("last", 2, 3.0)]  # jitter above the layers
+    assert fit_positions(points) == pytest.approx(
+        {"per_layer": 0.0, "first": 1.5, "last": 3.5, "middle": 1.5, "single": 3.5}
+    )
+
+
 def test_stage_costs_follow_the_fits_and_interpolate():
     model = ProfiledCostModel(profile())
     costs = model.stage_costs([2, 3, 3], 2, 3, 1)
@@ -77,8 +84,8 @@ def test_bad_profiles_are_refused():
         ProfiledCostModel({"format": "other"})
     with pytest.raises(ConfigError, match="incomplete"):
         ProfiledCostModel({"format": PROFILE_FORMAT, "model": MODEL})
-    with pytest.raises(ConfigError, match="--tp 1"):
-        ProfiledCostModel(profile(), tp=2)
+    with pytest.raises(ConfigError, match="--tp must be at least 1"):
+        ProfiledCostModel(profile(), tp=0)
 
 
 def test_measured_runtime_overheads_are_priced():
@@ -110,3 +117,38 @@ def test_measured_runtime_overheads_are_priced():
     best = tune(model, 2, 2**30, 4, schemes=["1f1b"], pp_values=[2], micro_batches=[1]).best
     assert best.overhead_time == 3.0
     assert best.step_time == pytest.approx(best.pipeline_time + best.allreduce_time + best.optimizer_time + 3.0)
+
+
+def links():
+    line = {"latency_ms": 0.1, "bytes_per_ms": 1e5}
+    return {
+        "p2p": line,
+        "allreduce": {**line, "dp": 2},
+        "reduce_scatter": {**line, "dp": 2},
+        "all_gather": {**line, "dp": 2},
+    }
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_parallelism_splits_compute_and_adds_its_measured_collectives(sequence_parallel):
+    whole = ProfiledCostModel({**profile(), **links()})
+    split = ProfiledCostModel({**profile(), **links()}, tp=2, sequence_parallel=sequence_parallel)
+    one, two = whole.stage_costs([2, 3, 3], 2, 3, 1), split.stage_costs([2, 3, 3], 2, 3, 1)
+    activation = 4 * 2 * MODEL["seq_len"] * MODEL["hidden"]  # fp32 bytes of one micro-batch's hidden states
+    ring = 0.1 + activation / 1e5  # measured on 2 ranks: a tp = 2 group's collectives as they are
+    for stage, layers in enumerate([2, 3, 3]):
+        names = split.tp_collectives(stage, 3, layers)
+        assert two.F[stage] == pytest.approx(one.F[stage] / 2 + ring * len(names["F"]))
+        assert two.B[stage] == pytest.approx(one.B[stage] / 2 + ring * len(names["B"]))
+        assert two.W[stage] == pytest.approx(one.W[stage] / 2)  # W stays local
+        per_layer = (4 if sequence_parallel else 2) * layers
+        assert len(names["F"]) == per_layer + (stage == 0) + (stage == 2) * sequence_parallel + (
+            0 if sequence_parallel else stage > 0
+        )
+    assert two.M_static == pytest.approx([m / 2 for m in one.M_static])
+    assert split.stage_params([2, 3, 3]) == pytest.approx([p / 2 for p in whole.stage_params([2, 3, 3])])
+
+
+def test_tensor_parallelism_needs_measured_collectives():
+    with pytest.raises(ConfigError, match="no measured collectives"):
+        ProfiledCostModel(profile(), tp=2)

@@ -76,6 +76,15 @@ def fidelity_report(plan, results) -> str:
                 f"  device {device} static      {statics[device] / 2**20:8.2f} MiB vs {device_bytes / 2**20:8.2f} MiB "
                 f"({device_bytes / statics[device] - 1:+.1%}; weights, gradients, optimizer)"
             )
+    tp_sent, tp_ms = predicted.get("tp_sent_bytes") or [], predicted.get("tp_comm_ms") or []
+    for device in range(min(p, len(tp_sent))):  # what each rank sends in its tensor-parallel group's collectives
+        sent = max(
+            results[layout.rank(r, device, t)].records[-1].tp_sent_bytes for r in range(plan.dp) for t in range(plan.tp)
+        )
+        lines.append(
+            f"  device {device} TP comm     {tp_sent[device] / 2**20:8.2f} MiB vs {sent / 2**20:8.2f} MiB per step "
+            f"({sent / tp_sent[device] - 1:+.1%}; predicted {tp_ms[device]:.1f} ms of collectives)"
+        )
     totals = predicted.get("peak_memory") or []
     for device in range(p):  # on GPUs: everything the rank allocated, against static + activations
         gpu = [results[layout.rank(replica, device)].peak_memory_bytes for replica in range(plan.dp)]

@@ -44,6 +44,11 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--costs", metavar="PROFILE", help="a profile JSON written by `pipeloom profile`")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size, fixed (default 1)")
     parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp and --costs: price sequence parallelism (all-gather / reduce-scatter for each all-reduce)",
+    )
+    parser.add_argument(
         "--schemes", help=f"comma-separated among {', '.join(SCHEMES)} (default: {','.join(DEFAULT_SCHEMES)})"
     )
     parser.add_argument("--runnable", action="store_true", help="only schemes the runtime executes today")
@@ -114,6 +119,9 @@ def run(args: argparse.Namespace) -> int:
     )
     best = result.best
     plan = plan_from_evaluation(best, result, cost_model.model, cost_model.to_dict(), args.tp)
+    if args.tp > 1 and hasattr(cost_model, "tp_step"):  # measured collectives: what the runtime can check
+        times, sent = cost_model.tp_step(plan.schedule, plan.partition, plan.micro_batch_size)
+        plan.predicted["tp_comm_ms"], plan.predicted["tp_sent_bytes"] = times, sent
     plan.save(args.output)
     if plot:
         from pipeloom.viz.plot import plot_timeline
@@ -140,7 +148,7 @@ def _cost_model(args: argparse.Namespace):
     if args.costs:
         from pipeloom.tune.profiled import ProfiledCostModel
 
-        profiled = ProfiledCostModel.load(args.costs, args.tp)
+        profiled = ProfiledCostModel.load(args.costs, args.tp, args.sequence_parallel)
         if args.model and load_model(args.model).to_dict() != profiled.model.to_dict():
             raise ConfigError(f"--model {args.model} differs from the model profiled in {args.costs}")
         return profiled

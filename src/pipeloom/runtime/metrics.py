@@ -62,11 +62,14 @@ class StepReporter:
 
 
 def final_table(results: Sequence, facts: dict) -> str:
-    """Per rank: median step, TFLOP/s, MFU, peak stash, (GPU) peak memory, bytes sent, and the
-    optimizer's bytes on the device, measured beside planned."""
+    """Per rank: median step, TFLOP/s, MFU, peak stash, (GPU) peak memory, bytes sent (between
+    stages; with tensor parallelism also in the group's collectives), and the optimizer's bytes on
+    the device, measured beside planned."""
+    tensor_parallel = facts.get("tp", 1) > 1
     lines = [
         f"{'rank':>4}  {'step ms':>9}  {'TFLOP/s':>8}  {'MFU':>6}  {'stash MiB':>10}  "
         f"{'GPU peak MiB':>12}  {'sent MiB/step':>13}  {'optimizer MiB (plan)':>20}"
+        + (f"  {'TP MiB/step':>11}" if tensor_parallel else "")
     ]
     for result, rank in zip(results, facts["ranks"]):
         mfu = f"{rank['mfu']:.1%}" if rank["mfu"] is not None else "n/a"
@@ -75,6 +78,7 @@ def final_table(results: Sequence, facts: dict) -> str:
             f"{result.rank:>4}  {rank['median_step_seconds'] * 1e3:>9.1f}  {rank['tflops']:>8.4g}  {mfu:>6}  "
             f"{rank['peak_stash_bytes'] / 2**20:>10.2f}  {gpu:>12}  {rank['sent_bytes_per_step'] / 2**20:>13.2f}  "
             f"{_optimizer_cell(rank):>20}"
+            + (f"  {rank['tp_sent_bytes_per_step'] / 2**20:>11.2f}" if tensor_parallel else "")
         )
     unit = "tokens/s" if facts["sample_tokens"] > 1 else "samples/s"
     lines.append(

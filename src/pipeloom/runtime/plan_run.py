@@ -37,6 +37,8 @@ def spec_from_plan(plan: Plan | str | Path, model: str | None = None, data=None,
     if fixed:
         raise ConfigError(f"train_plan: the plan fixes {', '.join(fixed)}; drop them")
     options.setdefault("zero", plan.zero)
+    if plan.sequence_parallel:
+        options.setdefault("sequence_parallel", True)
     if plan.offload_stages:
         options.setdefault("offload_stages", plan.offload_stages)
     elif "offload" in plan.passes:

@@ -240,6 +240,8 @@ class RankRun:
         if self.sync is not None:
             self.sync.validate()  # the previous step, against the full state the last device sent back
         self.optimizers.zero_grad()
+        if self.tensor is not None:
+            self.tensor.sent_bytes = 0
         if self.scaler is not None:
             self.executor.grad_scale = self.scaler.scale
             self.result.loss_scales.append(self.scaler.scale)
@@ -275,6 +277,8 @@ class RankRun:
     def end_step(self, step: int, record: StepRecord, loss: float) -> None:
         """Book the step (its loss summed over every rank) and save a checkpoint when one is due."""
         times, result = self._times, self.result
+        if self.tensor is not None:
+            record.tp_sent_bytes = self.tensor.sent_bytes
         result.losses.append(loss)
         result.step_seconds.append(time.perf_counter() - times["began"])
         result.phase_seconds.append(

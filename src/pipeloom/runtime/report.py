@@ -33,6 +33,7 @@ def summary(results: Sequence[RankResult], peak_tflops: float | None = None, **c
                 "peak_memory_bytes": result.peak_memory_bytes,
                 "sent_bytes_per_step": result.records[-1].sent_bytes if result.records else 0,
                 "sent_dtypes": list(result.records[-1].sent_dtypes) if result.records else [],
+                "tp_sent_bytes_per_step": result.records[-1].tp_sent_bytes if result.records else 0,
                 "static_bytes": result.static_bytes,
                 "planned_static_bytes": result.planned_static_bytes,
             }

@@ -32,6 +32,8 @@ class StepRecord:
     recomputes: int = 0
     sent_bytes: int = 0
     """Bytes this device sent to other devices (activations and gradients)."""
+    tp_sent_bytes: int = 0
+    """Bytes this rank sent in its tensor-parallel group's collectives (`tensor_parallel`)."""
     sent_dtypes: tuple[str, ...] = ()
     """The dtypes of what it sent, e.g. ("bfloat16",)."""
 

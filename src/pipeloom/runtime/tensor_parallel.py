@@ -35,7 +35,7 @@ from typing import cast
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
 from pipeloom.errors import ConfigError
@@ -72,6 +72,17 @@ class TensorParallel:
     replicated."""
     full_of: dict[int, torch.Tensor] = field(default_factory=dict)
     """Shard parameter (by id) → the full parameter it was cut from."""
+    sent_bytes: int = 0
+    """Bytes this rank sent in the group's collectives since the step began, as a ring moves
+    them: 2(tp−1)/tp of an all-reduced tensor, (tp−1)/tp of an all-gathered or reduce-scattered
+    one — counted when the forward runs, its backward's too when autograd will run one."""
+
+    def count(self, tensor: torch.Tensor, *collectives: str, backward: tuple[str, ...] = ()) -> None:
+        """Book the collectives of a region boundary on `tensor`, the whole (unsharded) activation."""
+        names = collectives + (backward if torch.is_grad_enabled() and tensor.requires_grad else ())
+        share = (self.size - 1) / self.size
+        whole = tensor.numel() * tensor.element_size()
+        self.sent_bytes += int(sum(whole * share * (2 if name == "allreduce" else 1) for name in names))
 
     @property
     def size(self) -> int:
@@ -136,37 +147,40 @@ def enter_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     parallelism an all-gather of the sequence); backward: the partial input gradients summed
     (all-reduce, or reduce-scatter back to the sequence shards)."""
     if tp.sequence_parallel:
-        whole = DTensor.from_local(x, tp.mesh, [Shard(_SEQUENCE)], run_check=False).redistribute(tp.mesh, [Replicate()])
-    else:
-        whole = DTensor.from_local(x, tp.mesh, [Replicate()], run_check=False)
-    return whole.to_local(grad_placements=[Partial()])
+        whole = _redistribute(x, tp, Shard(_SEQUENCE), Replicate()).to_local(grad_placements=[Partial()])
+        tp.count(whole, "all_gather", backward=("reduce_scatter",))
+        return whole
+    tp.count(x, backward=("allreduce",))
+    return DTensor.from_local(x, tp.mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
 def leave_region(y: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Out of a row-parallel linear: the partial sums reduced (all-reduce, or reduce-scatter to
     the sequence shards); backward: the output gradient to every rank (a copy, or all-gather)."""
-    target = Shard(_SEQUENCE) if tp.sequence_parallel else Replicate()
-    return DTensor.from_local(y, tp.mesh, [Partial()], run_check=False).redistribute(tp.mesh, [target]).to_local()
+    if tp.sequence_parallel:
+        tp.count(y, "reduce_scatter", backward=("all_gather",))
+        return _redistribute(y, tp, Partial(), Shard(_SEQUENCE)).to_local()
+    tp.count(y, "allreduce")
+    return _redistribute(y, tp, Partial(), Replicate()).to_local()
 
 
 def gather_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """A replicated activation rebuilt from the sequence shards the ranks received; backward: each
     rank's shard of the (identical) gradient."""
-    return (
-        DTensor.from_local(x, tp.mesh, [Shard(_SEQUENCE)], run_check=False)
-        .redistribute(tp.mesh, [Replicate()])
-        .to_local()
-    )
+    whole = _redistribute(x, tp, Shard(_SEQUENCE), Replicate()).to_local()
+    tp.count(whole, "all_gather")
+    return whole
 
 
 def scatter_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """This rank's sequence shard of a replicated activation (what it sends on, so the group sends
     each byte once); backward: the shards' gradients all-gathered."""
-    return (
-        DTensor.from_local(x, tp.mesh, [Replicate()], run_check=False)
-        .redistribute(tp.mesh, [Shard(_SEQUENCE)])
-        .to_local()
-    )
+    tp.count(x, backward=("all_gather",))
+    return _redistribute(x, tp, Replicate(), Shard(_SEQUENCE)).to_local()
+
+
+def _redistribute(x: torch.Tensor, tp: TensorParallel, held: Placement, wanted: Placement) -> DTensor:
+    return DTensor.from_local(x, tp.mesh, [held], run_check=False).redistribute(tp.mesh, [wanted])
 
 
 # -- the styles ---------------------------------------------------------------------------------
@@ -272,6 +286,7 @@ class VocabEmbedding(_Style):
                 weight = weight * keep + (weight * (1 - keep)).detach()
             table = DTensor.from_local(weight, tp.mesh, [Shard(0)], run_check=False)
             found = nn.functional.embedding(DTensor.from_local(ids, tp.mesh, [Replicate()], run_check=False), table)
+            tp.count(found, "reduce_scatter" if self.scatter else "allreduce")
             return cast(DTensor, found).redistribute(tp.mesh, target).to_local()
 
         module.forward = forward  # type: ignore[method-assign,assignment]

@@ -56,6 +56,8 @@ class Plan:
     predicted: dict
     zero: int = 0
     offload_stages: tuple[int, ...] = ()
+    sequence_parallel: bool = False
+    """With tp > 1: the plan was priced with sequence parallelism (`tune --sequence-parallel`)."""
 
     @property
     def num_microbatches(self) -> int:
@@ -70,6 +72,7 @@ class Plan:
             "pp": self.pp,
             "dp": self.dp,
             "tp": self.tp,
+            "sequence_parallel": self.sequence_parallel,
             "micro_batch_size": self.micro_batch_size,
             "global_batch": self.global_batch,
             "num_microbatches": self.num_microbatches,
@@ -153,6 +156,7 @@ class Plan:
             predicted=dict(data.get("predicted", {})),
             zero=int(data.get("zero", 0)),
             offload_stages=tuple(int(s) for s in data.get("offload_stages", ())),
+            sequence_parallel=bool(data.get("sequence_parallel", False)),
         )
 
 
@@ -192,4 +196,5 @@ def plan_from_evaluation(
         },
         zero=candidate.zero,
         offload_stages=tuple(evaluation.offload.plan.stages) if evaluation.offload else (),
+        sequence_parallel=bool(cost_model.get("sequence_parallel", False)),
     )

@@ -10,6 +10,14 @@ stash, so M_W is 0 here. What the runtime adds beyond the ops is priced as measu
 overhead on every F, B, W and R; p2p as latency + bytes / bandwidth; the dp = 2 all-reduce, scaled
 to other dp by the ring; the optimizer step; and the rest of a step. The file also carries plain Costs keys — a two-device split of the
 model at the first profiled micro-batch size — so `simulate --costs profile.json` reads it too.
+
+With tp > 1 (Megatron's layout, `pipeloom.runtime.tensor_parallel`) each op's measured compute is
+split over the tp ranks and its tensor-parallel collectives are added, priced from the same
+measured collectives (a tp group is a ring of tp ranks like a dp group): per layer two
+all-reduces of the activation forward and two backward (under sequence parallelism an all-gather
+and a reduce-scatter for each), one more on the embedding, on the head, and — without sequence
+parallelism — the all-gather of the sequence shards each stage receives. W is local. Weights,
+p2p bytes and, as Korthikanti et al. count them, activations shrink with tp.
 """
 
 from __future__ import annotations
@@ -34,7 +42,9 @@ _COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather")
 
 def fit_positions(points: Sequence[tuple[str, int, float]]) -> dict[str, float]:
     """Least squares of value = slope·n + intercept[position] over (position, n, value) points,
-    with the middle and single intercepts derived from the first and last."""
+    with the middle and single intercepts derived from the first and last. A layer never costs
+    less than nothing: when noise tilts the fit below zero (a busy machine, layers cheaper than
+    its jitter), the least squares under slope ≥ 0 is taken — slope 0, each position its mean."""
     by_position: dict[str, list[tuple[int, float]]] = {}
     for position, n, value in points:
         by_position.setdefault(position, []).append((n, value))
@@ -47,6 +57,7 @@ def fit_positions(points: Sequence[tuple[str, int, float]]) -> dict[str, float]:
         if spread
         else 0.0
     )
+    slope = max(slope, 0.0)
     fit = {"per_layer": slope, **{pos: mean_v - slope * mean_n for pos, (mean_n, mean_v) in means.items()}}
     if {"first", "last"} <= fit.keys():
         # A middle stage has neither embedding nor head; the embedding is a lookup, so the cheaper
@@ -57,9 +68,10 @@ def fit_positions(points: Sequence[tuple[str, int, float]]) -> dict[str, float]:
 
 
 class ProfiledCostModel:
-    def __init__(self, profile: dict, tp: int = 1):
-        if tp != 1:
-            raise ConfigError("a profile is measured without tensor parallelism; tune it with --tp 1")
+    def __init__(self, profile: dict, tp: int = 1, sequence_parallel: bool = False):
+        if not isinstance(tp, int) or tp < 1:
+            raise ConfigError(f"--tp must be at least 1, got {tp!r}")
+        self.tp, self.sequence_parallel = tp, sequence_parallel and tp > 1
         if not isinstance(profile, dict) or profile.get("format") != PROFILE_FORMAT:
             raise ConfigError(f"not a {PROFILE_FORMAT} file (run `pipeloom profile` to make one)")
         try:
@@ -80,10 +92,80 @@ class ProfiledCostModel:
             raise ConfigError(f"profile is incomplete: {error}") from None
         self.profile = profile
         self.source = "profile"
+        if tp > 1 and not all(name in self.links for name in _COLLECTIVES):
+            raise ConfigError("the profile has no measured collectives to price tensor parallelism: profile again")
 
     @classmethod
-    def load(cls, path: str | PathLike[str], tp: int = 1) -> ProfiledCostModel:
-        return cls(read_json(path, "profile", ConfigError), tp)
+    def load(cls, path: str | PathLike[str], tp: int = 1, sequence_parallel: bool = False) -> ProfiledCostModel:
+        return cls(read_json(path, "profile", ConfigError), tp, sequence_parallel)
+
+    # -- tensor parallelism ------------------------------------------------------------------------
+
+    def _activation_bytes(self, micro_batch: float) -> float:
+        return self.compute * micro_batch * self.model.seq_len * self.model.hidden
+
+    def tp_collectives(self, stage: int, stages: int, layers: int) -> dict[str, list[str]]:
+        """The tensor-parallel collectives of a stage's F and B (R repeats F's; W has none),
+        each on one activation of the micro-batch."""
+        if self.tp == 1:
+            return {"F": [], "B": []}
+        sp = self.sequence_parallel
+        enter, leave = (["all_gather"], ["reduce_scatter"]) if sp else ([], ["allreduce"])
+        back_enter = ["reduce_scatter"] if sp else ["allreduce"]
+        per_layer = self._layer_collectives()
+        forward, backward = per_layer["F"] * layers, per_layer["B"] * layers
+        if stage == 0:
+            forward += leave  # the vocabulary-parallel embedding's partial rows
+        if stage == stages - 1:
+            forward += enter  # into the vocabulary-parallel head
+            backward += back_enter
+        if not sp:  # the sequence shards a stage receives, and its shard of the output gradient
+            forward += ["all_gather"] if stage > 0 else []
+            backward += ["all_gather"] if stage < stages - 1 else []
+        return {"F": forward, "B": backward}
+
+    def _layer_collectives(self) -> dict[str, list[str]]:
+        """A layer's: its attention and its MLP each enter the region and leave it."""
+        if self.tp == 1:
+            return {"F": [], "B": []}
+        if self.sequence_parallel:
+            return {"F": ["all_gather", "reduce_scatter"] * 2, "B": ["reduce_scatter", "all_gather"] * 2}
+        return {"F": ["allreduce"] * 2, "B": ["allreduce"] * 2}
+
+    def _tp_time(self, names: list[str], micro_batch: float) -> float:
+        nbytes = self._activation_bytes(micro_batch)
+        return sum(self._collective(name, nbytes, self.tp) for name in names)
+
+    def tp_bytes(self, names: list[str], micro_batch: float) -> float:
+        """Bytes one rank sends for `names` by the ring: 2(tp−1)/tp of an all-reduce's, (tp−1)/tp
+        of an all-gather's or reduce-scatter's."""
+        nbytes, t = self._activation_bytes(micro_batch), self.tp
+        return sum(nbytes * (t - 1) / t * (2 if name == "allreduce" else 1) for name in names)
+
+    def tp_step(self, schedule, partition: Sequence[int], micro_batch: int) -> tuple[list[float], list[float]]:
+        """Per device, the (ms, bytes sent) of one step's tensor-parallel collectives."""
+        times, sent = [], []
+        stages = len(partition)
+        size = micro_batch / schedule.num_slices
+        for ops in schedule.devices:
+            names: list[str] = []
+            for op in ops:
+                collectives = self.tp_collectives(op.stage, stages, partition[op.stage])
+                kind = op.kind.value
+                if kind in ("F", "R"):
+                    names += collectives["F"]
+                elif kind in ("B", "BW"):
+                    names += collectives["B"]
+            times.append(self._tp_time(names, size))
+            sent.append(self.tp_bytes(names, size))
+        return times, sent
+
+    def _activation_share(self) -> float:
+        """A rank's share of a layer's activations (Korthikanti et al.: 34 bytes·sbh of which 24
+        split without sequence parallelism, all of them with it; the attention scores left out)."""
+        if self.tp == 1:
+            return 1.0
+        return 1 / self.tp if self.sequence_parallel else (10 + 24 / self.tp) / 34
 
     def _value(self, key: str, field: str, micro_batch: float) -> float:
         """A fitted coefficient at `micro_batch`, linear between the profiled sizes."""
@@ -135,6 +217,15 @@ class ProfiledCostModel:
         per_stage["M_ckpt"] = [
             min(self._value("M_ckpt", self._position(i, len(counts)), size), m) for i, m in enumerate(per_stage["M_B"])
         ]
+        if self.tp > 1:
+            share = self._activation_share()
+            per_stage["M_B"] = [m * share for m in per_stage["M_B"]]
+            per_stage["M_ckpt"] = [m / self.tp for m in per_stage["M_ckpt"]]
+            for i, n in enumerate(counts):
+                collectives = self.tp_collectives(i, len(counts), n)
+                forward, backward = self._tp_time(collectives["F"], size), self._tp_time(collectives["B"], size)
+                for key, extra in (("F", forward), ("R", forward), ("B", backward), ("W", 0.0)):
+                    per_stage[key][i] = per_stage[key][i] / self.tp + extra
         # With slices, per-slice entries: Costs would otherwise share a stage's value out evenly.
         value: dict[str, CostValue] = {
             key: [[v] * slices for v in values] if slices > 1 else values for key, values in per_stage.items()
@@ -144,7 +235,7 @@ class ProfiledCostModel:
             B=value["B"],
             W=value["W"],
             R=value["R"],
-            comm=self._p2p(size),
+            comm=self._p2p(size / self.tp),  # each tensor-parallel rank sends its sequence shard
             M_B=value["M_B"],
             M_W=0.0,
             M_ckpt=value["M_ckpt"],
@@ -155,7 +246,9 @@ class ProfiledCostModel:
         )  # no host link measured: offload is left out, not guessed
 
     def layer_time(self, micro_batch: int) -> float:
-        return sum(self._value(key, "per_layer", micro_batch) for key in ("F", "B", "W"))
+        compute = sum(self._value(key, "per_layer", micro_batch) for key in ("F", "B", "W")) / self.tp
+        layer = self._layer_collectives()
+        return compute + self._tp_time(layer["F"] + layer["B"], micro_batch)
 
     def end_times(self, micro_batch: int) -> tuple[float, float]:
         def extra(position: str) -> float:
@@ -167,12 +260,14 @@ class ProfiledCostModel:
         return max(0.0, extra("first")), max(0.0, extra("last"))
 
     def layer_memory(self, micro_batch: int, dp: int, zero: int = 0) -> tuple[float, float]:
-        return self._value("M_B", "per_layer", micro_batch), self._static(self.params["layer"], dp, zero)
+        activations = self._value("M_B", "per_layer", micro_batch) * self._activation_share()
+        return activations, self._static(self.params["layer"] / self.tp, dp, zero)
 
     def stage_params(self, counts: Sequence[int]) -> list[float]:
+        """Parameters one rank holds per stage: its 1/tp shard of the layers, embedding and head."""
         last = len(counts) - 1
         return [
-            n * self.params["layer"] + self.params["first"] * (i == 0) + self.params["last"] * (i == last)
+            (n * self.params["layer"] + self.params["first"] * (i == 0) + self.params["last"] * (i == last)) / self.tp
             for i, n in enumerate(counts)
         ]
 
@@ -215,7 +310,9 @@ class ProfiledCostModel:
         return float(self.overhead["base_ms"]) if self.optimizer is not None else 0.0
 
     def to_dict(self) -> dict:
-        facts = {"source": "profile", "device": self.profile.get("device", "")}
+        facts = {"source": "profile", "device": self.profile.get("device", ""), "tp": self.tp}
+        if self.sequence_parallel:
+            facts["sequence_parallel"] = True
         if self.profile.get("source"):  # the profiled model itself (hf:DIR), for `train --plan`
             facts["model"] = self.profile["source"]
         return facts
