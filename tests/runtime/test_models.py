@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from helpers.hf_configs import TINY  # noqa: E402
 from helpers.runtime import trains_like_one_process  # noqa: E402
 
 from pipeloom import build_schedule  # noqa: E402
@@ -25,48 +26,6 @@ from pipeloom.runtime.training import TrainSpec, reference_training  # noqa: E40
 
 pytestmark = pytest.mark.slow
 
-_DECODER = {  # the shape LLaMA, Mistral and Qwen2 share here, grouped-query attention included
-    "vocab_size": 96,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-}
-TINY = {
-    "llama": {**_DECODER, "model_type": "llama", "tie_word_embeddings": True},
-    "mistral": {**_DECODER, "model_type": "mistral", "sliding_window": 64},
-    "qwen2": {**_DECODER, "model_type": "qwen2", "tie_word_embeddings": True},
-    "gpt2": {
-        "model_type": "gpt2",
-        "vocab_size": 96,
-        "n_embd": 32,
-        "n_layer": 4,
-        "n_head": 2,
-        "n_positions": 64,
-        "bos_token_id": 0,
-        "eos_token_id": 0,
-    },
-    "bert": {
-        "model_type": "bert",
-        "vocab_size": 96,
-        "hidden_size": 32,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 2,
-        "intermediate_size": 64,
-        "max_position_embeddings": 64,
-    },
-    "mamba": {
-        "model_type": "mamba",
-        "vocab_size": 96,
-        "hidden_size": 32,
-        "num_hidden_layers": 4,
-        "state_size": 8,
-        "expand": 2,
-        "conv_kernel": 4,
-    },
-}
 SCHEDULES = {"1f1b": {}, "zb-h1": {}, "interleaved": {"num_chunks": 2}, "zb-v": {}}
 
 

@@ -21,6 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from helpers.hf_configs import TINY  # noqa: E402
 from helpers.runtime import assert_matches_reference  # noqa: E402
 
 from pipeloom import build_schedule  # noqa: E402
@@ -35,39 +36,10 @@ pytestmark = pytest.mark.slow
 
 LR = 1e-5
 SEQ = 16
-LLAMA = {
-    "model_type": "llama",
-    "vocab_size": 96,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": True,
-}
-OTHERS = {
-    "qwen2": {**LLAMA, "model_type": "qwen2"},  # biased q, k, v: column-parallel biases
-    "gpt2": {  # one fused Conv1D for q, k, v; tied embeddings
-        "model_type": "gpt2",
-        "vocab_size": 96,
-        "n_embd": 32,
-        "n_layer": 4,
-        "n_head": 4,
-        "n_positions": 64,
-        "bos_token_id": 0,
-        "eos_token_id": 0,
-    },
-    "bert": {  # bidirectional; embeddings' norm on the whole sequence before it is cut
-        "model_type": "bert",
-        "vocab_size": 96,
-        "hidden_size": 32,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "intermediate_size": 64,
-        "max_position_embeddings": 64,
-    },
-}
+LLAMA = TINY["llama"]  # grouped-query attention, tied embeddings
+OTHERS = {family: TINY[family] for family in ("qwen2", "gpt2", "bert")}
+"""Qwen2: biased q, k, v (column-parallel biases); GPT-2: one fused Conv1D for q, k, v, tied
+embeddings; BERT: bidirectional, its embeddings' norm on the whole sequence before it is cut."""
 SCHEDULES = {"1f1b": {}, "zb-h1": {}, "interleaved": {"num_chunks": 2}, "zb-v": {}}
 
 
