@@ -282,39 +282,21 @@ def test_cli_train_writes_summary_and_trace(tmp_path):
     assert main(["train", "--nproc", "3", "--schedule", "1f1b", "-p", "2", "-m", "2"]) == 2
 
 
-def test_torchrun_launch_with_tensor_parallelism_matches_the_cli(tmp_path, capsys):
-    """torchrun --nproc-per-node 4 runs pp 2 × tp 2 (sequence parallel) on a Hugging Face model and
-    a token file, as `pipeloom train --nproc 4` does on forked ranks: the same losses."""
+def test_torchrun_launch(tmp_path):
     import socket
     import subprocess
     import sys
 
-    from pipeloom.cli import main
-    from pipeloom.data import write_token_file
-
-    model = tmp_path / "llama"
-    model.mkdir()
-    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64}
-    config |= {"num_hidden_layers": 2, "num_attention_heads": 2, "max_position_embeddings": 32}
-    (model / "config.json").write_text(json.dumps(config))
-    tokens = write_token_file(tmp_path / "tokens.bin", [(5 * i) % 64 for i in range(2000)])
-    flags = ["--schedule", "zb-h1", "-p", "2", "-m", "4", "--tp", "2", "--sequence-parallel", "--steps", "2"]
-    flags += ["--model", f"hf:{model}", "--data", str(tokens), "--seq-len", "16"]
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     summary = tmp_path / "s.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(port)]
-    command += ["-m", "pipeloom.train", *flags]
-    done = subprocess.run([*command, "--summary", str(summary)], capture_output=True, text=True, timeout=180)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port)]
+    command += ["-m", "pipeloom.train", "--schedule", "zb-v", "-p", "2", "-m", "4", "--steps", "2"]
+    done = subprocess.run([*command, "--summary", str(summary)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "step 1: loss" in done.stdout and "tp=2 (sequence parallel)" in done.stdout
-    assert main(["train", "--nproc", "4", *flags, "--summary", str(tmp_path / "cli.json"), "--quiet"]) == 0
-    assert "p=2 dp=1 tp=2 (sequence parallel)" in capsys.readouterr().out
-    launched, forked = (json.loads(path.read_text()) for path in (summary, tmp_path / "cli.json"))
-    assert launched["losses"] == forked["losses"] and len(launched["losses"]) == 2
-    assert launched["tp"] == 2 and all(rank["tp_sent_bytes_per_step"] > 0 for rank in launched["ranks"])
-    assert main(["train", "--nproc", "2", *flags]) == 2  # p × dp × tp = 4
+    assert "step 1: loss" in done.stdout
+    assert len(json.loads(summary.read_text())["losses"]) == 2
     alone = subprocess.run(
         [sys.executable, "-m", "pipeloom.train", "--schedule", "1f1b"], capture_output=True, text=True
     )

@@ -159,6 +159,23 @@ def test_checkpoint_saves_tp_shards_and_resumes_on_the_same_layout(tmp_path, tok
         check_spec(llama_spec(tmp_path, token_file, "zb-h1", steps=4, resume_dir=str(tmp_path / "ckpt" / "step-2")))
 
 
+def test_the_cli_trains_a_token_file_with_tp_and_sequence_parallelism(tmp_path, token_file, capsys):
+    from pipeloom.cli import main
+
+    model = model_dir(tmp_path, LLAMA)
+    flags = ["--schedule", "zb-h1", "-p", "2", "-m", "4", "--tp", "2", "--sequence-parallel", "--steps", "2"]
+    flags += ["--model", f"hf:{model}", "--data", str(token_file), "--seq-len", str(SEQ), "--quiet"]
+    summary = tmp_path / "summary.json"
+    assert main(["train", "--nproc", "4", *flags, "--summary", str(summary)]) == 0
+    out = capsys.readouterr().out
+    assert "p=2 dp=1 tp=2 (sequence parallel)" in out and "TP MiB/step" in out
+    facts = json.loads(summary.read_text())
+    assert facts["tp"] == 2 and len(facts["losses"]) == 2
+    assert all(rank["tp_sent_bytes_per_step"] > 0 for rank in facts["ranks"])
+    assert main(["train", "--nproc", "2", *flags]) == 2  # p × dp × tp = 4
+    assert "does not match p × dp × tp = 2 × 1 × 2 = 4" in capsys.readouterr().err
+
+
 def test_rank_layout_puts_tensor_parallelism_innermost():
     layout = RankLayout(devices=2, dp=2, tp=2)
     assert [layout.rank(0, 0, t) for t in range(2)] == [0, 1]  # one node's consecutive ranks

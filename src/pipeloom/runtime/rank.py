@@ -43,13 +43,8 @@ from pipeloom.runtime.spec import OptimizerPart, ParallelPart, RankResult, Train
 from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
 from pipeloom.runtime.static_report import rank_static_bytes
 from pipeloom.runtime.step_state import StepRecord
-from pipeloom.runtime.tensor_parallel import (
-    TensorParallel,
-    loss_parallel,
-    parallel_loss,
-    shard_stages,
-    wire_boundaries,
-)
+from pipeloom.runtime.tensor_parallel import TensorParallel, loss_parallel, parallel_loss, wire_boundaries
+from pipeloom.runtime.tensor_parallel_styles import shard_stages
 from pipeloom.runtime.zero import JointSteppers, ReplicatedAdamW, ShardedAdamW
 
 __all__ = ["RankRun", "Transport", "torch_device_of"]
@@ -148,20 +143,8 @@ class RankRun:
         stages, queue = _hosted_stages(schedule, all_stages, device, where)
         loss = work.loss
         if tensor is not None:
-            assert work.tensor_parallel is not None, "check_spec refuses a model without a plan"
-            plan_tp = work.tensor_parallel(parallel.tp, parallel.sequence_parallel)
-            partial = shard_stages(stages, plan_tp, tensor, schedule.num_stages)
-            buckets.rebind(tensor.shards)
-            buckets.sum_over(
-                tensor.mesh.get_group(), [layout.rank(replica, device, t) for t in range(parallel.tp)], partial
-            )
-            probe = StageProbe(
-                wire_boundaries(probe.boundaries, parallel.tp), [f / parallel.tp for f in probe.forward_flops]
-            )
-            loss = parallel_loss(work.loss)
-            full_of = tensor.full_of
-            whole = owned
-            owned = lambda parameter: whole(full_of.get(id(parameter), parameter))  # noqa: E731
+            group = [layout.rank(replica, device, t) for t in range(parallel.tp)]
+            probe, loss, owned = _cut_stages(parallel, work, tensor, stages, buckets, group, probe, owned)
         dp_group = mesh["dp"].get_group() if mesh is not None else None
         host, stepper, parameters = _steppers(parallel, optimizer, dp_group, owned, stages, device, tp_index, precision)
         mail = _mail(parallel, transport, plan or plan_messages(schedule), device, replica, tp_index, probe, where)
@@ -351,6 +334,22 @@ def _hosted_stages(schedule, all_stages, device: int, where: torch.device) -> tu
         for module in stages.values():
             split_linears(module, queue)
     return stages, queue
+
+
+def _cut_stages(parallel: ParallelPart, work: Workload, tensor: TensorParallel, stages, buckets, group, probe, owned):
+    """This rank's stages cut over its tensor-parallel group (`group`, the ranks of the mesh's tp
+    dimension): the buckets then sum shards (and, under sequence parallelism, the replicated
+    weights' partial gradients over the group); what crosses a boundary is a sequence shard; the
+    loss runs over the vocabulary shards; a shard counts in the global norm as its full weight
+    would. Returns (the probe as this rank sees it, the loss, the ownership test)."""
+    assert work.tensor_parallel is not None, "check_spec refuses a model without a plan"
+    plan = work.tensor_parallel(parallel.tp, parallel.sequence_parallel)
+    partial = shard_stages(stages, plan, tensor, parallel.schedule.num_stages)
+    buckets.rebind(tensor.shards)
+    buckets.sum_over(tensor.mesh.get_group(), group, partial)
+    wire = StageProbe(wire_boundaries(probe.boundaries, parallel.tp), [f / parallel.tp for f in probe.forward_flops])
+    full_of = tensor.full_of
+    return wire, parallel_loss(work.loss), lambda parameter: owned(full_of.get(id(parameter), parameter))
 
 
 def _steppers(
