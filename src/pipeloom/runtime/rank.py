@@ -21,55 +21,38 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
-from pipeloom.ir.ops import OpKind
 from pipeloom.models.workload import Workload, rows_of
 from pipeloom.runtime.boundary import StageProbe
 from pipeloom.runtime.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from pipeloom.runtime.comm import MessagePlan, plan_messages
 from pipeloom.runtime.executor import DeviceExecutor
-from pipeloom.runtime.gradients import GradientBuckets, grad_of, unique_parameters
-from pipeloom.runtime.mailbox import Mail, Mailbox
-from pipeloom.runtime.memory_mailbox import MemoryMailbox, Postbox
+from pipeloom.runtime.gradients import GradientBuckets, grad_of
+from pipeloom.runtime.mailbox import Mail
 from pipeloom.runtime.offload import HostOffload
 from pipeloom.runtime.optimizer_sync import OptimizerSync
 from pipeloom.runtime.precision import LossScaler, Precision
 from pipeloom.runtime.probe import probe_boundaries
-from pipeloom.runtime.spec import OptimizerPart, ParallelPart, RankResult, TrainSpec
-from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
+from pipeloom.runtime.rank_setup import (
+    Transport,
+    cut_stages,
+    hosted_stages,
+    mailbox_of,
+    optimizer_sync,
+    owner_test,
+    progress_of,
+    steppers,
+    torch_device_of,
+)
+from pipeloom.runtime.spec import RankResult, TrainSpec
 from pipeloom.runtime.static_report import rank_static_bytes
 from pipeloom.runtime.step_state import StepRecord
-from pipeloom.runtime.tensor_parallel import TensorParallel, loss_parallel, parallel_loss, wire_boundaries
-from pipeloom.runtime.tensor_parallel_styles import shard_stages
+from pipeloom.runtime.tensor_parallel import TensorParallel, loss_parallel
 from pipeloom.runtime.zero import JointSteppers, ReplicatedAdamW, ShardedAdamW
 
 __all__ = ["RankRun", "Transport", "torch_device_of"]
-
-
-@dataclass(frozen=True)
-class Transport:
-    """How a rank talks to the others: process groups and messages over torch.distributed, or
-    (`postbox` set) every device in this process, messages in memory and no process groups."""
-
-    world_size: int
-    postbox: Postbox | None = None
-
-    @property
-    def distributed(self) -> bool:
-        return self.postbox is None
-
-    def new_group(self, ranks: list[int]) -> dist.ProcessGroup | None:
-        return dist.new_group(ranks) if self.distributed else None
-
-
-def torch_device_of(spec: TrainSpec) -> torch.device:
-    if spec.torch_device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 @dataclass
@@ -130,7 +113,7 @@ class RankRun:
         )
         all_stages = work.build(schedule.num_stages)
         probe = probe or probe_boundaries(schedule, work, all_stages, precision)
-        owned = _owned(schedule, all_stages, device)  # by the full parameters, before any is cut
+        owned = owner_test(schedule, all_stages, device)  # by the full parameters, before any is cut
         buckets = GradientBuckets(
             schedule,
             parallel.dp,
@@ -140,14 +123,14 @@ class RankRun:
             new_group=transport.new_group,
             layout=layout,
         )
-        stages, queue = _hosted_stages(schedule, all_stages, device, where)
+        stages, queue = hosted_stages(schedule, all_stages, device, where)
         loss = work.loss
         if tensor is not None:
             group = [layout.rank(replica, device, t) for t in range(parallel.tp)]
-            probe, loss, owned = _cut_stages(parallel, work, tensor, stages, buckets, group, probe, owned)
+            probe, loss, owned = cut_stages(parallel, work, tensor, stages, buckets, group, probe, owned)
         dp_group = mesh["dp"].get_group() if mesh is not None else None
-        host, stepper, parameters = _steppers(parallel, optimizer, dp_group, owned, stages, device, tp_index, precision)
-        mail = _mail(parallel, transport, plan or plan_messages(schedule), device, replica, tp_index, probe, where)
+        host, stepper, parameters = steppers(parallel, optimizer, dp_group, owned, stages, device, tp_index, precision)
+        mail = mailbox_of(parallel, transport, plan or plan_messages(schedule), device, replica, tp_index, probe, where)
         executor = DeviceExecutor(
             schedule,
             device,
@@ -169,7 +152,7 @@ class RankRun:
             else None
         )
         optimizers = JointSteppers(host, stepper) if host is not None else stepper  # the host's starts first
-        sync = _optimizer_sync(optimizer, parallel, optimizers, device, replica, scaler)  # refused with tp > 1
+        sync = optimizer_sync(optimizer, parallel, optimizers, device, replica, scaler)  # refused with tp > 1
         m, b = schedule.num_microbatches, work.microbatch_size
         result = RankResult(rank, sample_tokens=work.sample_tokens, samples_per_step=parallel.dp * m * b)
         result.forward_flops = m * sum(probe.forward_flops[s] for s in stages)
@@ -192,7 +175,7 @@ class RankRun:
             sync,
             result,
             parameters,
-            progress=_progress(spec, rank, result),
+            progress=progress_of(spec, rank, result),
             tensor=tensor,
         )
         checkpoints = spec.checkpoints
@@ -323,139 +306,6 @@ class RankRun:
         """`value` as one process would hold it: gathered over the tensor-parallel group when it is
         a shard (a collective: every rank of the group calls it in the same order)."""
         return self.tensor.full(parameter, value) if self.tensor is not None else value
-
-
-def _hosted_stages(schedule, all_stages, device: int, where: torch.device) -> tuple[dict, WeightGradQueue]:
-    """This device's stages on its torch device, their linears split for W when its ops have W
-    (fused backwards keep plain linears)."""
-    queue = WeightGradQueue()
-    stages = {s: all_stages[s].to(where) for s in schedule.stages_on(device)}
-    if any(op.kind is OpKind.W for op in schedule.devices[device]):
-        for module in stages.values():
-            split_linears(module, queue)
-    return stages, queue
-
-
-def _cut_stages(parallel: ParallelPart, work: Workload, tensor: TensorParallel, stages, buckets, group, probe, owned):
-    """This rank's stages cut over its tensor-parallel group (`group`, the ranks of the mesh's tp
-    dimension): the buckets then sum shards (and, under sequence parallelism, the replicated
-    weights' partial gradients over the group); what crosses a boundary is a sequence shard; the
-    loss runs over the vocabulary shards; a shard counts in the global norm as its full weight
-    would. Returns (the probe as this rank sees it, the loss, the ownership test)."""
-    assert work.tensor_parallel is not None, "check_spec refuses a model without a plan"
-    plan = work.tensor_parallel(parallel.tp, parallel.sequence_parallel)
-    partial = shard_stages(stages, plan, tensor, parallel.schedule.num_stages)
-    buckets.rebind(tensor.shards)
-    buckets.sum_over(tensor.mesh.get_group(), group, partial)
-    wire = StageProbe(wire_boundaries(probe.boundaries, parallel.tp), [f / parallel.tp for f in probe.forward_flops])
-    full_of = tensor.full_of
-    return wire, parallel_loss(work.loss), lambda parameter: owned(full_of.get(id(parameter), parameter))
-
-
-def _steppers(
-    parallel: ParallelPart,
-    optimizer: OptimizerPart,
-    dp_group: dist.ProcessGroup | None,
-    owned: Callable[[torch.nn.Parameter], bool],
-    stages: dict,
-    device: int,
-    tp_index: int,
-    precision: Precision,
-) -> tuple[HostOffload | None, ReplicatedAdamW | ShardedAdamW, list]:
-    """(the host's optimizer for offloaded stages, the device's optimizer — replicated or ZeRO
-    sharded over `dp_group`, the mesh's data-parallel group of this rank — and the parameters it
-    steps)."""
-    offloaded = [s for s in stages if s in parallel.offload_stages]
-    host = None
-    if offloaded:
-        group = dp_group if parallel.zero else None  # else the buckets sum over the replicas
-        host = HostOffload(stages, offloaded, optimizer.lr, parallel.reload_bits, precision.dtype, owned, group)
-    on_host = {id(t) for s in offloaded for t in stages[s].parameters()}
-    parameters = [t for t in unique_parameters(list(stages.values())) if id(t) not in on_host]
-    if not parallel.zero:
-        return host, ReplicatedAdamW(parameters, owned, optimizer.lr), parameters
-    assert dp_group is not None, "ZeRO shards over torch.distributed; in-process runs refuse it"
-    label = f"device{device}" + (f".tp{tp_index}" if parallel.tp > 1 else "")
-    return (
-        host,
-        ShardedAdamW(parameters, owned, optimizer.lr, parallel.zero, dp_group, precision.dtype, label),
-        parameters,
-    )
-
-
-def _mail(
-    parallel: ParallelPart,
-    transport: Transport,
-    plan: MessagePlan,
-    device: int,
-    replica: int,
-    tp_index: int,
-    probe: StageProbe,
-    where: torch.device,
-) -> Mail:
-    if transport.postbox is not None:
-        return MemoryMailbox(plan, device, probe.boundaries, transport.postbox)
-    layout = parallel.layout
-    # One group per ordered pair of devices: each carries one direction only, so posting its
-    # receives ahead in the sender's order can never block a send the other way (NCCL runs a
-    # pair's operations in order on one stream). Tensor-parallel rank t talks to rank t of the
-    # next stage. Every rank creates every replica's and tensor-parallel index's groups.
-    pairs = sorted({(m.src, m.dst) for sends in plan.sends for m in sends})
-    groups = {
-        (r, t): {(a, b): dist.new_group([layout.rank(r, a, t), layout.rank(r, b, t)]) for a, b in pairs}
-        for r in range(parallel.dp)
-        for t in range(parallel.tp)
-    }
-    return Mailbox(
-        plan,
-        device,
-        probe.boundaries,
-        lambda d: layout.rank(replica, d, tp_index),
-        groups[(replica, tp_index)],
-        where,
-        timedelta(seconds=parallel.timeout_s),
-    )
-
-
-def _progress(spec: TrainSpec, rank: int, result: RankResult):
-    if not spec.report or rank != 0:
-        return None
-    from pipeloom.runtime.metrics import StepReporter
-
-    return StepReporter(result, spec.steps, spec.peak_tflops)
-
-
-def _optimizer_sync(optimizer: OptimizerPart, parallel: ParallelPart, stepper, device: int, replica: int, scaler):
-    """Global clipping / skipping (also fp16's overflow skip), if asked for; its process groups
-    are made on every rank alike."""
-    if not optimizer.needs_global_state:
-        return None
-    p, layout = parallel.schedule.num_devices, parallel.layout
-    groups = [dist.new_group([layout.rank(r, d) for d in range(p)]) for r in range(parallel.dp)]
-    return OptimizerSync(
-        stepper,
-        optimizer.clip_norm,
-        optimizer.post_validation,
-        device,
-        p,
-        lambda d: layout.rank(replica, d),
-        groups[replica],
-        parallel.timeout_s,
-        on_decision=scaler.update if scaler is not None else None,
-    )
-
-
-def _owned(schedule, all_stages, device: int):
-    """Whether this device counts a parameter in the global gradient norm: each counts once, on
-    the lowest device hosting its first stage."""
-    owners = {
-        s: min(d for d in range(schedule.num_devices) if s in schedule.stages_on(d)) for s in range(schedule.num_stages)
-    }
-    first_stage: dict[int, int] = {}
-    for s, module in enumerate(all_stages):
-        for parameter in module.parameters():
-            first_stage.setdefault(id(parameter), s)
-    return lambda parameter: owners[first_stage[id(parameter)]] == device
 
 
 def _inject_faults(faults: tuple[tuple[int, int, str, float], ...], step: int, stages: dict) -> None:
