@@ -1,7 +1,7 @@
 """Every schedule that splits the backward, trained with tensor parallelism, against one process.
 
-pp = 2 × tp = 2 gloo ranks (4 forked processes) train a tiny Hugging Face LLaMA (grouped-query
-attention, tied embeddings) for two steps; each row prints the last loss's relative difference
+pp = 2 × tp = 2 gloo ranks (4 forked processes) train the shipped Hugging Face LLaMA config
+(examples/hf-llama-tiny: grouped-query attention, tied embeddings) for two steps; each row prints the last loss's relative difference
 from single-process training and how far the worst gathered parameter lies beyond rtol 1e-5
 (≤ 1e-6 is within the tests' atol). lr is 1e-5: AdamW turns a rounding difference δ in a near-zero
 gradient into up to lr·δ/1e-8 of a weight (see tests/runtime/test_tensor_parallel.py).
@@ -10,8 +10,6 @@ Usage: python bench/tp_schedules.py
 
 from __future__ import annotations
 
-import json
-import tempfile
 from pathlib import Path
 
 from pipeloom import build_schedule
@@ -20,23 +18,11 @@ from pipeloom.passes import apply_checkpoint
 from pipeloom.passes.weight_parts import weight_parts
 from pipeloom.runtime import TrainSpec, hf_workload, reference_training, run_local
 
-CONFIG = {
-    "model_type": "llama",
-    "vocab_size": 96,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": True,
-}
+MODEL = Path(__file__).resolve().parent.parent / "examples" / "hf-llama-tiny"
 
 
 def main() -> None:
-    directory = Path(tempfile.mkdtemp(prefix="pipeloom-tp-"))
-    (directory / "config.json").write_text(json.dumps(CONFIG))
-    work = hf_workload(directory, seed=1, microbatch_size=2, seq_len=16)
+    work = hf_workload(MODEL, seed=1, microbatch_size=2, seq_len=16)
     rows = [
         ("zb-h1 + sp", build_schedule("zb-h1", 2, 4), {"sequence_parallel": True}),
         ("zb-h2", build_schedule("zb-h2", 2, 4), {}),

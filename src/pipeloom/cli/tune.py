@@ -80,6 +80,7 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pipeloom.tune.plan import plan_from_evaluation
+    from pipeloom.tune.profiled import ProfiledCostModel
     from pipeloom.tune.search import tune
     from pipeloom.viz.plot import check_plot_path, has_matplotlib, pyplot
 
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     )
     best = result.best
     plan = plan_from_evaluation(best, result, cost_model.model, cost_model.to_dict(), args.tp)
-    if args.tp > 1 and hasattr(cost_model, "tp_step"):  # measured collectives: what the runtime can check
+    if args.tp > 1 and isinstance(cost_model, ProfiledCostModel):  # measured collectives: the runtime checks them
         times, sent = cost_model.tp_step(plan.schedule, plan.partition, plan.micro_batch_size)
         plan.predicted["tp_comm_ms"], plan.predicted["tp_sent_bytes"] = times, sent
     plan.save(args.output)

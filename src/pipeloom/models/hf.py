@@ -161,11 +161,11 @@ class HFStage(nn.Module):
     def _run(self, x: torch.Tensor, past: list | None, start: int = 0, stop: int | None = None):
         offset = past[0][0].shape[-2] if past else 0
         index, count = self.sequence_shard
-        embeds = self.embed is not None and start == 0
-        seq = x.shape[1] * (1 if embeds else count)  # token ids are whole; hidden states may be a shard
+        embed = self.embed if start == 0 else None
+        seq = x.shape[1] * (1 if embed is not None else count)  # token ids are whole; hidden states may be a shard
         positions = torch.arange(offset, offset + seq, device=x.device).unsqueeze(0)
-        if self.embed is not None and start == 0:
-            x = self.embed(x)
+        if embed is not None:
+            x = embed(x)
             if self.positions is not None:
                 x = x + self.positions(positions.chunk(count, dim=1)[index])
         cache, mask = None, None

@@ -399,7 +399,8 @@ class DeviceExecutor:
 
     def _loss(self, output: Tensors, targets) -> torch.Tensor:
         value = output[0] if len(output) == 1 else output
-        return self.loss_fn(value, targets).float() * (self.loss_scale * self.grad_scale)
+        with self.loss_context():
+            return self.loss_fn(value, targets).float() * (self.loss_scale * self.grad_scale)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -199,12 +199,11 @@ def wire_boundaries(boundaries: Sequence[tuple[TensorSpec, ...]], tp: int) -> li
 
 
 def parallel_loss(loss: Callable[[object, object], torch.Tensor]) -> Callable[[object, object], torch.Tensor]:
-    """The model's loss over vocabulary-sharded logits (under `loss_parallel`, which the backward
-    must run in too), as a plain tensor."""
+    """The model's loss over vocabulary-sharded logits, as a plain tensor; the executor runs it,
+    and the backward from it, under `loss_parallel` (its loss context)."""
 
     def local_loss(output, targets) -> torch.Tensor:
-        with loss_parallel():
-            value = loss(output, targets)
+        value = loss(output, targets)
         return value.to_local() if isinstance(value, DTensor) else value
 
     return local_loss

@@ -121,16 +121,15 @@ class VocabEmbedding(_Style):
         tp, target = self.tp, [Shard(SEQUENCE) if self.scatter else Replicate()]
         module.weight = tp.shard(module.weight, 0)
         rows = module.weight.shape[0]
-        padding = module.padding_idx
-        local_padding = None if padding is None else padding - tp.index * rows
-        if local_padding is not None and not 0 <= local_padding < rows:
-            local_padding = None
+        padding = None if module.padding_idx is None else module.padding_idx - tp.index * rows
+        keep = None  # the padding row's gradient stays zero, as nn.Embedding's (not the tied head's)
+        if padding is not None and 0 <= padding < rows:
+            keep = torch.ones(rows, 1, dtype=module.weight.dtype, device=module.weight.device)
+            keep[padding] = 0
 
         def forward(ids: torch.Tensor) -> torch.Tensor:
             weight = module.weight
-            if local_padding is not None:  # the padding row's gradient stays zero, as nn.Embedding's
-                keep = torch.ones(rows, 1, dtype=weight.dtype, device=weight.device)
-                keep[local_padding] = 0
+            if keep is not None:
                 weight = weight * keep + (weight * (1 - keep)).detach()
             table = DTensor.from_local(weight, tp.mesh, [Shard(0)], run_check=False)
             found = nn.functional.embedding(DTensor.from_local(ids, tp.mesh, [Replicate()], run_check=False), table)
