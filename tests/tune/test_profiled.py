@@ -56,6 +56,26 @@ def test_noise_never_fits_a_layer_below_zero():
     )
 
 
+def test_a_steeper_position_never_drives_another_intercept_below_zero():
+    """The failure a busy CI machine once produced: one position's layers look far dearer than the
+    other's, and the shared slope would leave the cheaper position's intercept negative. The fit
+    is the least squares under slope ≥ 0 and intercepts ≥ 0 — no slope on a fine grid does better."""
+    points = [("first", 1, 1.0), ("first", 2, 5.0), ("last", 1, 0.2), ("last", 2, 0.3), ("last", 1, 0.25)]
+    fit = fit_positions(points)
+    assert min(fit.values()) >= 0.0 and fit["last"] == 0.0
+
+    def residual(slope: float) -> float:
+        by_position = {pos: [(n, v) for q, n, v in points if q == pos] for pos in ("first", "last")}
+        total = 0.0
+        for xs in by_position.values():
+            intercept = max(0.0, sum(v - slope * n for n, v in xs) / len(xs))
+            total += sum((v - slope * n - intercept) ** 2 for n, v in xs)
+        return total
+
+    best_on_grid = min(residual(k / 1000) for k in range(5000))
+    assert residual(fit["per_layer"]) <= best_on_grid + 1e-12
+
+
 def test_stage_costs_follow_the_fits_and_interpolate():
     model = ProfiledCostModel(profile())
     costs = model.stage_costs([2, 3, 3], 2, 3, 1)
