@@ -116,6 +116,7 @@ def write_train_outputs(results, spec, args: argparse.Namespace) -> None:
         "dp": spec.dp,
         "tp": spec.tp,
         "sequence_parallel": spec.sequence_parallel,
+        "ep": spec.ep,
         "model": work.name,
         "dtype": spec.dtype,
         "device": spec.torch_device_type,
@@ -126,6 +127,7 @@ def write_train_outputs(results, spec, args: argparse.Namespace) -> None:
     facts = summary(results, spec.peak_tflops, **context)
     print(
         f"{facts['model']} · {facts['schedule']}: p={facts['p']} dp={facts['dp']} tp={facts['tp']}"
+        f"{f' ep={spec.ep}' if spec.ep > 1 else ''}"
         f"{' (sequence parallel)' if facts['sequence_parallel'] else ''} "
         f"{facts['dtype']} on {facts['device']}, ZeRO-{facts['zero']}, "
         f"recomputes {facts['recomputes']}"

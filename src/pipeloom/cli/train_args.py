@@ -39,6 +39,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --tp: norms and residuals on sequence shards (all-gather / reduce-scatter instead of all-reduce)",
     )
+    parser.add_argument(
+        "--ep",
+        type=int,
+        help="expert-parallel ranks: each MoE layer's routed experts shared out over groups of EP data-parallel "
+        "replicas, tokens sent to their experts by all-to-all (EP divides --dp; default 1, or the plan's)",
+    )
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -122,6 +128,8 @@ def check_train_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"--dp must be at least 1, got {args.dp}")
     if args.tp is not None and args.tp < 1:
         raise ConfigError(f"--tp must be at least 1, got {args.tp}")
+    if args.ep is not None and args.ep < 1:
+        raise ConfigError(f"--ep must be at least 1, got {args.ep}")
     if args.sequence_parallel and (args.tp or 1) < 2 and not args.plan:
         raise ConfigError("--sequence-parallel shards the sequence over a tensor-parallel group: add --tp N (N > 1)")
     nproc = getattr(args, "nproc", None)  # torchrun's entry point has none
@@ -164,6 +172,8 @@ def run_options(args: argparse.Namespace) -> dict:
         "recompute_layers": args.recompute_layers,
         "sequence_parallel": args.sequence_parallel,
     }
+    if args.ep is not None:
+        fields["ep"] = args.ep
     if args.offload_stages:
         fields["offload_stages"] = tuple(int_list(args.offload_stages, "--offload-stages"))
     if args.reload_bf16:

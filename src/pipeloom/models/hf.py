@@ -30,10 +30,14 @@ from torch import nn
 from pipeloom.errors import ConfigError
 from pipeloom.models.compat import import_transformers
 from pipeloom.models.cut import counts_per_stage
+from pipeloom.models.hf_moe import RouterLogits
 
 __all__ = ["FAMILIES", "load_hf_config", "hf_workload", "HFStage", "has_weights"]
 
-CAUSAL = ("llama", "mistral", "qwen2", "gpt2", "mamba")
+ROTARY = ("llama", "mistral", "qwen2")
+MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
+"""Mixture-of-experts families: LLaMA-like layers whose MLP is the library's sparse MoE block."""
+CAUSAL = (*ROTARY, *MIXTURES, "gpt2", "mamba")
 FAMILIES = (*CAUSAL, "bert")
 
 
@@ -101,7 +105,7 @@ def _build(path: str | Path, config, seed: int) -> nn.Module:
 def _parts(model: Any, family: str) -> dict:
     """The library's modules by role: embed, (positions), layers, norm, head, (rotary). `model`
     is a transformers model of `family`, whose attribute names differ by family."""
-    if family in ("llama", "mistral", "qwen2"):
+    if family in ROTARY + MIXTURES:
         inner = model.model
         return {
             "embed": inner.embed_tokens,
@@ -129,8 +133,19 @@ class HFStage(nn.Module):
     """One stage of a transformers model: optional embeddings, some of its layers, optional
     final norm and head — the library's modules, shared with (not copied from) the model."""
 
-    def __init__(self, parts: dict, family: str, layers: Sequence[nn.Module], first: bool, last: bool) -> None:
+    def __init__(
+        self,
+        parts: dict,
+        family: str,
+        layers: Sequence[nn.Module],
+        first: bool,
+        last: bool,
+        routers: RouterLogits | None = None,
+    ) -> None:
         super().__init__()
+        self.routers = routers
+        """A MoE model's router logits, handed on for the load-balancing loss (`hf_moe`); None:
+        the stage hands on its hidden states only."""
         self.family = family
         self.embed = parts["embed"] if first else None
         self.positions = parts.get("positions") if first else None
@@ -142,23 +157,30 @@ class HFStage(nn.Module):
         """(index, count): under sequence parallelism the hidden states this stage sees are shard
         `index` of `count` along the sequence (positions follow the whole sequence)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._run(x, None)[0]
+    def forward(self, x: torch.Tensor, *carried: torch.Tensor):
+        return self._run(x, None, carried=carried)[0]
 
     def forward_slice(self, x: torch.Tensor, past: Sequence[tuple[torch.Tensor, torch.Tensor]]):
         """A causal slice after the earlier slices' keys and values (per layer): the output and
         this slice's keys and values per layer."""
-        if self.family not in ("llama", "mistral", "qwen2", "gpt2"):
+        if self.family not in (*ROTARY, *MIXTURES, "gpt2"):
             raise ConfigError(f"hf: {self.family} models do not run slice by slice (attention-free or bidirectional)")
+        if self.routers is not None:
+            raise ConfigError(
+                "hf: the load-balancing loss needs whole micro-batches; no slices with output_router_logits"
+            )
         return self._run(x, list(past))
 
     def split_at(self, count: int):
         """(head, tail): the embeddings and the first `count` layers, then the rest — for a
         checkpoint of part of the stage (`--recompute-layers`); unsliced only."""
         count = min(count, len(self.layers))
-        return (lambda x: self._run(x, None, stop=count)[0]), (lambda x: self._run(x, None, start=count)[0])
+        return (
+            (lambda x, *carried: self._run(x, None, stop=count, carried=carried)[0]),
+            (lambda x, *carried: self._run(x, None, start=count, carried=carried)[0]),
+        )
 
-    def _run(self, x: torch.Tensor, past: list | None, start: int = 0, stop: int | None = None):
+    def _run(self, x: torch.Tensor, past: list | None, start: int = 0, stop: int | None = None, carried=()):
         offset = past[0][0].shape[-2] if past else 0
         index, count = self.sequence_shard
         embed = self.embed if start == 0 else None
@@ -178,14 +200,18 @@ class HFStage(nn.Module):
         extra = {}
         if self.rotary is not None and self.layers:
             extra["position_embeddings"] = self.rotary(x, positions)
+        if self.routers is not None:
+            self.routers.begin()
         for layer in self.layers[start:stop]:
             x = self._layer(layer, x, mask, positions, cache, extra)
         if stop is not None:  # a head: the norm and the LM head belong to the tail
-            return x, []
+            return (self.routers.handed_on(x, carried) if self.routers is not None else x), []
         if self.norm is not None:
             x = self.norm(x)
         if self.head is not None:
             x = self.head(x)
+        if self.routers is not None:
+            return self.routers.handed_on(x, carried), []
         kv = []
         if cache is not None:
             for layer in self.layers:
@@ -225,6 +251,10 @@ def tensor_parallel_plan(config, tp: int, sequence_parallel: bool):
     family = config.model_type
     if family == "mamba":
         raise ConfigError("hf: Mamba has no tensor-parallel plan (its mixer is not split into heads); use --tp 1")
+    if family in MIXTURES:
+        raise ConfigError(
+            f"hf: {family} does not combine --tp with its experts yet; use --tp 1 (and --ep for the experts)"
+        )
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size
@@ -296,10 +326,12 @@ def build_hf_stages(path, config, seed: int, num_stages: int, counts: Sequence[i
     family = config.model_type
     parts = _parts(model, family)
     sizes = layer_counts_for(len(parts["layers"]), num_stages, counts)
+    routed = family in MIXTURES and getattr(config, "output_router_logits", False)
     stages, first = [], 0
     for s, size in enumerate(sizes):
         layers = list(parts["layers"][first : first + size])
-        stages.append(HFStage(parts, family, layers, first=s == 0, last=s == num_stages - 1))
+        routers = RouterLogits(config, layers) if routed else None
+        stages.append(HFStage(parts, family, layers, first=s == 0, last=s == num_stages - 1, routers=routers))
         first += size
     return stages
 
@@ -316,6 +348,7 @@ def hf_workload(
     """The Workload of a transformers model directory: causal LMs learn the next token, BERT the
     masked ones; `data` (a `pipeloom.data` source) replaces synthetic tokens."""
     from pipeloom.data import SyntheticTokens, masked_lm
+    from pipeloom.models.hf_moe import expert_plan, router_loss
     from pipeloom.models.workload import Workload, token_loss
 
     config = load_hf_config(path, layers)
@@ -324,8 +357,9 @@ def hf_workload(
     if limit is not None and seq_len > limit:
         raise ConfigError(f"hf: sequence length {seq_len} exceeds the model's {limit} positions; lower --seq-len")
     window = getattr(config, "sliding_window", None)
-    if family == "mistral" and window is not None and seq_len > window:
-        raise ConfigError(f"hf: sequence length {seq_len} exceeds Mistral's sliding window {window}; lower --seq-len")
+    windowed = family in ("mistral", "mixtral") or getattr(config, "use_sliding_window", False)
+    if windowed and window is not None and seq_len > window:
+        raise ConfigError(f"hf: sequence length {seq_len} exceeds the model's sliding window {window}; lower --seq-len")
     source = data if data is not None else SyntheticTokens(config.vocab_size, seq_len, seed)
     if source.vocab_limit is not None and source.vocab_limit > config.vocab_size:
         raise ConfigError(
@@ -335,10 +369,11 @@ def hf_workload(
     return Workload(
         build=lambda num_stages: build_hf_stages(path, config, seed, num_stages, layer_counts),
         batch=batch,
-        loss=token_loss,
+        loss=router_loss(config, token_loss) if family in MIXTURES else token_loss,
         microbatch_size=microbatch_size,
         sample_tokens=seq_len,
         name=f"hf:{family}",
+        experts=expert_plan(config) if family in MIXTURES else None,
         check=lambda num_stages: layer_counts_for(config.num_hidden_layers, num_stages, layer_counts),
         tensor_parallel=lambda tp, sequence: tensor_parallel_plan(config, tp, sequence),
     )

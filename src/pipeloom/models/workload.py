@@ -24,6 +24,7 @@ from pipeloom.models.llama import LlamaConfig, build_stages, synthetic_batch
 __all__ = [
     "Workload",
     "TensorParallelPlan",
+    "ExpertPlan",
     "llama_workload",
     "blocks_workload",
     "token_loss",
@@ -50,6 +51,17 @@ class TensorParallelPlan:
 
 
 @dataclass(frozen=True)
+class ExpertPlan:
+    """Where a mixture-of-experts model keeps its routed experts (`runtime.expert_parallel`)."""
+
+    num_experts: int
+    """Routed experts per MoE layer."""
+    modules: str
+    """Path of each MoE layer's experts module inside a stage (`*` matches one name): the
+    library's stacked expert weights, called as experts(hidden, top_k_index, top_k_weights)."""
+
+
+@dataclass(frozen=True)
 class Workload:
     build: Callable[[int], Sequence[nn.Module]]
     """Number of stages → the stage modules, identical on every call."""
@@ -67,6 +79,8 @@ class Workload:
     tensor_parallel: Callable[[int, bool], TensorParallelPlan] | None = None
     """(tp, sequence parallel) → the plan, or ConfigError when heads, columns or the vocabulary do
     not divide; None: the model has no tensor-parallel plan."""
+    experts: ExpertPlan | None = None
+    """A mixture of experts: where its routed experts are; None: a dense model."""
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -8,12 +8,13 @@ tensor in a group of exactly those ranks — as Megatron sums the embedding's gr
 first and last pipeline ranks before the optimizer. Two stages of one rank that share a parameter
 hold one object, whose gradient autograd already summed; it is reduced once. Under ZeRO the
 buckets sum only the copies within a replica (ties, Chimera's second pipeline) and the optimizer
-does the data-parallel sum itself (`pipeloom.runtime.zero`).
+does the data-parallel sum itself (`pipeloom.runtime.zero`). Under expert parallelism a routed
+expert's copies are the replicas that hold the same slice of experts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,11 @@ class GradientBuckets:
         across_replicas: bool = True,
         new_group: Callable[[list[int]], dist.ProcessGroup | None] = dist.new_group,
         layout: RankLayout | None = None,
+        experts: Collection[int] = (),
+        ep: int = 1,
     ) -> None:
+        """`experts`: ids of the routed experts' parameters, whose copies under expert
+        parallelism are the replicas of one EP index (dp / ep of them), not all dp replicas."""
         layout = layout or RankLayout(schedule.num_devices, dp)
         p = schedule.num_devices
         spans = [range(dp)] if across_replicas else [[replica] for replica in range(dp)]
@@ -84,8 +89,12 @@ class GradientBuckets:
                 for name, parameter in module.named_parameters(remove_duplicate=False):
                     key, ranks = logical.setdefault(id(parameter), ((stage, name), set()))
                     ranks |= stage_ranks[stage]
-            for key, holders in logical.values():
-                by_ranks.setdefault(tuple(sorted(holders)), []).append(key)
+            for identity, (key, holders) in logical.items():
+                copies = [holders]
+                if ep > 1 and identity in experts:  # EP index j holds experts j·E/ep..: its copies
+                    copies = [{r for r in holders if layout.coords(r)[0] % ep == j} for j in range(ep)]
+                for ranks in copies:
+                    by_ranks.setdefault(tuple(sorted(ranks)), []).append(key)
         self.buckets: list[tuple[dist.ProcessGroup | None, list[int], list[nn.Parameter]]] = []
         lookup = {
             (s, n): prm for s, m in enumerate(all_stages) for n, prm in m.named_parameters(remove_duplicate=False)

@@ -4,7 +4,7 @@ Ranks are numbered as Megatron and torchtitan number them, tensor parallelism in
 ranks of one stage's group are consecutive (one node's GPUs under torchrun), then the
 data-parallel replicas of that device, then the pipeline devices. Every process group the runtime
 makes — p2p pairs, gradient buckets, ZeRO's data-parallel groups, the tensor-parallel group —
-follows from `rank(replica, device, tp_index)`.
+follows from `rank(replica, device, tp_index)`; expert parallelism groups consecutive replicas.
 """
 
 from __future__ import annotations
@@ -39,3 +39,12 @@ class RankLayout:
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(device_type, (self.devices, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
+
+    def expert_mesh(self, device_type: str, ep: int):
+        """The same ranks with each device's replicas cut into groups of `ep` (DeepSeek's and
+        torchtitan's expert parallelism borrowed from data parallelism): dimensions pp, edp (the
+        groups), ep, tp. Replica r is EP rank r % ep of group r // ep, so `rank` is unchanged."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (self.devices, self.dp // ep, ep, self.tp)
+        return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "edp", "ep", "tp"))

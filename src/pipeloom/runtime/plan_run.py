@@ -44,6 +44,8 @@ def spec_from_plan(plan: Plan | str | Path, model: str | None = None, data=None,
     elif "offload" in plan.passes:
         options.setdefault("offload_stages", t_offload(plan.schedule).stages)
     planned = plan.model
+    if planned.num_experts:
+        options.setdefault("ep", planned.expert_parallel)
     source = model or plan.cost_model.get("model")
     if source and source.startswith("hf:"):
         from pipeloom.models.hf import hf_workload

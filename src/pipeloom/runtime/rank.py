@@ -24,11 +24,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeloom.errors import ConfigError
 from pipeloom.models.workload import Workload, rows_of
 from pipeloom.runtime.boundary import StageProbe
 from pipeloom.runtime.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from pipeloom.runtime.comm import MessagePlan, plan_messages
 from pipeloom.runtime.executor import DeviceExecutor
+from pipeloom.runtime.expert_parallel import ExpertExchange, expert_parameter_ids, shard_experts
 from pipeloom.runtime.gradients import GradientBuckets, grad_of
 from pipeloom.runtime.mailbox import Mail
 from pipeloom.runtime.offload import HostOffload
@@ -82,6 +84,8 @@ class RankRun:
 
     tensor: TensorParallel | None = None
     """This rank's tensor-parallel group, with tp > 1."""
+    experts: ExpertExchange | None = None
+    """This rank's expert-parallel group, with ep > 1."""
 
     @property
     def device(self) -> int:
@@ -114,6 +118,7 @@ class RankRun:
         all_stages = work.build(schedule.num_stages)
         probe = probe or probe_boundaries(schedule, work, all_stages, precision)
         owned = owner_test(schedule, all_stages, device)  # by the full parameters, before any is cut
+        routed = work.experts if parallel.ep > 1 else None
         buckets = GradientBuckets(
             schedule,
             parallel.dp,
@@ -122,8 +127,20 @@ class RankRun:
             across_replicas=parallel.zero == 0,
             new_group=transport.new_group,
             layout=layout,
+            experts=expert_parameter_ids(all_stages, routed.modules) if routed else (),
+            ep=parallel.ep,
         )
         stages, queue = hosted_stages(schedule, all_stages, device, where)
+        experts = None
+        if routed is not None:
+            if mesh is None:
+                raise ConfigError(
+                    "train: --ep exchanges tokens over torch.distributed; run ranks (--nproc), not in process"
+                )
+            group = layout.expert_mesh(where.type, parallel.ep)["ep"].get_group()
+            experts = ExpertExchange(group, parallel.ep, replica % parallel.ep, routed.num_experts)
+            buckets.rebind(shard_experts(stages, routed.modules, experts))
+            owned = _by_full(owned, experts.full_of)
         loss = work.loss
         if tensor is not None:
             group = [layout.rank(replica, device, t) for t in range(parallel.tp)]
@@ -145,6 +162,7 @@ class RankRun:
             before_forward=host.reload if host else None,
             precision=precision,
             recompute_layers=spec.model.recompute_layers,
+            interleave_pairs=experts is not None,
         )
         scaler = (
             LossScaler(optimizer.initial_loss_scale, optimizer.loss_scale_growth_interval)
@@ -177,6 +195,7 @@ class RankRun:
             parameters,
             progress=progress_of(spec, rank, result),
             tensor=tensor,
+            experts=experts,
         )
         checkpoints = spec.checkpoints
         if checkpoints.resume_from is not None:
@@ -208,6 +227,8 @@ class RankRun:
         self.optimizers.zero_grad()
         if self.tensor is not None:
             self.tensor.sent_bytes = 0
+        if self.experts is not None:
+            self.experts.traffic.reset(self.experts.num_experts)
         if self.scaler is not None:
             self.executor.grad_scale = self.scaler.scale
             self.result.loss_scales.append(self.scaler.scale)
@@ -245,6 +266,10 @@ class RankRun:
         times, result = self._times, self.result
         if self.tensor is not None:
             record.tp_sent_bytes = self.tensor.sent_bytes
+        if self.experts is not None:
+            traffic = self.experts.traffic
+            record.a2a_sent_bytes, record.expert_tokens = traffic.sent_bytes, tuple(traffic.tokens)
+            record.a2a_ms, record.a2a_exposed_ms = 1e3 * traffic.flight_s, 1e3 * traffic.exposed_s
         result.losses.append(loss)
         result.step_seconds.append(time.perf_counter() - times["began"])
         result.phase_seconds.append(
@@ -303,9 +328,17 @@ class RankRun:
         return record.loss if self.tensor is None or self.tensor.index == 0 else 0.0
 
     def _whole(self, parameter: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """`value` as one process would hold it: gathered over the tensor-parallel group when it is
-        a shard (a collective: every rank of the group calls it in the same order)."""
+        """`value` as one process would hold it: gathered over the tensor-parallel (or expert-
+        parallel) group when it is a shard (a collective: every rank of the group calls it in the
+        same order)."""
+        if self.experts is not None:
+            return self.experts.full(parameter, value)
         return self.tensor.full(parameter, value) if self.tensor is not None else value
+
+
+def _by_full(owned: Callable[[torch.nn.Parameter], bool], full_of: dict) -> Callable[[torch.nn.Parameter], bool]:
+    """An ownership test of full parameters, asked of their shards."""
+    return lambda parameter: owned(full_of.get(id(parameter), parameter))
 
 
 def _inject_faults(faults: tuple[tuple[int, int, str, float], ...], step: int, stages: dict) -> None:

@@ -63,6 +63,7 @@ class ParallelPart:
     timeout_s: float
     tp: int = 1
     sequence_parallel: bool = False
+    ep: int = 1
 
     @property
     def layout(self) -> RankLayout:
@@ -152,6 +153,9 @@ class TrainSpec:
     """Tensor-parallel ranks per pipeline device (`runtime.tensor_parallel`): the world is p × dp × tp."""
     sequence_parallel: bool = False
     """With tp > 1: norms and residuals on sequence shards (all-gather / reduce-scatter)."""
+    ep: int = 1
+    """Expert-parallel ranks (`runtime.expert_parallel`): each MoE layer's routed experts shared
+    out over groups of `ep` data-parallel replicas of a stage; ep divides dp."""
 
     def resolved_workload(self) -> Workload:
         return self.model.resolved()
@@ -173,6 +177,7 @@ class TrainSpec:
             self.timeout_s,
             self.tp,
             self.sequence_parallel,
+            self.ep,
         )
 
     @property
@@ -246,6 +251,7 @@ def check_spec(spec: TrainSpec, world_size: int | None = None) -> None:
     _check_optimizer(spec.optimizer, parallel)
     _check_model(spec.model, parallel.schedule)
     _check_tensor_parallel(spec.model, parallel)
+    _check_expert_parallel(spec, parallel)
     _check_checkpoints(spec.checkpoints, parallel, spec.steps)
 
 
@@ -314,6 +320,38 @@ def _check_tensor_parallel(model: ModelPart, parallel: ParallelPart) -> None:
             f"train: sequence length {work.sample_tokens} does not split into {parallel.tp} equal shards "
             "(each tensor-parallel rank sends its shard between stages)"
         )
+
+
+def _check_expert_parallel(spec: TrainSpec, parallel: ParallelPart) -> None:
+    """Experts that split evenly over groups of data-parallel replicas, and the features that do
+    not combine with expert shards yet, refused in one line each."""
+    ep = parallel.ep
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ConfigError(f"train: --ep must be a positive number of ranks, got {ep!r}")
+    if ep == 1:
+        return
+    if parallel.dp % ep:
+        raise ConfigError(
+            f"train: --ep {ep} does not divide --dp {parallel.dp} (an expert-parallel group is made of "
+            "data-parallel replicas of one stage)"
+        )
+    experts = spec.model.resolved().experts
+    if experts is None:
+        raise ConfigError(
+            f"train: {spec.model.resolved().name} has no routed experts; --ep needs a mixture-of-experts model "
+            "(mixtral, qwen2_moe, qwen3_moe)"
+        )
+    if experts.num_experts % ep:
+        raise ConfigError(f"train: the model's {experts.num_experts} experts do not divide by --ep {ep}")
+    refused = {
+        "--tp": parallel.tp > 1,
+        "--zero": parallel.zero > 0,
+        "--offload": bool(parallel.offload_stages),
+        "--clip-norm, --post-validation or fp16": spec.optimizer.needs_global_state,
+    }
+    for flag, asked in refused.items():
+        if asked:
+            raise ConfigError(f"train: --ep does not combine with {flag} yet (the expert shards have their own groups)")
 
 
 def _check_checkpoints(checkpoints: CheckpointPart, parallel: ParallelPart, steps: int) -> None:

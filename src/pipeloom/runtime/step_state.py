@@ -34,6 +34,14 @@ class StepRecord:
     """Bytes this device sent to other devices (activations and gradients)."""
     tp_sent_bytes: int = 0
     """Bytes this rank sent in its tensor-parallel group's collectives (`tensor_parallel`)."""
+    a2a_sent_bytes: int = 0
+    """Bytes this rank sent to its expert-parallel group (`expert_parallel`)."""
+    a2a_ms: float = 0.0
+    """Milliseconds its expert all-to-alls were in flight, summed; `a2a_exposed_ms` of them it
+    waited for (the rest ran under an overlapped pair's other op)."""
+    a2a_exposed_ms: float = 0.0
+    expert_tokens: tuple[int, ...] = ()
+    """(token, choice) pairs this rank routed to each expert, over its MoE layers."""
     sent_dtypes: tuple[str, ...] = ()
     """The dtypes of what it sent, e.g. ("bfloat16",)."""
 

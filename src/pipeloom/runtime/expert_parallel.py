@@ -1,0 +1,188 @@
+"""Expert parallelism: each MoE layer's routed experts shared out over an EP group (DeepSeek-V3,
+torchtitan's "dp2ep"), the group made of data-parallel replicas of one pipeline device.
+
+EP rank j of a group of `ep` keeps experts j·E/ep .. (j+1)·E/ep − 1 of every MoE layer (a slice
+of the library's stacked expert weights) and serves them to the tokens of all the group's
+replicas. Around the library's experts module, two hooks (as torchtitan's) do the routing:
+
+* before it — dispatch: the (token, choice) pairs the library's router picked are sorted by
+  expert; the counts per expert cross first (so each rank knows what it will receive), then the
+  token rows, with `all_to_all_single` over uneven splits — dropless, no capacity;
+* the library's own expert loop then runs on the rows received, with local expert ids and unit
+  weights, so the experts' arithmetic stays the library's;
+* after it — combine: the rows return by the reverse all-to-all, are weighted by the router's
+  top-k weights and summed into their tokens in expert order, as the library's dense loop sums.
+
+Each all-to-all is an autograd Function whose backward is the reverse exchange. It is issued
+asynchronously and passes the baton of an overlapped F&B pair (`pair_baton`) before waiting, so
+the paired op computes while it is in flight. `ExpertTraffic` counts what a rank sent, how long
+its exchanges were in flight, how much of that it waited for, and the tokens routed per expert.
+
+Why not DTensor here, as for tensor parallelism: token routing is an all-to-all with splits that
+change every call, which DTensor's placements do not express; the expert weights are plain
+local slices, like the tensor-parallel shards, and `full` gathers them for reports.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeloom.runtime.pair_baton import pass_baton
+
+__all__ = ["ExpertExchange", "ExpertTraffic", "expert_parameter_ids", "shard_experts"]
+
+
+@dataclass
+class ExpertTraffic:
+    """One step's expert all-to-alls on this rank."""
+
+    sent_bytes: int = 0
+    """Bytes sent to the other ranks of the EP group (token rows, their gradients, counts)."""
+    flight_s: float = 0.0
+    """Seconds from issuing each exchange to its completion, summed."""
+    exposed_s: float = 0.0
+    """Of those, the seconds this rank waited (the rest ran under the paired op's compute)."""
+    tokens: list[int] = field(default_factory=list)
+    """(token, choice) pairs this rank routed to each expert, forwards with autograd only — so a
+    checkpointed micro-batch counts once, at its recompute."""
+
+    def reset(self, num_experts: int) -> None:
+        self.sent_bytes, self.flight_s, self.exposed_s = 0, 0.0, 0.0
+        self.tokens = [0] * num_experts
+
+
+class ExpertExchange:
+    """This rank's EP group: `size` ranks, this one `index`, over `num_experts` experts a layer."""
+
+    def __init__(self, group: dist.ProcessGroup, size: int, index: int, num_experts: int) -> None:
+        self.group, self.size, self.index = group, size, index
+        self.num_experts, self.local = num_experts, num_experts // size
+        self.traffic = ExpertTraffic(tokens=[0] * num_experts)
+        self.full_of: dict[int, nn.Parameter] = {}
+        """Shard id → the full parameter it was cut from."""
+
+    def all_to_all(self, rows: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
+        """`rows` split `send` to the group's ranks; what arrives, `receive` rows from each."""
+        rows = rows.contiguous()
+        out = rows.new_empty((sum(receive), *rows.shape[1:]))
+        issued = time.perf_counter()
+        done = [0.0]
+        work = dist.all_to_all_single(out, rows, receive, send, group=self.group, async_op=True)
+        assert work is not None
+        future = work.get_future()
+        future.then(lambda _: done.__setitem__(0, time.perf_counter()))
+        pass_baton()
+        waiting = time.perf_counter()
+        work.wait()
+        future.wait()
+        ended = time.perf_counter()
+        finished = min(done[0] or ended, ended)
+        row_bytes = rows[0].numel() * rows.element_size() if len(rows) else 0
+        traffic = self.traffic
+        traffic.sent_bytes += (sum(send) - send[self.index]) * row_bytes
+        traffic.flight_s += finished - issued
+        traffic.exposed_s += max(0.0, finished - waiting)
+        return out
+
+    def full(self, shard: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """`value` of an expert shard as the whole layer's (gathered over the group; a collective)."""
+        if id(shard) not in self.full_of:
+            return value
+        parts = [torch.empty_like(value) for _ in range(self.size)]
+        dist.all_gather(parts, value.contiguous(), group=self.group)
+        return torch.cat(parts)
+
+
+class _Exchange(torch.autograd.Function):
+    """An all-to-all whose gradient is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, rows, exchange, send, receive):  # noqa: D401 - autograd signature
+        ctx.exchange, ctx.send, ctx.receive = exchange, send, receive
+        return exchange.all_to_all(rows, send, receive)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.exchange.all_to_all(grad, ctx.receive, ctx.send), None, None, None
+
+
+@dataclass
+class _Route:
+    order: torch.Tensor
+    """(token, choice) pairs sorted by expert, as flat indices into top_k_index."""
+    top_k: int
+    weights: torch.Tensor
+    send: list[int]
+    receive: list[int]
+    tokens: torch.Tensor
+
+
+class _RoutedExperts:
+    """The hooks around one experts module; the route of each call waits, by thread, for its
+    combine (the two ops of a pair run on two threads)."""
+
+    def __init__(self, exchange: ExpertExchange) -> None:
+        self.exchange = exchange
+        self.routes: dict[int, _Route] = {}
+
+    def dispatch(self, module: nn.Module, args: tuple) -> tuple:
+        hidden, top_k_index, top_k_weights = args
+        exchange, top_k = self.exchange, top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=exchange.num_experts)
+        if torch.is_grad_enabled():
+            for expert, count in enumerate(counts.tolist()):
+                exchange.traffic.tokens[expert] += count
+        even = [exchange.local] * exchange.size
+        arriving = exchange.all_to_all(counts, even, even)  # per source rank, per local expert
+        send = counts.view(exchange.size, exchange.local).sum(1).tolist()
+        receive = arriving.view(exchange.size, exchange.local).sum(1).tolist()
+        rows = _Exchange.apply(hidden[order // top_k], exchange, send, receive)
+        local = torch.arange(exchange.local, device=hidden.device).repeat(exchange.size)
+        experts = torch.repeat_interleave(local, arriving).unsqueeze(-1)
+        self.routes[threading.get_ident()] = _Route(order, top_k, top_k_weights, send, receive, hidden)
+        return rows, experts, torch.ones(len(rows), 1, dtype=top_k_weights.dtype, device=hidden.device)
+
+    def combine(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        route = self.routes.pop(threading.get_ident())
+        back = _Exchange.apply(output, self.exchange, route.receive, route.send)
+        weighted = back * route.weights.reshape(-1)[route.order].unsqueeze(-1)
+        hidden = route.tokens
+        return torch.zeros_like(hidden).index_add(0, route.order // route.top_k, weighted.to(hidden.dtype))
+
+
+def _experts_modules(stage: nn.Module, pattern: str) -> list[nn.Module]:
+    return [module for name, module in stage.named_modules() if fnmatch.fnmatchcase(name, pattern)]
+
+
+def expert_parameter_ids(stages, pattern: str) -> set[int]:
+    """Ids of the routed experts' parameters in `stages` (before any is cut)."""
+    return {id(p) for stage in stages for module in _experts_modules(stage, pattern) for p in module.parameters()}
+
+
+def shard_experts(stages: dict[int, nn.Module], pattern: str, exchange: ExpertExchange) -> dict[int, nn.Parameter]:
+    """Keep this rank's experts of every module matching `pattern` (the library's stacked expert
+    weights, experts first) and route around them; returns full parameter id → its slice."""
+    low, high = exchange.index * exchange.local, (exchange.index + 1) * exchange.local
+    shards: dict[int, nn.Parameter] = {}
+    for stage in stages.values():
+        for module in _experts_modules(stage, pattern):
+            for name, full in list(module.named_parameters(recurse=False)):
+                if full.shape[0] != exchange.num_experts:
+                    raise RuntimeError(f"{type(module).__name__}.{name} is not stacked by expert: {tuple(full.shape)}")
+                shard = nn.Parameter(full.detach()[low:high].clone(), requires_grad=full.requires_grad)
+                setattr(module, name, shard)
+                shards[id(full)], exchange.full_of[id(shard)] = shard, full
+            module.num_experts = exchange.local
+            routed = _RoutedExperts(exchange)
+            module.register_forward_pre_hook(routed.dispatch)
+            module.register_forward_hook(routed.combine)
+    return shards
