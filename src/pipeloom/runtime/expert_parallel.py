@@ -78,17 +78,17 @@ class ExpertExchange:
         assert work is not None
         future = work.get_future()
         future.then(lambda _: done.__setitem__(0, time.perf_counter()))
+        handed = time.perf_counter()  # issuing is this rank's own time: exposed, never hidden
         pass_baton()
         waiting = time.perf_counter()
         work.wait()
         future.wait()
-        ended = time.perf_counter()
-        finished = min(done[0] or ended, ended)
+        finished = min(done[0] or time.perf_counter(), time.perf_counter())
         row_bytes = rows[0].numel() * rows.element_size() if len(rows) else 0
         traffic = self.traffic
         traffic.sent_bytes += (sum(send) - send[self.index]) * row_bytes
         traffic.flight_s += finished - issued
-        traffic.exposed_s += max(0.0, finished - waiting)
+        traffic.exposed_s += finished - issued - max(0.0, min(waiting, finished) - handed)
         return out
 
     def full(self, shard: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

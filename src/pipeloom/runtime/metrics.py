@@ -63,13 +63,16 @@ class StepReporter:
 
 def final_table(results: Sequence, facts: dict) -> str:
     """Per rank: median step, TFLOP/s, MFU, peak stash, (GPU) peak memory, bytes sent (between
-    stages; with tensor parallelism also in the group's collectives), and the optimizer's bytes on
-    the device, measured beside planned."""
+    stages; with tensor parallelism also in the group's collectives; with expert parallelism the
+    all-to-alls' bytes, time in flight (hidden under pairs) and the busiest expert's load over the
+    mean), and the optimizer's bytes on the device, measured beside planned."""
     tensor_parallel = facts.get("tp", 1) > 1
+    experts = facts.get("ep", 1) > 1
     lines = [
         f"{'rank':>4}  {'step ms':>9}  {'TFLOP/s':>8}  {'MFU':>6}  {'stash MiB':>10}  "
         f"{'GPU peak MiB':>12}  {'sent MiB/step':>13}  {'optimizer MiB (plan)':>20}"
         + (f"  {'TP MiB/step':>11}" if tensor_parallel else "")
+        + (f"  {'a2a MiB/step':>12}  {'a2a ms (hidden)':>16}  {'expert load':>11}" if experts else "")
     ]
     for result, rank in zip(results, facts["ranks"]):
         mfu = f"{rank['mfu']:.1%}" if rank["mfu"] is not None else "n/a"
@@ -79,6 +82,7 @@ def final_table(results: Sequence, facts: dict) -> str:
             f"{rank['peak_stash_bytes'] / 2**20:>10.2f}  {gpu:>12}  {rank['sent_bytes_per_step'] / 2**20:>13.2f}  "
             f"{_optimizer_cell(rank):>20}"
             + (f"  {rank['tp_sent_bytes_per_step'] / 2**20:>11.2f}" if tensor_parallel else "")
+            + (_expert_cells(rank) if experts else "")
         )
     unit = "tokens/s" if facts["sample_tokens"] > 1 else "samples/s"
     lines.append(
@@ -88,6 +92,16 @@ def final_table(results: Sequence, facts: dict) -> str:
         else ""
     )
     return "\n".join(lines)
+
+
+def _expert_cells(rank: dict) -> str:
+    if "a2a_ms_per_step" not in rank:
+        return ""
+    timing = f"{rank['a2a_ms_per_step']:.1f} ({rank['a2a_hidden_ms_per_step']:.1f})"
+    return (
+        f"  {rank['a2a_sent_bytes_per_step'] / 2**20:>12.3f}  {timing:>16}  "
+        f"{rank['expert_load_imbalance']:>10.2f}×"
+    )
 
 
 def _optimizer_cell(rank: dict) -> str:

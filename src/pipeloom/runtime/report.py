@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Sequence
 from os import PathLike
 
@@ -13,7 +14,8 @@ __all__ = ["summary", "write_summary", "write_trace"]
 
 def summary(results: Sequence[RankResult], peak_tflops: float | None = None, **context) -> dict:
     """Losses per step, median step time (first step left out when there are more), tokens/s,
-    per rank: achieved TFLOP/s and MFU, peak stash bytes, GPU peak memory, bytes sent per step,
+    per rank: achieved TFLOP/s and MFU, peak stash bytes, GPU peak memory, bytes sent per step
+    (and, with expert parallelism, the all-to-alls' bytes, time, hidden time and expert load),
     static bytes (weights, gradients, optimizer, host) measured and as planned, recomputes over
     the run."""
     from pipeloom.runtime.metrics import median_step, throughput
@@ -34,6 +36,7 @@ def summary(results: Sequence[RankResult], peak_tflops: float | None = None, **c
                 "sent_bytes_per_step": result.records[-1].sent_bytes if result.records else 0,
                 "sent_dtypes": list(result.records[-1].sent_dtypes) if result.records else [],
                 "tp_sent_bytes_per_step": result.records[-1].tp_sent_bytes if result.records else 0,
+                **_expert_traffic(result.records[1:] or result.records),
                 "static_bytes": result.static_bytes,
                 "planned_static_bytes": result.planned_static_bytes,
             }
@@ -54,6 +57,23 @@ def summary(results: Sequence[RankResult], peak_tflops: float | None = None, **c
         "loss_scales": first.loss_scales,
         "recomputes": [sum(r.recomputes for r in result.records) for result in results],
         "ranks": ranks,
+    }
+
+
+def _expert_traffic(records: Sequence) -> dict:
+    """Per step (medians over the steps after the first): expert all-to-all bytes sent, time in
+    flight and the part of it hidden under an overlapped pair's other op; the last step's tokens
+    routed to each expert and their imbalance (busiest expert over the mean, 1 when even)."""
+    if not records or not records[-1].expert_tokens:
+        return {}
+    tokens = list(records[-1].expert_tokens)
+    mean = sum(tokens) / len(tokens)
+    return {
+        "a2a_sent_bytes_per_step": statistics.median(r.a2a_sent_bytes for r in records),
+        "a2a_ms_per_step": statistics.median(r.a2a_ms for r in records),
+        "a2a_hidden_ms_per_step": statistics.median(r.a2a_ms - r.a2a_exposed_ms for r in records),
+        "expert_tokens_per_step": tokens,
+        "expert_load_imbalance": max(tokens) / mean if mean else 1.0,
     }
 
 
