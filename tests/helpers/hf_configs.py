@@ -9,6 +9,12 @@ _DECODER = {  # the shape LLaMA, Mistral and Qwen2 share here, grouped-query att
     "num_key_value_heads": 2,
     "max_position_embeddings": 64,
 }
+_EXPERTS = {  # four experts, two per token; Mixtral's load-balancing loss crosses the pipeline
+    **_DECODER,
+    "num_experts_per_tok": 2,
+    "output_router_logits": True,
+    "router_aux_loss_coef": 0.01,
+}
 TINY = {
     "llama": {**_DECODER, "model_type": "llama", "tie_word_embeddings": True},
     "mistral": {**_DECODER, "model_type": "mistral", "sliding_window": 64},
@@ -41,4 +47,14 @@ TINY = {
         "expand": 2,
         "conv_kernel": 4,
     },
+    "mixtral": {**_EXPERTS, "model_type": "mixtral", "num_local_experts": 4},
+    "qwen2_moe": {  # a shared expert beside the routed ones, every layer sparse
+        **_EXPERTS,
+        "model_type": "qwen2_moe",
+        "num_experts": 4,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "output_router_logits": False,
+    },
+    "qwen3_moe": {**_EXPERTS, "model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32},
 }

@@ -57,6 +57,33 @@ def test_other_llama_family_configs_train_like_one_process(tmp_path, family):
     assert_trains_like_one_process(TrainSpec(schedule_for("zb-h1"), steps=3, workload=work))
 
 
+@pytest.mark.parametrize("family, schedule", [("mixtral", "zb-h1"), ("qwen2_moe", "1f1b"), ("qwen3_moe", "zb-v")])
+def test_mixture_of_experts_models_train_like_one_process(tmp_path, family, schedule):
+    """Dense expert loops (no --ep); Mixtral's and Qwen3-MoE's load-balancing loss reads every
+    layer's router logits, handed on from stage to stage with their gradients."""
+    work = hf_workload(model_dir(tmp_path, family), seed=2, microbatch_size=2, seq_len=16)
+    assert work.experts is not None and work.experts.num_experts == 4
+    assert_trains_like_one_process(TrainSpec(schedule_for(schedule), steps=2, workload=work))
+
+
+def test_the_load_balancing_loss_is_the_librarys(tmp_path):
+    from pipeloom.models.hf import _build, load_hf_config
+    from pipeloom.models.workload import token_loss
+
+    directory = model_dir(tmp_path, "mixtral")
+    work = hf_workload(directory, seed=2, microbatch_size=2, seq_len=16)
+    tokens, targets = work.batch(2, 0)
+    first, last = work.build(2)
+    handed = first(tokens)
+    assert handed[1].shape == (2 * 2 * 16, 4)  # two layers' router logits per token
+    output = last(*handed)
+    library = _build(directory, load_hf_config(directory), 2)(tokens, output_router_logits=True)
+    aux = (work.loss(output, targets) - token_loss(output[0], targets)) / 0.01
+    assert float(aux.detach()) == pytest.approx(
+        float(library.aux_loss.detach()), rel=1e-4
+    )  # a difference of two fp32 losses / 0.01
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_causal_lms_train_slice_by_slice(tmp_path, family):
     work = hf_workload(model_dir(tmp_path, family), seed=3, microbatch_size=2, seq_len=16)

@@ -85,6 +85,16 @@ def fidelity_report(plan, results) -> str:
             f"  device {device} TP comm     {tp_sent[device] / 2**20:8.2f} MiB vs {sent / 2**20:8.2f} MiB per step "
             f"({sent / tp_sent[device] - 1:+.1%}; predicted {tp_ms[device]:.1f} ms of collectives)"
         )
+    a2a = predicted.get("a2a_ms") or []
+    for device in range(min(p, len(a2a))):  # the expert all-to-alls' time in flight, and how much pairs hid
+        records = [r for x in range(plan.dp) for r in results[layout.rank(x, device)].records[1:]]
+        if records and a2a[device]:
+            flight = statistics.median(r.a2a_ms for r in records)
+            hidden = statistics.median(r.a2a_ms - r.a2a_exposed_ms for r in records)
+            lines.append(
+                f"  device {device} a2a         {a2a[device]:8.2f} ms  vs {flight:8.2f} ms  per step "
+                f"({flight / a2a[device] - 1:+.1%}; {hidden:.2f} ms of it hidden under pairs)"
+            )
     totals = predicted.get("peak_memory") or []
     for device in range(p):  # on GPUs: everything the rank allocated, against static + activations
         gpu = [results[layout.rank(replica, device)].peak_memory_bytes for replica in range(plan.dp)]

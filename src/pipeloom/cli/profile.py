@@ -56,7 +56,7 @@ def _hf_profile_model(args: argparse.Namespace):
 
     path = args.model[3:]
     config = load_hf_config(path)
-    if config.model_type not in ("llama", "mistral", "qwen2", "gpt2"):
+    if config.model_type not in ("llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe"):
         raise ConfigError(f"profile: the cost model describes decoder transformers, not {config.model_type}")
     data = json.loads(_config_path(path).read_text())
     model = dataclasses.replace(model_from_config(data, name=Path(path).name or "hf"), seq_len=args.seq_len)
@@ -105,6 +105,13 @@ def run(args: argparse.Namespace) -> int:
             f"W {fit['W']['per_layer']:.3f} ms, R {fit['R']['per_layer']:.3f} ms, "
             f"activations {fit['M_B']['per_layer'] / 2**20:.2f} MiB; p2p {fit['p2p_ms']:.3f} ms"
         )
+    if "a2a" in profile:
+        for size in sizes:
+            a2a = profile["a2a"][str(size)]
+            print(
+                f"mbs {size}: expert all-to-all (ep {profile['a2a']['ep']}) {a2a['F']:.3f} ms per layer in F, "
+                f"{a2a['B']:.3f} ms in B"
+            )
     print(runtime_line(profile))
     print(noise_line(profile))
     for warning in profile.get("warnings", []):

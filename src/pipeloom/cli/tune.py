@@ -51,6 +51,13 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--schemes", help=f"comma-separated among {', '.join(SCHEMES)} (default: {','.join(DEFAULT_SCHEMES)})"
     )
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size for a mixture-of-experts model, fixed: its experts shared out over EP "
+        "data-parallel replicas, whose all-to-alls the plan prices (with --costs, as profiled; default 1)",
+    )
     parser.add_argument("--runnable", action="store_true", help="only schemes the runtime executes today")
     parser.add_argument("--pp", metavar="LIST", help="pipeline sizes to try (default: every divisor)")
     parser.add_argument("--max-mbs", type=int, default=32, help="largest micro-batch size to try (powers of two)")
@@ -114,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
         micro_batches=power_of_two_sizes(args.max_mbs),
         keep=args.top,
         memory_passes=not args.no_memory_passes,
-        static_measures=not args.no_static_measures,
+        static_measures=not args.no_static_measures and not (args.runnable and args.ep > 1),  # EP runs ZeRO-0
+        ep=args.ep,
         progress=progress_bar("tune", args.quiet, "candidate"),
         jobs=args.jobs,
     )
@@ -123,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
     if args.tp > 1 and isinstance(cost_model, ProfiledCostModel):  # measured collectives: the runtime checks them
         times, sent = cost_model.tp_step(plan.schedule, plan.partition, plan.micro_batch_size)
         plan.predicted["tp_comm_ms"], plan.predicted["tp_sent_bytes"] = times, sent
+    if args.ep > 1 and isinstance(cost_model, ProfiledCostModel):  # measured all-to-alls: the runtime reports them
+        plan.predicted["a2a_ms"] = cost_model.a2a_step(plan.schedule, plan.partition, plan.micro_batch_size)
     plan.save(args.output)
     if plot:
         from pipeloom.viz.plot import plot_timeline
@@ -152,6 +162,11 @@ def _cost_model(args: argparse.Namespace):
         profiled = ProfiledCostModel.load(args.costs, args.tp, args.sequence_parallel)
         if args.model and load_model(args.model).to_dict() != profiled.model.to_dict():
             raise ConfigError(f"--model {args.model} differs from the model profiled in {args.costs}")
+        profiled.model = _with_experts_spread(profiled.model, args.ep)
+        if args.ep > 1 and not profiled.exchange:
+            raise ConfigError(
+                f"{args.costs} measured no expert all-to-all: profile the MoE model with `profile --model hf:DIR`"
+            )
         return profiled
     if not args.model:
         raise ConfigError("tune needs --model (a preset or config.json) with --hardware, or --costs PROFILE")
@@ -159,7 +174,22 @@ def _cost_model(args: argparse.Namespace):
         raise ConfigError("tune needs --hardware NAME or --costs PROFILE to turn FLOPs into time")
     if args.tp < 1:
         raise ConfigError(f"--tp must be at least 1, got {args.tp}")
-    return AnalyticCostModel(load_model(args.model), load_hardware(args.hardware), args.tp)
+    return AnalyticCostModel(
+        _with_experts_spread(load_model(args.model), args.ep), load_hardware(args.hardware), args.tp
+    )
+
+
+def _with_experts_spread(model, ep: int):
+    """The model with its experts shared out over `ep` ranks (1: as the preset or profile says)."""
+    if ep == 1:
+        return model
+    if ep < 1:
+        raise ConfigError(f"--ep must be at least 1, got {ep}")
+    if not model.num_experts:
+        raise ConfigError(f"--ep {ep}: {model.name} has no routed experts to share out")
+    from dataclasses import replace
+
+    return replace(model, expert_parallel=ep)  # refuses experts that do not divide by ep
 
 
 def _memory(args: argparse.Namespace, cost_model) -> float:

@@ -98,6 +98,8 @@ def profile_model(
         str(zero): _replica_skew(profile, zero, model, micro_batches[0], layers, steps, threads, workload_for, dtype)
         for zero in (0, 1)
     }
+    if workload_for is not None and workload_for(1, 1).experts is not None:
+        profile["a2a"] = _expert_exchange(micro_batches, max(layer_counts), steps, threads, workload_for, dtype)
     profile["noise"] = _noise(measured, rerun)
     profile["warnings"] = warnings
     return profile
@@ -248,6 +250,33 @@ def _replica_skew(profile, zero, model, mbs, layers, steps, threads, workload_fo
     return max(0.0, statistics.fmean(waits)) / statistics.median(pipelines)
 
 
+_EP = 2
+"""The expert-parallel group `profile` measures: two ranks, one all-to-all partner each."""
+
+
+def _expert_exchange(micro_batches, layers, steps, threads, workload_for, dtype) -> dict:
+    """A mixture of experts' dispatch and combine, per MoE layer and micro-batch size: one stage
+    of `layers` layers trained by two data-parallel replicas that share out the experts (--ep 2),
+    lone ops only, so each exchange's time in flight is its own. ms per layer of an F (a2a_F:
+    the counts, the tokens out and back) and of a B (a2a_B: their gradients)."""
+    from pipeloom.runtime.local import run_local
+    from pipeloom.runtime.training import TrainSpec
+
+    m = 2
+    out: dict = {"ep": _EP}
+    for mbs in micro_batches:
+        work = workload_for(layers, mbs)
+        spec = TrainSpec(build_schedule("1f1b", 1, m), workload=work, steps=steps, dp=_EP, ep=_EP, threads=threads)
+        spec = replace(spec, dtype=dtype)
+        records = [r for result in run_local(spec) for r in result.records[1:] or result.records]
+        per_op = m * layers
+        out[str(mbs)] = {
+            "F": statistics.median(r.a2a_forward_ms for r in records) / per_op,
+            "B": statistics.median(r.a2a_ms - r.a2a_forward_ms for r in records) / per_op,
+        }
+    return out
+
+
 def _probe_costs(probe: _Probe, p: int, fitted: Costs) -> Costs:
     """The probe's own measured op times per stage (not the fit's), with the fitted rest."""
     times: dict[str, Any] = {
@@ -301,4 +330,8 @@ def _params(model: ModelSpec, workload_for=None) -> dict:
         return sum(t.numel() for module in modules if module is not None for t in module.parameters())
 
     first = count(stage.embed, getattr(stage, "positions", None))
-    return {"layer": count(stage.layers[0]), "first": first, "last": count(stage.norm, stage.head)}
+    params = {"layer": count(stage.layers[0]), "first": first, "last": count(stage.norm, stage.head)}
+    experts = getattr(getattr(stage.layers[0], "mlp", None), "experts", None)
+    if experts is not None:  # a MoE layer's routed experts, which expert parallelism shares out
+        params["experts"] = count(experts)
+    return params

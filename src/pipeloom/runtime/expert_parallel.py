@@ -49,12 +49,14 @@ class ExpertTraffic:
     """Seconds from issuing each exchange to its completion, summed."""
     exposed_s: float = 0.0
     """Of those, the seconds this rank waited (the rest ran under the paired op's compute)."""
+    forward_flight_s: float = 0.0
+    """The part of `flight_s` in forwards (dispatch, combine and the counts); the rest is in backwards."""
     tokens: list[int] = field(default_factory=list)
     """(token, choice) pairs this rank routed to each expert, forwards with autograd only — so a
     checkpointed micro-batch counts once, at its recompute."""
 
     def reset(self, num_experts: int) -> None:
-        self.sent_bytes, self.flight_s, self.exposed_s = 0, 0.0, 0.0
+        self.sent_bytes, self.flight_s, self.exposed_s, self.forward_flight_s = 0, 0.0, 0.0, 0.0
         self.tokens = [0] * num_experts
 
 
@@ -68,7 +70,9 @@ class ExpertExchange:
         self.full_of: dict[int, nn.Parameter] = {}
         """Shard id → the full parameter it was cut from."""
 
-    def all_to_all(self, rows: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
+    def all_to_all(
+        self, rows: torch.Tensor, send: list[int], receive: list[int], backward: bool = False
+    ) -> torch.Tensor:
         """`rows` split `send` to the group's ranks; what arrives, `receive` rows from each."""
         rows = rows.contiguous()
         out = rows.new_empty((sum(receive), *rows.shape[1:]))
@@ -88,6 +92,8 @@ class ExpertExchange:
         traffic = self.traffic
         traffic.sent_bytes += (sum(send) - send[self.index]) * row_bytes
         traffic.flight_s += finished - issued
+        if not backward:
+            traffic.forward_flight_s += finished - issued
         traffic.exposed_s += finished - issued - max(0.0, min(waiting, finished) - handed)
         return out
 
@@ -110,7 +116,7 @@ class _Exchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.exchange.all_to_all(grad, ctx.receive, ctx.send), None, None, None
+        return ctx.exchange.all_to_all(grad, ctx.receive, ctx.send, backward=True), None, None, None
 
 
 @dataclass

@@ -98,10 +98,7 @@ def _expert_cells(rank: dict) -> str:
     if "a2a_ms_per_step" not in rank:
         return ""
     timing = f"{rank['a2a_ms_per_step']:.1f} ({rank['a2a_hidden_ms_per_step']:.1f})"
-    return (
-        f"  {rank['a2a_sent_bytes_per_step'] / 2**20:>12.3f}  {timing:>16}  "
-        f"{rank['expert_load_imbalance']:>10.2f}×"
-    )
+    return f"  {rank['a2a_sent_bytes_per_step'] / 2**20:>12.3f}  {timing:>16}  {rank['expert_load_imbalance']:>10.2f}×"
 
 
 def _optimizer_cell(rank: dict) -> str:

@@ -111,6 +111,8 @@ class ProfiledCostModel:
             self.op_overhead = float(profile.get("op_overhead_ms", 0.0))
             self.links = {key: profile[key] for key in ("p2p", *_COLLECTIVES) if key in profile}
             self.compute = compute_bytes(str(profile.get("dtype", "fp32")))
+            self.exchange = {int(size): v for size, v in profile.get("a2a", {}).items() if size != "ep"}
+            """Micro-batch size → the measured expert all-to-all ms per MoE layer of an F and a B."""
         except (KeyError, TypeError, ValueError) as error:
             raise ConfigError(f"profile is incomplete: {error}") from None
         self.profile = profile
@@ -253,11 +255,14 @@ class ProfiledCostModel:
         value: dict[str, CostValue] = {
             key: [[v] * slices for v in values] if slices > 1 else values for key, values in per_stage.items()
         }
+        exchange = self._exchange(counts, size)
         return Costs(
             F=value["F"],
             B=value["B"],
             W=value["W"],
             R=value["R"],
+            a2a_F=exchange["F"],
+            a2a_B=exchange["B"],
             comm=self._p2p(size / self.tp),  # each tensor-parallel rank sends its sequence shard
             M_B=value["M_B"],
             M_W=0.0,
@@ -267,6 +272,35 @@ class ProfiledCostModel:
             time_unit="ms",
             memory_unit="bytes",
         )  # no host link measured: offload is left out, not guessed
+
+    def _exchange(self, counts: Sequence[int], micro_batch: float) -> dict[str, CostValue]:
+        """Per stage, the expert all-to-alls an F and a B wait for: the measured per-layer time at
+        this micro-batch size (linear between the profiled sizes) times the stage's layers; none
+        for a dense model, without expert parallelism, or from a profile that measured none."""
+        if not self.exchange or not self.model.num_experts or self.model.expert_parallel == 1:
+            return {"F": 0.0, "B": 0.0}
+        sizes = sorted(self.exchange)
+        low = max([s for s in sizes if s <= micro_batch], default=sizes[0])
+        high = min([s for s in sizes if s > low], default=None)
+        out: dict[str, CostValue] = {}
+        for kind in ("F", "B"):
+            if high is None:
+                per_layer = self.exchange[low][kind] * (micro_batch / low if len(sizes) == 1 else 1.0)
+            else:
+                a, b = self.exchange[low][kind], self.exchange[high][kind]
+                per_layer = a + (b - a) * (micro_batch - low) / (high - low)
+            out[kind] = [n * max(per_layer, 0.0) for n in counts]
+        return out
+
+    def a2a_step(self, schedule, partition: Sequence[int], micro_batch: int) -> list[float]:
+        """Per device, the ms of one step's expert all-to-alls in flight (F and R: a2a_F; B and
+        BW: a2a_B), as the runtime reports them beside the hidden part."""
+        exchange = self._exchange(partition, micro_batch / schedule.num_slices)
+        if not isinstance(exchange["F"], list) or not isinstance(exchange["B"], list):
+            return [0.0] * schedule.num_devices
+        forward, backward = exchange["F"], exchange["B"]
+        kinds = {"F": forward, "R": forward, "B": backward, "BW": backward}
+        return [sum(kinds[op.kind.value][op.stage] for op in ops if op.kind.value in kinds) for ops in schedule.devices]
 
     def layer_time(self, micro_batch: int) -> float:
         compute = sum(self._value(key, "per_layer", micro_batch) for key in ("F", "B", "W")) / self.tp
@@ -287,10 +321,13 @@ class ProfiledCostModel:
         return activations, self._static(self.params["layer"] / self.tp, dp, zero)
 
     def stage_params(self, counts: Sequence[int]) -> list[float]:
-        """Parameters one rank holds per stage: its 1/tp shard of the layers, embedding and head."""
+        """Parameters one rank holds per stage: its 1/tp shard of the layers, embedding and head;
+        of a MoE layer's routed experts (`params["experts"]`), its 1/ep share."""
         last = len(counts) - 1
+        experts = self.params.get("experts", 0) * (1 - 1 / self.model.expert_parallel)
+        layer = self.params["layer"] - experts
         return [
-            (n * self.params["layer"] + self.params["first"] * (i == 0) + self.params["last"] * (i == last)) / self.tp
+            (n * layer + self.params["first"] * (i == 0) + self.params["last"] * (i == last)) / self.tp
             for i, n in enumerate(counts)
         ]
 

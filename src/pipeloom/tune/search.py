@@ -64,14 +64,18 @@ def tune(
     exhaustive: bool = False,
     progress: Callable[[int, int], None] | None = None,
     jobs: int | None = 1,
+    ep: int = 1,
 ) -> TuneResult:
     """The `keep` fastest plans that fit `memory` bytes per device; InfeasibleError if none does,
     naming the binding constraint. `memory_passes=False` leaves out Mario, T-Recomp and T-Offload;
     `static_measures=False` leaves out ZeRO-1/2 and offloading every stage's optimizer;
     `exhaustive` turns pruning off (for checking the pruning). `jobs` processes simulate
-    candidates (None: every core this process may use); the result is the same for any."""
-    points = list(
-        candidates(
+    candidates (None: every core this process may use); the result is the same for any. With
+    `ep` > 1 the experts are shared out over groups of ep data-parallel replicas, so dp must
+    be a multiple of ep."""
+    points = [
+        point
+        for point in candidates(
             devices,
             global_batch,
             tp=tp,
@@ -80,11 +84,13 @@ def tune(
             micro_batches=micro_batches,
             num_layers=cost_model.model.layers,
         )
-    )
+        if point.dp % ep == 0
+    ]
     if not points:
         raise InfeasibleError(
             f"no configuration of {devices} devices divides the global batch {global_batch} "
-            f"(dp × micro-batch size must divide it, and the stages must not outnumber {cost_model.model.layers} layers)"
+            f"(dp × micro-batch size must divide it, the stages must not outnumber {cost_model.model.layers} layers"
+            + (f", and dp must be a multiple of ep = {ep})" if ep > 1 else ")")
         )
     prepared = [_prepare(point, cost_model, memory, static_measures) for point in points]
     prepared.sort(key=lambda item: item[1])

@@ -1,0 +1,142 @@
+"""Expert parallelism: pp = 2 × dp = 2 gloo ranks with --ep 2 train mixture-of-experts models on a
+token file like one process running the library's dense expert loop.
+
+These fork ranks: the all-to-alls need a process group per rank. Each run is one small model,
+three steps. With fp32 the two runs differ only in summation order (a gradient summed over the
+replicas' tokens by the bucket all-reduce, not in one backward), so losses agree to rtol 1e-5;
+parameters are compared at lr = 1e-5 for the reason `test_tensor_parallel` gives (AdamW turns a
+rounding difference in a near-zero gradient into up to lr·δ/1e-8).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from helpers.hf_configs import TINY  # noqa: E402
+from helpers.runtime import assert_matches_reference  # noqa: E402
+
+from pipeloom import build_schedule  # noqa: E402
+from pipeloom.costs import Costs  # noqa: E402
+from pipeloom.errors import ConfigError  # noqa: E402
+from pipeloom.models.hf import hf_workload  # noqa: E402
+from pipeloom.runtime.local import run_local  # noqa: E402
+from pipeloom.runtime.pair_baton import PairBaton, pass_baton  # noqa: E402
+from pipeloom.runtime.training import TrainSpec, check_spec  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SEQ = 16
+PRICED_A2A = Costs(F=1.0, B=1.0, W=1.0, a2a_F=1.0, a2a_B=1.0)
+"""All-to-alls worth hiding: DualPipeV keeps its overlapped pairs (they are split without them)."""
+
+
+def model_dir(tmp_path, family: str, **changes):
+    directory = tmp_path / family
+    directory.mkdir(exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({**TINY[family], **changes}))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory):
+    from pipeloom.data import write_token_file
+
+    ids = torch.randint(0, 96, (4000,), generator=torch.Generator().manual_seed(7))
+    return write_token_file(tmp_path_factory.mktemp("tokens") / "tokens.bin", ids.numpy(), "uint16")
+
+
+def moe_spec(tmp_path, token_file, family: str, schedule: str, **changes) -> TrainSpec:
+    from pipeloom.data import TokenFile
+
+    work = hf_workload(
+        model_dir(tmp_path, family), seed=1, microbatch_size=2, seq_len=SEQ, data=TokenFile(token_file, SEQ, seed=2)
+    )
+    options = {"costs": PRICED_A2A} if schedule == "dualpipev" else {}
+    return TrainSpec(build_schedule(schedule, 2, 4, **options), workload=work, lr=1e-5, dp=2, ep=2, **changes)
+
+
+@pytest.mark.parametrize(
+    "family, schedule", [("mixtral", "1f1b"), ("qwen2_moe", "zb-h1"), ("mixtral", "dualpipev")], ids=str
+)
+def test_pp2_dp2_ep2_trains_like_one_process(tmp_path, token_file, family, schedule):
+    spec = moe_spec(tmp_path, token_file, family, schedule)
+    results = run_local(spec)
+    assert len(results) == 4
+    assert_matches_reference(spec, results, rtol=1e-5, atol=1e-6)  # expert weights gathered over the EP group
+    layers = 4 // spec.schedule.num_stages
+    for result in results:
+        record = result.records[-1]
+        stages = len(result.parameters)
+        # every (token, choice) of this replica's micro-batches routed once per MoE layer it hosts
+        assert sum(record.expert_tokens) == 4 * 2 * SEQ * 2 * layers * stages
+        assert record.a2a_sent_bytes > 0 and 0.0 <= record.a2a_exposed_ms <= record.a2a_ms
+    if schedule == "dualpipev":  # the pairs ran by turns: both ops of a pair start together
+        paired = [op for op in spec.schedule.devices[0] if op.overlap_next]
+        assert paired, "the priced all-to-alls kept DualPipeV's pairs"
+        starts = dict((text, start) for text, start, _ in results[0].records[-1].ops)
+        index = spec.schedule.devices[0].index(paired[0])
+        assert starts[paired[0].text] == starts[spec.schedule.devices[0][index + 1].text]
+
+
+def test_the_cli_trains_dualpipev_with_expert_parallelism(tmp_path, token_file, capsys):
+    from pipeloom.cli import main
+
+    model = model_dir(tmp_path, "qwen3_moe")
+    flags = ["--schedule", "dualpipev", "-p", "2", "--dp", "2", "--ep", "2", "-m", "4", "--steps", "2"]
+    flags += ["--model", f"hf:{model}", "--data", str(token_file), "--seq-len", str(SEQ), "--quiet"]
+    flags += ["--costs", "F=1,B=1,W=1,a2a_F=1,a2a_B=1"]
+    summary = tmp_path / "summary.json"
+    assert main(["train", "--nproc", "4", *flags, "--summary", str(summary)]) == 0
+    out = capsys.readouterr().out
+    assert "ep=2" in out and "a2a ms (hidden)" in out
+    facts = json.loads(summary.read_text())
+    for rank in facts["ranks"]:
+        assert rank["a2a_sent_bytes_per_step"] > 0 and len(rank["expert_tokens_per_step"]) == 4
+        assert rank["expert_load_imbalance"] >= 1.0
+    refused = ["train", "--nproc", "4", "--schedule", "1f1b", "-p", "2", "--dp", "2", "-m", "4", "--ep", "3"]
+    assert main([*refused, "--model", f"hf:{model}", "--seq-len", str(SEQ)]) == 2
+    assert "--ep 3 does not divide --dp 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "family, changes, message",
+    [
+        ("mixtral", {"ep": 3, "dp": 3}, "the model's 4 experts do not divide by --ep 3"),
+        ("mixtral", {"ep": 2, "dp": 3}, "--ep 2 does not divide --dp 3"),
+        ("llama", {"ep": 2, "dp": 2}, "no routed experts; --ep needs a mixture-of-experts model"),
+        ("mixtral", {"ep": 2, "dp": 2, "zero": 1}, "--ep does not combine with --zero"),
+        ("mixtral", {"ep": 2, "dp": 2, "tp": 2}, "mixtral does not combine --tp with its experts"),
+    ],
+)
+def test_expert_parallelism_that_cannot_run_is_refused_in_one_line(tmp_path, family, changes, message):
+    work = hf_workload(model_dir(tmp_path, family), microbatch_size=2, seq_len=SEQ)
+    spec = TrainSpec(build_schedule("1f1b", 2, 4), workload=work, **changes)
+    with pytest.raises(ConfigError, match=message):
+        check_spec(spec)
+
+
+def test_a_pair_switches_only_where_an_exchange_is_in_flight():
+    """The two ops take turns at each switch; once one is done the other runs on alone."""
+    order: list[str] = []
+
+    def forward():
+        order.append("F attention")
+        assert pass_baton()  # dispatch in flight
+        order.append("F experts")
+        assert pass_baton()  # combine in flight
+        order.append("F rest")
+        assert not pass_baton()  # the backward has finished: nothing to switch to
+
+    def backward():
+        order.append("B head")
+        assert pass_baton()
+        order.append("B rest")
+
+    PairBaton().run(forward, backward)
+    assert order == ["F attention", "B head", "F experts", "B rest", "F rest"]
+    assert not pass_baton()  # outside a pair
