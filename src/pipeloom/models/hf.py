@@ -85,6 +85,8 @@ def _build(path: str | Path, config, seed: int) -> nn.Module:
     transformers = import_transformers()
     auto = transformers.AutoModelForMaskedLM if config.model_type == "bert" else transformers.AutoModelForCausalLM
     options = {} if config.model_type == "mamba" else {"attn_implementation": "sdpa"}
+    if config.model_type in MIXTURES:  # the library's dense expert loop: any dtype, and FLOP-countable
+        options["experts_implementation"] = "eager"
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:

@@ -98,7 +98,7 @@ def profile_model(
         str(zero): _replica_skew(profile, zero, model, micro_batches[0], layers, steps, threads, workload_for, dtype)
         for zero in (0, 1)
     }
-    if workload_for is not None and workload_for(1, 1).experts is not None:
+    if workload_for is not None and getattr(workload_for(1, 1), "experts", None) is not None:
         profile["a2a"] = _expert_exchange(micro_batches, max(layer_counts), steps, threads, workload_for, dtype)
     profile["noise"] = _noise(measured, rerun)
     profile["warnings"] = warnings

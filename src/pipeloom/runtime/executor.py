@@ -39,7 +39,7 @@ from pipeloom.errors import ConfigError, RuntimeFault
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
 from pipeloom.runtime.mailbox import Mail, MessageKey, peer_failure
-from pipeloom.runtime.pair_baton import PairBaton
+from pipeloom.runtime.pair_baton import run_pair
 from pipeloom.runtime.precision import Precision
 from pipeloom.runtime.split_linear import SplitLinear, WeightGradQueue
 from pipeloom.runtime.stage_call import earlier_keys_values, run_stage, split_stage
@@ -310,35 +310,7 @@ class DeviceExecutor:
             raise RuntimeFault(f"{op.text}: no weight gradients were queued")
 
     def _pair_op(self, step: StepState, first: Op, second: Op) -> None:
-        """An overlapped F&B pair, each op with its own times. With expert all-to-alls the two
-        run by turns (`pair_baton`), each switching to the other while its exchange is in flight;
-        otherwise in list order (messages leave as the plan derived). On CUDA the forward runs on
-        a side stream, its kernels and collectives under the backward's."""
-        side = self._side
-
-        def run(op: Op) -> None:
-            if side is not None and op.kind is _F:
-                side.wait_stream(torch.cuda.current_stream(self.torch_device))
-                with torch.cuda.stream(side):
-                    self._forward_op(step, op)
-            else:
-                self._handler(op.kind)(step, op)
-
-        if self.interleave_pairs:
-            began, ends = step.now(), [0.0, 0.0]
-
-            def turn(index: int, op: Op) -> Callable[[], None]:
-                return lambda: (run(op), ends.__setitem__(index, step.now()))
-
-            PairBaton().run(turn(0, first), turn(1, second))
-            step.record.ops += [(first.text, began, ends[0]), (second.text, began, ends[1])]
-        else:
-            for op in (first, second):
-                step.start = step.now()
-                run(op)
-                step.record.ops.append((op.text, step.start, step.now()))
-        if side is not None:
-            torch.cuda.current_stream(self.torch_device).wait_stream(side)
+        run_pair(self, step, first, second)
 
     def _weight_op(self, step: StepState, index: int) -> int:
         """Run the W at `index` (with `concat_w`, and the W of its stage right after it, as one

@@ -49,6 +49,9 @@ class ExpertTraffic:
     """Seconds from issuing each exchange to its completion, summed."""
     exposed_s: float = 0.0
     """Of those, the seconds this rank waited (the rest ran under the paired op's compute)."""
+    overlapped_flight_s: float = 0.0
+    """The part of `flight_s` of exchanges that handed the baton to a paired op (what a pair
+    could hide; the hidden time is all theirs)."""
     forward_flight_s: float = 0.0
     """The part of `flight_s` in forwards (dispatch, combine and the counts); the rest is in backwards."""
     tokens: list[int] = field(default_factory=list)
@@ -56,7 +59,8 @@ class ExpertTraffic:
     checkpointed micro-batch counts once, at its recompute."""
 
     def reset(self, num_experts: int) -> None:
-        self.sent_bytes, self.flight_s, self.exposed_s, self.forward_flight_s = 0, 0.0, 0.0, 0.0
+        self.sent_bytes, self.flight_s, self.exposed_s = 0, 0.0, 0.0
+        self.overlapped_flight_s, self.forward_flight_s = 0.0, 0.0
         self.tokens = [0] * num_experts
 
 
@@ -83,7 +87,7 @@ class ExpertExchange:
         future = work.get_future()
         future.then(lambda _: done.__setitem__(0, time.perf_counter()))
         handed = time.perf_counter()  # issuing is this rank's own time: exposed, never hidden
-        pass_baton()
+        overlapped = pass_baton()
         waiting = time.perf_counter()
         work.wait()
         future.wait()
@@ -94,6 +98,8 @@ class ExpertExchange:
         traffic.flight_s += finished - issued
         if not backward:
             traffic.forward_flight_s += finished - issued
+        if overlapped:
+            traffic.overlapped_flight_s += finished - issued
         traffic.exposed_s += finished - issued - max(0.0, min(waiting, finished) - handed)
         return out
 
@@ -187,7 +193,7 @@ def shard_experts(stages: dict[int, nn.Module], pattern: str, exchange: ExpertEx
                 shard = nn.Parameter(full.detach()[low:high].clone(), requires_grad=full.requires_grad)
                 setattr(module, name, shard)
                 shards[id(full)], exchange.full_of[id(shard)] = shard, full
-            module.num_experts = exchange.local
+            module.num_experts = exchange.local  # type: ignore[assignment]  # the library loop counts local experts
             routed = _RoutedExperts(exchange)
             module.register_forward_pre_hook(routed.dispatch)
             module.register_forward_hook(routed.combine)

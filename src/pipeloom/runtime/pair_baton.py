@@ -18,9 +18,10 @@ the baton too.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
-__all__ = ["PairBaton", "pass_baton"]
+__all__ = ["PairBaton", "pass_baton", "run_pair"]
 
 _held = threading.local()
 
@@ -31,19 +32,24 @@ class PairBaton:
         self._holder = 0
         self._running = [True, True]
 
-    def run(self, first: Callable[[], None], second: Callable[[], None]) -> None:
+    def run(
+        self, first: Callable[[], None], second: Callable[[], None], clock: Callable[[], float] = time.perf_counter
+    ) -> tuple[float, float]:
         """Run `first` (on this thread) and `second` (on a helper) by turns, `first` from the start;
-        re-raise the first error either raised."""
+        re-raise the first error either raised. Returns when each finished, on `clock`."""
         errors: list[BaseException | None] = [None, None]
-        helper = threading.Thread(target=self._side, args=(1, second, errors), name="pipeloom-pair", daemon=True)
+        ends = [0.0, 0.0]
+        helper = threading.Thread(target=self._side, args=(1, second, errors, ends, clock), name="pipeloom-pair")
+        helper.daemon = True
         helper.start()
-        self._side(0, first, errors)
+        self._side(0, first, errors, ends, clock)
         helper.join()
         for error in errors:
             if error is not None:
                 raise error
+        return ends[0], ends[1]
 
-    def _side(self, index: int, work: Callable[[], None], errors: list) -> None:
+    def _side(self, index: int, work: Callable[[], None], errors: list, ends: list, clock) -> None:
         with self._turn:
             self._turn.wait_for(lambda: self._holder == index)
         _held.baton, _held.index = self, index
@@ -52,6 +58,7 @@ class PairBaton:
         except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
             errors[index] = error
         finally:
+            ends[index] = clock()
             _held.baton = None
             with self._turn:
                 self._running[index] = False
@@ -75,3 +82,34 @@ def pass_baton() -> bool:
         return False
     baton.pass_on(_held.index)
     return True
+
+
+def run_pair(executor, step, first, second) -> None:
+    """An overlapped F&B pair as `executor` (a `DeviceExecutor`) runs it, each op with its own
+    times. With expert all-to-alls (`interleave_pairs`) the two run by turns, each switching to
+    the other while its exchange is in flight; otherwise in list order (messages leave as the
+    plan derived). On CUDA the forward runs on a side stream, its kernels and collectives under
+    the backward's."""
+    import torch
+
+    side, device = executor._side, executor.torch_device
+
+    def run(op) -> None:
+        if side is not None and op.kind.value == "F":
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                executor._forward_op(step, op)
+        else:
+            executor._handler(op.kind)(step, op)
+
+    if executor.interleave_pairs:
+        began = step.now()
+        ends = PairBaton().run(lambda: run(first), lambda: run(second), step.now)
+        step.record.ops += [(first.text, began, ends[0]), (second.text, began, ends[1])]
+    else:
+        for op in (first, second):
+            step.start = step.now()
+            run(op)
+            step.record.ops.append((op.text, step.start, step.now()))
+    if side is not None:
+        torch.cuda.current_stream(device).wait_stream(side)

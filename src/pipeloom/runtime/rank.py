@@ -271,6 +271,7 @@ class RankRun:
             record.a2a_sent_bytes, record.expert_tokens = traffic.sent_bytes, tuple(traffic.tokens)
             record.a2a_ms, record.a2a_exposed_ms = 1e3 * traffic.flight_s, 1e3 * traffic.exposed_s
             record.a2a_forward_ms = 1e3 * traffic.forward_flight_s
+            record.a2a_overlapped_ms = 1e3 * traffic.overlapped_flight_s
         result.losses.append(loss)
         result.step_seconds.append(time.perf_counter() - times["began"])
         result.phase_seconds.append(

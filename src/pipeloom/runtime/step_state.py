@@ -40,6 +40,8 @@ class StepRecord:
     """Milliseconds its expert all-to-alls were in flight, summed; `a2a_exposed_ms` of them it
     waited for (the rest ran under an overlapped pair's other op)."""
     a2a_exposed_ms: float = 0.0
+    a2a_overlapped_ms: float = 0.0
+    """The part of `a2a_ms` in flight while a paired op could run (pairs hide only that)."""
     a2a_forward_ms: float = 0.0
     """The forwards' share of `a2a_ms` (what `profile` fits a2a_F on; the rest is a2a_B's)."""
     expert_tokens: tuple[int, ...] = ()
