@@ -51,12 +51,12 @@ def _hf_profile_model(args: argparse.Namespace):
     """(ModelSpec of the directory's config at --seq-len, probe workloads of its own layers)."""
     import dataclasses
 
-    from pipeloom.models.hf import _config_path, hf_workload, load_hf_config
+    from pipeloom.models.hf import CAUSAL, _config_path, hf_workload, load_hf_config
     from pipeloom.tune.presets import model_from_config
 
     path = args.model[3:]
     config = load_hf_config(path)
-    if config.model_type not in ("llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe"):
+    if config.model_type not in CAUSAL or config.model_type == "mamba":
         raise ConfigError(f"profile: the cost model describes decoder transformers, not {config.model_type}")
     data = json.loads(_config_path(path).read_text())
     model = dataclasses.replace(model_from_config(data, name=Path(path).name or "hf"), seq_len=args.seq_len)

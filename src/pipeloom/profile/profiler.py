@@ -266,8 +266,8 @@ def _expert_exchange(micro_batches, layers, steps, threads, workload_for, dtype)
     out: dict = {"ep": _EP}
     for mbs in micro_batches:
         work = workload_for(layers, mbs)
-        spec = TrainSpec(build_schedule("1f1b", 1, m), workload=work, steps=steps, dp=_EP, ep=_EP, threads=threads)
-        spec = replace(spec, dtype=dtype)
+        schedule = build_schedule("1f1b", 1, m)
+        spec = TrainSpec(schedule, workload=work, steps=steps, dp=_EP, ep=_EP, threads=threads, dtype=dtype)
         records = [r for result in run_local(spec) for r in result.records[1:] or result.records]
         per_op = m * layers
         out[str(mbs)] = {

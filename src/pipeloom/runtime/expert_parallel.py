@@ -133,7 +133,8 @@ class _Route:
     weights: torch.Tensor
     send: list[int]
     receive: list[int]
-    tokens: torch.Tensor
+    hidden: torch.Tensor
+    """The tokens' hidden states as the experts module received them (the combine's shape)."""
 
 
 class _RoutedExperts:
@@ -167,7 +168,7 @@ class _RoutedExperts:
         route = self.routes.pop(threading.get_ident())
         back = _Exchange.apply(output, self.exchange, route.receive, route.send)
         weighted = back * route.weights.reshape(-1)[route.order].unsqueeze(-1)
-        hidden = route.tokens
+        hidden = route.hidden
         return torch.zeros_like(hidden).index_add(0, route.order // route.top_k, weighted.to(hidden.dtype))
 
 

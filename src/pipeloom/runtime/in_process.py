@@ -28,7 +28,8 @@ from pipeloom.runtime.gradients import reduce_in_process
 from pipeloom.runtime.memory_mailbox import MemoryMailbox, Postbox
 from pipeloom.runtime.probe import probe_spec
 from pipeloom.runtime.rank import RankRun, Transport
-from pipeloom.runtime.spec import RankResult, TrainSpec, check_spec
+from pipeloom.runtime.spec import RankResult, TrainSpec
+from pipeloom.runtime.spec_checks import check_spec
 from pipeloom.runtime.step_state import StepRecord
 
 __all__ = ["run_in_process"]

@@ -39,6 +39,7 @@ from pipeloom.runtime.precision import LossScaler, Precision
 from pipeloom.runtime.probe import probe_boundaries
 from pipeloom.runtime.rank_setup import (
     Transport,
+    by_full,
     cut_stages,
     hosted_stages,
     mailbox_of,
@@ -140,7 +141,7 @@ class RankRun:
             group = layout.expert_mesh(where.type, parallel.ep)["ep"].get_group()
             experts = ExpertExchange(group, parallel.ep, replica % parallel.ep, routed.num_experts)
             buckets.rebind(shard_experts(stages, routed.modules, experts))
-            owned = _by_full(owned, experts.full_of)
+            owned = by_full(owned, experts.full_of)
         loss = work.loss
         if tensor is not None:
             group = [layout.rank(replica, device, t) for t in range(parallel.tp)]
@@ -336,11 +337,6 @@ class RankRun:
         if self.experts is not None:
             return self.experts.full(parameter, value)
         return self.tensor.full(parameter, value) if self.tensor is not None else value
-
-
-def _by_full(owned: Callable[[torch.nn.Parameter], bool], full_of: dict) -> Callable[[torch.nn.Parameter], bool]:
-    """An ownership test of full parameters, asked of their shards."""
-    return lambda parameter: owned(full_of.get(id(parameter), parameter))
 
 
 def _inject_faults(faults: tuple[tuple[int, int, str, float], ...], step: int, stages: dict) -> None:

@@ -38,6 +38,7 @@ __all__ = [
     "progress_of",
     "optimizer_sync",
     "owner_test",
+    "by_full",
 ]
 
 
@@ -86,8 +87,12 @@ def cut_stages(parallel: ParallelPart, work: Workload, tensor: TensorParallel, s
     buckets.rebind(tensor.shards)
     buckets.sum_over(tensor.mesh.get_group(), group, partial)
     wire = StageProbe(wire_boundaries(probe.boundaries, parallel.tp), [f / parallel.tp for f in probe.forward_flops])
-    full_of = tensor.full_of
-    return wire, parallel_loss(work.loss), lambda parameter: owned(full_of.get(id(parameter), parameter))
+    return wire, parallel_loss(work.loss), by_full(owned, tensor.full_of)
+
+
+def by_full(owned: Callable[[torch.nn.Parameter], bool], full_of: dict) -> Callable[[torch.nn.Parameter], bool]:
+    """An ownership test of full parameters, asked of their shards (tensor- or expert-parallel)."""
+    return lambda parameter: owned(full_of.get(id(parameter), parameter))
 
 
 def steppers(

@@ -1,6 +1,5 @@
-"""What a training run is (`TrainSpec`), what each rank returns (`RankResult`), and the checks
-that refuse a run before any compute: invalid schedule, wrong world size, a model that cannot be
-cut, a device, backend or dtype this machine cannot run."""
+"""What a training run is (`TrainSpec`) and what each rank returns (`RankResult`); the checks that
+refuse a run before any compute live in `spec_checks`."""
 
 from __future__ import annotations
 
@@ -8,14 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeloom.errors import ConfigError
 from pipeloom.ir.schedule import Schedule
-from pipeloom.ir.validate import validate
-from pipeloom.models.llama import LlamaConfig, stage_layer_counts
+from pipeloom.models.llama import LlamaConfig
 from pipeloom.models.workload import Workload, llama_workload
-from pipeloom.runtime.checkpoint import find_checkpoint
 from pipeloom.runtime.layout import RankLayout
-from pipeloom.runtime.precision import Precision
 from pipeloom.runtime.step_state import StepRecord
 
 __all__ = [
@@ -25,8 +20,6 @@ __all__ = [
     "ParallelPart",
     "RankResult",
     "TrainSpec",
-    "check_device",
-    "check_spec",
 ]
 
 
@@ -238,175 +231,3 @@ class RankResult:
     """T-Offload's OFFLOAD, HOST_STEP and RELOAD on this rank (perf_counter seconds)."""
     all_results: list | None = None
     """On rank 0 of a gathered run: every rank's result."""
-
-
-def check_spec(spec: TrainSpec, world_size: int | None = None) -> None:
-    """Refuse before any compute: invalid schedule, wrong world size, uncuttable layers — part by part."""
-    parallel = spec.parallelism
-    validate(parallel.schedule)
-    _check_parallelism(parallel, world_size)
-    if parallel.zero and spec.record_gradients:
-        raise ConfigError("train: ZeRO keeps only a shard of the reduced gradients; record them with --zero 0")
-    check_device(spec)
-    _check_optimizer(spec.optimizer, parallel)
-    _check_model(spec.model, parallel.schedule)
-    _check_tensor_parallel(spec.model, parallel)
-    _check_expert_parallel(spec, parallel)
-    _check_checkpoints(spec.checkpoints, parallel, spec.steps)
-
-
-def _check_parallelism(parallel: ParallelPart, world_size: int | None) -> None:
-    schedule = parallel.schedule
-    if parallel.dp < 1:
-        raise ConfigError(f"train: data-parallel size must be at least 1, got {parallel.dp}")
-    if parallel.zero not in (0, 1, 2):
-        raise ConfigError(f"train: the ZeRO level must be 0, 1 or 2, got {parallel.zero!r}")
-    if not isinstance(parallel.tp, int) or parallel.tp < 1:
-        raise ConfigError(f"train: --tp must be a positive number of ranks, got {parallel.tp!r}")
-    if parallel.sequence_parallel and parallel.tp == 1:
-        raise ConfigError(
-            "train: --sequence-parallel shards the sequence over a tensor-parallel group; add --tp N (N > 1)"
-        )
-    expected = parallel.layout.world_size
-    if world_size is not None and world_size != expected:
-        raise ConfigError(
-            f"train: world size {world_size} does not match p × dp × tp = {schedule.num_devices} × {parallel.dp} × "
-            f"{parallel.tp} = {expected}"
-        )
-    bad = sorted(set(parallel.offload_stages) - set(range(schedule.num_stages)))
-    if bad or parallel.reload_bits not in (16, 32):
-        raise ConfigError(
-            f"train: offload stages must be among the schedule's and reload bits 16 or 32 (got {bad}, {parallel.reload_bits})"
-        )
-
-
-def _check_optimizer(optimizer: OptimizerPart, parallel: ParallelPart) -> None:
-    Precision(optimizer.dtype)
-    if parallel.tp > 1 and optimizer.needs_global_state:
-        raise ConfigError(
-            "train: --tp does not yet combine with --clip-norm, --post-validation or fp16's overflow skip "
-            "(their global norm would have to sum the tensor-parallel shards); use bf16 without them"
-        )
-    if optimizer.dtype == "fp16" and parallel.offload_stages:
-        raise ConfigError("train: fp16's loss scale does not cover host-stepped (offloaded) stages; use bf16")
-    if optimizer.clip_norm is not None and optimizer.clip_norm <= 0:
-        raise ConfigError(f"train: the clipping norm must be positive, got {optimizer.clip_norm}")
-
-
-def _check_model(model: ModelPart, schedule: Schedule) -> None:
-    slices = schedule.num_slices
-    seq_len = model.workload.sample_tokens if model.workload is not None else model.config.seq_len
-    if slices > 1 and seq_len % slices:
-        raise ConfigError(f"train: sequence length {seq_len} does not split into {slices} equal slices")
-    if model.workload is None:
-        stage_layer_counts(model.config, schedule.num_stages, model.layer_counts)
-    elif model.workload.check is not None:
-        model.workload.check(schedule.num_stages)
-    _check_recompute_layers(model.recompute_layers, schedule)
-
-
-def _check_tensor_parallel(model: ModelPart, parallel: ParallelPart) -> None:
-    """A model that can be cut over `tp` ranks: its own plan says so, and the sequence splits."""
-    if parallel.tp == 1:
-        return
-    if parallel.schedule.num_slices > 1:
-        raise ConfigError("train: slices (svpp, terapipe) do not combine with --tp yet; use a schedule without slices")
-    work = model.resolved()
-    if work.tensor_parallel is None:
-        raise ConfigError(f"train: {work.name} has no tensor-parallel plan; use --tp 1")
-    work.tensor_parallel(parallel.tp, parallel.sequence_parallel)  # raises when heads, columns or vocab do not divide
-    if work.sample_tokens % parallel.tp:
-        raise ConfigError(
-            f"train: sequence length {work.sample_tokens} does not split into {parallel.tp} equal shards "
-            "(each tensor-parallel rank sends its shard between stages)"
-        )
-
-
-def _check_expert_parallel(spec: TrainSpec, parallel: ParallelPart) -> None:
-    """Experts that split evenly over groups of data-parallel replicas, and the features that do
-    not combine with expert shards yet, refused in one line each."""
-    ep = parallel.ep
-    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
-        raise ConfigError(f"train: --ep must be a positive number of ranks, got {ep!r}")
-    if ep == 1:
-        return
-    if parallel.dp % ep:
-        raise ConfigError(
-            f"train: --ep {ep} does not divide --dp {parallel.dp} (an expert-parallel group is made of "
-            "data-parallel replicas of one stage)"
-        )
-    experts = spec.model.resolved().experts
-    if experts is None:
-        raise ConfigError(
-            f"train: {spec.model.resolved().name} has no routed experts; --ep needs a mixture-of-experts model "
-            "(mixtral, qwen2_moe, qwen3_moe)"
-        )
-    if experts.num_experts % ep:
-        raise ConfigError(f"train: the model's {experts.num_experts} experts do not divide by --ep {ep}")
-    refused = {
-        "--tp": parallel.tp > 1,
-        "--zero": parallel.zero > 0,
-        "--offload": bool(parallel.offload_stages),
-        "--clip-norm, --post-validation or fp16": spec.optimizer.needs_global_state,
-        "--save or --resume": spec.checkpoints.directory is not None or spec.checkpoints.resume_from is not None,
-    }
-    for flag, asked in refused.items():
-        if asked:
-            raise ConfigError(f"train: --ep does not combine with {flag} yet (the expert shards have their own groups)")
-
-
-def _check_checkpoints(checkpoints: CheckpointPart, parallel: ParallelPart, steps: int) -> None:
-    if (checkpoints.directory is None) != (checkpoints.every == 0) or checkpoints.every < 0:
-        raise ConfigError("train: checkpoints need both a directory (--save) and a period (--save-every >= 1)")
-    if checkpoints.resume_from is not None:
-        schedule = parallel.schedule
-        _, done = find_checkpoint(
-            checkpoints.resume_from,
-            parallel.layout.world_size,
-            schedule.name,
-            parallel.zero,
-            parallel.offload_stages,
-            parallel.tp,
-        )
-        if done >= steps:
-            raise ConfigError(f"train: the checkpoint is already {done} steps in; ask for more than {done} --steps")
-
-
-def _check_recompute_layers(k: int | None, schedule: Schedule) -> None:
-    if k is None:
-        return
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ConfigError(f"train: --recompute-layers must be a positive number of layers, got {k!r}")
-    if not any(op.ckpt for _, _, op in schedule.ops()):
-        raise ConfigError(
-            "train: --recompute-layers sets how much of each checkpoint to recompute, but the schedule "
-            "checkpoints nothing; add --ckpt full or mario"
-        )
-    if schedule.num_slices > 1:
-        raise ConfigError("train: --recompute-layers checkpoints whole micro-batches; it does not run slice by slice")
-
-
-def check_device(spec: TrainSpec) -> None:
-    """Backend, device and dtype that this machine can run."""
-    device, backend = spec.torch_device_type, spec.resolved_backend
-    if device not in ("cpu", "cuda"):
-        raise ConfigError(f"train: device must be cpu or cuda, got {device!r}")
-    if backend not in ("gloo", "nccl"):
-        raise ConfigError(f"train: backend must be gloo or nccl, got {backend!r}")
-    if (device, backend) not in (("cpu", "gloo"), ("cuda", "nccl")):
-        raise ConfigError(
-            f"train: the {backend} backend does not carry {device} tensors here; use cpu+gloo or cuda+nccl"
-        )
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train: --device cuda, but this machine has no CUDA GPU (torch sees none); use --device cpu")
-    if device == "cuda" and spec.dtype == "bf16" and not torch.cuda.is_bf16_supported():
-        raise ConfigError("train: this GPU does not support bf16; use --dtype fp16 or fp32")
-    if device == "cpu" and spec.dtype != "fp32":
-        probe = torch.ones(2, 2)
-        try:
-            with torch.autocast("cpu", dtype=Precision(spec.dtype).dtype):
-                probe @ probe
-        except RuntimeError:
-            raise ConfigError(
-                f"train: this torch build cannot compute in {spec.dtype} on CPU; use fp32 or bf16"
-            ) from None

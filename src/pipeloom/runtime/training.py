@@ -23,7 +23,8 @@ from pipeloom.runtime.gradients import unique_parameters
 from pipeloom.runtime.mailbox import peer_failure
 from pipeloom.runtime.precision import Precision
 from pipeloom.runtime.rank import RankRun, Transport
-from pipeloom.runtime.spec import RankResult, TrainSpec, check_device, check_spec
+from pipeloom.runtime.spec import RankResult, TrainSpec
+from pipeloom.runtime.spec_checks import check_device, check_spec
 from pipeloom.runtime.stage_call import run_stage
 
 __all__ = ["TrainSpec", "check_spec", "check_device", "train_rank", "reference_training", "RankResult"]

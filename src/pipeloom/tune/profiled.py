@@ -90,6 +90,20 @@ def _nonnegative_slope(by_position: dict[str, list[tuple[int, float]]]) -> float
     return min(candidates, key=residual)
 
 
+def _at_size(values: dict[int, float], micro_batch: float) -> float:
+    """A per-size measurement at `micro_batch`: linear between the profiled sizes (and beyond,
+    along the last two), proportional to the size when only one was profiled; never below zero."""
+    sizes = sorted(values)
+    if len(sizes) == 1:
+        return max(0.0, values[sizes[0]] * micro_batch / sizes[0])
+    low = max([s for s in sizes if s <= micro_batch], default=sizes[0])
+    high = min([s for s in sizes if s > low], default=None)
+    if high is None:
+        low, high = sizes[-2], sizes[-1]
+    a, b = values[low], values[high]
+    return max(0.0, a + (b - a) * (micro_batch - low) / (high - low))
+
+
 class ProfiledCostModel:
     def __init__(self, profile: dict, tp: int = 1, sequence_parallel: bool = False):
         if not isinstance(tp, int) or tp < 1:
@@ -194,15 +208,7 @@ class ProfiledCostModel:
 
     def _value(self, key: str, field: str, micro_batch: float) -> float:
         """A fitted coefficient at `micro_batch`, linear between the profiled sizes."""
-        sizes = self.sizes
-        if len(sizes) == 1:
-            return max(0.0, self.fits[sizes[0]][key][field] * micro_batch / sizes[0])
-        low = max([s for s in sizes if s <= micro_batch], default=sizes[0])
-        high = min([s for s in sizes if s > low], default=None)
-        if high is None:
-            low, high = sizes[-2], sizes[-1]
-        a, b = self.fits[low][key][field], self.fits[high][key][field]
-        return max(0.0, a + (b - a) * (micro_batch - low) / (high - low))
+        return _at_size({size: fit[key][field] for size, fit in self.fits.items()}, micro_batch)
 
     def _p2p(self, micro_batch: float) -> float:
         if "p2p" in self.links:  # latency + bytes / bandwidth, activations in the compute type
@@ -279,18 +285,10 @@ class ProfiledCostModel:
         for a dense model, without expert parallelism, or from a profile that measured none."""
         if not self.exchange or not self.model.num_experts or self.model.expert_parallel == 1:
             return {"F": 0.0, "B": 0.0}
-        sizes = sorted(self.exchange)
-        low = max([s for s in sizes if s <= micro_batch], default=sizes[0])
-        high = min([s for s in sizes if s > low], default=None)
-        out: dict[str, CostValue] = {}
-        for kind in ("F", "B"):
-            if high is None:
-                per_layer = self.exchange[low][kind] * (micro_batch / low if len(sizes) == 1 else 1.0)
-            else:
-                a, b = self.exchange[low][kind], self.exchange[high][kind]
-                per_layer = a + (b - a) * (micro_batch - low) / (high - low)
-            out[kind] = [n * max(per_layer, 0.0) for n in counts]
-        return out
+        return {
+            kind: [n * _at_size({size: v[kind] for size, v in self.exchange.items()}, micro_batch) for n in counts]
+            for kind in ("F", "B")
+        }
 
     def a2a_step(self, schedule, partition: Sequence[int], micro_batch: int) -> list[float]:
         """Per device, the ms of one step's expert all-to-alls in flight (F and R: a2a_F; B and
