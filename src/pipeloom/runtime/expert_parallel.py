@@ -100,7 +100,7 @@ class ExpertExchange:
             traffic.forward_flight_s += finished - issued
         if overlapped:
             traffic.overlapped_flight_s += finished - issued
-        traffic.exposed_s += finished - issued - max(0.0, min(waiting, finished) - handed)
+        traffic.exposed_s += max(0.0, finished - issued - max(0.0, min(waiting, finished) - handed))  # ≥ 0 in fp too
         return out
 
     def full(self, shard: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
