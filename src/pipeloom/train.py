@@ -11,7 +11,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from pipeloom.cli.parser import EXIT_BAD_INPUT
+from pipeloom.cli.config_file import config_line, expand_config
+from pipeloom.cli.parser import EXIT_BAD_INPUT, Parser
 from pipeloom.cli.train import train_spec_from_args, write_train_outputs
 from pipeloom.cli.train_args import add_train_arguments, check_train_flags
 from pipeloom.errors import PipeloomError
@@ -20,22 +21,23 @@ __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m pipeloom.train", description=__doc__.splitlines()[0])
+    parser = Parser(prog="python -m pipeloom.train", description=__doc__.splitlines()[0])
     add_train_arguments(parser)
-    args = parser.parse_args(argv)
+    parser.set_defaults(train_parser=parser)
     try:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     except (KeyError, ValueError):
         print("pipeloom.train: error: RANK and WORLD_SIZE are not set; launch with torchrun", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
+        args = parser.parse_args(expand_config(list(sys.argv[1:] if argv is None else argv), parser, 0))
         check_train_flags(args)
         from pipeloom.runtime.training import train_rank
 
         spec = train_spec_from_args(args, report=True)
-        result = train_rank(spec, rank, world_size, "env://", gather=bool(args.trace or args.summary))
+        if rank == 0:
+            print(config_line(args, parser), flush=True)
+        result = train_rank(spec, rank, world_size, "env://", gather=True)  # rank 0 prints every rank's figures
         if rank == 0 and result.all_results:
             write_train_outputs(result.all_results, spec, args)
     except PipeloomError as error:

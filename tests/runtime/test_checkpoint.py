@@ -48,8 +48,12 @@ def test_torn_missing_and_mismatched_checkpoints_are_refused(tmp_path):
     shutil.rmtree(tmp_path / "step-3")
     (tmp_path / "step-4.partial").mkdir()  # an unfinished write is not a checkpoint at all
     check_spec(TrainSpec(schedule, config=CONFIG, steps=4, resume_dir=str(tmp_path)))
-    with pytest.raises(ConfigError, match="written by 2 ranks running '1f1b', not 2 ranks running 'zb-h1'"):
-        check_spec(TrainSpec(build_schedule("zb-h1", 2, 4), config=CONFIG, steps=4, resume_dir=str(tmp_path)))
+    other_layout = TrainSpec(build_schedule("zb-h1", 2, 4), config=CONFIG, steps=4, resume_dir=str(tmp_path))
+    check_spec(other_layout)  # weights keyed by their names in the model: any schedule resumes
+    marker = tmp_path / "step-2" / "COMPLETE"
+    marker.write_text(marker.read_text().replace('"layout_free": true', '"layout_free": false'))
+    with pytest.raises(ConfigError, match="running '1f1b', not 2 ranks running 'zb-h1', and its weights are keyed"):
+        check_spec(other_layout)
     with pytest.raises(ConfigError, match="no checkpoint in"):
         check_spec(TrainSpec(schedule, config=CONFIG, steps=4, resume_dir=str(tmp_path / "empty")))
     with pytest.raises(ConfigError, match="go together|need both"):

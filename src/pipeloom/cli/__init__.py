@@ -6,22 +6,23 @@ Bad input of any kind ends in one line on stderr and exit status 2, with nothing
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Sequence
 
-from pipeloom.cli import compare, listing, pareto, profile, show, simulate, train, tune, validate
+from pipeloom.cli import compare, export, listing, pareto, profile, show, simulate, train, tune, validate
 from pipeloom.cli.parser import EXIT_BAD_INPUT, Parser
 from pipeloom.errors import PipeloomError
 
-__all__ = ["main", "EXIT_BAD_INPUT"]
+__all__ = ["main", "EXIT_BAD_INPUT", "subcommand"]
 
-_COMMANDS = (listing, simulate, pareto, profile, tune, train, show, validate, compare)  # in `--help` order
+_COMMANDS = (listing, simulate, pareto, profile, tune, train, export, show, validate, compare)  # in `--help` order
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(_with_config(parser, list(sys.argv[1:] if argv is None else argv)))
         if not getattr(args, "handler", None):
             parser.print_help()
             return EXIT_BAD_INPUT
@@ -36,6 +37,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130
+
+
+def _with_config(parser: Parser, argv: list[str]) -> list[str]:
+    """`train --config FILE`: the file's settings as flags before the command line's own."""
+    if not argv or argv[0] != "train":
+        return argv
+    from pipeloom.cli.config_file import expand_config
+
+    return expand_config(argv, subcommand(parser, "train"), 1)
+
+
+def subcommand(parser: Parser, name: str) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[name]
 
 
 def build_parser() -> Parser:

@@ -12,7 +12,7 @@ import argparse
 
 from pipeloom.errors import ConfigError
 
-__all__ = ["add_model_arguments", "data_from_args", "workload_from_args"]
+__all__ = ["add_model_arguments", "data_from_args", "workload_from_args", "eval_batch_of"]
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,3 +95,23 @@ def workload_from_args(args: argparse.Namespace, layer_counts=None, microbatch_s
             f"data: token ids reach {data.vocab_limit - 1}, beyond the model's vocabulary of {config.vocab} (--vocab)"
         )
     return llama_workload(config, args.seed, layer_counts, data), config
+
+
+def eval_batch_of(args, workload):
+    """`--eval-data`'s batches, drawn as training's are (a BERT model's masked like its training
+    data), checked against the model's vocabulary; None without it."""
+    if not getattr(args, "eval_data", None):
+        return None
+    from pipeloom.data import masked_lm, open_tokens
+
+    source = open_tokens(args.eval_data, workload.sample_tokens, args.seed, args.tokenizer, args.data_dtype)
+    description = workload.description or {}
+    config = description.get("config") or {}
+    vocab = config.get("vocab_size") or config.get("vocab")
+    if vocab is not None and source.vocab_limit is not None and source.vocab_limit > vocab:
+        raise ConfigError(
+            f"data: --eval-data token ids reach {source.vocab_limit - 1}, beyond the model's vocabulary of {vocab}"
+        )
+    if description.get("family") == "bert":
+        return masked_lm(source, vocab, args.seed)
+    return source.batch

@@ -32,7 +32,7 @@ def register(commands) -> None:
         "--nproc", type=int, help="ranks to start on this machine (= p × dp × tp; with --plan, the plan's)"
     )
     add_train_arguments(parser)
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=run, train_parser=parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,8 +52,10 @@ def run(args: argparse.Namespace) -> int:
             f"--nproc {args.nproc} does not match p × dp × tp = {spec.schedule.num_devices} × {spec.dp} × {spec.tp} "
             f"= {expected}"
         )
+    from pipeloom.cli.config_file import config_line
     from pipeloom.runtime.local import run_local
 
+    print(config_line(args, args.train_parser), flush=True)
     results = run_local(spec, timeout_s=args.timeout * max(1, spec.steps))
     write_train_outputs(results, spec, args)
     if args.plan:
@@ -72,7 +74,7 @@ def train_spec_from_args(args: argparse.Namespace, report: bool = False):
     if args.plan:
         from pipeloom.cli.plan import spec_from_plan
 
-        spec = replace(spec_from_plan(args), report=report)
+        spec = _with_run(replace(spec_from_plan(args), report=report), args)
         check_spec(spec)
         return spec
     costs = costs_from_args(args)
@@ -99,37 +101,26 @@ def train_spec_from_args(args: argparse.Namespace, report: bool = False):
         report=report,
         **run_options(args),
     )
+    spec = _with_run(spec, args)
     check_spec(spec)
     return spec
 
 
+def _with_run(spec, args: argparse.Namespace):
+    """The spec with its held-out data and the effective configuration (printed once, by the caller)."""
+    from pipeloom.cli.config_file import effective_config
+    from pipeloom.cli.model import eval_batch_of
+
+    parser = getattr(args, "train_parser", None)
+    config = effective_config(args, parser) if parser is not None else None
+    return replace(spec, eval_data=eval_batch_of(args, spec.resolved_workload()), run_config=config)
+
+
 def write_train_outputs(results, spec, args: argparse.Namespace) -> None:
-    from pipeloom.runtime.metrics import final_table
-    from pipeloom.runtime.report import summary, write_summary, write_trace
+    from pipeloom.runtime.report import run_context, run_report, write_summary, write_trace
 
     if args.trace:
         write_trace(results, args.trace)
-    work = spec.resolved_workload()
-    context = {
-        "schedule": spec.schedule.name,
-        "p": spec.schedule.num_devices,
-        "dp": spec.dp,
-        "tp": spec.tp,
-        "sequence_parallel": spec.sequence_parallel,
-        "ep": spec.ep,
-        "model": work.name,
-        "dtype": spec.dtype,
-        "device": spec.torch_device_type,
-        "zero": spec.zero,
-    }
     if args.summary:
-        write_summary(results, args.summary, spec.peak_tflops, **context)
-    facts = summary(results, spec.peak_tflops, **context)
-    print(
-        f"{facts['model']} · {facts['schedule']}: p={facts['p']} dp={facts['dp']} tp={facts['tp']}"
-        f"{f' ep={spec.ep}' if spec.ep > 1 else ''}"
-        f"{' (sequence parallel)' if facts['sequence_parallel'] else ''} "
-        f"{facts['dtype']} on {facts['device']}, ZeRO-{facts['zero']}, "
-        f"recomputes {facts['recomputes']}"
-    )
-    print(final_table(results, facts))
+        write_summary(results, args.summary, spec.peak_tflops, **run_context(spec))
+    print(run_report(results, spec))

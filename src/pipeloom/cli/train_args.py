@@ -10,7 +10,7 @@ from pipeloom.cli.model import add_model_arguments
 from pipeloom.cli.output import check_outputs
 from pipeloom.errors import ConfigError
 
-__all__ = ["add_train_arguments", "check_train_flags", "run_options"]
+__all__ = ["add_train_arguments", "add_run_arguments", "check_train_flags", "run_options"]
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,8 +113,53 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="continue from the newest complete checkpoint in DIR (or a DIR/step-N) up to --steps",
     )
+    add_run_arguments(parser)
     parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every rank's ops")
     parser.add_argument("--summary", metavar="PATH", help="write a JSON summary: losses, step times, stash bytes")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """What makes a run one you would launch: a config file, the learning-rate curve, held-out
+    evaluation and logs."""
+    run = parser.add_argument_group("config, learning rate, evaluation, logs")
+    run.add_argument(
+        "--config",
+        metavar="FILE",
+        help='a TOML file of flags under their long names (schedule = "zb-h1", devices = 2, nproc = 2); '
+        "flags on the command line override it",
+    )
+    run.add_argument(
+        "--lr-schedule",
+        choices=("constant", "linear", "cosine"),
+        default="constant",
+        help="the learning rate after warm-up: constant, or linear / cosine decay to --min-lr at the last step",
+    )
+    run.add_argument("--warmup-steps", type=int, default=0, metavar="N", help="linear warm-up over the first N steps")
+    run.add_argument("--min-lr", type=float, default=0.0, metavar="X", help="the decay's floor (default 0)")
+    run.add_argument(
+        "--eval-data",
+        metavar="PATH",
+        help="held-out data, in --data's formats: validation loss and perplexity, run as a forward-only pipeline",
+    )
+    run.add_argument(
+        "--eval-every", type=int, metavar="N", help="with --eval-data: evaluate every N steps (default: after the last)"
+    )
+    run.add_argument(
+        "--eval-batches",
+        type=int,
+        default=4,
+        metavar="K",
+        help="batches per evaluation, the same each time (default 4)",
+    )
+    run.add_argument(
+        "--log-dir", metavar="DIR", help="write TensorBoard event files and metrics.jsonl (one line per step) into DIR"
+    )
+    run.add_argument(
+        "--wandb",
+        metavar="PROJECT",
+        help="with --log-dir: also log to this Weights & Biases project (offline mode "
+        "unless WANDB_MODE says otherwise)",
+    )
 
 
 def check_train_flags(args: argparse.Namespace) -> None:
@@ -141,6 +186,14 @@ def check_train_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"--save-every must be at least 1, got {args.save_every}")
     if args.reload_bf16 and not args.offload_stages:
         raise ConfigError("--reload-bf16 applies to --offload-stages")
+    if args.eval_every is not None and not args.eval_data:
+        raise ConfigError("--eval-every needs held-out data: add --eval-data PATH")
+    if args.eval_every is not None and args.eval_every < 1:
+        raise ConfigError(f"--eval-every must be at least 1, got {args.eval_every}")
+    if args.eval_batches < 1:
+        raise ConfigError(f"--eval-batches must be at least 1, got {args.eval_batches}")
+    if args.wandb and not args.log_dir:
+        raise ConfigError("--wandb logs beside --log-dir DIR: give --log-dir too")
     if args.clip_norm is not None and args.clip_norm <= 0:
         raise ConfigError(f"--clip-norm must be positive, got {args.clip_norm}")
     _peak_tflops(args)
@@ -171,6 +224,13 @@ def run_options(args: argparse.Namespace) -> dict:
         "peak_tflops": _peak_tflops(args),
         "recompute_layers": args.recompute_layers,
         "sequence_parallel": args.sequence_parallel,
+        "lr_schedule": args.lr_schedule,
+        "warmup_steps": args.warmup_steps,
+        "min_lr": args.min_lr,
+        "eval_every": (args.eval_every or args.steps) if args.eval_data else 0,
+        "eval_batches": args.eval_batches,
+        "log_dir": args.log_dir,
+        "wandb": args.wandb,
     }
     if args.ep is not None:
         fields["ep"] = args.ep

@@ -128,6 +128,11 @@ def _index(schedule: Schedule) -> DependencyGraph:
             problems.append((f"missing R for checkpointed {forward.text}", (f,)))
         if not forward.ckpt and r >= 0:
             problems.append((f"{ops[r].text} recomputes {forward.text}, which is not checkpointed", (f, r)))
+        if schedule.forward_only:
+            extra = [g for g in (r, b, *w_at.get(key, ())) if g >= 0] + ([f] if forward.ckpt else [])
+            if extra:
+                problems.append((f"a forward-only schedule holds {ops[extra[0]].text}: forwards (F) only", (extra[0],)))
+            continue
         if b < 0:
             problems.append((f"missing backward (B or BW) for {forward.text}", (f,)))
         elif ops[b].kind is _BW and key in w_at:

@@ -3,7 +3,9 @@
 This is a public contract: other tools read these files. Readers ignore keys they do not know;
 a change of meaning gets a new format string, never a silent edit. An overlapped F&B pair is its
 two ops in order, the first with ``"overlap_next": true``: a reader that does not know the key
-runs them one after the other, which is still a valid order of the same work.
+runs them one after the other, which is still a valid order of the same work. A forward-only
+schedule (evaluation) carries ``"forward_only": true`` and holds F ops only; the key is left out
+of training schedules.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def schedule_to_dict(schedule: Schedule) -> dict[str, Any]:
         "num_microbatches": schedule.num_microbatches,
         "num_slices": schedule.num_slices,
         "devices": [[op_to_dict(op) for op in ops] for ops in schedule.devices],
+        **({"forward_only": True} if schedule.forward_only else {}),
     }
 
 
@@ -89,7 +92,15 @@ def schedule_from_dict(data: Any) -> Schedule:
         num_stages=sizes["num_stages"],
         num_microbatches=sizes["num_microbatches"],
         num_slices=sizes["num_slices"],
+        forward_only=_flag(data, "forward_only"),
     )
+
+
+def _flag(data: dict, key: str) -> bool:
+    value = data.get(key, False)
+    if not isinstance(value, bool):
+        raise ScheduleError(f"{key!r} must be true or false, got {value!r}")
+    return value
 
 
 def _op_from_dict(entry: Any, device: int, step: int) -> Op:

@@ -31,16 +31,27 @@ class Schedule:
     num_microbatches: int
     num_slices: int
     devices: tuple[tuple[Op, ...], ...]
+    forward_only: bool = False
+    """Forwards only, nothing kept for a backward (evaluation, inference): every key needs its F
+    and nothing else, and an F holds no activations once it ends."""
     _graph: object = field(default=None, init=False, repr=False, compare=False)
     """The dependency graph, built once: a schedule is immutable, and the tuner simulates one
     schedule under many costs (static-memory measures, pass candidates)."""
 
     def __getstate__(self):
         """Without the graph: a copy rebuilds it faster than the pickle would carry it."""
-        return (self.name, self.num_devices, self.num_stages, self.num_microbatches, self.num_slices, self.devices)
+        return (
+            self.name,
+            self.num_devices,
+            self.num_stages,
+            self.num_microbatches,
+            self.num_slices,
+            self.devices,
+            self.forward_only,
+        )
 
     def __setstate__(self, state) -> None:
-        names = ("name", "num_devices", "num_stages", "num_microbatches", "num_slices", "devices")
+        names = ("name", "num_devices", "num_stages", "num_microbatches", "num_slices", "devices", "forward_only")
         for name, value in zip(names, state):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_graph", None)
@@ -64,10 +75,11 @@ class Schedule:
         num_stages: int,
         num_microbatches: int,
         num_slices: int = 1,
+        forward_only: bool = False,
     ) -> Schedule:
         """Freeze per-device op lists (any iterables) into a Schedule."""
         frozen = tuple(tuple(ops) for ops in devices)
-        return cls(name, len(frozen), num_stages, num_microbatches, num_slices, frozen)
+        return cls(name, len(frozen), num_stages, num_microbatches, num_slices, frozen, forward_only)
 
     def with_devices(self, devices: Sequence[Iterable[Op]], name: str | None = None) -> Schedule:
         """The same sizes with new op lists: what a pass returns."""

@@ -155,6 +155,8 @@ class HFStage(nn.Module):
         self.norm = parts.get("norm") if last else None
         self.head = parts["head"] if last else None
         self.rotary = parts.get("rotary") if layers else None
+        self.model_names: dict[str, str] = {}
+        """Each parameter's name in the transformers model (`workload.global_names`)."""
         self.sequence_shard = (0, 1)
         """(index, count): under sequence parallelism the hidden states this stage sees are shard
         `index` of `count` along the sequence (positions follow the whole sequence)."""
@@ -329,11 +331,14 @@ def build_hf_stages(path, config, seed: int, num_stages: int, counts: Sequence[i
     parts = _parts(model, family)
     sizes = layer_counts_for(len(parts["layers"]), num_stages, counts)
     routed = family in MIXTURES and getattr(config, "output_router_logits", False)
+    model_names = {id(p): name for name, p in model.named_parameters()}  # a tied weight: its first name
     stages, first = [], 0
     for s, size in enumerate(sizes):
         layers = list(parts["layers"][first : first + size])
         routers = RouterLogits(config, layers) if routed else None
-        stages.append(HFStage(parts, family, layers, first=s == 0, last=s == num_stages - 1, routers=routers))
+        stage = HFStage(parts, family, layers, first=s == 0, last=s == num_stages - 1, routers=routers)
+        stage.model_names = {name: model_names[id(p)] for name, p in stage.named_parameters()}
+        stages.append(stage)
         first += size
     return stages
 
@@ -378,4 +383,5 @@ def hf_workload(
         experts=expert_plan(config) if family in MIXTURES else None,
         check=lambda num_stages: layer_counts_for(config.num_hidden_layers, num_stages, layer_counts),
         tensor_parallel=lambda tp, sequence: tensor_parallel_plan(config, tp, sequence),
+        description={"kind": "hf", "family": family, "config": config.to_dict(), "source": str(path)},
     )

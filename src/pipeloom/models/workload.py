@@ -11,6 +11,7 @@ example micro-batch (`runtime.boundary`), so boundaries may differ in shape and 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,8 @@ __all__ = [
     "token_loss",
     "cut_blocks",
     "rows_of",
+    "global_names",
+    "layout_free",
 ]
 
 Batch = tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor]
@@ -81,6 +84,9 @@ class Workload:
     not divide; None: the model has no tensor-parallel plan."""
     experts: ExpertPlan | None = None
     """A mixture of experts: where its routed experts are; None: a dense model."""
+    description: dict | None = None
+    """What the model is, as JSON, for checkpoints and `pipeloom export`: a Hugging Face model's
+    {"kind": "hf", "family", "config" (its config.json), "source"}; None: nothing to export from."""
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -105,6 +111,7 @@ def llama_workload(config: LlamaConfig, seed: int, layer_counts: Sequence[int] |
         microbatch_size=config.microbatch_size,
         sample_tokens=config.seq_len,
         name="llama (built-in)",
+        description={"kind": "llama", "config": dataclasses.asdict(config)},
     )
 
 
@@ -160,3 +167,45 @@ def blocks_workload(
         return [BlockStage(*share) for share in cut_blocks(list(blocks()), num_stages, counts)]
 
     return Workload(build, batch, loss, microbatch_size, sample_tokens, name)
+
+
+def global_names(stages: Sequence[nn.Module]) -> list[dict[str, str]]:
+    """Per stage: each parameter's name in the whole model, the same however the model is cut —
+    what checkpoints key weights by, so that one resumes under another schedule or pipeline size
+    and exports to the model's own names. A stage that knows them (`model_names`, a Hugging Face
+    stage: the library's names) says so; stacked layers (`layers`, or a block stage's children)
+    are numbered through the whole model; any other stage keeps its index (``stage{s}.``), which
+    ties its checkpoint to this cut."""
+    out: list[dict[str, str]] = []
+    offset = 0
+    for index, stage in enumerate(stages):
+        local = [name for name, _ in stage.named_parameters()]
+        known = getattr(stage, "model_names", None)
+        if isinstance(known, dict):
+            out.append({name: known[name] for name in local})
+        elif isinstance(stage, BlockStage):
+            out.append({name: _renumbered(name, "", offset) for name in local})
+            offset += len(stage)
+        elif isinstance(layers := getattr(stage, "layers", None), nn.ModuleList):
+            out.append({name: _renumbered(name, "layers.", offset) for name in local})
+            offset += len(layers)
+        else:
+            out.append({name: f"stage{index}.{name}" for name in local})
+    return out
+
+
+def layout_free(names: Sequence[dict[str, str]]) -> bool:
+    """Whether `global_names` named every parameter independently of the cut."""
+    return not any(
+        value.startswith("stage") and value.split(".", 1)[0][5:].isdigit() for n in names for value in n.values()
+    )
+
+
+def _renumbered(name: str, prefix: str, offset: int) -> str:
+    """``{prefix}{i}.rest`` → ``{prefix}{offset + i}.rest`` (with an empty prefix: ``blocks.``)."""
+    if not name.startswith(prefix):
+        return name
+    index, _, rest = name[len(prefix) :].partition(".")
+    if not index.isdigit():
+        return name
+    return f"{prefix or 'blocks.'}{offset + int(index)}.{rest}"

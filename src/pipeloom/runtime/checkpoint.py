@@ -1,18 +1,22 @@
-"""Checkpoint and resume with torch.distributed.checkpoint: model, optimizer, data position, RNG.
+"""Checkpoint and resume with torch.distributed.checkpoint: model, optimizer, data position, RNG,
+the learning-rate schedule.
 
 A checkpoint of the state after n steps is the directory ``DIR/step-n``. Every rank writes its
-stages' parameters and AdamW state (keyed by stage and parameter name, so data-parallel and
-Chimera copies of a stage are one entry, and split linears read what plain ones wrote; under ZeRO
-each replica writes its own shard of the fp32 master weights and moments, keyed by device and
-shard, and resuming needs the same ZeRO level and data-parallel size; under tensor parallelism
-each cut weight and its optimizer state go in as a DTensor of this rank's shard, which DCP saves
-as shards of one tensor, and resuming needs the same tp), the step
-and its RNG state into ``DIR/step-n.partial``; after a barrier
-rank 0 renames it to ``DIR/step-n`` and only then writes the ``COMPLETE`` marker (JSON: step,
-world size, schedule). A crash at any point leaves either a ``.partial`` directory, ignored, or a
+stages' parameters and AdamW state keyed by each parameter's name in the whole model
+(`models.workload.global_names`), so data-parallel and Chimera copies of a stage are one entry,
+split linears read what plain ones wrote, and a checkpoint resumes under another schedule or
+pipeline size: DCP reads each name wherever it now lives. Under ZeRO each replica writes its own
+shard of the fp32 master weights and moments, keyed by device and shard, and the host's offloaded
+optimizer by stage, so resuming those needs the same layout; under tensor parallelism each cut
+weight and its optimizer state go in as a DTensor of this rank's shard, which DCP saves as shards
+of one tensor, and resuming needs the same tp. The step and its RNG state go into
+``DIR/step-n.partial``; after a barrier rank 0 writes ``model.json`` (what the model is, for
+`pipeloom export`), renames it to ``DIR/step-n`` and only then writes the ``COMPLETE`` marker
+(JSON: step, world size, schedule, layout facts, the learning-rate scheduler's state, the run's
+configuration). A crash at any point leaves either a ``.partial`` directory, ignored, or a
 directory without its marker — a torn checkpoint, which resuming refuses — and never touches an
-earlier complete checkpoint. The synthetic data of step n depends only on the seed and n, so the
-step is the data position.
+earlier complete checkpoint. The data of step n depends only on the seed and n, so the step is the
+data position.
 """
 
 from __future__ import annotations
@@ -31,17 +35,62 @@ from torch import nn
 
 from pipeloom.errors import ConfigError
 
-__all__ = ["find_checkpoint", "save_checkpoint", "load_checkpoint"]
+__all__ = ["find_checkpoint", "read_checkpoint", "save_checkpoint", "load_checkpoint", "MODEL"]
 
 _STEP = re.compile(r"^step-(\d+)$")
 MARKER = "COMPLETE"
+MODEL = "model.json"
 
 
 def find_checkpoint(
-    path: str | os.PathLike[str], world_size: int, schedule: str, zero: int = 0, offload_stages=(), tp: int = 1
+    path: str | os.PathLike[str],
+    world_size: int,
+    schedule: str,
+    zero: int = 0,
+    offload_stages=(),
+    tp: int = 1,
+    layout_free: bool = False,
 ) -> tuple[Path, int]:
     """(directory, steps done) of the checkpoint at `path` — a ``step-n`` directory, or the newest
-    one inside `path` — or ConfigError if it is missing, torn, or from another run's shape."""
+    one inside `path` — or ConfigError if it is missing, torn, or from another run's shape. A
+    checkpoint whose weights are keyed by their names in the whole model (`layout_free`, on both
+    sides) resumes under another schedule, pipeline size or data-parallel size, as long as the
+    optimizer state is whole (no ZeRO shards, nothing on the host)."""
+    chosen, facts = read_checkpoint(path)
+    step = int(facts["step"])
+    if facts.get("tp", 1) != tp:
+        raise ConfigError(
+            f"checkpoint {str(chosen)!r} holds weights cut over tp = {facts.get('tp', 1)} ranks, not {tp}: resume "
+            f"with --tp {facts.get('tp', 1)} (resharding to another tp is not supported)"
+        )
+    if facts.get("zero", 0) != zero:
+        raise ConfigError(
+            f"checkpoint {str(chosen)!r} holds ZeRO-{facts.get('zero', 0)} optimizer state, not ZeRO-{zero}: "
+            f"resume with --zero {facts.get('zero', 0)}"
+        )
+    if sorted(facts.get("offload_stages", [])) != sorted(offload_stages):
+        raise ConfigError(
+            f"checkpoint {str(chosen)!r} has the optimizer of stages {sorted(facts.get('offload_stages', []))} on the "
+            f"host, not {sorted(offload_stages)}: resume with the same --offload-stages"
+        )
+    if facts.get("world_size") != world_size or facts.get("schedule") != schedule:
+        movable = layout_free and facts.get("layout_free", False) and zero == 0 and not offload_stages
+        if not movable:
+            why = (
+                "its optimizer state is sharded by rank (ZeRO or host offload)"
+                if zero or offload_stages
+                else "its weights are keyed by stage, not by their names in the model"
+            )
+            raise ConfigError(
+                f"checkpoint {str(chosen)!r} was written by {facts.get('world_size')} ranks running "
+                f"{facts.get('schedule')!r}, not {world_size} ranks running {schedule!r}, and {why}"
+            )
+    return chosen, step
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, dict]:
+    """(directory, the facts of its ``COMPLETE`` marker) of the checkpoint at `path` (a ``step-n``
+    directory or the newest inside `path`); ConfigError if it is missing or torn."""
     path = Path(path)
     if _STEP.match(path.name):
         chosen = path
@@ -59,42 +108,28 @@ def find_checkpoint(
         raise ConfigError(f"checkpoint {str(chosen)!r} is torn (no {MARKER} marker or metadata): it was not finished")
     try:
         facts = json.loads(marker.read_text())
-        step = int(facts["step"])
+        int(facts["step"])
     except (ValueError, KeyError, TypeError):
         raise ConfigError(f"checkpoint {str(chosen)!r} has an unreadable {MARKER} marker") from None
-    if facts.get("tp", 1) != tp:
-        raise ConfigError(
-            f"checkpoint {str(chosen)!r} holds weights cut over tp = {facts.get('tp', 1)} ranks, not {tp}: resume "
-            f"with --tp {facts.get('tp', 1)} (resharding to another tp is not supported)"
-        )
-    if facts.get("world_size") != world_size or facts.get("schedule") != schedule:
-        raise ConfigError(
-            f"checkpoint {str(chosen)!r} was written by {facts.get('world_size')} ranks running "
-            f"{facts.get('schedule')!r}, not {world_size} ranks running {schedule!r}"
-        )
-    if facts.get("zero", 0) != zero:
-        raise ConfigError(
-            f"checkpoint {str(chosen)!r} holds ZeRO-{facts.get('zero', 0)} optimizer state, not ZeRO-{zero}: "
-            f"resume with --zero {facts.get('zero', 0)}"
-        )
-    if sorted(facts.get("offload_stages", [])) != sorted(offload_stages):
-        raise ConfigError(
-            f"checkpoint {str(chosen)!r} has the optimizer of stages {sorted(facts.get('offload_stages', []))} on the "
-            f"host, not {sorted(offload_stages)}: resume with the same --offload-stages"
-        )
-    return chosen, step
+    return chosen, facts
 
 
-def _state(stages: dict[int, nn.Module], holders, shards: Callable | None = None) -> dict:
-    """Tensors to save or to load into, in place: each parameter (by stage and name) and the
-    optimizers' state (`pipeloom.runtime.zero`, and the host's for offloaded stages). `shards`
-    (parameter, tensor) → the tensor as a DTensor of this rank's shard, for a cut parameter."""
+def _state(
+    stages: dict[int, nn.Module],
+    holders,
+    shards: Callable | None = None,
+    names: dict[int, dict[str, str]] | None = None,
+) -> dict:
+    """Tensors to save or to load into, in place: each parameter (by its name in the whole model,
+    `names`, or else by stage and name) and the optimizers' state (`pipeloom.runtime.zero`, and
+    the host's for offloaded stages). `shards` (parameter, tensor) → the tensor as a DTensor of
+    this rank's shard, for a cut parameter."""
     state: dict = {}
     keys: dict[int, str] = {}
     by_key: dict[str, nn.Parameter] = {}
     for stage, module in stages.items():
         for name, parameter in module.named_parameters():
-            key = f"stage{stage}.{name}"
+            key = names[stage][name] if names is not None else f"stage{stage}.{name}"
             state[f"model.{key}"] = parameter.data
             keys.setdefault(id(parameter), key)
             by_key[key] = parameter
@@ -115,13 +150,15 @@ def save_checkpoint(
     step: int,
     stages: dict[int, nn.Module],
     holders,
-    schedule: str,
-    zero: int = 0,
-    offload_stages=(),
-    tp: int = 1,
+    facts: dict,
     shards: Callable | None = None,
-) -> None:
-    """Collective: every rank calls it after the same step. `holders` own the optimizer state."""
+    names: dict[int, dict[str, str]] | None = None,
+    model: dict | None = None,
+) -> Path:
+    """Collective: every rank calls it after the same step. `holders` own the optimizer state;
+    `facts` (JSON: schedule, zero, offload_stages, tp, layout_free, the learning-rate schedule's
+    state, the run's configuration) go into the marker beside the step and world size; `model`
+    (the workload's description) into ``model.json``, for `pipeloom export`."""
     rank, world = dist.get_rank(), dist.get_world_size()
     final = Path(directory) / f"step-{step}"
     partial = Path(directory) / f"step-{step}.partial"
@@ -129,38 +166,40 @@ def save_checkpoint(
         final.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
-    state = _state(stages, holders, shards)
+    state = _state(stages, holders, shards, names)
     state[f"rng.rank{rank}"] = torch.get_rng_state()
     state["step"] = torch.tensor(step)
     dcp.save(state, checkpoint_id=partial)
     dist.barrier()
     if rank == 0:
+        if model is not None:
+            (partial / MODEL).write_text(json.dumps(model, default=str))
         shutil.rmtree(final, ignore_errors=True)  # a torn one left by a crash: never a complete one
         partial.rename(final)
-        (final / MARKER).write_text(
-            json.dumps(
-                {
-                    "step": step,
-                    "world_size": world,
-                    "schedule": schedule,
-                    "zero": zero,
-                    "offload_stages": sorted(offload_stages),
-                    "tp": tp,
-                }
-            )
-        )
+        (final / MARKER).write_text(json.dumps({"step": step, "world_size": world, **facts}, default=str))
     dist.barrier()
+    return final
 
 
-def load_checkpoint(path: Path, stages: dict[int, nn.Module], holders, shards: Callable | None = None) -> int:
-    """Restore this rank's stages, optimizers and RNG in place; return the steps done."""
+def load_checkpoint(
+    path: Path,
+    stages: dict[int, nn.Module],
+    holders,
+    shards: Callable | None = None,
+    names: dict[int, dict[str, str]] | None = None,
+) -> int:
+    """Restore this rank's stages, optimizers and RNG in place; return the steps done. A rank
+    the checkpoint did not have (another layout) keeps its RNG: the data depends on the step only."""
     rank = dist.get_rank()
-    state = _state(stages, holders, shards)
-    state[f"rng.rank{rank}"] = torch.get_rng_state()
+    state = _state(stages, holders, shards, names)
+    rng = f"rng.rank{rank}"
+    if rng in dcp.FileSystemReader(path).read_metadata().state_dict_metadata:
+        state[rng] = torch.get_rng_state()
     state["step"] = torch.tensor(0)
     with torch.no_grad():
         dcp.load(state, checkpoint_id=path)  # in place: into the parameters and optimizer state
-    torch.set_rng_state(state[f"rng.rank{rank}"])
+    if rng in state:
+        torch.set_rng_state(state[rng])
     for holder in holders:
         holder.after_load()
     return int(state["step"])

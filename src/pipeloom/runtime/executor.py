@@ -15,7 +15,8 @@ crosses each boundary was inferred once (`boundary.infer_boundaries`) and travel
 step's `Mailbox` (receives posted ahead; in memory between two stages of one device). Forwards run
 under the precision policy's autocast and hand their outputs on in the compute type. The executor
 records every op's start and end and the bytes its stash holds, for the trace and for checking
-the simulator.
+the simulator. A forward-only schedule (evaluation) runs its F without autograd and stashes
+nothing; the last stage adds up the loss.
 
 With slices (MEPipe, TeraPipe) a micro-batch's sequence is cut into causal pieces. A slice's F
 reads the keys and values its stage computed for the earlier slices of that micro-batch; each F
@@ -165,6 +166,8 @@ class DeviceExecutor:
         step.record.sent_bytes = self.mail.sent_bytes
         step.record.sent_dtypes = tuple(sorted(self.mail.sent_dtypes))
         self.mail.close()
+        if self.schedule.forward_only:
+            step.kv.clear()  # the slices' keys and values: no backward reads them
         if step.stash or step.kv or len(self.queue):
             raise RuntimeFault(f"device {self.device}: the step ended with work left (stash {list(step.stash)})")
         return step.record
@@ -212,6 +215,9 @@ class DeviceExecutor:
         step.start = step.now()  # the op's own time starts once its input is here
         past = earlier_keys_values(step.kv, op, self.num_slices)
         target = self._target(step, op)
+        if self.schedule.forward_only:
+            self._evaluate_op(step, op, x, past, target)
+            return
         entry = StashEntry(inputs=x)
         if op.ckpt and self.halves:
             head, tail = self.halves[stage]
@@ -240,6 +246,17 @@ class DeviceExecutor:
         step.stash[op.key] = entry
         step.record.entry_bytes[op.text] = entry.bytes
         step.note(entry.bytes)
+
+    def _evaluate_op(self, step: StepState, op: Op, x: Tensors, past: list | None, target) -> None:
+        """A forward-only schedule's F: no autograd, nothing stashed; the last stage adds its loss."""
+        with torch.no_grad():
+            out, new_kv = self._run(self.stages[op.stage], op.stage, x, past)
+            if past is not None:
+                step.kv[op.key] = (new_kv, new_kv)
+            if op.stage == self.last_stage:
+                step.record.loss += float(self._loss(out, target)) / self.grad_scale
+            else:
+                self.mail.give(False, op.stage + 1, op.microbatch, op.slice, out)
 
     def _recompute_op(self, step: StepState, op: Op) -> None:
         stage = op.stage
@@ -315,26 +332,12 @@ class DeviceExecutor:
     def _weight_op(self, step: StepState, index: int) -> int:
         """Run the W at `index` (with `concat_w`, and the W of its stage right after it, as one
         GEMM); return how many ops it consumed."""
-        op = self.ops[index]
-        if op.parts > 1 or not self.concat_w:
-            self._lone_weight_op(step, op)
-            step.record.ops.append((op.text, step.start, step.now()))
-            return 1
-        ops = [op]
-        for following in self.ops[index + 1 :]:
-            if following.kind is not _W or following.stage != op.stage or following.parts > 1:
-                break
-            ops.append(following)
-        self.queue.run(*(o.key for o in ops))
-        step.record.ops.append((op.text, step.start, step.now()))
-        return len(ops)
+        consumed = self.queue.run_ops(self.ops, index, self.concat_w)
+        step.record.ops.append((self.ops[index].text, step.start, step.now()))
+        return consumed
 
     def _lone_weight_op(self, step: StepState, op: Op) -> None:
-        """One W: the queued GEMMs of its key, or its share of them."""
-        if op.parts > 1:
-            self.queue.run_part(op.key, op.part, op.parts)
-        else:
-            self.queue.run(op.key)
+        self.queue.run_ops([op], 0, concat=False)
 
     # -- helpers -------------------------------------------------------------------------------
 

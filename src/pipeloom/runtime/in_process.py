@@ -71,7 +71,26 @@ def _train_all(spec: TrainSpec, world_size: int) -> list[RankResult]:
         loss = _sum_losses(records)
         for run, record in zip(runs, records):
             run.end_step(step, record, loss)
+        if runs[0].evaluation is not None and runs[0].evaluation.due(step):
+            held_out = _evaluate(runs, spec)
+            for run in runs:
+                run.end_evaluation(step, held_out)
     return [run.tear_down() for run in runs]
+
+
+def _evaluate(runs: list[RankRun], spec: TrainSpec) -> float:
+    """The held-out loss, every rank's forward-only executor driven as a training step's are."""
+    evaluations = [run.evaluation for run in runs]
+    total = 0.0
+    for index in range(spec.eval_batches):
+        data = [evaluation.data(index) for evaluation in evaluations if evaluation is not None]
+        executors = [evaluation.executor for evaluation in evaluations if evaluation is not None]
+        layout = spec.parallelism.layout
+        for replica in range(spec.dp):
+            ranks = [layout.rank(replica, d) for d in range(spec.schedule.num_devices)]
+            _drive([executors[r] for r in ranks], [data[r] for r in ranks])
+        total += _sum_losses([executor.finish() for executor in executors])
+    return total / spec.eval_batches
 
 
 def _drive(executors: list[DeviceExecutor], data: list[tuple[list, list]]) -> None:

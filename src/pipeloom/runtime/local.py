@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -46,11 +47,25 @@ def _import_before_forking() -> None:
     import torch.utils.flop_counter  # noqa: F401
 
 
-def run_local(spec: TrainSpec, timeout_s: float = 300.0, probe: StageProbe | None = None) -> list[RankResult]:
+def run_local(
+    spec: TrainSpec, timeout_s: float = 300.0, probe: StageProbe | None = None, progress: bool = False
+) -> list[RankResult]:
     """Run all p × dp × tp ranks of `spec` as forked processes; return their results by rank.
 
     What crosses the stage boundaries is the same for every rank, so it is probed once here
-    (or given: `probe_spec(spec)`, for a caller that runs one spec many times) and inherited."""
+    (or given: `probe_spec(spec)`, for a caller that runs one spec many times) and inherited.
+    `progress`: print as `pipeloom train` does — each step's line, then the per-rank table."""
+    if progress:
+        spec = replace(spec, report=True)
+    results = _run_local(spec, timeout_s, probe)
+    if progress:
+        from pipeloom.runtime.report import run_report
+
+        print(run_report(results, spec), flush=True)
+    return results
+
+
+def _run_local(spec: TrainSpec, timeout_s: float, probe: StageProbe | None) -> list[RankResult]:
     world_size = spec.parallelism.layout.world_size
     check_spec(spec, world_size)
     _import_before_forking()

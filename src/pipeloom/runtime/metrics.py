@@ -52,6 +52,8 @@ class StepReporter:
         ]
         if facts["mfu"] is not None:
             parts.append(f"MFU {facts['mfu']:.1%}")
+        if self.result.learning_rates and self.result.learning_rates[-1] is not None:
+            parts.append(f"lr {self.result.learning_rates[-1]:.3g}")
         if self.result.loss_scales:
             parts.append(f"loss scale {self.result.loss_scales[-1]:g}")
         if self.bar is not None:

@@ -117,6 +117,23 @@ class HostOffload:
         self.optimizer.step()
         self.events.append(("HOST_STEP", began, time.perf_counter()))
 
+    def after_pending(self, call) -> None:
+        """Run `call` in the host's worker once the step in flight is done (its learning-rate
+        step: the next host step then uses the next rate, and the device never waits for it)."""
+        previous = self._step
+
+        def chained() -> None:
+            if previous is not None:
+                previous.result()
+            call()
+
+        self._step = self._worker.submit(chained)
+
+    def settle(self) -> None:
+        """Wait for the host's work in flight."""
+        if self._step is not None:
+            self._step.result()
+
     def reload(self, stage: int) -> None:
         """RELOAD a stage's new weights, if the host has stepped it since the last reload."""
         if stage not in self._stale:

@@ -25,13 +25,15 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeloom.errors import ConfigError
-from pipeloom.models.workload import Workload, rows_of
+from pipeloom.models.workload import Workload, global_names, layout_free, rows_of
 from pipeloom.runtime.boundary import StageProbe
-from pipeloom.runtime.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from pipeloom.runtime.checkpoint import find_checkpoint, load_checkpoint, read_checkpoint, save_checkpoint
 from pipeloom.runtime.comm import MessagePlan, plan_messages
+from pipeloom.runtime.evaluation import Evaluation, perplexity
 from pipeloom.runtime.executor import DeviceExecutor
 from pipeloom.runtime.expert_parallel import ExpertExchange, expert_parameter_ids, shard_experts
 from pipeloom.runtime.gradients import GradientBuckets, grad_of
+from pipeloom.runtime.lr_schedule import LearningRate
 from pipeloom.runtime.mailbox import Mail
 from pipeloom.runtime.offload import HostOffload
 from pipeloom.runtime.optimizer_sync import OptimizerSync
@@ -49,6 +51,8 @@ from pipeloom.runtime.rank_setup import (
     steppers,
     torch_device_of,
 )
+from pipeloom.runtime.run_log import RunLog
+from pipeloom.runtime.run_services import evaluation_of, learning_rate_of, run_log_of, step_facts
 from pipeloom.runtime.spec import RankResult, TrainSpec
 from pipeloom.runtime.static_report import rank_static_bytes
 from pipeloom.runtime.step_state import StepRecord
@@ -87,6 +91,11 @@ class RankRun:
     """This rank's tensor-parallel group, with tp > 1."""
     experts: ExpertExchange | None = None
     """This rank's expert-parallel group, with ep > 1."""
+    names: dict[int, dict[str, str]] = field(default_factory=dict)
+    """Per hosted stage: each parameter's name in the whole model (what checkpoints key by)."""
+    learning: LearningRate = field(default_factory=LearningRate)
+    evaluation: Evaluation | None = None
+    log: RunLog | None = None
 
     @property
     def device(self) -> int:
@@ -117,6 +126,7 @@ class RankRun:
             TensorParallel(mesh["tp"], parallel.sequence_parallel) if mesh is not None and parallel.tp > 1 else None
         )
         all_stages = work.build(schedule.num_stages)
+        names = dict(enumerate(global_names(all_stages)))
         probe = probe or probe_boundaries(schedule, work, all_stages, precision)
         owned = owner_test(schedule, all_stages, device)  # by the full parameters, before any is cut
         routed = work.experts if parallel.ep > 1 else None
@@ -197,18 +207,25 @@ class RankRun:
             progress=progress_of(spec, rank, result),
             tensor=tensor,
             experts=experts,
+            names={s: names[s] for s in stages},
+            learning=learning_rate_of(spec, stepper, host),
+            evaluation=evaluation_of(spec, transport, executor, probe, (replica, device, tp_index), where, b),
+            log=run_log_of(spec, rank),
         )
         checkpoints = spec.checkpoints
         if checkpoints.resume_from is not None:
-            found = find_checkpoint(
+            found, _ = find_checkpoint(
                 checkpoints.resume_from,
                 transport.world_size,
                 schedule.name,
                 parallel.zero,
                 parallel.offload_stages,
                 parallel.tp,
+                layout_free(list(names.values())),
             )
-            run.first_step = load_checkpoint(found[0], stages, run.holders, tensor.as_shard if tensor else None)
+            shards = tensor.as_shard if tensor else None
+            run.first_step = load_checkpoint(found, stages, run.holders, shards, run.names)
+            run.learning.load_state_dict(read_checkpoint(found)[1].get("lr_schedule"))
         if where.type == "cuda":
             torch.cuda.reset_peak_memory_stats(where)
         return run
@@ -233,6 +250,7 @@ class RankRun:
         if self.scaler is not None:
             self.executor.grad_scale = self.scaler.scale
             self.result.loss_scales.append(self.scaler.scale)
+        self.result.learning_rates.append(self.learning.current)
         self._times["piped"] = time.perf_counter()
         return micro_inputs, micro_targets
 
@@ -260,6 +278,7 @@ class RankRun:
             self.sync.step(step)
         else:
             self.optimizers.step()
+        self.learning.step()
         self._times["stepped"] = time.perf_counter()
 
     def end_step(self, step: int, record: StepRecord, loss: float) -> None:
@@ -286,21 +305,39 @@ class RankRun:
         result.records.append(record)
         if self.progress is not None:
             self.progress(step)
-        checkpoints, parallel = self.spec.checkpoints, self.spec.parallelism
+        if self.log is not None:
+            self.log.step(step + 1, step_facts(result, record, result.learning_rates[-1], self.spec.peak_tflops))
+        checkpoints = self.spec.checkpoints
         if checkpoints.every and checkpoints.directory is not None and (step + 1) % checkpoints.every == 0:
-            if self.sync is not None:
-                self.sync.validate()
-            save_checkpoint(
-                checkpoints.directory,
-                step + 1,
-                self.stages,
-                self.holders,
-                parallel.schedule.name,
-                parallel.zero,
-                parallel.offload_stages,
-                parallel.tp,
-                self.tensor.as_shard if self.tensor is not None else None,
-            )
+            self._save(checkpoints.directory, step + 1)
+
+    def _save(self, directory: str, steps_done: int) -> None:
+        if self.sync is not None:
+            self.sync.validate()
+        if self.host is not None:
+            self.host.settle()  # its learning-rate step too
+        parallel = self.spec.parallelism
+        facts = {
+            "schedule": parallel.schedule.name,
+            "zero": parallel.zero,
+            "offload_stages": sorted(parallel.offload_stages),
+            "tp": parallel.tp,
+            "layout_free": layout_free(list(self.names.values())),
+            "lr_schedule": self.learning.state_dict(),
+            "config": self.spec.run_config,
+        }
+        shards = self.tensor.as_shard if self.tensor is not None else None
+        save_checkpoint(
+            directory, steps_done, self.stages, self.holders, facts, shards, self.names, self.work.description
+        )
+
+    def end_evaluation(self, step: int, loss: float) -> None:
+        """Book the held-out loss after step `step` (summed over the ranks, mean over batches)."""
+        self.result.eval_losses.append((step + 1, loss))
+        if self.log is not None:
+            self.log.step(step + 1, {"eval_loss": loss, "eval_perplexity": perplexity(loss)})
+        if self.spec.report and self.rank == 0:
+            print(f"eval after {step + 1} steps: loss {loss:.4f}, perplexity {perplexity(loss):.2f}", flush=True)
 
     # -- teardown --------------------------------------------------------------------------------
 
@@ -311,6 +348,8 @@ class RankRun:
             result.rollbacks, result.skipped_steps = self.sync.rollbacks, self.sync.skipped
         if self.progress is not None:
             self.progress(None)
+        if self.log is not None:
+            self.log.close()
         if self.host is not None:
             self.host.finish()
             result.offload_events = self.host.events

@@ -9,7 +9,41 @@ from os import PathLike
 
 from pipeloom.runtime.training import RankResult
 
-__all__ = ["summary", "write_summary", "write_trace"]
+__all__ = ["summary", "write_summary", "write_trace", "run_context", "run_report"]
+
+
+def run_context(spec) -> dict:
+    """What a run was, for its summary and its report's header."""
+    return {
+        "schedule": spec.schedule.name,
+        "p": spec.schedule.num_devices,
+        "dp": spec.dp,
+        "tp": spec.tp,
+        "sequence_parallel": spec.sequence_parallel,
+        "ep": spec.ep,
+        "model": spec.resolved_workload().name,
+        "dtype": spec.dtype,
+        "device": spec.torch_device_type,
+        "zero": spec.zero,
+        "config": spec.run_config,
+    }
+
+
+def run_report(results: Sequence[RankResult], spec) -> str:
+    """The header line and the per-rank table that a finished run prints (CLI, torchrun, run_local)."""
+    from pipeloom.runtime.metrics import final_table
+
+    facts = summary(results, spec.peak_tflops, **run_context(spec))
+    header = (
+        f"{facts['model']} · {facts['schedule']}: p={facts['p']} dp={facts['dp']} tp={facts['tp']}"
+        f"{f' ep={spec.ep}' if spec.ep > 1 else ''}"
+        f"{' (sequence parallel)' if facts['sequence_parallel'] else ''} "
+        f"{facts['dtype']} on {facts['device']}, ZeRO-{facts['zero']}, "
+        f"recomputes {facts['recomputes']}"
+    )
+    held_out = results[0].eval_losses
+    tail = f"\nvalidation loss {held_out[-1][1]:.4f} after {held_out[-1][0]} steps" if held_out else ""
+    return header + "\n" + final_table(results, facts) + tail
 
 
 def summary(results: Sequence[RankResult], peak_tflops: float | None = None, **context) -> dict:
@@ -55,6 +89,8 @@ def summary(results: Sequence[RankResult], peak_tflops: float | None = None, **c
         "peak_stash_bytes": [rank["peak_stash_bytes"] for rank in ranks],
         "peak_memory_bytes": [rank["peak_memory_bytes"] for rank in ranks],
         "loss_scales": first.loss_scales,
+        "learning_rates": first.learning_rates,
+        "eval_losses": [list(pair) for pair in first.eval_losses],
         "recomputes": [sum(r.recomputes for r in result.records) for result in results],
         "ranks": ranks,
     }

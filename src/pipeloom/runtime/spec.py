@@ -3,6 +3,7 @@ refuse a run before any compute live in `spec_checks`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -11,6 +12,7 @@ from pipeloom.ir.schedule import Schedule
 from pipeloom.models.llama import LlamaConfig
 from pipeloom.models.workload import Workload, llama_workload
 from pipeloom.runtime.layout import RankLayout
+from pipeloom.runtime.lr_schedule import LRSchedule
 from pipeloom.runtime.step_state import StepRecord
 
 __all__ = [
@@ -74,6 +76,7 @@ class OptimizerPart:
     post_validation: bool
     initial_loss_scale: float
     loss_scale_growth_interval: int
+    schedule: LRSchedule = LRSchedule()
 
     @property
     def needs_global_state(self) -> bool:
@@ -150,6 +153,23 @@ class TrainSpec:
     """Expert-parallel ranks (`runtime.expert_parallel`): each MoE layer's routed experts shared
     out over groups of `ep` data-parallel replicas of a stage; ep divides dp."""
 
+    lr_schedule: str = "constant"
+    """The learning rate over the run (`runtime.lr_schedule`): constant, linear or cosine decay
+    to `min_lr` at the last step, after `warmup_steps` of linear warm-up."""
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    eval_data: Callable | None = None
+    """(rows, batch index) → held-out inputs and targets (`runtime.evaluation`); None: no evaluation."""
+    eval_every: int = 0
+    """Evaluate after every this many steps (0: never)."""
+    eval_batches: int = 1
+    log_dir: str | None = None
+    """Write TensorBoard events and metrics.jsonl here (`runtime.run_log`)."""
+    wandb: str | None = None
+    """Also log to this Weights & Biases project (offline unless WANDB_MODE says otherwise)."""
+    run_config: dict | None = None
+    """The effective configuration (flags, config file), kept in checkpoints, logs and summaries."""
+
     def resolved_workload(self) -> Workload:
         return self.model.resolved()
 
@@ -182,6 +202,7 @@ class TrainSpec:
             self.post_validation,
             self.initial_loss_scale,
             self.loss_scale_growth_interval,
+            LRSchedule(self.lr_schedule, self.warmup_steps, self.min_lr),
         )
 
     @property
@@ -229,5 +250,9 @@ class RankResult:
     """The same, as `pipeloom.static_memory` plans them for this rank's weights."""
     offload_events: list[tuple[str, float, float]] = field(default_factory=list)
     """T-Offload's OFFLOAD, HOST_STEP and RELOAD on this rank (perf_counter seconds)."""
+    learning_rates: list[float | None] = field(default_factory=list)
+    """The learning rate each step trained at (None: this rank steps no optimizer)."""
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    """(steps done, held-out loss) of each evaluation."""
     all_results: list | None = None
     """On rank 0 of a gathered run: every rank's result."""

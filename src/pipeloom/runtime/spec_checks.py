@@ -26,6 +26,13 @@ def check_spec(spec: TrainSpec, world_size: int | None = None) -> None:
         raise ConfigError("train: ZeRO keeps only a shard of the reduced gradients; record them with --zero 0")
     check_device(spec)
     _check_optimizer(spec.optimizer, parallel)
+    spec.optimizer.schedule.check(spec.lr, spec.steps)
+    if spec.optimizer.schedule.varies and spec.post_validation:
+        raise ConfigError(
+            "train: --post-validation redoes a rolled-back step at the rate it ran with; use it with a constant "
+            "--lr-schedule and no warm-up"
+        )
+    _check_evaluation(spec)
     _check_model(spec.model, parallel.schedule)
     _check_tensor_parallel(spec.model, parallel)
     _check_expert_parallel(spec, parallel)
@@ -68,6 +75,16 @@ def _check_optimizer(optimizer: OptimizerPart, parallel: ParallelPart) -> None:
         raise ConfigError("train: fp16's loss scale does not cover host-stepped (offloaded) stages; use bf16")
     if optimizer.clip_norm is not None and optimizer.clip_norm <= 0:
         raise ConfigError(f"train: the clipping norm must be positive, got {optimizer.clip_norm}")
+
+
+def _check_evaluation(spec: TrainSpec) -> None:
+    for name, value, least in (("--eval-every", spec.eval_every, 0), ("--eval-batches", spec.eval_batches, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ConfigError(f"train: {name} must be an integer of at least {least}, got {value!r}")
+    if spec.eval_every and spec.eval_data is None:
+        raise ConfigError("train: --eval-every needs held-out data: add --eval-data PATH")
+    if spec.eval_every and spec.ep > 1:
+        raise ConfigError("train: --eval-data does not combine with --ep yet (the experts' exchange is per step)")
 
 
 def _check_model(model: ModelPart, schedule: Schedule) -> None:
@@ -144,6 +161,7 @@ def _check_checkpoints(checkpoints: CheckpointPart, parallel: ParallelPart, step
             parallel.zero,
             parallel.offload_stages,
             parallel.tp,
+            layout_free=True,
         )
         if done >= steps:
             raise ConfigError(f"train: the checkpoint is already {done} steps in; ask for more than {done} --steps")

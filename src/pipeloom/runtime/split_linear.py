@@ -62,6 +62,21 @@ class WeightGradQueue:
         if len(done) == parts:
             del self._split[key], self._parts_done[key]
 
+    def run_ops(self, ops, index: int, concat: bool) -> int:
+        """Run the W op `ops[index]` — its share, for a W in parts; with `concat`, together with
+        the W of its stage right after it, as one GEMM (2BP) — and return how many ops it took."""
+        op = ops[index]
+        if op.parts > 1:
+            self.run_part(op.key, op.part, op.parts)
+            return 1
+        run = [op]
+        for following in ops[index + 1 :] if concat else ():
+            if following.kind is not op.kind or following.stage != op.stage or following.parts > 1:
+                break
+            run.append(following)
+        self.run(*(o.key for o in run))
+        return len(run)
+
     def __len__(self) -> int:
         pending = sum(len(entries) for entries in self._pending.values())
         return pending + sum(len(entries) for entries in self._split.values())

@@ -11,6 +11,7 @@ must reproduce.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -20,6 +21,7 @@ from pipeloom.errors import RuntimeFault
 from pipeloom.models.workload import rows_of
 from pipeloom.runtime.boundary import StageProbe
 from pipeloom.runtime.gradients import unique_parameters
+from pipeloom.runtime.lr_schedule import build_scheduler
 from pipeloom.runtime.mailbox import peer_failure
 from pipeloom.runtime.precision import Precision
 from pipeloom.runtime.rank import RankRun, Transport
@@ -54,9 +56,9 @@ def train_rank(
     )
     try:
         result = _train(spec, rank, probe)
-        if gather:
+        if gather:  # the figures only: weights and gradients stay where they are
             collected = [None] * world_size if rank == 0 else None
-            dist.gather_object(result, collected, dst=0)
+            dist.gather_object(replace(result, parameters={}, gradients={}), collected, dst=0)
             result.all_results = collected
         return result
     except RuntimeError as error:  # a peer died or stalled: one clear line on every rank
@@ -78,7 +80,22 @@ def _train(spec: TrainSpec, rank: int, probe: StageProbe | None) -> RankResult:
         loss = torch.tensor([run.loss_share(record)], dtype=torch.float64, device=run.where)
         _collective(rank, f"the all-reduce of the loss with ranks {world}", dist.all_reduce, loss)
         run.end_step(step, record, float(loss))
+        if run.evaluation is not None and run.evaluation.due(step):
+            run.end_evaluation(step, _evaluate(run, rank, world))
     return run.tear_down()
+
+
+def _evaluate(run: RankRun, rank: int, world: list[int]) -> float:
+    """The held-out loss: each batch's forward-only step, summed over the ranks; their mean."""
+    evaluation = run.evaluation
+    assert evaluation is not None
+    total = 0.0
+    for index in range(evaluation.batches):
+        record = evaluation.executor.run_step(*evaluation.data(index))
+        loss = torch.tensor([run.loss_share(record)], dtype=torch.float64, device=run.where)
+        _collective(rank, f"the all-reduce of the evaluation loss with ranks {world}", dist.all_reduce, loss)
+        total += float(loss)
+    return total / evaluation.batches
 
 
 def _collective(rank: int, what: str, call, *args, **kwargs) -> None:
@@ -107,6 +124,7 @@ def _reference(spec: TrainSpec, gradients: list | None):
     precision, cpu = Precision(spec.dtype), torch.device("cpu")
     stages = work.build(schedule.num_stages)
     optimizer = torch.optim.AdamW(unique_parameters(stages), lr=spec.lr)
+    scheduler = build_scheduler(optimizer, spec.optimizer.schedule, spec.steps)
     micro = schedule.num_microbatches * spec.dp
     b = work.microbatch_size
     losses = []
@@ -127,5 +145,6 @@ def _reference(spec: TrainSpec, gradients: list | None):
                 for stage in stages
             ]
         optimizer.step()
+        scheduler.step()
         losses.append(float(total))
     return losses, [{n: t.detach().clone() for n, t in stage.named_parameters()} for stage in stages]

@@ -175,6 +175,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, not_before: Mapping
 def _op_costs(graph: DependencyGraph, table: StageCosts) -> tuple[list[float], list[float]]:
     """Duration and memory change of every op, by flat index."""
     time_of, delta_of, num_slices = table.time_of, table.delta_of, table.num_slices
+    forward_only = graph.schedule.forward_only  # a forward keeps nothing for a backward
     durations: list[float] = []
     deltas: list[float] = []
     known: dict[tuple, tuple[float, float]] = {}  # micro-batches repeat a stage's few distinct ops
@@ -185,7 +186,7 @@ def _op_costs(graph: DependencyGraph, table: StageCosts) -> tuple[list[float], l
         if costs is None:
             costs = known[key] = (time_of(op.kind, i, op.parts), delta_of(op.kind, i, op.ckpt, op.parts))
         durations.append(costs[0])
-        deltas.append(costs[1])
+        deltas.append(0.0 if forward_only else costs[1])
     for g in graph.paired:  # the pair's whole time on its first op (the walk adds the two)
         first, second = graph.ops[g], graph.ops[g + 1]
         forward, backward = (first, second) if first.kind is OpKind.F else (second, first)

@@ -1,0 +1,96 @@
+"""`--config run.toml`: any `train` flag under its long name, flags on the command line winning.
+
+The file's settings become flags placed before the command line's own (``schedule = "zb-h1"`` →
+``--schedule zb-h1``, ``sequence_parallel = true`` → ``--sequence-parallel``, a list → its items
+joined by commas), so argparse's last-one-wins gives the command line precedence and every
+setting goes through the same parsing and checks as a flag. Keys may use ``-`` or ``_``.
+`effective_config` is what a run then stores in its checkpoints, logs and summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+
+from pipeloom.errors import ConfigError
+
+__all__ = ["expand_config", "effective_config", "config_line"]
+
+_FLAG = "--config"
+_IGNORED = ("help", "config")
+
+
+def expand_config(argv: Sequence[str], parser: argparse.ArgumentParser, position: int) -> list[str]:
+    """`argv` with the settings of its ``--config FILE`` inserted as flags at `position` (after the
+    command's name); unchanged without one. ConfigError for an unreadable file or unknown key."""
+    argv = list(argv)
+    path = _config_path(argv)
+    if path is None:
+        return argv
+    try:
+        settings = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ConfigError(f"--config: cannot read {path!r}: {error.strerror or error}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"--config: {path!r} is not valid TOML: {error}") from None
+    actions = _long_options(parser)
+    tokens: list[str] = []
+    for key, value in settings.items():
+        flag = "--" + key.replace("_", "-")
+        action = actions.get(flag)
+        if action is None or key in _IGNORED:
+            raise ConfigError(f"--config: {path!r} sets {key!r}, which is not a flag of this command")
+        tokens += _as_flags(path, key, flag, value, action)
+    return argv[:position] + tokens + argv[position:]
+
+
+def effective_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
+    """Every flag's value as the run sees it, by long name (None: not given and no default)."""
+    out: dict = {}
+    for flag, action in _long_options(parser).items():
+        if flag == "--help" or not hasattr(args, action.dest):
+            continue
+        out[flag[2:]] = getattr(args, action.dest)
+    if getattr(args, "name", None):
+        out["schedule"] = args.name
+    return out
+
+
+def config_line(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    """The effective configuration in one line: the settings that differ from the defaults."""
+    defaults = {flag[2:]: parser.get_default(action.dest) for flag, action in _long_options(parser).items()}
+    changed = {
+        key: value
+        for key, value in effective_config(args, parser).items()
+        if value != defaults.get(key) and value is not None
+    }
+    return "config: " + " ".join(f"{key}={value}" for key, value in changed.items())
+
+
+def _config_path(argv: list[str]) -> str | None:
+    for index, token in enumerate(argv):
+        if token == _FLAG:
+            if index + 1 >= len(argv):
+                raise ConfigError("--config needs a TOML file")
+            return argv[index + 1]
+        if token.startswith(_FLAG + "="):
+            return token.split("=", 1)[1]
+    return None
+
+
+def _long_options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {option: action for action in parser._actions for option in action.option_strings if option.startswith("--")}
+
+
+def _as_flags(path: str, key: str, flag: str, value, action: argparse.Action) -> list[str]:
+    if action.nargs == 0:  # store_true
+        if not isinstance(value, bool):
+            raise ConfigError(f"--config: {path!r}: {key} is on or off: write {key} = true or false")
+        return [flag] if value else []
+    if isinstance(value, bool) or isinstance(value, dict):
+        raise ConfigError(f"--config: {path!r}: {key} takes a value, got {value!r}")
+    if isinstance(value, list):
+        value = ",".join(str(item) for item in value)
+    return [flag, str(value)]

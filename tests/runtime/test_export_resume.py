@@ -1,0 +1,90 @@
+"""Checkpoints that leave pipeloom and change layout: export to a transformers directory, and resume
+under another schedule or pipeline size (weights keyed by their names in the model)."""
+
+import json
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from helpers.hf_configs import TINY  # noqa: E402
+
+from pipeloom import ConfigError, build_schedule  # noqa: E402
+from pipeloom.cli import main  # noqa: E402
+from pipeloom.data import TokenFile, write_token_file  # noqa: E402
+from pipeloom.models.compat import import_transformers  # noqa: E402
+from pipeloom.models.hf import hf_workload  # noqa: E402
+from pipeloom.models.workload import global_names  # noqa: E402
+from pipeloom.runtime.export import export_checkpoint  # noqa: E402
+from pipeloom.runtime.local import run_local  # noqa: E402
+from pipeloom.runtime.training import TrainSpec, reference_training  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SEQ = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A tied-embedding LLaMA directory and held-out tokens."""
+    root = tmp_path_factory.mktemp("export")
+    (root / "model").mkdir()
+    (root / "model" / "config.json").write_text(json.dumps(TINY["llama"]))
+    generator = torch.Generator().manual_seed(3)
+    write_token_file(root / "val.bin", torch.randint(0, 96, (2000,), generator=generator).tolist())
+    return root
+
+
+def spec_of(root, schedule, **changes):
+    work = hf_workload(root / "model", seed=4, microbatch_size=2, seq_len=SEQ)
+    held_out = TokenFile(root / "val.bin", SEQ, 4)
+    return TrainSpec(
+        schedule, workload=work, steps=4, lr=2e-3, lr_schedule="cosine", warmup_steps=1, eval_data=held_out.batch,
+        eval_batches=2, **changes
+    )  # fmt: skip
+
+
+def test_export_of_a_pipeline_equals_one_process_and_loads_in_transformers(tiny_llama, tmp_path):
+    spec = spec_of(tiny_llama, build_schedule("zb-h1", 2, 2), save_every=4, save_dir=str(tmp_path / "ck"), eval_every=4)
+    results = run_local(spec)
+    main(["export", str(tmp_path / "ck" / "step-4"), "--output", str(tmp_path / "hf")])
+    transformers = import_transformers()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    _, weights = reference_training(spec)  # the same training in one process
+    names = global_names(spec.resolved_workload().build(2))
+    exported = dict(model.named_parameters())
+    for stage, parameters in enumerate(weights):
+        for local, value in parameters.items():
+            torch.testing.assert_close(exported[names[stage][local]].detach(), value, rtol=1e-5, atol=1e-6)
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    losses = []  # the pipeline's evaluation after step 4, as transformers computes it
+    with torch.no_grad():
+        for index in range(2):
+            inputs, targets = spec.eval_data(2 * 2, index)
+            for j in range(2):
+                logits = model(inputs[2 * j : 2 * j + 2]).logits
+                losses.append(
+                    float(
+                        torch.nn.functional.cross_entropy(
+                            logits.reshape(-1, 96), targets[2 * j : 2 * j + 2].reshape(-1)
+                        )
+                    )
+                )
+    assert results[0].eval_losses == [(4, pytest.approx(sum(losses) / len(losses), rel=1e-5))]
+    with pytest.raises(ConfigError, match="no checkpoint"):
+        export_checkpoint(tmp_path / "nothing", tmp_path / "out")
+
+
+def test_resume_under_another_schedule_and_pipeline_size(tiny_llama, tmp_path, capfd):
+    whole = run_local(spec_of(tiny_llama, build_schedule("1f1b", 2, 2), save_every=2, save_dir=str(tmp_path)))
+    for schedule in (build_schedule("zb-v", 2, 2), build_schedule("1f1b", 1, 2)):
+        resumed = run_local(
+            spec_of(tiny_llama, schedule, resume_dir=str(tmp_path / "step-2")), progress=schedule.num_devices == 1
+        )
+        assert resumed[0].losses == pytest.approx(whole[0].losses[2:], rel=1e-6)
+        assert resumed[0].learning_rates == whole[0].learning_rates[2:]  # the curve goes on where it stopped
+        assert not math.isclose(resumed[0].learning_rates[0], resumed[0].learning_rates[1])
+    printed = capfd.readouterr().out  # run_local(progress=True) prints as the CLI does
+    assert "step 2: loss" in printed and "median step" in printed and "validation loss" not in printed

@@ -1,0 +1,168 @@
+"""What makes a run one you would launch, checked in one process: the learning-rate curve, held-out
+evaluation as a forward-only pipeline, the metrics log and the config file."""
+
+import json
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pipeloom import ConfigError, build_schedule  # noqa: E402
+from pipeloom.models.llama import LlamaConfig, build_stages, synthetic_batch  # noqa: E402
+from pipeloom.runtime.in_process import run_in_process  # noqa: E402
+from pipeloom.runtime.lr_schedule import LRSchedule, build_scheduler  # noqa: E402
+from pipeloom.runtime.training import TrainSpec, check_spec, reference_training  # noqa: E402
+
+CONFIG = LlamaConfig(layers=4, hidden=32, heads=2, ffn=64, vocab=64, seq_len=16)
+
+
+def held_out(rows, index):
+    return synthetic_batch(CONFIG, rows, 97, index)
+
+
+def closed_form(kind: str, warmup: int, lr: float, floor: float, steps: int, n: int) -> float:
+    if n < warmup:
+        return lr * (n + 1) / (warmup + 1)
+    if kind == "constant":
+        return lr
+    t = (n - warmup) / max(1, steps - 1 - warmup)
+    return floor + (lr - floor) * ((1 - t) if kind == "linear" else (1 + math.cos(math.pi * t)) / 2)
+
+
+@pytest.mark.parametrize("kind, warmup", [("cosine", 1), ("linear", 2), ("constant", 2)])
+def test_learning_rate_follows_torch_schedulers_and_the_pipeline_trains_like_one_process(kind, warmup):
+    steps, lr, floor = 5, 2e-3, 1e-4
+    spec = TrainSpec(
+        build_schedule("zb-v", 2, 4),
+        config=CONFIG,
+        steps=steps,
+        lr=lr,
+        lr_schedule=kind,
+        warmup_steps=warmup,
+        min_lr=floor,
+    )
+    results = run_in_process(spec)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    scheduler = build_scheduler(optimizer, LRSchedule(kind, warmup, floor), steps)
+    expected = []
+    for _ in range(steps):
+        expected.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    for result in results:
+        assert result.learning_rates == expected
+    assert expected == pytest.approx([closed_form(kind, warmup, lr, floor, steps, n) for n in range(steps)], rel=1e-12)
+    losses, _ = reference_training(spec)
+    assert results[0].losses == pytest.approx(losses, rel=1e-5)
+
+
+def test_schedule_settings_are_checked():
+    schedule = build_schedule("1f1b", 2, 2)
+    for changes, message in (
+        ({"lr_schedule": "step"}, "--lr-schedule must be one of"),
+        ({"lr_schedule": "cosine", "warmup_steps": 3}, "leaves no step"),
+        ({"min_lr": 1.0}, "--min-lr must lie in"),
+        ({"lr_schedule": "linear", "post_validation": True}, "post-validation"),
+        ({"eval_every": 1}, "--eval-data"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            check_spec(TrainSpec(schedule, config=CONFIG, steps=3, **changes))
+
+
+@pytest.mark.parametrize("name, chunks", [("1f1b", None), ("zb-v", None), ("interleaved", 2), ("chimera", None)])
+def test_evaluation_equals_a_single_process_forward(name, chunks):
+    schedule = build_schedule(name, 2, 4, **({"num_chunks": chunks} if chunks else {}))
+    spec = TrainSpec(schedule, config=CONFIG, steps=2, dp=2, eval_data=held_out, eval_every=2, eval_batches=2)
+    results = run_in_process(spec)
+    stages = build_stages(CONFIG, schedule.num_stages, 0)
+    for stage, module in enumerate(stages):  # the weights after the run, from the rank holding each stage
+        trained = next(r.parameters[stage] for r in results if stage in r.parameters)
+        module.load_state_dict(trained)
+    total = 0.0
+    with torch.no_grad():
+        for index in range(2):
+            inputs, targets = held_out(2 * 4 * CONFIG.microbatch_size, index)
+            for j in range(8):  # the mean over every micro-batch of every replica
+                rows = slice(j * CONFIG.microbatch_size, (j + 1) * CONFIG.microbatch_size)
+                x = inputs[rows]
+                for module in stages:
+                    x = module(x)
+                total += float(
+                    torch.nn.functional.cross_entropy(x.reshape(-1, CONFIG.vocab), targets[rows].reshape(-1))
+                )
+    expected = total / (2 * 8)
+    for result in results:
+        assert result.eval_losses == [(2, pytest.approx(expected, rel=1e-5))]
+    assert results[0].losses == pytest.approx(reference_training(spec)[0], rel=1e-5)  # evaluating trains nothing
+
+
+def test_metrics_log_writes_jsonl_and_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    spec = TrainSpec(
+        build_schedule("zb-v", 2, 2),
+        config=CONFIG,
+        steps=3,
+        lr_schedule="cosine",
+        warmup_steps=1,
+        eval_data=held_out,
+        eval_every=3,
+        eval_batches=1,
+        log_dir=str(tmp_path),
+        run_config={"schedule": "zb-v", "steps": 3},
+    )
+    results = run_in_process(spec)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0] == {"config": {"schedule": "zb-v", "steps": 3}}
+    steps = [line for line in lines[1:] if "loss" in line]
+    assert [line["step"] for line in steps] == [1, 2, 3]
+    assert [line["loss"] for line in steps] == results[0].losses
+    assert [line["lr"] for line in steps] == results[0].learning_rates
+    assert all(line["tokens_per_second"] > 0 and line["peak_stash_bytes"] > 0 for line in steps)
+    evaluation = [line for line in lines if "eval_loss" in line]
+    assert evaluation == [
+        {
+            "step": 3,
+            "eval_loss": results[0].eval_losses[0][1],
+            "eval_perplexity": math.exp(results[0].eval_losses[0][1]),
+        }
+    ]
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(results[0].losses)
+    assert [e.step for e in events.Scalars("eval/loss")] == [3]
+
+
+def test_a_run_from_a_toml_file_equals_the_same_run_from_flags(tmp_path):
+    from pipeloom.cli import build_parser, subcommand
+    from pipeloom.cli.config_file import expand_config
+    from pipeloom.cli.train import train_spec_from_args
+
+    (tmp_path / "run.toml").write_text(
+        'schedule = "zb-h1"\ndevices = 2\nnproc = 2\nmicrobatches = 4\nsteps = 3\nlr_schedule = "linear"\n'
+        "warmup-steps = 1\nlayers = 4\nhidden = 32\nheads = 2\nffn = 64\nvocab = 64\nseq_len = 16\nsteps_unused = 1\n"
+    )
+    parser = build_parser()
+    train = subcommand(parser, "train")
+    with pytest.raises(ConfigError, match="sets 'steps_unused', which is not a flag"):
+        expand_config(["train", "--config", str(tmp_path / "run.toml")], train, 1)
+    text = (tmp_path / "run.toml").read_text().replace("steps_unused = 1\n", "")
+    (tmp_path / "run.toml").write_text(text)
+    from_file = parser.parse_args(
+        expand_config(["train", "--config", str(tmp_path / "run.toml"), "--steps", "2"], train, 1)
+    )
+    flags = "train --schedule zb-h1 -p 2 --nproc 2 -m 4 --steps 2 --lr-schedule linear --warmup-steps 1 --layers 4 "
+    flags += "--hidden 32 --heads 2 --ffn 64 --vocab 64 --seq-len 16"
+    from_flags = parser.parse_args(flags.split())
+    assert from_file.steps == 2  # the command line wins
+    specs = [train_spec_from_args(args) for args in (from_file, from_flags)]
+    runs = [run_in_process(spec) for spec in specs]
+    assert runs[0][0].losses == runs[1][0].losses
+    assert runs[0][0].learning_rates == runs[1][0].learning_rates
+    config = specs[0].run_config
+    assert config["config"].endswith("run.toml") and config["lr-schedule"] == "linear" and config["schedule"] == "zb-h1"
+    bad = tmp_path / "bad.toml"
+    bad.write_text("steps = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        expand_config(["train", "--config", str(bad)], train, 1)
