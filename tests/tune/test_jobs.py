@@ -25,10 +25,11 @@ def _outcome(result):
     return ranked, rejected, result.evaluated, result.pruned
 
 
-@pytest.mark.parametrize("memory", [8, 12])
-def test_two_jobs_rank_exactly_as_one(memory):
-    one = tune(MODEL, 8, memory * GIB, 16, keep=5, jobs=1, **SPACE)
-    two = tune(MODEL, 8, memory * GIB, 16, keep=5, jobs=2, **SPACE)
+def test_two_jobs_rank_exactly_as_one():
+    """One tight budget covers every path a worker's answer takes: kept, fallen back, rejected."""
+    one = tune(MODEL, 8, 8 * GIB, 16, keep=5, jobs=1, **SPACE)
+    two = tune(MODEL, 8, 8 * GIB, 16, keep=5, jobs=2, **SPACE)
+    assert one.ranked and one.rejected
     assert _outcome(two) == _outcome(one)
     assert one.evaluated + one.pruned > ROUND  # more than one round: later rounds prune against earlier ones
     for evaluation in two.ranked:  # a worker leaves timelines out; the search rebuilds the kept ones
