@@ -41,15 +41,15 @@ def spec_of(root, schedule, **changes):
     work = hf_workload(root / "model", seed=4, microbatch_size=2, seq_len=SEQ)
     held_out = TokenFile(root / "val.bin", SEQ, 4)
     return TrainSpec(
-        schedule, workload=work, steps=4, lr=2e-3, lr_schedule="cosine", warmup_steps=1, eval_data=held_out.batch,
+        schedule, workload=work, steps=5, lr=2e-3, lr_schedule="cosine", warmup_steps=1, eval_data=held_out.batch,
         eval_batches=2, **changes
     )  # fmt: skip
 
 
 def test_export_of_a_pipeline_equals_one_process_and_loads_in_transformers(tiny_llama, tmp_path):
-    spec = spec_of(tiny_llama, build_schedule("zb-h1", 2, 2), save_every=4, save_dir=str(tmp_path / "ck"), eval_every=4)
+    spec = spec_of(tiny_llama, build_schedule("zb-h1", 2, 2), save_every=5, save_dir=str(tmp_path / "ck"), eval_every=5)
     results = run_local(spec)
-    main(["export", str(tmp_path / "ck" / "step-4"), "--output", str(tmp_path / "hf")])
+    main(["export", str(tmp_path / "ck" / "step-5"), "--output", str(tmp_path / "hf")])
     transformers = import_transformers()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     _, weights = reference_training(spec)  # the same training in one process
@@ -59,7 +59,7 @@ def test_export_of_a_pipeline_equals_one_process_and_loads_in_transformers(tiny_
         for local, value in parameters.items():
             torch.testing.assert_close(exported[names[stage][local]].detach(), value, rtol=1e-5, atol=1e-6)
     assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
-    losses = []  # the pipeline's evaluation after step 4, as transformers computes it
+    losses = []  # the pipeline's evaluation after step 5, as transformers computes it
     with torch.no_grad():
         for index in range(2):
             inputs, targets = spec.eval_data(2 * 2, index)
@@ -72,7 +72,7 @@ def test_export_of_a_pipeline_equals_one_process_and_loads_in_transformers(tiny_
                         )
                     )
                 )
-    assert results[0].eval_losses == [(4, pytest.approx(sum(losses) / len(losses), rel=1e-5))]
+    assert results[0].eval_losses == [(5, pytest.approx(sum(losses) / len(losses), rel=1e-5))]
     with pytest.raises(ConfigError, match="no checkpoint"):
         export_checkpoint(tmp_path / "nothing", tmp_path / "out")
 

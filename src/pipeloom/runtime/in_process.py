@@ -17,6 +17,7 @@ torch.distributed and are run by `local.run_local`.
 
 from __future__ import annotations
 
+import time
 from typing import cast
 
 import torch
@@ -72,9 +73,10 @@ def _train_all(spec: TrainSpec, world_size: int) -> list[RankResult]:
         for run, record in zip(runs, records):
             run.end_step(step, record, loss)
         if runs[0].evaluation is not None and runs[0].evaluation.due(step):
+            began = time.perf_counter()
             held_out = _evaluate(runs, spec)
             for run in runs:
-                run.end_evaluation(step, held_out)
+                run.end_evaluation(step, held_out, time.perf_counter() - began)
     return [run.tear_down() for run in runs]
 
 

@@ -97,3 +97,7 @@ class LearningRate:
             return
         for scheduler, _ in self.parts:
             scheduler.load_state_dict(state)
+            # a scheduler's state does not reach the optimizer, and the chainable ones (cosine)
+            # compute the next rate from the optimizer's current one: put the saved rate back
+            for group, rate in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = rate

@@ -223,9 +223,11 @@ class RankRun:
                 parallel.tp,
                 layout_free(list(names.values())),
             )
+            facts = read_checkpoint(found)[1]
+            by_name = run.names if "layout_free" in facts else None  # older checkpoints: by stage
             shards = tensor.as_shard if tensor else None
-            run.first_step = load_checkpoint(found, stages, run.holders, shards, run.names)
-            run.learning.load_state_dict(read_checkpoint(found)[1].get("lr_schedule"))
+            run.first_step = load_checkpoint(found, stages, run.holders, shards, by_name)
+            run.learning.load_state_dict(facts.get("lr_schedule"))
         if where.type == "cuda":
             torch.cuda.reset_peak_memory_stats(where)
         return run
@@ -331,9 +333,11 @@ class RankRun:
             directory, steps_done, self.stages, self.holders, facts, shards, self.names, self.work.description
         )
 
-    def end_evaluation(self, step: int, loss: float) -> None:
-        """Book the held-out loss after step `step` (summed over the ranks, mean over batches)."""
+    def end_evaluation(self, step: int, loss: float, seconds: float) -> None:
+        """Book the held-out loss after step `step` (summed over the ranks, mean over batches)
+        and the evaluation's wall time."""
         self.result.eval_losses.append((step + 1, loss))
+        self.result.eval_seconds.append(seconds)
         if self.log is not None:
             self.log.step(step + 1, {"eval_loss": loss, "eval_perplexity": perplexity(loss)})
         if self.spec.report and self.rank == 0:

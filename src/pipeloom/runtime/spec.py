@@ -254,5 +254,7 @@ class RankResult:
     """The learning rate each step trained at (None: this rank steps no optimizer)."""
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     """(steps done, held-out loss) of each evaluation."""
+    eval_seconds: list[float] = field(default_factory=list)
+    """Wall time of each evaluation (all its batches)."""
     all_results: list | None = None
     """On rank 0 of a gathered run: every rank's result."""

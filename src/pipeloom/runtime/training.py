@@ -11,6 +11,7 @@ must reproduce.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import replace
 from datetime import timedelta
 
@@ -81,7 +82,9 @@ def _train(spec: TrainSpec, rank: int, probe: StageProbe | None) -> RankResult:
         _collective(rank, f"the all-reduce of the loss with ranks {world}", dist.all_reduce, loss)
         run.end_step(step, record, float(loss))
         if run.evaluation is not None and run.evaluation.due(step):
-            run.end_evaluation(step, _evaluate(run, rank, world))
+            began = time.perf_counter()
+            held_out = _evaluate(run, rank, world)
+            run.end_evaluation(step, held_out, time.perf_counter() - began)
     return run.tear_down()
 
 
