@@ -71,6 +71,8 @@ def main() -> None:
         )
         print(f"  run wall time        {full_s:8.2f} s with evaluation, logs and checkpoints; {plain_s:.2f} s without")
         print(f"  validation loss      {full[0].eval_losses[0][1]:.4f} → {full[0].eval_losses[-1][1]:.4f}")
+        same = "the same" if plain[0].losses == full[0].losses else "NOT the same"
+        print(f"  training losses      {same} with and without evaluation, logs and checkpoints")
         began = time.perf_counter()
         export_checkpoint(scratch_dir / "ck" / f"step-{every}", scratch_dir / "hf")
         size = sum(p.stat().st_size for p in (scratch_dir / "hf").iterdir())
