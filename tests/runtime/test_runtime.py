@@ -300,6 +300,7 @@ def test_torchrun_launch(tmp_path):
     done = subprocess.run([*command, "--summary", str(summary)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "step 1: loss" in done.stdout
+    assert "median step" in done.stdout and done.stdout.count("\n   1  ") == 1  # rank 0 prints every rank's row
     assert len(json.loads(summary.read_text())["losses"]) == 2
     alone = subprocess.run(
         [sys.executable, "-m", "pipeloom.train", "--schedule", "1f1b"], capture_output=True, text=True
