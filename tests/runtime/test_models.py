@@ -105,7 +105,7 @@ def test_partial_recompute_of_real_models_trains_like_one_process(tmp_path, fami
     assert all(result.records[0].recomputes == 4 for result in results)
 
 
-@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("schedule", ["interleaved", "zb-v"])  # chunks; convolutions under the B/W split
 def test_torchvision_resnet_trains_like_one_process(schedule):
     work = resnet_workload("resnet18", microbatch_size=2, image_size=32, seed=4)
     assert_trains_like_one_process(TrainSpec(schedule_for(schedule), steps=2, workload=work), atol=1e-5)
