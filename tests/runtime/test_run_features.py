@@ -166,3 +166,15 @@ def test_a_run_from_a_toml_file_equals_the_same_run_from_flags(tmp_path):
     bad.write_text("steps = \n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         expand_config(["train", "--config", str(bad)], train, 1)
+
+
+def test_wandb_is_used_only_when_installed(tmp_path):
+    import importlib.util
+
+    spec = TrainSpec(build_schedule("1f1b", 2, 2), config=CONFIG, steps=1, log_dir=str(tmp_path), wandb="pipeloom")
+    if importlib.util.find_spec("wandb") is None:
+        with pytest.raises(ConfigError, match="--wandb needs Weights & Biases: pip install wandb"):
+            run_in_process(spec)
+    else:  # offline: nothing leaves the machine
+        run_in_process(spec)
+        assert any((tmp_path / "wandb").iterdir())
