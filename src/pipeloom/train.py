@@ -30,7 +30,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("pipeloom.train: error: RANK and WORLD_SIZE are not set; launch with torchrun", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        args = parser.parse_args(expand_config(list(sys.argv[1:] if argv is None else argv), parser, 0))
+        given = list(sys.argv[1:] if argv is None else argv)
+        args = parser.parse_args(expand_config(given, parser, 0, launcher_only=("nproc",)))
         check_train_flags(args)
         from pipeloom.runtime.training import train_rank
 

@@ -22,9 +22,13 @@ _FLAG = "--config"
 _IGNORED = ("help", "config")
 
 
-def expand_config(argv: Sequence[str], parser: argparse.ArgumentParser, position: int) -> list[str]:
+def expand_config(
+    argv: Sequence[str], parser: argparse.ArgumentParser, position: int, launcher_only: Sequence[str] = ()
+) -> list[str]:
     """`argv` with the settings of its ``--config FILE`` inserted as flags at `position` (after the
-    command's name); unchanged without one. ConfigError for an unreadable file or unknown key."""
+    command's name); unchanged without one. `launcher_only`: keys another launcher reads, skipped
+    here (torchrun starts the ranks, so its entry point skips ``nproc``). ConfigError for an
+    unreadable file or an unknown key."""
     argv = list(argv)
     path = _config_path(argv)
     if path is None:
@@ -39,6 +43,8 @@ def expand_config(argv: Sequence[str], parser: argparse.ArgumentParser, position
     tokens: list[str] = []
     for key, value in settings.items():
         flag = "--" + key.replace("_", "-")
+        if flag[2:] in launcher_only:
+            continue
         action = actions.get(flag)
         if action is None or key in _IGNORED:
             raise ConfigError(f"--config: {path!r} sets {key!r}, which is not a flag of this command")
