@@ -98,20 +98,16 @@ def workload_from_args(args: argparse.Namespace, layer_counts=None, microbatch_s
 
 
 def eval_batch_of(args, workload):
-    """`--eval-data`'s batches, drawn as training's are (a BERT model's masked like its training
-    data), checked against the model's vocabulary; None without it."""
+    """`--eval-data`'s batches, prepared as the training data is (`Workload.prepare`: a BERT
+    model's masked), checked against the model's vocabulary; None without it."""
     if not getattr(args, "eval_data", None):
         return None
-    from pipeloom.data import masked_lm, open_tokens
+    from pipeloom.data import open_tokens
 
     source = open_tokens(args.eval_data, workload.sample_tokens, args.seed, args.tokenizer, args.data_dtype)
-    description = workload.description or {}
-    config = description.get("config") or {}
-    vocab = config.get("vocab_size") or config.get("vocab")
-    if vocab is not None and source.vocab_limit is not None and source.vocab_limit > vocab:
+    if workload.vocab is not None and source.vocab_limit > workload.vocab:
         raise ConfigError(
-            f"data: --eval-data token ids reach {source.vocab_limit - 1}, beyond the model's vocabulary of {vocab}"
+            f"data: --eval-data token ids reach {source.vocab_limit - 1}, beyond the model's vocabulary of "
+            f"{workload.vocab}"
         )
-    if description.get("family") == "bert":
-        return masked_lm(source, vocab, args.seed)
-    return source.batch
+    return workload.prepare(source) if workload.prepare is not None else source.batch

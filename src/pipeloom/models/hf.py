@@ -372,10 +372,10 @@ def hf_workload(
         raise ConfigError(
             f"data: token ids reach {source.vocab_limit - 1}, beyond the model's vocabulary of {config.vocab_size}"
         )
-    batch = masked_lm(source, config.vocab_size, seed) if family == "bert" else source.batch
+    prepare = (lambda tokens: masked_lm(tokens, config.vocab_size, seed)) if family == "bert" else None
     return Workload(
         build=lambda num_stages: build_hf_stages(path, config, seed, num_stages, layer_counts),
-        batch=batch,
+        batch=prepare(source) if prepare is not None else source.batch,
         loss=router_loss(config, token_loss) if family in MIXTURES else token_loss,
         microbatch_size=microbatch_size,
         sample_tokens=seq_len,
@@ -383,5 +383,7 @@ def hf_workload(
         experts=expert_plan(config) if family in MIXTURES else None,
         check=lambda num_stages: layer_counts_for(config.num_hidden_layers, num_stages, layer_counts),
         tensor_parallel=lambda tp, sequence: tensor_parallel_plan(config, tp, sequence),
+        vocab=config.vocab_size,
+        prepare=prepare,
         description={"kind": "hf", "family": family, "config": config.to_dict(), "source": str(path)},
     )

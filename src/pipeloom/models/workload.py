@@ -31,6 +31,7 @@ __all__ = [
     "token_loss",
     "cut_blocks",
     "rows_of",
+    "replica_microbatches",
     "global_names",
     "layout_free",
 ]
@@ -84,6 +85,11 @@ class Workload:
     not divide; None: the model has no tensor-parallel plan."""
     experts: ExpertPlan | None = None
     """A mixture of experts: where its routed experts are; None: a dense model."""
+    vocab: int | None = None
+    """A language model's vocabulary: the token ids any data it reads must stay below."""
+    prepare: Callable[[Any], Callable[[int, int], Batch]] | None = None
+    """A token source (`pipeloom.data`) → its batches as this model trains on them (BERT masks
+    them); None: the source's own `batch`. Held-out data goes through it too."""
     description: dict | None = None
     """What the model is, as JSON, for checkpoints and `pipeloom export`: a Hugging Face model's
     {"kind": "hf", "family", "config" (its config.json), "source"}; None: nothing to export from."""
@@ -101,6 +107,16 @@ def rows_of(inputs: torch.Tensor | tuple[torch.Tensor, ...], rows: slice) -> tup
     return tuple(t[rows] for t in inputs)
 
 
+def replica_microbatches(
+    batch: Callable[[int, int], Batch], index: int, dp: int, replica: int, m: int, b: int, where: torch.device
+) -> tuple[list[tuple[torch.Tensor, ...]], list]:
+    """Replica `replica`'s m micro-batches of b rows of batch `index` (drawn for all dp replicas),
+    on `where`: (inputs per micro-batch, targets per micro-batch)."""
+    inputs, targets = batch(dp * m * b, index)
+    rows = [slice((replica * m + j) * b, (replica * m + j + 1) * b) for j in range(m)]
+    return [tuple(t.to(where) for t in rows_of(inputs, r)) for r in rows], [targets[r].to(where) for r in rows]
+
+
 def llama_workload(config: LlamaConfig, seed: int, layer_counts: Sequence[int] | None = None, data=None) -> Workload:
     """The built-in decoder; `data` (a `pipeloom.data` source) replaces the synthetic tokens."""
     batch = data.batch if data is not None else (lambda rows, step: synthetic_batch(config, rows, seed, step))
@@ -111,6 +127,7 @@ def llama_workload(config: LlamaConfig, seed: int, layer_counts: Sequence[int] |
         microbatch_size=config.microbatch_size,
         sample_tokens=config.seq_len,
         name="llama (built-in)",
+        vocab=config.vocab,
         description={"kind": "llama", "config": dataclasses.asdict(config)},
     )
 

@@ -50,14 +50,13 @@ def find_checkpoint(
     offload_stages=(),
     tp: int = 1,
     layout_free: bool = False,
-) -> tuple[Path, int]:
-    """(directory, steps done) of the checkpoint at `path` — a ``step-n`` directory, or the newest
+) -> tuple[Path, dict]:
+    """(directory, the facts of its marker — ``step`` is the steps done) of the checkpoint at `path` — a ``step-n`` directory, or the newest
     one inside `path` — or ConfigError if it is missing, torn, or from another run's shape. A
     checkpoint whose weights are keyed by their names in the whole model (`layout_free`, on both
     sides) resumes under another schedule, pipeline size or data-parallel size, as long as the
     optimizer state is whole (no ZeRO shards, nothing on the host)."""
     chosen, facts = read_checkpoint(path)
-    step = int(facts["step"])
     if facts.get("tp", 1) != tp:
         raise ConfigError(
             f"checkpoint {str(chosen)!r} holds weights cut over tp = {facts.get('tp', 1)} ranks, not {tp}: resume "
@@ -85,7 +84,7 @@ def find_checkpoint(
                 f"checkpoint {str(chosen)!r} was written by {facts.get('world_size')} ranks running "
                 f"{facts.get('schedule')!r}, not {world_size} ranks running {schedule!r}, and {why}"
             )
-    return chosen, step
+    return chosen, facts
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, dict]:

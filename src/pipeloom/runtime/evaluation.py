@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeloom.models.workload import rows_of
+from pipeloom.models.workload import replica_microbatches
 from pipeloom.runtime.executor import DeviceExecutor
 
 __all__ = ["Evaluation", "perplexity"]
@@ -42,12 +42,7 @@ class Evaluation:
     def data(self, index: int) -> tuple[list, list]:
         """This replica's micro-batches of evaluation batch `index`: (inputs, targets)."""
         m, b = self.num_microbatches, self.microbatch_size
-        inputs, targets = self.batch(self.dp * m * b, index)
-        rows = [slice((self.replica * m + j) * b, (self.replica * m + j + 1) * b) for j in range(m)]
-        return (
-            [tuple(t.to(self.where) for t in rows_of(inputs, r)) for r in rows],
-            [targets[r].to(self.where) for r in rows],
-        )
+        return replica_microbatches(self.batch, index, self.dp, self.replica, m, b, self.where)
 
 
 def perplexity(loss: float) -> float:

@@ -87,8 +87,7 @@ class HostOffload:
     def rollback(self) -> None:
         """Undo the last host step (its gradients are still in the masters' .grad); every stage
         reloads the restored weights before its next forward."""
-        if self._step is not None:
-            self._step.result()
+        self.settle()
         adamw_rollback(self.optimizer)
         self._stale = set(self.device_params)
 
@@ -138,8 +137,7 @@ class HostOffload:
         """RELOAD a stage's new weights, if the host has stepped it since the last reload."""
         if stage not in self._stale:
             return
-        if self._step is not None:
-            self._step.result()
+        self.settle()
         began = time.perf_counter()
         with torch.no_grad():
             for parameter, master in zip(self.device_params[stage], self.master[stage]):
@@ -150,8 +148,7 @@ class HostOffload:
 
     def checkpoint_state(self, keys: dict[int, str]) -> dict[str, torch.Tensor]:
         """The host's fp32 master weights and AdamW state, once the step in flight is done."""
-        if self._step is not None:
-            self._step.result()
+        self.settle()
         state: dict[str, torch.Tensor] = {}
         for stage, masters in self.master.items():
             for name, master in zip(self.names[stage], masters):

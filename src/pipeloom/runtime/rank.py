@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeloom.errors import ConfigError
-from pipeloom.models.workload import Workload, global_names, layout_free, rows_of
+from pipeloom.models.workload import Workload, global_names, layout_free, replica_microbatches
 from pipeloom.runtime.boundary import StageProbe
-from pipeloom.runtime.checkpoint import find_checkpoint, load_checkpoint, read_checkpoint, save_checkpoint
+from pipeloom.runtime.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from pipeloom.runtime.comm import MessagePlan, plan_messages
 from pipeloom.runtime.evaluation import Evaluation, perplexity
 from pipeloom.runtime.executor import DeviceExecutor
@@ -214,7 +214,7 @@ class RankRun:
         )
         checkpoints = spec.checkpoints
         if checkpoints.resume_from is not None:
-            found, _ = find_checkpoint(
+            found, facts = find_checkpoint(
                 checkpoints.resume_from,
                 transport.world_size,
                 schedule.name,
@@ -223,7 +223,6 @@ class RankRun:
                 parallel.tp,
                 layout_free(list(names.values())),
             )
-            facts = read_checkpoint(found)[1]
             by_name = run.names if "layout_free" in facts else None  # older checkpoints: by stage
             shards = tensor.as_shard if tensor else None
             run.first_step = load_checkpoint(found, stages, run.holders, shards, by_name)
@@ -238,10 +237,9 @@ class RankRun:
         """This replica's micro-batches of `step`, with gradients zeroed: (inputs, targets)."""
         self._times = {"began": time.perf_counter()}
         m, b = self.spec.schedule.num_microbatches, self.work.microbatch_size
-        inputs, targets = self.work.batch(self.spec.dp * m * b, step)
-        rows = [slice((self.replica * m + j) * b, (self.replica * m + j + 1) * b) for j in range(m)]
-        micro_inputs = [tuple(t.to(self.where) for t in rows_of(inputs, r)) for r in rows]
-        micro_targets = [targets[r].to(self.where) for r in rows]
+        micro_inputs, micro_targets = replica_microbatches(
+            self.work.batch, step, self.spec.dp, self.replica, m, b, self.where
+        )
         if self.sync is not None:
             self.sync.validate()  # the previous step, against the full state the last device sent back
         self.optimizers.zero_grad()

@@ -94,9 +94,7 @@ def step_facts(result: RankResult, record: StepRecord, lr: float | None, peak_tf
     """A step's line of the metrics log, from this rank's result (units in the names)."""
     seconds = result.step_seconds[-1]
     speed = throughput(result, seconds, peak_tflops)
-    peak = result.peak_memory_bytes
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        peak = int(torch.cuda.max_memory_allocated())
+    gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
     scale = 1024 if sys.platform != "darwin" else 1  # ru_maxrss: KiB on Linux, bytes on macOS
     return {
         "loss": result.losses[-1],
@@ -106,7 +104,7 @@ def step_facts(result: RankResult, record: StepRecord, lr: float | None, peak_tf
         "tflops": speed["tflops"],
         "mfu": speed["mfu"],
         "peak_stash_bytes": record.peak_stash_bytes,
-        "gpu_peak_bytes": peak,
+        "gpu_peak_bytes": int(torch.cuda.max_memory_allocated()) if gpu else None,
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale,
         "loss_scale": result.loss_scales[-1] if result.loss_scales else None,
     }

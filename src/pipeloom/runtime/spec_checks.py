@@ -154,7 +154,7 @@ def _check_checkpoints(checkpoints: CheckpointPart, parallel: ParallelPart, step
         raise ConfigError("train: checkpoints need both a directory (--save) and a period (--save-every >= 1)")
     if checkpoints.resume_from is not None:
         schedule = parallel.schedule
-        _, done = find_checkpoint(
+        _, facts = find_checkpoint(
             checkpoints.resume_from,
             parallel.layout.world_size,
             schedule.name,
@@ -163,6 +163,7 @@ def _check_checkpoints(checkpoints: CheckpointPart, parallel: ParallelPart, step
             parallel.tp,
             layout_free=True,
         )
+        done = int(facts["step"])
         if done >= steps:
             raise ConfigError(f"train: the checkpoint is already {done} steps in; ask for more than {done} --steps")
 
