@@ -41,12 +41,14 @@ def auto_schedule(
     search: str = "grid",
     flags: Sequence[str] = FLAGS,
     start: Heuristics | None = None,
+    bound: float = math.inf,
 ) -> ListResult:
     """The best schedule the `Heuristics` flags lead to (smallest cost), by `search`:
     ``grid`` tries every combination of `flags` that can differ, ``descent`` flips one at a time.
 
     `mem_limit` is activation memory per device in the costs' memory unit (one number for every
-    device, a per-device list, or None for unlimited).
+    device, a per-device list, or None for unlimited). Runs after the first are abandoned once
+    they cannot beat `bound` (another construction's cost) either.
     """
     num_devices = max(placement) + 1
     table = costs.resolve(num_devices, len(placement))
@@ -69,7 +71,10 @@ def auto_schedule(
                 flag = flags[index]
                 if flag in parent.mattered:
                     runs += 1
-                    child = run(replace(parent.heuristics, **{flag: not getattr(parent.heuristics, flag)}), best.cost)
+                    child = run(
+                        replace(parent.heuristics, **{flag: not getattr(parent.heuristics, flag)}),
+                        min(best.cost, bound),
+                    )
                     if child is not None:
                         best = child if child.cost < best.cost - _EPS else best
                         frontier.append((child, index + 1))
@@ -77,7 +82,9 @@ def auto_schedule(
         for flag in flags:
             if flag in best.mattered:
                 runs += 1
-                child = run(replace(best.heuristics, **{flag: not getattr(best.heuristics, flag)}), best.cost)
+                child = run(
+                    replace(best.heuristics, **{flag: not getattr(best.heuristics, flag)}), min(best.cost, bound)
+                )
                 if child is not None and child.cost < best.cost - _EPS:
                     best = child
     else:

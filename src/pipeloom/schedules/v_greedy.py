@@ -24,15 +24,15 @@ their own times; memory is per stage (M_B on F, M_W kept after B, freed by W).
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 
 from pipeloom.errors import InfeasibleError
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
 from pipeloom.stage_costs import StageCosts
 
-__all__ = ["v_greedy"]
+__all__ = ["v_greedy", "warm_up_memory", "median_plan"]
 
-_EPS = 1e-9
 _F, _B, _W = 0, 1, 2
 _KINDS = (OpKind.F, OpKind.B, OpKind.W)
 
@@ -46,18 +46,23 @@ class _Run:
         self.approved = approved
         self.most_approved = max(approved) if approved else -1.0
         self.count = [[[0, 0] for _ in range(3)] for _ in range(p)]  # [device][kind][chunk]
-        self.end: dict[tuple[int, int, int], float] = {}  # (kind, stage, mb) -> end time
+        stages = 2 * p
+        self.time = (table.F, table.B, table.W)
+        self.deltas = tuple([table.delta_of(kind, s) for s in range(stages)] for kind in _KINDS)
+        self.end = [[[-1.0] * m for _ in range(stages)] for _ in range(2)]  # [F/B][stage][mb] -> end time
         self.clock = [0.0] * p
         self.mem = [0.0] * p
         self.bubble = [0.0] * p
         self.pending: list[deque] = [deque() for _ in range(p)]
         self.order: list[list[tuple[OpKind, int, int]]] = [[] for _ in range(p)]
+        self.mattered: set[str] = set()
+        """The variant switches (fill_b, fill_f) that changed a decision of this run."""
 
     def stage(self, d: int, chunk: int) -> int:
         return d if chunk == 0 else 2 * self.p - 1 - d
 
     def delta(self, kind: int, s: int) -> float:
-        return self.t.delta_of(_KINDS[kind], s)
+        return self.deltas[kind][s]
 
     def input_end(self, kind: int, d: int, chunk: int, mb: int) -> float | None:
         """End time of the op on another device whose output this F or B needs (None: none, or
@@ -69,31 +74,33 @@ class _Run:
             src = d - 1 if chunk == 1 else d + 1
         if not 0 <= src < p:
             return None
-        return self.end.get((kind, self.stage(src, chunk), mb), -1.0)
+        return self.end[kind][src if chunk == 0 else 2 * p - 1 - src][mb]
 
     def put(self, kind: int, d: int, chunk: int) -> None:
-        mb = self.count[d][kind][chunk]
-        s = self.stage(d, chunk)
-        t = self.t
-        duration = (t.F, t.B, t.W)[kind][s]
-        if mb >= self.m or self.mem[d] + self.delta(kind, s) > self.limits[d] + _EPS:
+        counts = self.count[d][kind]
+        mb = counts[chunk]
+        s = d if chunk == 0 else 2 * self.p - 1 - d
+        delta = self.deltas[kind][s]
+        if mb >= self.m or self.mem[d] + delta > self.limits[d]:
             raise _Stuck
         if not self._local_inputs_done(kind, d, chunk, mb):
             raise _Stuck
-        ready = self.clock[d]
+        clock = self.clock[d]
+        ready = clock
         if kind != _W:
             arrival = self.input_end(kind, d, chunk, mb)
             if arrival is not None:
                 if arrival < 0:
                     raise _Stuck
-                ready = max(ready, arrival + t.comm)
+                ready = max(ready, arrival + self.t.comm)
         if self.count[d][_F][0]:
-            self.bubble[d] += ready - self.clock[d]
-        self.clock[d] = ready + duration
-        self.end[(kind, s, mb)] = self.clock[d]
-        self.mem[d] += self.delta(kind, s)
+            self.bubble[d] += ready - clock
+        self.clock[d] = end = ready + self.time[kind][s]
+        if kind != _W:
+            self.end[kind][s][mb] = end
+        self.mem[d] += delta
         self.order[d].append((_KINDS[kind], s, mb))
-        self.count[d][kind][chunk] += 1
+        counts[chunk] = mb + 1
         if kind == _B:
             self.pending[d].append(chunk)
 
@@ -101,10 +108,10 @@ class _Run:
         """The inputs of this op that come from this device itself have run."""
         s, end = self.stage(d, chunk), self.end
         if kind == _F:
-            return not (chunk == 1 and d == self.p - 1) or (_F, s - 1, mb) in end
+            return not (chunk == 1 and d == self.p - 1) or end[_F][s - 1][mb] >= 0
         if kind == _B:
-            return (_F, s, mb) in end and (not (chunk == 0 and d == self.p - 1) or (_B, s + 1, mb) in end)
-        return (_B, s, mb) in end
+            return end[_F][s][mb] >= 0 and (not (chunk == 0 and d == self.p - 1) or end[_B][s + 1][mb] >= 0)
+        return end[_B][s][mb] >= 0
 
     def put_w(self, d: int) -> None:
         self.put(_W, d, self.pending[d].popleft())
@@ -115,35 +122,48 @@ class _Run:
             most = max(most, self.most_approved - self.approved[d])
         return most - self.bubble[d]
 
-    def fill(self, d: int, arrival: float | None, eager: bool) -> None:
+    def fill(self, d: int, arrival: float | None, eager: bool, switch: str | None) -> None:
         """W into the wait for an input: those that fit wholly, and one more if `eager` and the
-        wait exceeds what the device may idle."""
+        wait exceeds what the device may idle (`switch`: the variant switch that `eager` is)."""
         if arrival is None:
             return
         t, pending = self.t, self.pending[d]
         while pending and arrival >= 0 and arrival + t.comm >= self.clock[d] + t.W[self.stage(d, pending[0])]:
             self.put_w(d)
-        if pending and eager and arrival + t.comm - self.clock[d] > self.allowance(d):
-            self.put_w(d)
+        if pending and arrival + t.comm - self.clock[d] > self.allowance(d):
+            if switch is not None:
+                self.mattered.add(switch)
+            if eager:
+                self.put_w(d)
 
     def make_room(self, d: int, kind: int, chunk: int) -> None:
-        while self.mem[d] + self.delta(kind, self.stage(d, chunk)) > self.limits[d] + _EPS:
+        while self.mem[d] + self.delta(kind, self.stage(d, chunk)) > self.limits[d]:
             if not self.pending[d]:
                 raise _Stuck
             self.put_w(d)
 
     def run(self) -> None:
+        self.warm_up()
+        for _ in range(2 * self.m):
+            self.backward_round()
+            self.forward_round()
+        for d in range(self.p):
+            while self.pending[d]:
+                self.put_w(d)
+
+    def warm_up(self) -> None:
+        """Forwards only, so the same for every variant and allowance."""
         p, m, t = self.p, self.m, self.t
         count = self.count
         for d in range(p):
             self.put(_F, d, 0)
         for d in range(p - 1, -1, -1):
             if d < p - 1:
-                arrival = self.end[(_F, self.stage(d + 1, 1), 0)] + t.comm
+                arrival = self.end[_F][self.stage(d + 1, 1)][0] + t.comm
                 reserve = sum(t.M_B[self.stage(d, c)] for c in (0, 1))
                 while (
-                    self.mem[d] + (d + 1) * reserve <= self.limits[d] + _EPS
-                    and self.clock[d] + t.F[d] <= arrival + _EPS
+                    self.mem[d] + (d + 1) * reserve <= self.limits[d]
+                    and self.clock[d] + t.F[d] <= arrival
                     and count[d][_F][0] < m
                 ):
                     for e in range(d + 1):
@@ -157,12 +177,6 @@ class _Run:
                     if count[e][_F][chunk] < m:
                         self.put(_F, e, chunk)
                 chunk = 1 - chunk
-        for _ in range(2 * m):
-            self.backward_round()
-            self.forward_round()
-        for d in range(p):
-            while self.pending[d]:
-                self.put_w(d)
 
     def backward_round(self) -> None:
         p, m, count = self.p, self.m, self.count
@@ -179,7 +193,9 @@ class _Run:
                 first.append(d)
         for d, chunk in [(d, 0) for d in reversed(second)] + [(d, 1) for d in first]:
             arrival = self.input_end(_B, d, chunk, count[d][_B][chunk])
-            self.fill(d, arrival if arrival is not None else -1.0, chunk == 0 or self.fill_b)
+            self.fill(
+                d, arrival if arrival is not None else -1.0, chunk == 0 or self.fill_b, None if chunk == 0 else "fill_b"
+            )
             self.put(_B, d, chunk)
 
     def forward_round(self) -> None:
@@ -190,15 +206,15 @@ class _Run:
                 continue
             if f[1] >= f[0]:
                 chunk = 0
-            elif d == p - 1 or self.end.get((_F, self.stage(d + 1, 1), f[1]), -1.0) >= 0:
+            elif d == p - 1 or self.end[_F][self.stage(d + 1, 1)][f[1]] >= 0:
                 chunk = 1
-            elif f[0] < m and (d == 0 or self.end.get((_F, d - 1, f[0]), -1.0) >= 0):
+            elif f[0] < m and (d == 0 or self.end[_F][d - 1][f[0]] >= 0):
                 chunk = 0
             else:
                 continue
             self.make_room(d, _F, chunk)
             arrival = self.input_end(_F, d, chunk, f[chunk])
-            self.fill(d, arrival if arrival is not None else -1.0, self.fill_f)
+            self.fill(d, arrival if arrival is not None else -1.0, self.fill_f, "fill_f")
             self.put(_F, d, chunk)
 
 
@@ -206,34 +222,70 @@ class _Stuck(Exception):
     """The greedy's rounds cannot go on under this memory limit."""
 
 
-def _attempt(p, m, table, limits, fill_b, fill_f):
-    """Runs iterated on their own bubbles while the largest one shrinks; the best run, or None."""
+def _attempt(p, m, table, limits, fill_b, fill_f) -> tuple[_Run | None, set[str]]:
+    """Runs iterated on their own bubbles while the largest one shrinks: the best run (None if
+    the first is stuck) and the switches that changed a decision of any of them."""
     best, approved = None, None
+    mattered: set[str] = set()
     while True:
         run = _Run(p, m, table, limits, fill_b, fill_f, approved)
         try:
             run.run()
         except _Stuck:
-            return best
+            return best, mattered | run.mattered
+        mattered |= run.mattered
         worst = max(run.bubble)
-        if best is not None and worst >= max(best.bubble) - _EPS:
-            return best
+        if best is not None and worst >= max(best.bubble):
+            return best, mattered
         best, approved = run, list(run.bubble)
 
 
 def v_greedy(name: str, p: int, m: int, table: StageCosts, limits: list[float]) -> Schedule:
     """The best of the greedy's four variants (smallest largest per-device bubble); InfeasibleError
-    if none completes under `limits` (activation memory per device)."""
+    if none completes under `limits` (activation memory per device).
+
+    Comparisons are exact, as the authors' code makes them, so that planned on the same costs
+    this makes their schedule. A variant whose switch changed no decision of its twin with the
+    switch on would repeat that twin, so it is not run."""
     best = None
+    mattered: dict[tuple[bool, bool], set[str]] = {}
     for fill_b in (True, False):
         for fill_f in (True, False):
-            run = _attempt(p, m, table, limits, fill_b, fill_f)
-            if run is not None and (best is None or max(run.bubble) < max(best.bubble) - _EPS):
+            twins = [((True, fill_f), "fill_b")] if not fill_b else []
+            twins += [((fill_b, True), "fill_f")] if not fill_f else []
+            twin = next((key for key, switch in twins if switch not in mattered[key]), None)
+            if twin is not None:
+                mattered[(fill_b, fill_f)] = mattered[twin]
+                continue
+            run, mattered[(fill_b, fill_f)] = _attempt(p, m, table, limits, fill_b, fill_f)
+            if run is not None and (best is None or max(run.bubble) < max(best.bubble)):
                 best = run
     if best is None:
         raise InfeasibleError(f"{name}: the V greedy cannot fill its rounds within the memory limit")
     devices = [[Op(kind, s, mb) for kind, s, mb in ops] for ops in best.order]
     return Schedule.build(name, devices, num_stages=2 * p, num_microbatches=m)
+
+
+def warm_up_memory(p: int, m: int, table: StageCosts, limits: list[float]) -> list[float] | None:
+    """Each device's activation memory at the end of the greedy's warm-up, which every run under
+    `limits` shares, so no run's peak is below it; None if the warm-up does not fit."""
+    run = _Run(p, m, table, limits, True, True, None)
+    try:
+        run.warm_up()
+    except _Stuck:
+        return None
+    return run.mem
+
+
+def median_plan(table: StageCosts, p: int) -> StageCosts:
+    """The costs the authors' runtime plans its V on: each device's two chunks averaged, then the
+    median device's (the upper one, as their code picks it) for every stage."""
+
+    def median(values: list[float]) -> list[float]:
+        per_device = sorted((values[d] + values[2 * p - 1 - d]) / 2 for d in range(p))
+        return [per_device[p // 2]] * (2 * p)
+
+    return replace(table, F=median(table.F), B=median(table.B), W=median(table.W))
 
 
 def _has_run(end: float | None) -> bool:

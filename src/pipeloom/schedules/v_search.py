@@ -14,12 +14,15 @@ idle gaps (`refine`), which never makes it longer or lets it exceed the budget.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
+from functools import lru_cache
 
 from pipeloom.costs import Costs
 from pipeloom.errors import InfeasibleError
 from pipeloom.ir.schedule import Schedule
-from pipeloom.schedules.auto_search import auto_schedule
+from pipeloom.schedules.auto_search import auto_schedule, min_memory_limits
+from pipeloom.schedules.budget_ladder import monotone_best
 from pipeloom.schedules.list_scheduler import FLAGS, Heuristics
 from pipeloom.schedules.refine import fill_gaps
 from pipeloom.schedules.v_blocks import (
@@ -31,7 +34,7 @@ from pipeloom.schedules.v_blocks import (
     v_half_block,
     v_min_block,
 )
-from pipeloom.schedules.v_greedy import v_greedy
+from pipeloom.schedules.v_greedy import median_plan, v_greedy, warm_up_memory
 from pipeloom.sim.simulate import Timeline, simulate
 from pipeloom.stage_costs import StageCosts
 
@@ -70,9 +73,21 @@ def paper_block_budget(block: VBlock, table: StageCosts) -> list[float]:
 
 def best_v_schedule(name: str, p: int, m: int, costs: Costs, budget: Sequence[float] | None) -> Schedule:
     """The shortest V schedule found within `budget` (activation memory per device; None:
-    unlimited), refined. InfeasibleError if no construction fits."""
+    unlimited), refined; never longer than one found for a smaller budget (`budget_ladder`).
+    InfeasibleError if no construction fits."""
     table = costs.resolve(p, 2 * p)
-    limits = list(budget) if budget is not None else [float("inf")] * p
+    limits = list(budget) if budget is not None else [math.inf] * p
+    floor = min_memory_limits(v_placement(p), table)
+    ceiling = [2 * p * (table.M_B[d] + table.M_B[2 * p - 1 - d]) for d in range(p)]
+    return monotone_best(
+        ("v", p, m, costs), name, costs, limits, floor, ceiling, 6 * p * m, lambda b: _search(name, p, m, costs, b)
+    )
+
+
+def _search(name: str, p: int, m: int, costs: Costs, budget: Sequence[float]) -> Schedule:
+    table = costs.resolve(p, 2 * p)
+    limits = list(budget)
+    unlimited = all(math.isinf(limit) for limit in limits)
     candidates: list[Timeline] = []
 
     def consider(schedule: Schedule) -> None:
@@ -92,21 +107,19 @@ def best_v_schedule(name: str, p: int, m: int, costs: Costs, budget: Sequence[fl
                 caps.add(tuple(min(limit, 1e18) for limit in limits))
             for cap in caps:
                 consider(block_schedule(block, m, deltas, cap, name))
-    try:
-        unlimited = [2 * p * (table.M_B[d] + table.M_B[2 * p - 1 - d]) for d in range(p)]  # 2p·M_B: no F waits
-        consider(v_greedy(name, p, m, table, [min(limit, cap) for limit, cap in zip(limits, unlimited)]))
-    except InfeasibleError:
-        pass
+    for schedule in _greedy_schedules(p, m, table, limits):
+        consider(schedule)
     try:  # under some tight budgets its greedy stalls; the other constructions still stand
         listed = auto_schedule(
             name,
             v_placement(p),
             m,
             costs,
-            budget,
+            None if unlimited else limits,
             search="descent",
             start=_START,
             flags=() if many else _FLAGS,
+            bound=min((timeline.cost for timeline in candidates), default=math.inf),
         )
         consider(listed.schedule)
     except InfeasibleError:
@@ -114,5 +127,48 @@ def best_v_schedule(name: str, p: int, m: int, costs: Costs, budget: Sequence[fl
     if not candidates:
         raise InfeasibleError(f"{name}: no V schedule found within the memory budget {limits}")
     best = min(candidates, key=lambda timeline: timeline.cost)
-    refined = fill_gaps(best.schedule, costs, limits)
-    return refined.schedule if refined.cost < best.cost - _EPS else best.schedule
+    refined = fill_gaps(best.schedule, costs, limits, sweeps=2 if many else 8)
+    schedule = refined.schedule if refined.cost < best.cost - _EPS else best.schedule
+    return schedule if schedule.name == name else schedule.with_devices(schedule.devices, name=name)
+
+
+def _greedy_schedules(p: int, m: int, table: StageCosts, limits: list[float]) -> Iterator[Schedule]:
+    """The V greedy's schedules that may fit `limits`: planned on the exact costs under the
+    limits, and — as the authors' runtime runs ZB-V — on the median device's costs under their
+    own budgets, p·M_B and 2p·M_B. Those budgets do not depend on `limits`, so whenever the
+    authors' ZB-V fits a budget it is a candidate there. A greedy whose warm-up alone exceeds
+    `limits` is not run."""
+    one_f_one_b = [p * (table.M_B[d] + table.M_B[2 * p - 1 - d]) for d in range(p)]
+    runs = {(_key(table), tuple(min(limit, 2 * cap) for limit, cap in zip(limits, one_f_one_b)))}
+    for plan in (median_plan(table, p), table):
+        for factor in (1, 2):
+            runs.add((_key(plan), tuple(factor * cap for cap in one_f_one_b)))
+    for plan_key, caps in sorted(runs):
+        schedule = _planned_greedy(p, m, plan_key, caps, tuple(limits))
+        if schedule is not None:
+            yield schedule
+
+
+def _key(table: StageCosts) -> tuple:
+    return (tuple(table.F), tuple(table.B), tuple(table.W), tuple(table.M_B), tuple(table.M_W), table.comm)
+
+
+@lru_cache(maxsize=256)
+def _planned_greedy(
+    p: int, m: int, plan_key: tuple, caps: tuple[float, ...], limits: tuple[float, ...]
+) -> Schedule | None:
+    """The V greedy planned on `plan_key`'s costs under `caps`; None if it cannot run, or if its
+    warm-up alone holds more than `limits`. Cached: the tuner asks for the same runs again."""
+    F, B, W, M_B, M_W, comm = plan_key
+    zero = [0.0] * (2 * p)
+    plan = StageCosts(
+        1, list(F), list(B), list(W), zero, list(M_B), list(M_W), list(M_B), [0.0] * (2 * p), comm, zero, zero
+    )
+    caps_list = list(caps)
+    warm = warm_up_memory(p, m, plan, caps_list)
+    if warm is None or any(level > limit + _EPS for level, limit in zip(warm, limits)):
+        return None
+    try:
+        return v_greedy("v-greedy", p, m, plan, caps_list)
+    except InfeasibleError:
+        return None

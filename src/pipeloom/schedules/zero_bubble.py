@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pipeloom.costs import Costs
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
-from pipeloom.schedules.auto_search import LINEAR_FLAGS, auto_schedule
+from pipeloom.schedules.linear_search import best_linear_schedule
 from pipeloom.schedules.registry import Tuning, register
 
 __all__ = ["zb_h1", "zb_h2", "zb_auto", "zb_1p", "zb_2p", "DEFAULT_ZB_COSTS"]
@@ -105,7 +105,7 @@ def zb_auto(
 
 
 def _linear(name: str, p: int, m: int, costs: Costs, budget: float | Sequence[float] | None) -> Schedule:
-    return auto_schedule(name, list(range(p)), m, costs, budget, flags=LINEAR_FLAGS).schedule
+    return best_linear_schedule(name, p, m, costs, budget)
 
 
 def _stage_budget(num_devices: int, costs: Costs, factor: int) -> list[float]:
