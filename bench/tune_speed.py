@@ -2,7 +2,9 @@
 
 1. Mario §6.7: GPT3-13B on 64 A100-40G, global batch 128, 1F1B, Chimera and interleaved, pp ∈ {4,
    8, 16, 32, 64}, micro-batch size ∈ {1, ..., 32}, Mario on and off. Goal ≤ 10 s (Mario reports
-   210 s).
+   210 s). Then the same model and cluster with `tune`'s default space (every scheme), as
+   `pipeloom tune --model gpt3-13b --devices 64 --memory 40GiB --global-batch 128 --hardware
+   a100-40g` runs it. Goal ≤ 10 s.
 2. 1024 devices: GPT3-175B on 1024 A100-80G with tp = 8 (128 pipeline × data ranks), global
    batch 1536, every scheme, pp ∈ {2, ..., 128}, micro-batch size ∈ {1, ..., 16}. Goal ≥ 240
    configurations in ≤ 30 s (Mario: 1060 ms per iteration).
@@ -64,6 +66,15 @@ def main() -> None:
         schemes=["1f1b", "chimera", "interleaved"],
         pp_values=[4, 8, 16, 32, 64],
         micro_batches=[1, 2, 4, 8, 16, 32],
+    )
+    run(
+        "The default tune command: GPT3-13B, 64 × A100-40G, global batch 128, every scheme",
+        "gpt3-13b",
+        "a100-40g",
+        64,
+        128,
+        10,
+        jobs,
     )
     run(
         "1024 devices: GPT3-175B, 1024 × A100-80G, tp 8, global batch 1536",

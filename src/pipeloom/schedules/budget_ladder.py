@@ -48,15 +48,16 @@ def monotone_best(
     while len(_REMEMBERED) > _INPUTS:
         _REMEMBERED.popitem(last=False)
 
-    def remember(schedule: Schedule) -> None:
+    def remember(schedule: Schedule) -> float:
         timeline = simulate(schedule, costs)
         peaks, cost = tuple(timeline.peak_activation_memory), timeline.cost
         if any(all(a <= b + _EPS for a, b in zip(other, peaks)) and c <= cost + _EPS for other, c, _ in found):
-            return  # one as short that fits every budget this one fits
+            return cost  # one as short that fits every budget this one fits
         found[:] = [
             entry for entry in found if not (all(b <= a + _EPS for a, b in zip(entry[0], peaks)) and cost <= entry[1])
         ]
         found.append((peaks, cost, schedule))
+        return cost
 
     budgets = [list(limits)]
     if num_ops <= LADDER_OPS:
@@ -68,14 +69,19 @@ def monotone_best(
             if all(b < limit - _EPS for b, limit in zip(budget, limits)):
                 budgets.append(budget)
     error: InfeasibleError | None = None
+    fresh: tuple[float, Schedule] | None = None
     for budget in budgets:
         try:
-            remember(build(budget))
+            schedule = build(budget)
+            cost = remember(schedule)
+            fresh = fresh or (cost, schedule)
         except InfeasibleError as exc:
             error = error or exc
     fitting = [(cost, schedule) for peaks, cost, schedule in found if all(a <= b + _EPS for a, b in zip(peaks, limits))]
     if not fitting:
         assert error is not None
         raise error
-    best = min(fitting, key=lambda entry: entry[0])[1]
+    best_cost, best = min(fitting, key=lambda entry: entry[0])
+    if fresh is not None and fresh[0] <= best_cost + _EPS:
+        best = fresh[1]  # what a fresh process would answer, unless something found before is shorter
     return best if best.name == name else best.with_devices(best.devices, name=name)

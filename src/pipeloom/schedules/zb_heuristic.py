@@ -37,7 +37,7 @@ from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
 from pipeloom.stage_costs import StageCosts
 
-__all__ = ["HeuristicRun", "zb_heuristic", "median_table"]
+__all__ = ["HeuristicRun", "zb_heuristic", "median_table", "is_uniform"]
 
 _EPS = 1e-9
 _F, _B, _W = 0, 1, 2
@@ -278,4 +278,5 @@ def _with(values: tuple[bool, ...], k: int) -> tuple[bool, ...]:
 
 
 def is_uniform(table: StageCosts) -> bool:
+    """Every stage timed alike: the median plan is the exact one."""
     return all(statistics.pstdev(values) == 0 for values in (table.F, table.B, table.W))
