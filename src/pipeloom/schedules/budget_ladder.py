@@ -22,9 +22,9 @@ from pipeloom.sim.simulate import simulate
 
 __all__ = ["monotone_best", "RUNGS"]
 
-RUNGS = 6
+RUNGS = 4
 """Budgets on the ladder, geometric between the least feasible budget and the largest useful one."""
-LADDER_OPS = 1_500
+LADDER_OPS = 600
 """Climb the ladder only for schedules of at most this many ops."""
 _EPS = 1e-9
 _REMEMBERED: OrderedDict[Hashable, list[tuple[tuple[float, ...], float, Schedule]]] = OrderedDict()
