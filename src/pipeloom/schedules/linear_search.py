@@ -19,6 +19,7 @@ from pipeloom.ir.schedule import Schedule
 from pipeloom.schedules.auto_search import LINEAR_FLAGS, auto_schedule, min_memory_limits, resolve_limits
 from pipeloom.schedules.budget_ladder import monotone_best
 from pipeloom.schedules.zb_heuristic import is_uniform, median_table, zb_heuristic
+from pipeloom.stage_costs import StageCosts
 
 __all__ = ["best_linear_schedule"]
 
@@ -37,13 +38,19 @@ def best_linear_schedule(
     floor = min_memory_limits(list(range(p)), table)
     ceiling = [2 * p * table.M_B[d] for d in range(p)]
     return monotone_best(
-        ("linear", p, m, costs), name, costs, limits, floor, ceiling, 3 * p * m, lambda b: _search(name, p, m, costs, b)
+        ("linear", p, m, costs),
+        name,
+        costs,
+        limits,
+        floor,
+        ceiling,
+        3 * p * m,
+        lambda b: _search(name, p, m, costs, table, b),
     )
 
 
-def _search(name: str, p: int, m: int, costs: Costs, limits: list[float]) -> Schedule:
+def _search(name: str, p: int, m: int, costs: Costs, table: StageCosts, limits: list[float]) -> Schedule:
     placement = list(range(p))
-    table = costs.resolve(p, p)
     budget = None if all(math.isinf(limit) for limit in limits) else limits
     plans = [table] if is_uniform(table) else [table, median_table(table)]
     best = None
