@@ -11,6 +11,7 @@ from pipeloom.schedules.v_blocks import (
     PERIOD,
     _place_w,
     _to_schedule,
+    _WalkedDevice,
     block_memory,
     block_times,
     v_half_block,
@@ -54,6 +55,46 @@ def test_block_memory_is_the_lifespan_count_and_what_the_simulator_sees(make, p)
         formula = lifespan_memory(block, d, 0.5)
         assert block_memory(block, d, (0.5, 0.5), (0.5, 0.5)) == pytest.approx(formula)
         assert peaks[d] == pytest.approx(formula), (p, d)
+
+
+def placed_peak(device_times, deltas):
+    """The peak of one device's passes with its W placed afresh: what the walk must agree with."""
+    times = [list(ts) for ts in device_times[:4]]
+    _place_w(times)
+    level = peak = 0.0
+    for _, delta in sorted((t, deltas[kind]) for kind, ts in enumerate(times) for t in ts):
+        level += delta
+        peak = max(peak, level)
+    return peak
+
+
+def test_the_kept_walk_answers_as_placing_every_w_again():
+    """The drain squeeze's shortcut (re-walk from the moved slot until the walk rejoins the old
+    one) gives every try the peak that placing all of the device's W afresh gives."""
+    rng = random.Random(3)
+    for _ in range(60):
+        p, m = rng.randint(2, 6), rng.randint(2, 12)
+        device = rng.randrange(p)
+        times = [ts[:] for ts in block_times(rng.choice(BLOCKS)(p), m)[device]]
+        deltas = [rng.uniform(0.2, 1), rng.uniform(0.2, 1), -rng.uniform(0, 0.5), -rng.uniform(0, 0.5)]
+        deltas += [-rng.uniform(0, 0.5), -rng.uniform(0, 0.5)]
+        walk = _WalkedDevice(times, deltas)
+        for _ in range(30):
+            kind, j = rng.randrange(4), rng.randrange(m)
+            t = times[kind][j]
+            busy = {slot for ts in times for slot in ts}
+            free = [slot for slot in range(t) if slot not in busy]
+            if not free:
+                continue
+            slot = rng.choice(free)
+            times[kind][j] = slot
+            truth = placed_peak(times, deltas)
+            for limit in (truth - 1e-9, truth + 1e-9):  # levels summed in another order differ in ulps
+                assert walk.fits(t, slot, kind, limit) == (truth <= limit)
+            if rng.random() < 0.5:
+                walk.move(t, slot, kind)
+            else:
+                times[kind][j] = t
 
 
 @pytest.mark.parametrize("p", [4, 6, 8, 12, 16])

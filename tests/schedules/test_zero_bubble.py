@@ -105,7 +105,7 @@ def test_auto_scheduler_never_exceeds_its_limit_and_validates():
 
 def test_v_shapes_validate_and_keep_their_budgets():
     rng = random.Random(5)
-    for case in range(40):
+    for case in range(24):
         p = rng.randint(1, 8)
         m = rng.randint(1, 4 * p)
         c = random_costs(rng, 2 * p)
@@ -159,3 +159,23 @@ def test_zero_bubble_schedules_split_every_backward():
         kinds = {op.kind for _, _, op in schedule.ops()}
         assert kinds == {OpKind.F, OpKind.B, OpKind.W}, name
         validate(schedule)
+
+
+def test_the_list_search_under_a_bound_finds_only_shorter_schedules():
+    """`auto_schedule` abandons every run, the first included, once it cannot beat `bound`, and
+    searches on from the flags that mattered until then: it returns a schedule within the bound
+    or None, and under a bound the unbounded search's best beats, that best."""
+    from pipeloom.schedules.auto_search import LINEAR_FLAGS, auto_schedule
+
+    rng = random.Random(11)
+    for _ in range(12):
+        p, m = rng.randint(2, 6), rng.randint(2, 12)
+        c = random_costs(rng, p)
+        free = auto_schedule("zb", list(range(p)), m, c, 2.0 * p, flags=LINEAR_FLAGS)
+        assert free is not None
+        for bound in (free.cost + 1e-6, free.cost * 0.97, free.cost * 0.5):
+            bounded = auto_schedule("zb", list(range(p)), m, c, 2.0 * p, flags=LINEAR_FLAGS, bound=bound)
+            if bound > free.cost:
+                assert bounded is not None and bounded.cost == pytest.approx(free.cost)
+            else:
+                assert bounded is None or bounded.cost <= bound + 1e-9

@@ -43,6 +43,7 @@ def test_exact_proves_zb_h1_optimal_at_1f1b_memory_for_equal_times():
 def test_exact_handles_v_placements():
     costs = Costs(F=1, B=1, W=1, M_W=0.25)
     heuristic = auto_schedule("v", v_placement(2), 4, costs, 2)
+    assert heuristic is not None
     result = solve_exact(v_placement(2), 4, costs, 2, hint=heuristic.schedule, time_limit=10)
     validate(result.schedule)
     assert result.cost <= heuristic.cost + 1e-6

@@ -78,3 +78,21 @@ def test_dualpipe_schemes_join_the_space_where_their_steps_fit():
     assert dualpipe.placement == [[0, 3], [1, 2], [2, 1], [3, 0]] and dualpipe.replicas == 2
     dualpipev = next(c for c in points if c.scheme == "dualpipev" and c.pp == 4)
     assert dualpipev.num_stages == 8 and dualpipev.placement[0] == [0, 7] and dualpipev.replicas == 1
+
+
+def test_the_pruning_bound_is_below_every_simulated_step():
+    """The bound the tuner prunes on (each device's warm-up and work, plus the step around the
+    pipeline) never exceeds the step a candidate is simulated to take, for every scheme: a bound
+    above it would prune plans that could win."""
+    from pipeloom.tune.search import _prepare
+    from pipeloom.tune.space import DEFAULT_SCHEMES
+
+    space, memory = {"schemes": list(DEFAULT_SCHEMES), "micro_batches": [1]}, 24
+    checked = 0
+    for candidate in candidates(8, 16, num_layers=22, **space):
+        _, bound = _prepare(candidate, SMALL, memory * GIB)
+        evaluation = evaluate(candidate, SMALL, memory * GIB)
+        if evaluation.feasible:
+            checked += 1
+            assert bound <= evaluation.step_time * (1 + 1e-9), candidate.label
+    assert checked >= 10

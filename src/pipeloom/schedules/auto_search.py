@@ -42,54 +42,55 @@ def auto_schedule(
     flags: Sequence[str] = FLAGS,
     start: Heuristics | None = None,
     bound: float = math.inf,
-) -> ListResult:
+) -> ListResult | None:
     """The best schedule the `Heuristics` flags lead to (smallest cost), by `search`:
     ``grid`` tries every combination of `flags` that can differ, ``descent`` flips one at a time.
 
     `mem_limit` is activation memory per device in the costs' memory unit (one number for every
-    device, a per-device list, or None for unlimited). Runs after the first are abandoned once
-    they cannot beat `bound` (another construction's cost) either.
+    device, a per-device list, or None for unlimited). Every run is abandoned once it cannot beat
+    `bound` (another construction's cost) or the best so far; None if every run was.
     """
     num_devices = max(placement) + 1
     table = costs.resolve(num_devices, len(placement))
     limits = resolve_limits(name, mem_limit, num_devices, placement, table)
 
-    def run(heuristics: Heuristics, bound: float = math.inf) -> ListResult | None:
-        return ListScheduler(name, placement, num_microbatches, table, limits, heuristics).run(bound)
+    def run(heuristics: Heuristics, best: ListResult | None) -> tuple[ListResult | None, frozenset[str]]:
+        """A run and the flags that changed its decisions (until it was abandoned, if it was)."""
+        scheduler = ListScheduler(name, placement, num_microbatches, table, limits, heuristics)
+        result = scheduler.run(min(best.cost, bound) if best else bound)
+        return result, result.mattered if result else scheduler.beaten_mattered
 
     # A flag that changed no decision of a run would replay that run when flipped, so it is not
     # flipped; a run is abandoned as soon as it cannot beat the best so far, and the grid does not
-    # pursue combinations below an abandoned run.
-    best = run(start or Heuristics())
-    assert best is not None
+    # pursue combinations below an abandoned run — below the first one only, as it is all there is.
+    root = start or Heuristics()
+    best, mattered = run(root, None)
     runs = 1
     if search == "grid":  # the paper's grid search, over the combinations that can differ
-        frontier = [(best, 0)]
+        frontier = [(root, mattered, 0)]
         while frontier:
-            parent, first_flag = frontier.pop()
+            parent, parent_mattered, first_flag = frontier.pop()
             for index in range(first_flag, len(flags)):
                 flag = flags[index]
-                if flag in parent.mattered:
+                if flag in parent_mattered:
                     runs += 1
-                    child = run(
-                        replace(parent.heuristics, **{flag: not getattr(parent.heuristics, flag)}),
-                        min(best.cost, bound),
-                    )
+                    heuristics = replace(parent, **{flag: not getattr(parent, flag)})
+                    child, child_mattered = run(heuristics, best)
                     if child is not None:
-                        best = child if child.cost < best.cost - _EPS else best
-                        frontier.append((child, index + 1))
+                        best = child if best is None or child.cost < best.cost - _EPS else best
+                        frontier.append((heuristics, child_mattered, index + 1))
     elif search == "descent":  # one flag at a time from the best so far: at most one run per flag
+        current = root
         for flag in flags:
-            if flag in best.mattered:
+            if flag in mattered:
                 runs += 1
-                child = run(
-                    replace(best.heuristics, **{flag: not getattr(best.heuristics, flag)}), min(best.cost, bound)
-                )
-                if child is not None and child.cost < best.cost - _EPS:
-                    best = child
+                heuristics = replace(current, **{flag: not getattr(current, flag)})
+                child, child_mattered = run(heuristics, best)
+                if child is not None and (best is None or child.cost < best.cost - _EPS):
+                    best, current, mattered = child, heuristics, child_mattered
     else:
         raise ValueError(f"unknown search {search!r}")
-    return replace(best, runs=runs)
+    return replace(best, runs=runs) if best is not None else None
 
 
 def resolve_limits(

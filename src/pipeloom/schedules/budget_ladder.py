@@ -18,7 +18,7 @@ from collections.abc import Callable, Hashable, Sequence
 from pipeloom.costs import Costs
 from pipeloom.errors import InfeasibleError
 from pipeloom.ir.schedule import Schedule
-from pipeloom.sim.simulate import simulate
+from pipeloom.sim.simulate import Timeline, simulate
 
 __all__ = ["monotone_best", "RUNGS"]
 
@@ -39,25 +39,26 @@ def monotone_best(
     floor: Sequence[float],
     ceiling: Sequence[float],
     num_ops: int,
-    build: Callable[[list[float]], Schedule],
+    build: Callable[[list[float]], Schedule | Timeline],
 ) -> Schedule:
     """The shortest of `build(limits)`, `build` on the ladder's rungs below `limits` (per device,
-    between `floor` and `ceiling`), and the schedules remembered for `key` that fit `limits`."""
+    between `floor` and `ceiling`), and the schedules remembered for `key` that fit `limits`.
+    `build` may hand back its schedule's timeline, if it has one, to spare a simulation."""
     found = _REMEMBERED.setdefault(key, [])
     _REMEMBERED.move_to_end(key)
     while len(_REMEMBERED) > _INPUTS:
         _REMEMBERED.popitem(last=False)
 
-    def remember(schedule: Schedule) -> float:
-        timeline = simulate(schedule, costs)
-        peaks, cost = tuple(timeline.peak_activation_memory), timeline.cost
+    def remember(built: Schedule | Timeline) -> tuple[float, Schedule]:
+        timeline = built if isinstance(built, Timeline) else simulate(built, costs)
+        schedule, peaks, cost = timeline.schedule, tuple(timeline.peak_activation_memory), timeline.cost
         if any(all(a <= b + _EPS for a, b in zip(other, peaks)) and c <= cost + _EPS for other, c, _ in found):
-            return cost  # one as short that fits every budget this one fits
+            return cost, schedule  # one as short that fits every budget this one fits
         found[:] = [
             entry for entry in found if not (all(b <= a + _EPS for a, b in zip(entry[0], peaks)) and cost <= entry[1])
         ]
         found.append((peaks, cost, schedule))
-        return cost
+        return cost, schedule
 
     budgets = [list(limits)]
     if num_ops <= LADDER_OPS:
@@ -72,9 +73,8 @@ def monotone_best(
     fresh: tuple[float, Schedule] | None = None
     for budget in budgets:
         try:
-            schedule = build(budget)
-            cost = remember(schedule)
-            fresh = fresh or (cost, schedule)
+            built = remember(build(budget))
+            fresh = fresh or built
         except InfeasibleError as exc:
             error = error or exc
     fitting = [(cost, schedule) for peaks, cost, schedule in found if all(a <= b + _EPS for a, b in zip(peaks, limits))]

@@ -64,6 +64,7 @@ def _search(name: str, p: int, m: int, costs: Costs, table: StageCosts, limits: 
     listed = auto_schedule(
         name, placement, m, costs, budget, flags=LINEAR_FLAGS, bound=best.cost if best else float("inf")
     )
-    if best is None or listed.cost < best.cost - _EPS:
+    if listed is not None and (best is None or listed.cost < best.cost - _EPS):
         return listed.schedule
+    assert best is not None  # the list scheduler runs unbounded when the heuristic found nothing
     return best.schedule(name, m)

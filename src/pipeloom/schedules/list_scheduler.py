@@ -97,7 +97,12 @@ class ListResult:
 
 
 class _Beaten(Exception):
-    """A run that can no longer beat the best one found."""
+    """A run that can no longer beat the best one found; `mattered`: the flags that changed one
+    of its decisions before then (flipping any other replays it up to there, beaten alike)."""
+
+    def __init__(self, mattered: frozenset[str]):
+        super().__init__()
+        self.mattered = mattered
 
 
 class ListScheduler:
@@ -181,10 +186,12 @@ class ListScheduler:
     # -- the run ------------------------------------------------------------------------------
 
     def run(self, bound: float = float("inf")) -> ListResult | None:
-        """One greedy pass; None as soon as some device's span must exceed `bound`."""
+        """One greedy pass; None as soon as some device's span must exceed `bound`, and then
+        `beaten_mattered` holds the flags that mattered until then."""
         try:
             return self._run(bound)
-        except _Beaten:
+        except _Beaten as beaten:
+            self.beaten_mattered = beaten.mattered
             return None
 
     def _run(self, bound: float) -> ListResult:
@@ -253,7 +260,7 @@ class ListScheduler:
             clock[d] = start + duration
             work_left[d] -= duration
             if clock[d] - began + work_left[d] > bound:
-                raise _Beaten
+                raise _Beaten(frozenset(mattered))
             return clock[d]
 
         carried: tuple[float, int] | None = None

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipeloom.costs import Costs
-from pipeloom.ir.schedule import Schedule
 from pipeloom.sim.simulate import Timeline, simulate
 
 __all__ = ["fill_gaps"]
@@ -25,10 +24,10 @@ WINDOW = 24
 """Ops looked at after a gap: four micro-batches' worth of a V device's passes."""
 
 
-def fill_gaps(schedule: Schedule, costs: Costs, budget: Sequence[float], sweeps: int = 8) -> Timeline:
-    """The timeline of `schedule` after at most `sweeps` rounds of gap filling under `budget`
-    (activation memory per device)."""
-    timeline = simulate(schedule, costs)
+def fill_gaps(timeline: Timeline, costs: Costs, budget: Sequence[float], sweeps: int = 8) -> Timeline:
+    """`timeline`'s schedule after at most `sweeps` rounds of gap filling under `budget`
+    (activation memory per device), timed under `costs` (those `timeline` was simulated on)."""
+    schedule = timeline.schedule
     for _ in range(sweeps):
         devices, moved = _sweep(timeline, costs.comm, budget)
         if not moved:

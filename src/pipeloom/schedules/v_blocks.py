@@ -91,15 +91,6 @@ def _deltas(M_B: tuple[float, float], M_W: tuple[float, float]) -> list[float]:
     return [M_B[down], M_B[up], M_W[up] - M_B[up], M_W[down] - M_B[down], -M_W[up], -M_W[down]]
 
 
-def _peak(times: list[list[int]], deltas: list[float]) -> float:
-    events = sorted((t, deltas[kind]) for kind in range(len(times)) for t in times[kind])
-    level = peak = 0.0
-    for _, delta in events:
-        level += delta
-        peak = max(peak, level)
-    return peak
-
-
 def block_memory(block: VBlock, device: int, M_B: tuple[float, float], M_W: tuple[float, float]) -> float:
     """Steady-state peak activation memory of `device` when the block repeats: the most
     micro-batches whose chunk lifespans (F to B for M_B − M_W, F to W for M_W) overlap one slot.
@@ -152,6 +143,7 @@ def _squeeze(
     for t, d, _, _ in order:
         busy[d].add(t)
     level = []
+    walks = [] if with_w else [_WalkedDevice(times[d], deltas[d]) for d in range(p)]
     if with_w:
         for d in range(p):
             horizon = max(max(ts) for ts in times[d]) + 1
@@ -180,14 +172,7 @@ def _squeeze(
                 if slot not in busy[d]:
                     chosen = slot
         else:
-            for slot in range(earliest, t):
-                if slot in busy[d]:
-                    continue
-                times[d][k][j] = slot
-                if _planned_peak(times[d], deltas[d]) <= limit:
-                    chosen = slot
-                    break
-            times[d][k][j] = t
+            chosen = next((s for s in range(earliest, t) if s not in busy[d] and walks[d].fits(t, s, k, limit)), None)
         if chosen is None:
             continue
         times[d][k][j] = chosen
@@ -196,12 +181,69 @@ def _squeeze(
         if with_w:
             for slot in range(chosen, t):
                 level[d][slot] += delta
+        else:
+            walks[d].move(t, chosen, k)
 
 
-def _planned_peak(device_times: list[list[int]], deltas: list[float]) -> float:
-    times = [list(ts) for ts in device_times[:4]]
-    _place_w(times)
-    return _peak(times, deltas)
+class _WalkedDevice:
+    """One device's W placement (`_place_w`) and memory level, slot by slot, kept so that trying a
+    pass in an earlier slot re-walks only from there until the walk rejoins the kept one (the
+    same W pending, so the same levels on). The drain's squeeze tries every free slot of every
+    late pass: placing all of a device's W again for each try made it quadratic in m."""
+
+    def __init__(self, device_times: list[list[int]], deltas: list[float]):
+        self.deltas = deltas
+        horizon = max(max(ts) for ts in device_times[:4]) + 1
+        self.kind_at = [-1] * horizon
+        for kind in range(4):
+            for t in device_times[kind]:
+                self.kind_at[t] = kind
+        self.pending = [(0, 0)] * (horizon + 1)
+        """W of chunk 1 and of chunk 0 waiting before each slot."""
+        self.level = [0.0] * (horizon + 1)
+        """Memory before each slot. Past the last pass only W run, which free memory."""
+        self._rewalk(0, horizon)
+
+    def _step(self, kind: int, pending: tuple[int, int]) -> tuple[int, tuple[int, int]]:
+        """The pass that runs in a slot holding `kind` (-1: free, a W if one waits) and what waits after."""
+        up, down = pending
+        if kind >= 0:
+            return kind, (up + 1, down) if kind == _BU else (up, down + 1) if kind == _BD else pending
+        if up:
+            return _WU, (up - 1, down)
+        if down:
+            return _WD, (up, down - 1)
+        return -1, pending
+
+    def fits(self, t: int, slot: int, kind: int, limit: float) -> bool:
+        """Whether the peak stays within `limit` with the pass of `kind` moved from `t` to `slot`."""
+        if max(self.level[: slot + 1]) > limit:
+            return False
+        pending, level = self.pending[slot], self.level[slot]
+        for x in range(slot, len(self.kind_at)):
+            ran, pending = self._step(kind if x == slot else -1 if x == t else self.kind_at[x], pending)
+            if ran >= 0:
+                level += self.deltas[ran]
+                if level > limit:
+                    return False
+            if x >= t and pending == self.pending[x + 1]:
+                return max(self.level[x + 1 :]) <= limit
+        return True
+
+    def move(self, t: int, slot: int, kind: int) -> None:
+        self.kind_at[slot], self.kind_at[t] = kind, -1
+        self._rewalk(slot, t)
+
+    def _rewalk(self, slot: int, t: int) -> None:
+        """Walk again from `slot`, until past `t` the walk rejoins the kept one."""
+        pending, level = self.pending[slot], self.level[slot]
+        for x in range(slot, len(self.kind_at)):
+            ran, pending = self._step(self.kind_at[x], pending)
+            if ran >= 0:
+                level += self.deltas[ran]
+            if x >= t and pending == self.pending[x + 1]:
+                return
+            self.pending[x + 1], self.level[x + 1] = pending, level
 
 
 def block_times(block: VBlock, m: int) -> list[list[list[int]]]:

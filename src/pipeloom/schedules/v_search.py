@@ -84,7 +84,7 @@ def best_v_schedule(name: str, p: int, m: int, costs: Costs, budget: Sequence[fl
     )
 
 
-def _search(name: str, p: int, m: int, costs: Costs, budget: Sequence[float]) -> Schedule:
+def _search(name: str, p: int, m: int, costs: Costs, budget: Sequence[float]) -> Timeline:
     table = costs.resolve(p, 2 * p)
     limits = list(budget)
     unlimited = all(math.isinf(limit) for limit in limits)
@@ -96,17 +96,21 @@ def _search(name: str, p: int, m: int, costs: Costs, budget: Sequence[float]) ->
             candidates.append(timeline)
 
     many = 6 * p * m > _LARGE
+    blocks = []
     for block in (v_min_block(p), v_half_block(p)):
         for planned in (PAPER_MODEL,) if many else (PAPER_MODEL, None):
             deltas = [chunk_deltas(table.M_B, table.M_W, d, p, planned) for d in range(p)]
             own = [block_peak(block, d, deltas[d]) for d in range(p)]
-            if any(o > limit + _EPS for o, limit in zip(own, limits)):
-                continue
-            caps = {tuple([max(own)] * p)}
-            if not many:
-                caps.add(tuple(min(limit, 1e18) for limit in limits))
-            for cap in caps:
-                consider(block_schedule(block, m, deltas, cap, name))
+            if all(o <= limit + _EPS for o, limit in zip(own, limits)):
+                blocks.append((max(own), block, deltas))
+    if many:  # only the block that holds the most: in the slot model it is the shortest
+        blocks = sorted(blocks, key=lambda entry: entry[0])[-1:]
+    for own_peak, block, deltas in blocks:
+        caps = {tuple([own_peak] * p)}
+        if not many:
+            caps.add(tuple(min(limit, 1e18) for limit in limits))
+        for cap in caps:
+            consider(block_schedule(block, m, deltas, cap, name))
     for schedule in _greedy_schedules(p, m, table, limits):
         consider(schedule)
     try:  # under some tight budgets its greedy stalls; the other constructions still stand
@@ -121,15 +125,15 @@ def _search(name: str, p: int, m: int, costs: Costs, budget: Sequence[float]) ->
             flags=() if many else _FLAGS,
             bound=min((timeline.cost for timeline in candidates), default=math.inf),
         )
-        consider(listed.schedule)
+        if listed is not None:
+            consider(listed.schedule)
     except InfeasibleError:
         pass
     if not candidates:
         raise InfeasibleError(f"{name}: no V schedule found within the memory budget {limits}")
     best = min(candidates, key=lambda timeline: timeline.cost)
-    refined = fill_gaps(best.schedule, costs, limits, sweeps=2 if many else 8)
-    schedule = refined.schedule if refined.cost < best.cost - _EPS else best.schedule
-    return schedule if schedule.name == name else schedule.with_devices(schedule.devices, name=name)
+    refined = fill_gaps(best, costs, limits, sweeps=2 if many else 8)
+    return refined if refined.cost < best.cost - _EPS else best
 
 
 def _greedy_schedules(p: int, m: int, table: StageCosts, limits: list[float]) -> Iterator[Schedule]:

@@ -191,16 +191,26 @@ def _prepare(
             + (f", even with {least.label}" if len(options) > 1 else "")
         )
         return evaluation, math.inf
-    costs = plain.costs
-    share = 1 / candidate.replicas  # each replica sees its share of the micro-batches
-    work = max(
-        sum(costs.stage_value("F", s) + costs.stage_value("B", s) + costs.stage_value("W", s) for s in stages_on)
-        * candidate.num_microbatches
-        * share
-        for stages_on in candidate.placement
-    )
     extra = min(option.allreduce_time + option.optimizer_time for option in fitting)
-    return evaluation, work + extra + evaluation.overhead_time
+    return evaluation, _pipeline_floor(candidate, plain.costs) + extra + evaluation.overhead_time
+
+
+def _pipeline_floor(candidate: Candidate, costs: Costs) -> float:
+    """A lower bound on the pipeline's time: on each device, its own work after the earliest its
+    first forward can start — one micro-batch's forwards (of its cheapest slice) through every
+    stage before it. The busiest device's work alone would leave deep pipelines' warm-up out,
+    and the tuner building schedules it could have ruled out."""
+    share = 1 / candidate.replicas  # each replica sees its share of the micro-batches
+    num_stages, slices = candidate.num_stages, candidate.slices
+    sliced = costs.resolve(candidate.pp, num_stages, slices).F
+    before = [0.0]
+    for stage in range(num_stages):
+        before.append(before[-1] + min(sliced[stage * slices : (stage + 1) * slices]))
+    floors = []
+    for stages_on in candidate.placement:
+        work = sum(costs.stage_value(kind, s) for s in stages_on for kind in ("F", "B", "W"))
+        floors.append(min(before[s] for s in stages_on) + work * candidate.num_microbatches * share)
+    return max(floors)
 
 
 _RESULT_FIELDS = (
