@@ -89,7 +89,7 @@ def test_the_pruning_bound_is_below_every_simulated_step():
 
     space, memory = {"schemes": list(DEFAULT_SCHEMES), "micro_batches": [1]}, 24
     checked = 0
-    for candidate in candidates(8, 16, num_layers=22, **space):
+    for candidate in candidates(8, 8, num_layers=22, **space):
         _, bound = _prepare(candidate, SMALL, memory * GIB)
         evaluation = evaluate(candidate, SMALL, memory * GIB)
         if evaluation.feasible:

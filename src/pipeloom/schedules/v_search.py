@@ -45,7 +45,7 @@ PAPER_MODEL = 1.0
 _EPS = 1e-9
 _LARGE = 20_000
 """Beyond this many ops the list scheduler runs its starting flags only (one pass, not a search)
-and the blocks are squeezed in the paper's model under their own memory only."""
+and only the block that holds the most is built, in the paper's model, under its own memory."""
 
 # A V run costs twice a linear one (2p stages) and there are more flags, so the search flips one
 # flag at a time, from the settings that suit two stages per device best: among ready forwards the
