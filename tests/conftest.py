@@ -33,3 +33,16 @@ def random_schedule(rng: random.Random, names: list[str], max_devices: int, **co
 @pytest.fixture
 def pick_schedule():
     return random_schedule
+
+
+def pytest_collection_modifyitems(items):
+    """The long tests first (the README walk-through, then the other `slow` ones): xdist's workers
+    then fill in behind them with short ones, instead of one worker starting the README's 30 s
+    near the end while the other has nothing left to do."""
+
+    def rank(item) -> int:
+        if item.nodeid.startswith("tests/test_readme.py") and item.get_closest_marker("slow"):
+            return 0
+        return 1 if item.get_closest_marker("slow") else 2
+
+    items.sort(key=rank)
