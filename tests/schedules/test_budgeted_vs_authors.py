@@ -1,8 +1,9 @@
 """Budgeted generators against the Zero Bubble authors' methods on random uneven inputs.
 
 The authors' methods are re-expressed in `zb_heuristic` (their ZB heuristic, planned on the
-median stage's times as their runtime does, or on the exact ones) and `v_greedy` (their ZB-V
-greedy, planned on the median device's times under their budgets p·M_B and 2p·M_B). On random
+median stage's times as their runtime does, or on the exact ones), `v_greedy` (their ZB-V
+greedy, planned on the median device's times under their budgets p·M_B and 2p·M_B) and
+`v_authors_blocks` (their V-Min and V-Half orders). On random
 inputs of the issue's kind (per-stage times varying up to ±30 %, comm up to F, M_W up to M_B),
 every budgeted generator must be valid, within its budget, never longer than the authors' method
 at the same budget, and never longer for a larger budget.
@@ -16,6 +17,7 @@ import pytest
 
 from pipeloom import build_schedule, simulate
 from pipeloom.costs import Costs
+from pipeloom.schedules.v_authors_blocks import authors_v_block
 from pipeloom.schedules.v_greedy import median_plan, v_greedy
 from pipeloom.schedules.zb_heuristic import median_table, zb_heuristic
 
@@ -80,9 +82,30 @@ def test_v_family_never_behind_the_authors_zb_v_and_monotone(seed):
         assert peak <= their_peak + SLACK and ours <= their_cost + SLACK
         if factor == 1:
             assert zb_v <= their_cost + SLACK
+    for which in ("min", "half"):  # their V-Min and V-Half orders, at their peaks
+        their_cost, their_peak = cost_and_peak(authors_v_block("authors", p, m, which), costs)
+        ours, peak = cost_and_peak(build_schedule(f"v-{which}", p, m, costs=costs), costs)
+        if peak <= their_peak + SLACK:
+            assert ours <= their_cost + SLACK
+        ours, peak = cost_and_peak(build_schedule("v-auto", p, m, costs=costs, mem_limit=their_peak), costs)
+        assert peak <= their_peak + SLACK and ours <= their_cost + SLACK
     last = float("inf")
     for limit in sorted(rng.uniform(1.0, 2 * one_f_one_b) for _ in range(3)):
         ours, peak = cost_and_peak(build_schedule("v-auto", p, m, costs=costs, mem_limit=limit), costs)
         assert peak <= limit + SLACK
         assert ours <= last + SLACK, "a larger budget gave a longer schedule"
         last = ours
+
+
+def test_v_auto_never_behind_the_authors_v_min_and_v_half():
+    """At the peak of the authors' V-Min and V-Half orders (re-expressed in `v_authors_blocks`),
+    v-auto is never longer; without their orders among its candidates it loses on some of these."""
+    rng = random.Random(1)
+    for _ in range(8):
+        p = rng.randint(2, 8)
+        m = rng.randint(p, 4 * p)
+        costs = random_costs(rng, 2 * p, 0.5)
+        for which in ("min", "half"):
+            their_cost, their_peak = cost_and_peak(authors_v_block("authors", p, m, which), costs)
+            ours, peak = cost_and_peak(build_schedule("v-auto", p, m, costs=costs, mem_limit=their_peak), costs)
+            assert peak <= their_peak + SLACK and ours <= their_cost + SLACK, (p, m, which)

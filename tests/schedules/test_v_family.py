@@ -9,11 +9,11 @@ import pytest
 from pipeloom import Costs, build_schedule, simulate, validate
 from pipeloom.schedules.v_blocks import (
     PERIOD,
+    WalkedDevice,
     _place_w,
-    _to_schedule,
-    _WalkedDevice,
     block_memory,
     block_times,
+    slot_schedule,
     v_half_block,
     v_min_block,
 )
@@ -48,7 +48,7 @@ def test_block_memory_is_the_lifespan_count_and_what_the_simulator_sees(make, p)
     times = block_times(block, m)
     for dev in times:
         _place_w(dev)
-    unrolled = _to_schedule("block", times, p, m)
+    unrolled = slot_schedule("block", times, p, m)
     validate(unrolled)
     peaks = simulate(unrolled, Costs(F=1, B=1, W=1, M_W=1.0)).peak_activation_memory  # B frees nothing
     for d in range(p):
@@ -78,7 +78,7 @@ def test_the_kept_walk_answers_as_placing_every_w_again():
         times = [ts[:] for ts in block_times(rng.choice(BLOCKS)(p), m)[device]]
         deltas = [rng.uniform(0.2, 1), rng.uniform(0.2, 1), -rng.uniform(0, 0.5), -rng.uniform(0, 0.5)]
         deltas += [-rng.uniform(0, 0.5), -rng.uniform(0, 0.5)]
-        walk = _WalkedDevice(times, deltas)
+        walk = WalkedDevice(times, deltas)
         for _ in range(30):
             kind, j = rng.randrange(4), rng.randrange(m)
             t = times[kind][j]

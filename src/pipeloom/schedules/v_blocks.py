@@ -27,7 +27,17 @@ from dataclasses import dataclass
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
 
-__all__ = ["PERIOD", "VBlock", "v_min_block", "v_half_block", "block_memory", "block_peak", "block_schedule"]
+__all__ = [
+    "PERIOD",
+    "VBlock",
+    "WalkedDevice",
+    "v_min_block",
+    "v_half_block",
+    "block_memory",
+    "block_peak",
+    "block_schedule",
+    "slot_schedule",
+]
 
 PERIOD = 6
 """Slots per micro-batch per device: F, B and W of two chunks."""
@@ -143,7 +153,7 @@ def _squeeze(
     for t, d, _, _ in order:
         busy[d].add(t)
     level = []
-    walks = [] if with_w else [_WalkedDevice(times[d], deltas[d]) for d in range(p)]
+    walks = [] if with_w else [WalkedDevice(times[d], deltas[d]) for d in range(p)]
     if with_w:
         for d in range(p):
             horizon = max(max(ts) for ts in times[d]) + 1
@@ -185,7 +195,7 @@ def _squeeze(
             walks[d].move(t, chosen, k)
 
 
-class _WalkedDevice:
+class WalkedDevice:
     """One device's W placement (`_place_w`) and memory level, slot by slot, kept so that trying a
     pass in an earlier slot re-walks only from there until the walk rejoins the kept one (the
     same W pending, so the same levels on). The drain's squeeze tries every free slot of every
@@ -274,10 +284,11 @@ def block_schedule(
     _squeeze(times, p, m, deltas, cap, range(4), lambda t: t > drain_from)
     for dev in times:
         _place_w(dev)
-    return _to_schedule(name or block.name, times, p, m)
+    return slot_schedule(name or block.name, times, p, m)
 
 
-def _to_schedule(name: str, times: list[list[list[int]]], p: int, m: int) -> Schedule:
+def slot_schedule(name: str, times: list[list[list[int]]], p: int, m: int) -> Schedule:
+    """Each device's passes (F, F, B, B, W, W of chunk 0, 1, 1, 0, 1, 0) run in slot order."""
     devices = []
     for d, dev in enumerate(times):
         stages = (d, 2 * p - 1 - d)

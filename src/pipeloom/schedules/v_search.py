@@ -4,7 +4,9 @@ Three constructions, none best everywhere (bench/v_frontier.py shows where each 
 
 * the building blocks (`v_blocks`): V-Min and V-Half repeated and squeezed, planned in the
   paper's memory model (a B frees nothing before its W) and in the real one, each under the
-  block's own memory and under the budget;
+  block's own memory and under the budget; and the authors' own V-Min and V-Half orders
+  (`v_authors_blocks`), which on some sizes are shorter (beyond `_LARGE` ops, only theirs, of
+  the block that holds the most that fits);
 * the paper's V greedy (`v_greedy`), under the budget;
 * our list scheduler (`list_scheduler`, its flags searched by `auto_search`) under the budget.
 
@@ -25,6 +27,7 @@ from pipeloom.schedules.auto_search import auto_schedule, min_memory_limits
 from pipeloom.schedules.budget_ladder import monotone_best
 from pipeloom.schedules.list_scheduler import FLAGS, Heuristics
 from pipeloom.schedules.refine import fill_gaps
+from pipeloom.schedules.v_authors_blocks import authors_v_block
 from pipeloom.schedules.v_blocks import (
     VBlock,
     block_memory,
@@ -45,7 +48,7 @@ PAPER_MODEL = 1.0
 _EPS = 1e-9
 _LARGE = 20_000
 """Beyond this many ops the list scheduler runs its starting flags only (one pass, not a search)
-and only the block that holds the most is built, in the paper's model, under its own memory."""
+and only the block that holds the most is built, as the authors build it."""
 
 # A V run costs twice a linear one (2p stages) and there are more flags, so the search flips one
 # flag at a time, from the settings that suit two stages per device best: among ready forwards the
@@ -103,14 +106,16 @@ def _search(name: str, p: int, m: int, costs: Costs, budget: Sequence[float]) ->
             own = [block_peak(block, d, deltas[d]) for d in range(p)]
             if all(o <= limit + _EPS for o, limit in zip(own, limits)):
                 blocks.append((max(own), block, deltas))
-    if many:  # only the block that holds the most: in the slot model it is the shortest
+    if many:  # only the block that holds the most (in the slot model the shortest), as the authors build it
         blocks = sorted(blocks, key=lambda entry: entry[0])[-1:]
-    for own_peak, block, deltas in blocks:
-        caps = {tuple([own_peak] * p)}
-        if not many:
-            caps.add(tuple(min(limit, 1e18) for limit in limits))
-        for cap in caps:
-            consider(block_schedule(block, m, deltas, cap, name))
+        for _, block, _ in blocks:
+            consider(authors_v_block(name, p, m, block.name.removeprefix("v-")))
+    else:
+        for own_peak, block, deltas in blocks:
+            for cap in {tuple([own_peak] * p), tuple(min(limit, 1e18) for limit in limits)}:
+                consider(block_schedule(block, m, deltas, cap, name))
+        for which in ("min", "half"):
+            consider(authors_v_block(name, p, m, which))
     for schedule in _greedy_schedules(p, m, table, limits):
         consider(schedule)
     try:  # under some tight budgets its greedy stalls; the other constructions still stand
