@@ -30,7 +30,7 @@ def test_feasible_whenever_brute_force_finds_a_plan(memory):
         assert max(brute.best.peak_memory) <= memory * GIB
         every = [evaluate(c, SMALL, memory * GIB) for c in candidates(8, 16, num_layers=22, **TINY_SPACE)]
         fits = [e for e in every if e.feasible]
-        assert min(e.step_time for e in fits) == pytest.approx(brute.best.step_time)
+        assert brute.best.step_time <= min(e.step_time for e in fits) + 1e-9  # other layouts may beat the balanced
         assert pruned.evaluated + pruned.pruned + len(pruned.rejected) >= len(every) - 1
 
 
@@ -96,3 +96,19 @@ def test_the_pruning_bound_is_below_every_simulated_step():
             checked += 1
             assert bound <= evaluation.step_time * (1 + 1e-9), candidate.label
     assert checked >= 10
+
+
+def test_the_layer_layout_is_chosen_with_the_schedule():
+    """GPT3-13B's 128 layers on 8 stages: the balanced layout (fewest layers on the head's stage,
+    the extra one on the first) is not the fastest under 1F1B; the tuner builds its leading plans
+    on other layouts too and keeps the faster, whose layout the plan then carries."""
+    from pipeloom.tune.partition import partition_variants
+
+    model = AnalyticCostModel(load_model("gpt3-13b"), load_hardware("a100-40g"))
+    space = {"schemes": ["1f1b"], "pp_values": [8], "micro_batches": [1], "keep": 1}
+    balanced = tune(model, 64, 40 * GIB, 128, layouts=False, **space).best
+    chosen = tune(model, 64, 40 * GIB, 128, **space).best
+    assert chosen.step_time < balanced.step_time * 0.99
+    assert chosen.partition in partition_variants(balanced.partition) and sum(chosen.partition) == 128
+    plan = plan_from_evaluation(chosen, tune(model, 64, 40 * GIB, 128, **space), model.model, model.to_dict(), 1)
+    assert list(plan.partition) == chosen.partition

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from functools import partial
 
 from pipeloom.costs import Costs
@@ -37,7 +38,7 @@ from pipeloom.sim.simulate import simulate
 from pipeloom.tune.cost_model import CostModel
 from pipeloom.tune.evaluation import Evaluation, TuneResult, packed, restore
 from pipeloom.tune.measures import static_options
-from pipeloom.tune.partition import partition_layers
+from pipeloom.tune.partition import partition_layers, partition_variants
 from pipeloom.tune.pool import ROUND, RoundPool, default_jobs
 from pipeloom.tune.space import DEFAULT_SCHEMES, GENERATOR_OF, SCHEMES, Candidate, candidates
 
@@ -45,6 +46,8 @@ __all__ = ["Evaluation", "TuneResult", "tune", "evaluate"]
 
 _EPS = 1e-9
 SLICED_OPS_LIMIT = 4_000
+REFINED_PLANS = 3
+"""The leading plans built again on other layer layouts (`_other_partitions`)."""
 """SVPP's list scheduler runs a dozen greedy passes in Python; beyond this many ops it is skipped."""
 
 
@@ -65,6 +68,7 @@ def tune(
     progress: Callable[[int, int], None] | None = None,
     jobs: int | None = 1,
     ep: int = 1,
+    layouts: bool = True,
 ) -> TuneResult:
     """The `keep` fastest plans that fit `memory` bytes per device; InfeasibleError if none does,
     naming the binding constraint. `memory_passes=False` leaves out Mario, T-Recomp and T-Offload;
@@ -72,7 +76,8 @@ def tune(
     `exhaustive` turns pruning off (for checking the pruning). `jobs` processes simulate
     candidates (None: every core this process may use); the result is the same for any. With
     `ep` > 1 the experts are shared out over groups of ep data-parallel replicas, so dp must
-    be a multiple of ep."""
+    be a multiple of ep. `layouts`: the leading plans are also built on other layer layouts
+    than the balanced one (`_other_partitions`)."""
     points = [
         point
         for point in candidates(
@@ -132,11 +137,38 @@ def tune(
                     rejected.append(evaluation)
                 if progress:
                     progress(index + 1, len(prepared))
+        if ranked and layouts:
+            evaluated += _other_partitions(ranked, pool, cost_model, memory, static_measures)
     for evaluation in ranked:
         restore(evaluation)
     if not ranked:
         raise InfeasibleError(_binding_constraint(rejected, memory))
     return TuneResult(ranked, rejected, global_batch, memory, evaluated, pruned)
+
+
+def _other_partitions(
+    ranked: list[Evaluation], pool: RoundPool, cost_model: CostModel, memory: float, static_measures: bool
+) -> int:
+    """The leading plans built and simulated again on other layer layouts (`partition_variants`):
+    the layout is chosen with the schedule, the balanced one being one input, not the only one.
+    A layout that makes a plan faster replaces it, and the ranking is sorted again. Rebuilt, not
+    re-timed: a budgeted generator's schedule for one layout's costs gains little on another's.
+    How many were simulated."""
+    leading = ranked[:REFINED_PLANS]
+    sent: list[tuple[int, Evaluation]] = []
+    for index, evaluation in enumerate(leading):
+        base = replace(evaluation.candidate, passes=SCHEMES[evaluation.candidate.scheme].passes, zero=0)
+        for layout in partition_variants(evaluation.partition):
+            variant, bound = _prepare(base, cost_model, memory, static_measures, partition=layout)
+            if not variant.reason and bound < evaluation.step_time - _EPS:
+                sent.append((index, variant))
+    limit = max(evaluation.step_time for evaluation in leading)
+    results = pool.run([variant for _, variant in sent], limit, [_ops(variant.candidate) for _, variant in sent])
+    for (index, _), (variant, _) in zip(sent, results):
+        if variant.feasible and variant.step_time < ranked[index].step_time - _EPS:
+            ranked[index] = variant
+    ranked.sort(key=lambda e: e.step_time)
+    return len(sent)
 
 
 def evaluate(
@@ -154,9 +186,14 @@ def evaluate(
 
 
 def _prepare(
-    candidate: Candidate, cost_model: CostModel, memory: float, static_measures: bool = True
+    candidate: Candidate,
+    cost_model: CostModel,
+    memory: float,
+    static_measures: bool = True,
+    partition: list[int] | None = None,
 ) -> tuple[Evaluation, float]:
-    """Partition, the static-memory measures that fit, and a lower bound on the step time."""
+    """Partition (the balanced one unless given), the static-memory measures that fit, and a
+    lower bound on the step time."""
     evaluation = Evaluation(candidate, overhead_time=cost_model.step_overhead_time())
     stages = candidate.num_stages
     ops = _ops(candidate)
@@ -167,7 +204,7 @@ def _prepare(
     per_layer = cost_model.layer_time(mbs)
     first, last = cost_model.end_times(mbs)
     try:
-        evaluation.partition = partition_layers(
+        evaluation.partition = partition or partition_layers(
             cost_model.model.layers,
             [per_layer] * stages,
             [first] + [0.0] * (stages - 2) + [last] if stages > 1 else [first + last],
