@@ -46,9 +46,9 @@ __all__ = ["Evaluation", "TuneResult", "tune", "evaluate"]
 
 _EPS = 1e-9
 SLICED_OPS_LIMIT = 4_000
+"""SVPP's list scheduler runs a dozen greedy passes in Python; beyond this many ops it is skipped."""
 REFINED_PLANS = 3
 """The leading plans built again on other layer layouts (`_other_partitions`)."""
-"""SVPP's list scheduler runs a dozen greedy passes in Python; beyond this many ops it is skipped."""
 
 
 def tune(
