@@ -112,3 +112,25 @@ def test_the_layer_layout_is_chosen_with_the_schedule():
     assert chosen.partition in partition_variants(balanced.partition) and sum(chosen.partition) == 128
     plan = plan_from_evaluation(chosen, tune(model, 64, 40 * GIB, 128, **space), model.model, model.to_dict(), 1)
     assert list(plan.partition) == chosen.partition
+
+
+def test_the_memory_floor_is_below_every_placement_of_w_parts():
+    """The tuner skips W parts on a schedule whose floor (every B freeing its activations whole)
+    is over the limit: a floor above any W-parts placement would rule out plans that fit."""
+    import random
+
+    from pipeloom import Costs, build_schedule, simulate
+    from pipeloom.passes.weight_parts import weight_parts
+    from pipeloom.tune.search import _memory_floor
+
+    rng = random.Random(4)
+    for _ in range(12):
+        p = rng.randint(2, 5)
+        m = rng.randint(1, 3 * p)
+        costs = Costs(F=1.0, B=rng.uniform(0.5, 2), W=rng.uniform(0.2, 1.5), M_W=rng.uniform(0, 1), M_static=0.5)
+        name = rng.choice(["svpp", "zb-h1", "1f1b", "zb-v"])
+        schedule = build_schedule(name, p, m, costs=costs) if name in ("svpp", "zb-v") else build_schedule(name, p, m)
+        floor = _memory_floor(schedule, costs)
+        for limit in (None, max(simulate(schedule, costs).peak_activation_memory) * 0.8):
+            placed = simulate(weight_parts(schedule, costs, mem_limit=limit), costs).peak_memory
+            assert all(low <= peak + 1e-9 for low, peak in zip(floor, placed)), (name, p, m)

@@ -20,6 +20,7 @@ gradients + the optimizer step; throughput = global batch / step time.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -311,6 +312,12 @@ def _simulate_candidate(
             if simulated and evaluation.step_time >= bar - _EPS:
                 cut[-1] = True
                 break
+            if "wparts" in candidate.passes + passes and set(candidate.passes + passes) <= _ORDER_KEEPING:
+                least = _memory_floor(schedule, costs)
+                if max(least) > memory + _EPS:  # no placement of its W can make it fit: skip the passes
+                    device = least.index(max(least))
+                    evaluation.reason = f"memory: device {device} needs at least {_gib(least[device])} > {_gib(memory)}"
+                    continue
             try:
                 current = schedule
                 for name in candidate.passes + passes:
@@ -348,6 +355,18 @@ def _simulate_candidate(
         setattr(evaluation, name, best[name])
     evaluation.feasible, evaluation.reason = True, ""
     return True
+
+
+_ORDER_KEEPING = {"wparts", "offload-all"}
+"""Passes that keep every device's order of F and B: W parts only move W, and offloading the
+optimizer moves no activation. A chain of them with W parts, the dearest pass, is skipped when
+its schedule cannot fit whatever the parts do (`_memory_floor`)."""
+
+
+def _memory_floor(schedule: Schedule, costs: Costs) -> list[float]:
+    """Each device's peak (static and activations) if every B freed its activations whole (no
+    M_W held for a W): whatever an order-keeping pass does with the W, the peak is no lower."""
+    return simulate(schedule, dataclasses.replace(costs, M_W=0.0)).peak_memory
 
 
 def _uses_budget(candidate: Candidate) -> bool:
