@@ -25,7 +25,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from pipeloom.ir.schedule import Schedule
-from pipeloom.schedules.v_blocks import WalkedDevice, slot_schedule, v_half_block, v_min_block
+from pipeloom.schedules.v_blocks import WalkedDevice, earliest_fitting_slot, slot_schedule, v_half_block, v_min_block
 
 __all__ = ["authors_v_block"]
 
@@ -119,13 +119,8 @@ def _reorder(times, p: int, m: int, cap: float, explicit_w: bool, walks: list[Wa
         chosen = t
         if explicit_w:
             delta, level = _UNIT_MEMORY[k], levels[d]
-            worst = -(10**9)
-            for slot in range(t - 1, earliest - 1, -1):  # feasible slots form a suffix of [earliest, t)
-                worst = max(worst, level[slot])
-                if delta > 0 and worst + delta > cap:
-                    break
-                if slot not in busy[d]:
-                    chosen = slot
+            fitting = earliest_fitting_slot(level, busy[d], earliest, t, delta, cap)
+            chosen = t if fitting is None else fitting
             for slot in range(chosen, t):
                 level[slot] += delta
         else:

@@ -20,6 +20,7 @@ early release — the paper's model. The real peak is never above the planned on
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ __all__ = [
     "block_memory",
     "block_peak",
     "block_schedule",
+    "earliest_fitting_slot",
     "slot_schedule",
 ]
 
@@ -173,14 +175,7 @@ def _squeeze(
         delta, limit = deltas[d][k], cap[d] + 1e-9
         chosen = None
         if with_w:
-            worst = -float("inf")
-            lv = level[d]
-            for slot in range(t - 1, earliest - 1, -1):  # feasible slots form a suffix of [earliest, t)
-                worst = max(worst, lv[slot])
-                if delta > 0 and worst + delta > limit:
-                    break
-                if slot not in busy[d]:
-                    chosen = slot
+            chosen = earliest_fitting_slot(level[d], busy[d], earliest, t, delta, limit)
         else:
             chosen = next((s for s in range(earliest, t) if s not in busy[d] and walks[d].fits(t, s, k, limit)), None)
         if chosen is None:
@@ -193,6 +188,22 @@ def _squeeze(
                 level[d][slot] += delta
         else:
             walks[d].move(t, chosen, k)
+
+
+def earliest_fitting_slot(
+    level: Sequence[float], busy: set[int], earliest: int, t: int, delta: float, limit: float
+) -> int | None:
+    """The first free slot in [earliest, t) a pass changing memory by `delta` can move to from
+    `t` with the level (memory after each slot, W explicit) within `limit` over the slots it
+    crosses; None if there is none. The feasible slots form a suffix of the range."""
+    chosen, worst = None, -math.inf
+    for slot in range(t - 1, earliest - 1, -1):
+        worst = max(worst, level[slot])
+        if delta > 0 and worst + delta > limit:
+            break
+        if slot not in busy:
+            chosen = slot
+    return chosen
 
 
 class WalkedDevice:
