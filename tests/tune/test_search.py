@@ -121,7 +121,7 @@ def test_the_memory_floor_is_below_every_placement_of_w_parts():
 
     from pipeloom import Costs, build_schedule, simulate
     from pipeloom.passes.weight_parts import weight_parts
-    from pipeloom.tune.search import _memory_floor
+    from pipeloom.tune.bounds import memory_floor
 
     rng = random.Random(4)
     for _ in range(12):
@@ -130,7 +130,7 @@ def test_the_memory_floor_is_below_every_placement_of_w_parts():
         costs = Costs(F=1.0, B=rng.uniform(0.5, 2), W=rng.uniform(0.2, 1.5), M_W=rng.uniform(0, 1), M_static=0.5)
         name = rng.choice(["svpp", "zb-h1", "1f1b", "zb-v"])
         schedule = build_schedule(name, p, m, costs=costs) if name in ("svpp", "zb-v") else build_schedule(name, p, m)
-        floor = _memory_floor(schedule, costs)
+        floor = memory_floor(schedule, costs)
         for limit in (None, max(simulate(schedule, costs).peak_activation_memory) * 0.8):
             placed = simulate(weight_parts(schedule, costs, mem_limit=limit), costs).peak_memory
             assert all(low <= peak + 1e-9 for low, peak in zip(floor, placed)), (name, p, m)

@@ -110,6 +110,7 @@ class ListScheduler:
 
     def __init__(self, name, placement, num_microbatches, table, limits, heuristics):
         self.name = name
+        self.beaten_mattered: frozenset[str] = frozenset()
         self.placement = list(placement)
         self.m = num_microbatches
         self.t = table

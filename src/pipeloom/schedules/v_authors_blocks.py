@@ -25,7 +25,14 @@ from __future__ import annotations
 from functools import lru_cache
 
 from pipeloom.ir.schedule import Schedule
-from pipeloom.schedules.v_blocks import WalkedDevice, earliest_fitting_slot, slot_schedule, v_half_block, v_min_block
+from pipeloom.schedules.v_blocks import (
+    WalkedDevice,
+    earliest_fitting_slot,
+    slot_levels,
+    slot_schedule,
+    v_half_block,
+    v_min_block,
+)
 
 __all__ = ["authors_v_block"]
 
@@ -44,7 +51,8 @@ def _orders(p: int, m: int, which: str) -> Schedule:
     block = v_min_block(p) if which == "min" else v_half_block(p)
     times = [[[slot + 6 * j for j in range(m)] for slot in slots] for slots in block.slots]
     times = [dev + [_w_slots(dev)] for dev in times]
-    _reorder(times, p, m, max(_explicit_peak(dev) for dev in times), explicit_w=True)
+    levels = [slot_levels(dev, _UNIT_MEMORY) for dev in times]
+    _reorder(times, p, m, max(max(level) for level in levels), explicit_w=True, levels=levels)
     times = [dev[:4] for dev in _retimed(times, p)]
     walks = [WalkedDevice(dev, [1, 1, 0, 0, -1, -1]) for dev in times]
     _reorder(times, p, m, max(max(walk.level) for walk in walks), explicit_w=False, walks=walks)
@@ -72,14 +80,6 @@ def _w_slots(dev: list[list[int]], per_chunk: bool = False):
     return dev + placed if per_chunk else placed[0]
 
 
-def _explicit_peak(dev: list[list[int]]) -> int:
-    level = peak = 0
-    for _, kind in sorted((t, kind) for kind, ts in enumerate(dev) for t in ts):
-        level += _UNIT_MEMORY[kind]
-        peak = max(peak, level)
-    return peak
-
-
 def _input_slot(times, p: int, d: int, kind: int, j: int) -> int:
     """The latest slot among the pass's inputs, its device's earlier pass of the same kind included."""
     dev = times[d]
@@ -95,14 +95,21 @@ def _input_slot(times, p: int, d: int, kind: int, j: int) -> int:
     return max(dep, dev[kind][j - 1]) if j else dep
 
 
-def _reorder(times, p: int, m: int, cap: float, explicit_w: bool, walks: list[WalkedDevice] | None = None) -> None:
+def _reorder(
+    times,
+    p: int,
+    m: int,
+    cap: float,
+    explicit_w: bool,
+    levels: list[list[float]] | None = None,
+    walks: list[WalkedDevice] | None = None,
+) -> None:
     """Their squeeze: passes in slot order; those of the warm-up (when W are explicit) and of
     the drain move to the earliest free slot after their inputs that keeps the device's peak
     within `cap`."""
     kinds = range(5 if explicit_w else 4)
     order = sorted((t, d, k, j) for d in range(p) for k in kinds for j, t in enumerate(times[d][k]))
     busy: list[set[int]] = [set() for _ in range(p)]
-    levels = [_levels(dev) for dev in times] if explicit_w else []
     phase = 0
     for t, d, k, j in order:
         if phase == 0 and k == _BD and d == 0:
@@ -118,6 +125,7 @@ def _reorder(times, p: int, m: int, cap: float, explicit_w: bool, walks: list[Wa
         earliest = _input_slot(times, p, d, k, j) + 1
         chosen = t
         if explicit_w:
+            assert levels is not None
             delta, level = _UNIT_MEMORY[k], levels[d]
             fitting = earliest_fitting_slot(level, busy[d], earliest, t, delta, cap)
             chosen = t if fitting is None else fitting
@@ -131,18 +139,6 @@ def _reorder(times, p: int, m: int, cap: float, explicit_w: bool, walks: list[Wa
                 walk.move(t, chosen, k)
         times[d][k][j] = chosen
         busy[d].add(chosen)
-
-
-def _levels(dev: list[list[int]]) -> list[int]:
-    """Unit memory after each slot of one device, W explicit."""
-    horizon = max(max(ts) for ts in dev) + 1
-    level = [0] * horizon
-    for kind, ts in enumerate(dev):
-        for t in ts:
-            level[t] += _UNIT_MEMORY[kind]
-    for slot in range(1, horizon):
-        level[slot] += level[slot - 1]
-    return level
 
 
 def _retimed(times, p: int):

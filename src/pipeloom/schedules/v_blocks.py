@@ -24,6 +24,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
@@ -38,6 +39,7 @@ __all__ = [
     "block_peak",
     "block_schedule",
     "earliest_fitting_slot",
+    "slot_levels",
     "slot_schedule",
 ]
 
@@ -154,20 +156,8 @@ def _squeeze(
     busy: list[set[int]] = [set() for _ in range(p)]
     for t, d, _, _ in order:
         busy[d].add(t)
-    level = []
+    level = [slot_levels(times[d], deltas[d]) for d in range(p)] if with_w else []
     walks = [] if with_w else [WalkedDevice(times[d], deltas[d]) for d in range(p)]
-    if with_w:
-        for d in range(p):
-            horizon = max(max(ts) for ts in times[d]) + 1
-            steps = [0.0] * horizon
-            for k in kinds:
-                for t in times[d][k]:
-                    steps[t] += deltas[d][k]
-            acc, lv = 0.0, []
-            for s in steps:
-                acc += s
-                lv.append(acc)
-            level.append(lv)
     for t, d, k, j in order:
         if not moving(t):
             continue
@@ -188,6 +178,15 @@ def _squeeze(
                 level[d][slot] += delta
         else:
             walks[d].move(t, chosen, k)
+
+
+def slot_levels(device_times: list[list[int]], deltas: Sequence[float]) -> list[float]:
+    """One device's memory after each slot, every pass (W included) at its slot."""
+    steps = [0.0] * (max(max(ts) for ts in device_times) + 1)
+    for kind, ts in enumerate(device_times):
+        for t in ts:
+            steps[t] += deltas[kind]
+    return list(accumulate(steps))
 
 
 def earliest_fitting_slot(

@@ -20,7 +20,6 @@ gradients + the optimizer step; throughput = global batch / step time.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -36,6 +35,7 @@ from pipeloom.passes.weight_parts import weight_parts
 from pipeloom.schedules.registry import build_schedule, get_generator
 from pipeloom.schedules.svpp import table3_forwards
 from pipeloom.sim.simulate import simulate
+from pipeloom.tune.bounds import ORDER_KEEPING, memory_floor, pipeline_floor
 from pipeloom.tune.cost_model import CostModel
 from pipeloom.tune.evaluation import Evaluation, TuneResult, packed, restore
 from pipeloom.tune.measures import static_options
@@ -230,25 +230,7 @@ def _prepare(
         )
         return evaluation, math.inf
     extra = min(option.allreduce_time + option.optimizer_time for option in fitting)
-    return evaluation, _pipeline_floor(candidate, plain.costs) + extra + evaluation.overhead_time
-
-
-def _pipeline_floor(candidate: Candidate, costs: Costs) -> float:
-    """A lower bound on the pipeline's time: on each device, its own work after the earliest its
-    first forward can start — one micro-batch's forwards (of its cheapest slice) through every
-    stage before it. The busiest device's work alone would leave deep pipelines' warm-up out,
-    and the tuner building schedules it could have ruled out."""
-    share = 1 / candidate.replicas  # each replica sees its share of the micro-batches
-    num_stages, slices = candidate.num_stages, candidate.slices
-    sliced = costs.resolve(candidate.pp, num_stages, slices).F
-    before = [0.0]
-    for stage in range(num_stages):
-        before.append(before[-1] + min(sliced[stage * slices : (stage + 1) * slices]))
-    floors = []
-    for stages_on in candidate.placement:
-        work = sum(costs.stage_value(kind, s) for s in stages_on for kind in ("F", "B", "W"))
-        floors.append(min(before[s] for s in stages_on) + work * candidate.num_microbatches * share)
-    return max(floors)
+    return evaluation, pipeline_floor(candidate, plain.costs) + extra + evaluation.overhead_time
 
 
 _RESULT_FIELDS = (
@@ -312,8 +294,8 @@ def _simulate_candidate(
             if simulated and evaluation.step_time >= bar - _EPS:
                 cut[-1] = True
                 break
-            if "wparts" in candidate.passes + passes and set(candidate.passes + passes) <= _ORDER_KEEPING:
-                least = _memory_floor(schedule, costs)
+            if "wparts" in candidate.passes + passes and set(candidate.passes + passes) <= ORDER_KEEPING:
+                least = memory_floor(schedule, costs)
                 if max(least) > memory + _EPS:  # no placement of its W can make it fit: skip the passes
                     device = least.index(max(least))
                     evaluation.reason = f"memory: device {device} needs at least {_gib(least[device])} > {_gib(memory)}"
@@ -355,18 +337,6 @@ def _simulate_candidate(
         setattr(evaluation, name, best[name])
     evaluation.feasible, evaluation.reason = True, ""
     return True
-
-
-_ORDER_KEEPING = {"wparts", "offload-all"}
-"""Passes that keep every device's order of F and B: W parts only move W, and offloading the
-optimizer moves no activation. A chain of them with W parts, the dearest pass, is skipped when
-its schedule cannot fit whatever the parts do (`_memory_floor`)."""
-
-
-def _memory_floor(schedule: Schedule, costs: Costs) -> list[float]:
-    """Each device's peak (static and activations) if every B freed its activations whole (no
-    M_W held for a W): whatever an order-keeping pass does with the W, the peak is no lower."""
-    return simulate(schedule, dataclasses.replace(costs, M_W=0.0)).peak_memory
 
 
 def _uses_budget(candidate: Candidate) -> bool:
