@@ -319,6 +319,8 @@ def _normalise(key: str, value: Any) -> float | tuple:
             raise ConfigError(f"costs: {key} must be a non-negative finite number, got {value!r}")
         return float(value)
     if isinstance(value, (list, tuple)) and value:
+        if all(_is_number(entry) and 0 <= entry < math.inf for entry in value):  # the usual case, at once
+            return tuple(float(entry) for entry in value)
         return tuple(
             _normalise(f"{key}[{i}]", entry) if _is_number(entry) else _normalise_slices(f"{key}[{i}]", entry)
             for i, entry in enumerate(value)

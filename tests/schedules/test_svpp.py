@@ -5,7 +5,7 @@ import random
 import pytest
 
 from pipeloom import ConfigError, Costs, InfeasibleError, build_schedule, simulate, validate
-from pipeloom.schedules.svpp import _best_of_policies
+from pipeloom.schedules.svpp import _best_of_policies, svpp_within
 
 EQUAL = Costs(F=1, B=1)  # MEPipe's analysis: a slice's backward takes as long as its forward
 
@@ -142,6 +142,35 @@ def test_random_sizes_validate_and_the_generator_times_are_the_simulator_s():
         per_forward = max(costs.resolve(p, v * p, s).M_B)
         assert max(timeline.peak_activation_memory) <= f * per_forward + 1e-9
         validate(build_schedule("terapipe", p, n, num_slices=s))
+
+
+def test_within_a_room_the_shortest_policy_that_fits_or_a_refusal():
+    """The tuner's build: at f forwards, the shortest policy whose activations fit the room. With
+    room for every policy it is the plain build; with less it still fits (a run stops at the
+    first device over its room, and the rest are kept); below what any policy holds, refused."""
+    rng = random.Random(12)
+    tighter = 0
+    for _ in range(30):
+        p, v, s, n = rng.randint(2, 5), rng.randint(1, 2), rng.randint(1, 4), rng.randint(2, 8)
+        costs = Costs(F=rng.uniform(0.5, 2), B=rng.uniform(0.5, 3), W=rng.uniform(0, 1), comm=rng.choice([0, 0.05]))
+        f = rng.randint(v * s, v * s * n)
+        plain = _best_of_policies(p, n, v, s, f, costs)
+        peaks = simulate(plain.schedule, costs).peak_activation_memory
+        roomy = svpp_within(p, n, v, s, f, costs, [peak + 1e-6 for peak in peaks])
+        assert roomy.to_text() == plain.schedule.to_text()
+        room = [peak + 1e-6 for peak in peaks]
+        room[rng.randrange(p)] -= max(costs.resolve(p, v * p, s).M_B)  # one forward less on one device
+        try:
+            within = svpp_within(p, n, v, s, f, costs, room)
+        except InfeasibleError:
+            continue
+        validate(within)
+        assert all(peak <= limit + 1e-9 for peak, limit in zip(simulate(within, costs).peak_activation_memory, room))
+        tighter += within.to_text() != plain.schedule.to_text()
+    assert tighter >= 3
+    one_forward = max(Costs(F=1, B=2).resolve(4, 8, 2).M_B)
+    with pytest.raises(InfeasibleError, match="under every policy"):
+        svpp_within(4, 8, 2, 2, 9, Costs(F=1, B=2), [one_forward / 2] * 4)
 
 
 @pytest.mark.parametrize(

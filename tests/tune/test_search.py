@@ -114,6 +114,29 @@ def test_the_layer_layout_is_chosen_with_the_schedule():
     assert list(plan.partition) == chosen.partition
 
 
+def test_the_room_floor_is_below_every_budgeted_step_and_prunes_where_memory_binds():
+    """Budgeted schemes under tight memory: the bound with the room floor (micro-batches in
+    flight capped by the activation room) is still below every simulated step, and above the
+    work-and-warm-up floor where memory binds."""
+    from pipeloom.tune.bounds import pipeline_floor
+    from pipeloom.tune.search import _prepare
+
+    space = {"schemes": ["zb-auto", "zb-v", "svpp"], "micro_batches": [2, 4], "pp_values": [8]}
+    checked = raised = 0
+    for memory in (7, 12):
+        for candidate in candidates(8, 32, num_layers=22, **space):
+            evaluation = evaluate(candidate, SMALL, memory * GIB)
+            if not evaluation.feasible:
+                continue
+            prepared, bound = _prepare(candidate, SMALL, memory * GIB)
+            assert bound <= evaluation.step_time * (1 + 1e-9), candidate.label
+            fitting = [option for option in prepared.options if max(option.static_memory) <= memory * GIB]
+            extra = min(option.allreduce_time + option.optimizer_time for option in fitting)
+            raised += bound > pipeline_floor(candidate, prepared.costs) + extra + prepared.overhead_time + 1e-9
+            checked += 1
+    assert checked >= 10 and raised >= 2
+
+
 def test_the_memory_floor_is_below_every_placement_of_w_parts():
     """The tuner skips W parts on a schedule whose floor (every B freeing its activations whole)
     is over the limit: a floor above any W-parts placement would rule out plans that fit."""

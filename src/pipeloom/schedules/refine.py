@@ -66,7 +66,8 @@ def _sweep(timeline: Timeline, comm: float, budget: Sequence[float]) -> tuple[li
                         continue  # one stage's ops of a kind stay in micro-batch order (gradients sum in it)
                     order.insert(k, order.pop(i))
                     start[g], end[g] = ready, ready + duration
-                    level = _levels(order, delta)
+                    # g now comes before the ops it passed: only their levels change
+                    level[k : i + 1] = [level[k - 1] + delta[g]] + [x + delta[g] for x in level[k:i]]
                     moved += 1
                     break
             k += 1

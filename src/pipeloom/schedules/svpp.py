@@ -41,11 +41,11 @@ from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError, InfeasibleError
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
-from pipeloom.schedules.agenda import Agenda
 from pipeloom.schedules.registry import Tuning, register, require_int
+from pipeloom.schedules.slice_scheduler import Beaten, Deadlock, Overflow, Policy, SliceScheduler
 from pipeloom.sim.simulate import simulate
 
-__all__ = ["svpp", "terapipe", "table3_forwards", "DEFAULT_SVPP_COSTS"]
+__all__ = ["svpp", "svpp_within", "terapipe", "table3_forwards", "DEFAULT_SVPP_COSTS"]
 
 F, BW = OpKind.F, OpKind.BW
 _EPS = 1e-9
@@ -131,26 +131,6 @@ def terapipe(num_devices: int, num_microbatches: int, num_slices: int = 2) -> Sc
 
 
 @dataclass(frozen=True, slots=True)
-class _Policy:
-    prefer: str
-    """"alternate", "forward" or "backward": which of a ready forward and backward runs."""
-    deep_first: bool
-    """Among one micro-batch's ready forwards, the later chunk first."""
-    reserve: bool
-    """Keep room for the remaining forwards of micro-batches that entered the device earlier."""
-    taper: int = 0
-    """Device d holds at most f − taper·d forwards (at least v·s): 1F1B's shape for taper 1."""
-
-
-class _Deadlock(Exception):
-    """Every device holds f forwards and waits for a backward none can produce."""
-
-
-class _Beaten(Exception):
-    """The run has passed the step length it had to beat."""
-
-
-@dataclass(frozen=True, slots=True)
 class _Built:
     forwards: int
     makespan: float
@@ -160,21 +140,30 @@ class _Built:
 
 
 def _best_of_policies(
-    p: int, m: int, v: int, s: int, forwards: int, costs: Costs, bound: float = math.inf, first: bool = False
+    p: int,
+    m: int,
+    v: int,
+    s: int,
+    forwards: int,
+    costs: Costs,
+    bound: float = math.inf,
+    first: bool = False,
+    room: Sequence[float] | None = None,
 ) -> _Built | None:
     """The shortest step over the policies (with `first`, the first to end by `bound`), or None
-    if none ends by `bound`. A run is abandoned as soon as it cannot beat the best so far."""
+    if none ends by `bound`. A run is abandoned as soon as it cannot beat the best so far, and,
+    with `room` (activation memory per device), as soon as a device holds more than its room."""
     best = None
     orders = (False, True) if v > 1 else (False,)
     for prefer, deep_first, taper in itertools.product(("alternate", "forward", "backward"), orders, (0, 1)):
         for reserve in (False, True):
             limit = min(bound, best[0]) if best else bound
             try:
-                policy = _Policy(prefer, deep_first, reserve, taper)
-                run = _SliceScheduler(p, m, v, s, forwards, costs, policy).run(limit)
-            except _Deadlock:
+                policy = Policy(prefer, deep_first, reserve, taper)
+                run = SliceScheduler(p, m, v, s, forwards, costs, policy, room).run(limit)
+            except Deadlock:
                 continue  # the reserving run of the same policy cannot deadlock
-            except _Beaten:
+            except (Beaten, Overflow):
                 break
             if best is None or run[0] < best[0] - _EPS:
                 best = run
@@ -186,6 +175,29 @@ def _best_of_policies(
     makespan, held, order = best
     schedule = Schedule.build("svpp", order, num_stages=v * p, num_microbatches=m, num_slices=s)
     return _Built(forwards, makespan, held, schedule)
+
+
+def svpp_within(
+    num_devices: int,
+    num_microbatches: int,
+    num_chunks: int,
+    num_slices: int,
+    forwards: int,
+    costs: Costs,
+    mem_limit: Sequence[float],
+) -> Schedule:
+    """SVPP with f = `forwards`: the shortest policy whose activations fit `mem_limit` (per
+    device), or InfeasibleError if none does. The tuner's build (f from Table 3): a policy run
+    stops at the first device over its room, so an input that cannot fit costs a warm-up, not
+    a dozen whole runs; and a policy that fits is kept where the shortest one would not."""
+    p, m, v, s = num_devices, num_microbatches, num_chunks, num_slices
+    built = _best_of_policies(p, m, v, s, forwards, costs, room=per_device(mem_limit, p, "svpp"))
+    if built is None:
+        raise InfeasibleError(
+            f"svpp: with f = {forwards} forwards before the first backward, some device holds more activation "
+            f"memory than the {min(mem_limit):g} left to it under every policy"
+        )
+    return built.schedule
 
 
 def _shortest(p: int, m: int, v: int, s: int, forwards: int, costs: Costs) -> _Built:
@@ -242,149 +254,3 @@ def _largest_fitting(p: int, m: int, v: int, s: int, costs: Costs, mem_limit, lo
         else:
             high = middle - 1
     return best
-
-
-class _SliceScheduler:
-    """One greedy run. Tables are flat, indexed by (stage * m + mb) * s + slice; a candidate is
-    (ready time, priority, is forward, stage, mb, slice)."""
-
-    def __init__(self, p: int, m: int, v: int, s: int, forwards: int, costs: Costs, policy: _Policy):
-        self.p, self.m, self.v, self.s = p, m, v, s
-        self.S = S = v * p
-        table = costs.resolve(p, S, s)
-        self.t_forward = table.F
-        self.t_backward = [b + w for b, w in zip(table.B, table.W)]
-        self.comm = table.comm
-        self.policy = policy
-        self.caps = [max(v * s, forwards - policy.taper * d) for d in range(p)]
-        self.end_f = [-1.0] * (S * m * s)
-        self.end_b = [-1.0] * (S * m * s)
-        self.next_forward = [0] * S  # position in the stage's (mb, slice) order
-        self.next_backward = [[s - 1] * m for _ in range(S)]  # per stage and mb: the slice to backward next
-        self.lowest_open = [0] * S  # per stage: first micro-batch with backwards left
-        self.held = [0] * p
-        self.unrun_forwards = [[v * s] * m for _ in range(p)]
-
-    def run(self, bound: float = math.inf) -> tuple[float, int, list[list[Op]]]:
-        """Event-driven: the device with the earliest clock acts (a heap of (clock, device), ties
-        to the lower device). A device's candidates change only when an op is placed on it or on
-        a neighbour (whose stages feed or are fed by its own), so they are kept until then."""
-        p, S = self.p, self.S
-        clock = [0.0] * p
-        last_forward = [False] * p
-        order: list[list[Op]] = [[] for _ in range(p)]
-        left = [2 * self.v * self.m * self.s] * p
-        stages_of = [range(d, S, p) for d in range(p)]
-        prefer = self.policy.prefer
-        most_held = 0
-        agenda = Agenda(p)  # the devices that can act: ops left and not blocked
-        blocked: list[int] = []  # no candidate at all and no later clock to wait for
-        cached: list[list | None] = [None] * p
-        earliest = [math.inf] * p  # the earliest ready time among a device's kept candidates
-        while agenda:
-            now, d = agenda.pop()
-            candidates = cached[d]
-            if candidates is None:
-                candidates = []
-                for stage in stages_of[d]:
-                    self.forward_candidate(stage, d, candidates)
-                    self.backward_candidates(stage, candidates)
-                cached[d] = candidates
-                earliest[d] = min((c[0] for c in candidates), default=math.inf)
-            if earliest[d] > now + _EPS:
-                # Wait for the next known input, but no later than another device's clock: an op
-                # whose producer has not run cannot become ready before that.
-                later = earliest[d]
-                if agenda.events and later > agenda.events[0][0]:  # else no clock after now comes sooner
-                    later = min(later, agenda.earliest_after(now + _EPS))
-                if later < math.inf:
-                    clock[d] = later
-                    agenda.push(later, d)
-                else:
-                    blocked.append(d)
-                continue
-            ready = [c for c in candidates if c[0] <= now + _EPS]
-            forward_first = prefer == "forward" or (prefer == "alternate" and not last_forward[d])
-            kinds = {c[2] for c in ready}
-            is_forward = forward_first if len(kinds) == 2 else kinds.pop()
-            _, _, _, stage, mb, slice_ = min((c for c in ready if c[2] == is_forward), key=lambda c: c[1])
-            clock[d] = end = self.place(is_forward, stage, mb, slice_, d, now)
-            if end > bound + _EPS:
-                raise _Beaten
-            most_held = max(most_held, self.held[d])
-            last_forward[d] = is_forward
-            order[d].append(Op(F if is_forward else BW, stage, mb, slice_))
-            left[d] -= 1
-            cached[d] = cached[(d - 1) % p] = cached[(d + 1) % p] = None
-            for x in blocked:
-                agenda.push(clock[x], x)
-            blocked.clear()
-            if left[d]:
-                agenda.push(end, d)
-        if any(left):
-            raise _Deadlock
-        return max(clock), most_held, order
-
-    def forward_candidate(self, stage: int, device: int, out: list) -> None:
-        m, s = self.m, self.s
-        position = self.next_forward[stage]
-        if position >= m * s:
-            return
-        mb, slice_ = divmod(position, s)
-        ready = 0.0
-        if stage:
-            arrival = self.end_f[((stage - 1) * m + mb) * s + slice_]
-            if arrival < 0:
-                return
-            ready = arrival + (self.comm if (stage - 1) % self.p != device else 0.0)
-        owed = 0
-        if self.policy.reserve:
-            started = self.unrun_forwards[device]
-            owed = sum(started[j] for j in range(mb) if started[j] < self.v * s)
-        if self.held[device] + 1 + owed > self.caps[device]:
-            return
-        chunk = stage // self.p
-        out.append((ready, (mb, -chunk if self.policy.deep_first else chunk, slice_), True, stage, mb, slice_))
-
-    def backward_candidates(self, stage: int, out: list) -> None:
-        m, s = self.m, self.s
-        end_f, end_b = self.end_f, self.end_b
-        last_stage = stage == self.S - 1
-        chunk = stage // self.p
-        comm = self.comm if (stage + 1) % self.p != stage % self.p else 0.0
-        next_backward = self.next_backward[stage]
-        for mb in range(self.lowest_open[stage], m):
-            slice_ = next_backward[mb]
-            if slice_ < 0:
-                continue
-            k = (stage * m + mb) * s + slice_
-            ready = end_f[k]
-            if ready < 0:
-                break  # forwards of a stage end in micro-batch order: later ones are not ready either
-            if not last_stage:
-                gradient = end_b[k + m * s]
-                if gradient < 0:
-                    continue
-                ready = max(ready, gradient + comm)
-            if slice_ < s - 1:
-                ready = max(ready, end_b[k + 1])
-            out.append((ready, (-chunk, -slice_, mb), False, stage, mb, slice_))
-
-    def place(self, is_forward: bool, stage: int, mb: int, slice_: int, device: int, now: float) -> float:
-        k = (stage * self.m + mb) * self.s + slice_
-        if is_forward:
-            end = now + self.t_forward[stage * self.s + slice_]
-            self.end_f[k] = end
-            self.next_forward[stage] += 1
-            self.held[device] += 1
-            self.unrun_forwards[device][mb] -= 1
-            return end
-        end = now + self.t_backward[stage * self.s + slice_]
-        self.end_b[k] = end
-        self.next_backward[stage][mb] -= 1
-        self.held[device] -= 1
-        lowest, next_backward = self.lowest_open[stage], self.next_backward[stage]
-        while lowest < self.m and next_backward[lowest] < 0:
-            lowest += 1
-        self.lowest_open[stage] = lowest
-        return end

@@ -46,7 +46,7 @@ __all__ = ["v_placement", "best_v_schedule", "paper_block_budget", "PAPER_MODEL"
 PAPER_MODEL = 1.0
 """The paper's planning model: the share of M_B a B keeps until its W (all of it)."""
 _EPS = 1e-9
-_LARGE = 20_000
+_LARGE = 4_000
 """Beyond this many ops the list scheduler runs its starting flags only (one pass, not a search)
 and only the block that holds the most is built, as the authors build it."""
 

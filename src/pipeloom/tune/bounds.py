@@ -8,13 +8,15 @@ step and every W-parts placement): one above the truth would prune plans that co
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 
 from pipeloom.costs import Costs
 from pipeloom.ir.schedule import Schedule
 from pipeloom.sim.simulate import simulate
 from pipeloom.tune.space import Candidate
 
-__all__ = ["ORDER_KEEPING", "memory_floor", "pipeline_floor"]
+__all__ = ["ORDER_KEEPING", "memory_floor", "pipeline_floor", "room_floor"]
 
 
 def pipeline_floor(candidate: Candidate, costs: Costs) -> float:
@@ -32,6 +34,40 @@ def pipeline_floor(candidate: Candidate, costs: Costs) -> float:
     for stages_on in candidate.placement:
         work = sum(costs.stage_value(kind, s) for s in stages_on for kind in ("F", "B", "W"))
         floors.append(min(before[s] for s in stages_on) + work * candidate.num_microbatches * share)
+    return max(floors)
+
+
+def room_floor(candidate: Candidate, costs: Costs, room: Sequence[float]) -> float:
+    """A lower bound on the pipeline's time when each device holds at most `room` of
+    activations and no pass trades them for time (a budgeted scheme, order-keeping passes).
+    From a micro-batch's forward of stage s starting to its backward of s starting, the device
+    holds that forward's M_B, for at least the forward and the forwards and backwards of every
+    later stage; from the backward starting to its W starting, M_W, for at least the backward.
+    m such stretches per stage, all under the room at every instant: on each device the step is
+    at least m·Σ (memory × stretch) / room — or, with one stage, m·stretch over the whole
+    micro-batches the room holds at once. What keeps a memory-bound plan from being built only
+    to lose: a tight budget caps the micro-batches in flight, not the work."""
+    table = costs.resolve(candidate.pp, candidate.num_stages, candidate.slices)
+    slices = candidate.slices
+    after = [0.0] * (candidate.num_stages * slices)  # per (stage, slice): the later stages' F + B
+    for stage in range(candidate.num_stages - 2, -1, -1):
+        for slice_ in range(slices):
+            index, later = stage * slices + slice_, (stage + 1) * slices + slice_
+            after[index] = after[later] + table.F[later] + table.B[later]
+    share = candidate.num_microbatches / candidate.replicas
+    floors = [0.0]
+    for device, stages_on in enumerate(candidate.placement):
+        keys = [stage * slices + slice_ for stage in stages_on for slice_ in range(slices)]
+        held = sum(table.M_B[k] * (table.F[k] + after[k]) + table.M_W[k] * table.B[k] for k in keys)
+        if held <= 0:
+            continue
+        if room[device] <= 0:
+            return math.inf
+        floors.append(share * held / room[device])
+        if len(keys) == 1 and table.M_B[keys[0]] > 0:
+            at_once = math.floor(room[device] / table.M_B[keys[0]] + 1e-9)
+            stretch = table.F[keys[0]] + after[keys[0]]
+            floors.append(share * stretch / at_once if at_once else math.inf)
     return max(floors)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import lru_cache
 
 from pipeloom.errors import InfeasibleError
 
@@ -27,6 +28,12 @@ def partition_layers(num_layers: int, per_layer: Sequence[float], extra: Sequenc
     >>> partition_layers(10, [1, 1, 1], [0, 0, 0])
     [4, 3, 3]
     """
+    return list(_balanced(num_layers, tuple(per_layer), tuple(extra)))
+
+
+@lru_cache(maxsize=1024)
+def _balanced(num_layers: int, per_layer: tuple[float, ...], extra: tuple[float, ...]) -> tuple[int, ...]:
+    """Cached: the tuner asks for the same stage costs once per scheme and ZeRO level."""
     stages = len(per_layer)
     if num_layers < stages:
         raise InfeasibleError(f"{num_layers} layers cannot fill {stages} stages of at least one layer each")
@@ -52,7 +59,7 @@ def partition_layers(num_layers: int, per_layer: Sequence[float], extra: Sequenc
         )
         counts[i] -= 1
         surplus -= 1
-    return counts
+    return tuple(counts)
 
 
 def partition_variants(counts: Sequence[int]) -> list[list[int]]:

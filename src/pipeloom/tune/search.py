@@ -5,11 +5,12 @@ For each candidate the layers are partitioned to balance stage time given the em
 
 1. static memory (weights, gradients, optimizer state) over the limit on some device under every
    static-memory measure (ZeRO-0, ZeRO-1, ZeRO-2, every stage's optimizer offloaded) → rejected;
-2. a lower bound on the step — the busiest device's compute, plus the all-reduce and optimizer —
-   no better than the `keep`-th best plan so far → pruned (candidates run in order of this bound,
-   so good plans come early and prune the rest);
-3. the schedule is built (memory-driven generators get the activation budget left after static
-   memory) and simulated; over the limit, the scheme's memory-saving passes are tried in turn
+2. a lower bound on the step (`bounds`) — each device's warm-up and work or, for budgeted
+   schemes, the micro-batches its activation room lets through at once, plus the all-reduce and
+   optimizer — no better than the `keep`-th best plan so far → pruned (candidates run in order
+   of this bound, so good plans come early and prune the rest);
+3. the schedule is built (`candidate_run`; memory-driven generators get the activation budget
+   left after static memory) and simulated; over the limit, the scheme's memory-saving passes are tried in turn
    (Mario, T-Recomp, T-Offload), and the first that fits is kept. Only when none fits is the next
    static measure tried — each costs time (an all-gather of the weights, host copies), so a plan
    takes one only when it needs it.
@@ -25,23 +26,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
 
-from pipeloom.costs import Costs
-from pipeloom.errors import InfeasibleError, PipeloomError
-from pipeloom.ir.schedule import Schedule
-from pipeloom.passes.mario import mario
-from pipeloom.passes.offload import simulate_offload, t_offload
-from pipeloom.passes.trecomp import t_recomp
-from pipeloom.passes.weight_parts import weight_parts
-from pipeloom.schedules.registry import build_schedule, get_generator
-from pipeloom.schedules.svpp import table3_forwards
-from pipeloom.sim.simulate import simulate
-from pipeloom.tune.bounds import ORDER_KEEPING, memory_floor, pipeline_floor
+from pipeloom.errors import InfeasibleError
+from pipeloom.tune.bounds import pipeline_floor, room_floor
+from pipeloom.tune.candidate_run import gib, most_room, simulate_candidate, simulate_task
 from pipeloom.tune.cost_model import CostModel
 from pipeloom.tune.evaluation import Evaluation, TuneResult, packed, restore
 from pipeloom.tune.measures import static_options
 from pipeloom.tune.partition import partition_layers, partition_variants
 from pipeloom.tune.pool import ROUND, RoundPool, default_jobs
-from pipeloom.tune.space import DEFAULT_SCHEMES, GENERATOR_OF, SCHEMES, Candidate, candidates
+from pipeloom.tune.space import DEFAULT_SCHEMES, SCHEMES, Candidate, candidates
 
 __all__ = ["Evaluation", "TuneResult", "tune", "evaluate"]
 
@@ -107,7 +100,7 @@ def tune(
     def threshold() -> float:
         return ranked[keep - 1].step_time if len(ranked) >= keep and not exhaustive else math.inf
 
-    task = partial(_simulate_task, memory=memory, memory_passes=memory_passes)
+    task = partial(simulate_task, memory=memory, memory_passes=memory_passes)
     with RoundPool(task, jobs if jobs is not None else default_jobs(), pack=packed) as pool:
         for first in range(0, len(prepared), ROUND):
             batch = list(enumerate(prepared[first : first + ROUND], first))
@@ -156,17 +149,21 @@ def _other_partitions(
     re-timed: a budgeted generator's schedule for one layout's costs gains little on another's.
     How many were simulated."""
     leading = ranked[:REFINED_PLANS]
-    sent: list[tuple[int, Evaluation]] = []
+    sent: list[tuple[int, Evaluation, list]] = []
     for index, evaluation in enumerate(leading):
         base = replace(evaluation.candidate, passes=SCHEMES[evaluation.candidate.scheme].passes, zero=0)
+        own = (evaluation.candidate.zero, "offload-all" in evaluation.candidate.passes)
         for layout in partition_variants(evaluation.partition):
             variant, bound = _prepare(base, cost_model, memory, static_measures, partition=layout)
-            if not variant.reason and bound < evaluation.step_time - _EPS:
-                sent.append((index, variant))
+            every = variant.options  # the plan's own static measure only: a layer moves little memory
+            variant.options = [option for option in every if (option.zero, option.offload_all) == own]
+            if not variant.reason and variant.options and bound < evaluation.step_time - _EPS:
+                sent.append((index, variant, every))
     limit = max(evaluation.step_time for evaluation in leading)
-    results = pool.run([variant for _, variant in sent], limit, [_ops(variant.candidate) for _, variant in sent])
-    for (index, _), (variant, _) in zip(sent, results):
+    results = pool.run([variant for _, variant, _ in sent], limit, [_ops(variant.candidate) for _, variant, _ in sent])
+    for (index, _, every), (variant, _) in zip(sent, results):
         if variant.feasible and variant.step_time < ranked[index].step_time - _EPS:
+            variant.options = every  # what --explain weighs the measure against
             ranked[index] = variant
     ranked.sort(key=lambda e: e.step_time)
     return len(sent)
@@ -182,7 +179,7 @@ def evaluate(
     """One candidate, fully (no pruning)."""
     evaluation, _ = _prepare(candidate, cost_model, memory, static_measures)
     if not evaluation.reason:
-        _simulate_candidate(evaluation, memory, memory_passes=memory_passes)
+        simulate_candidate(evaluation, memory, memory_passes=memory_passes)
     return evaluation
 
 
@@ -225,153 +222,15 @@ def _prepare(
         device = least.static_memory.index(worst)
         evaluation.static_memory = least.static_memory
         evaluation.reason = (
-            f"memory: static {_gib(worst)} on device {device} exceeds {_gib(memory)} before any activation"
+            f"memory: static {gib(worst)} on device {device} exceeds {gib(memory)} before any activation"
             + (f", even with {least.label}" if len(options) > 1 else "")
         )
         return evaluation, math.inf
     extra = min(option.allreduce_time + option.optimizer_time for option in fitting)
-    return evaluation, pipeline_floor(candidate, plain.costs) + extra + evaluation.overhead_time
-
-
-_RESULT_FIELDS = (
-    "candidate", "costs", "schedule", "timeline", "offload", "pipeline_time", "allreduce_time",
-    "optimizer_time", "static_memory", "peak_memory",
-)  # fmt: skip
-
-
-def _simulate_task(evaluation: Evaluation, threshold: float, memory: float, memory_passes: bool):
-    """One candidate simulated: (the evaluation, whether it was kept)."""
-    kept = _simulate_candidate(evaluation, memory, threshold, memory_passes)
-    return evaluation, kept
-
-
-def _simulate_candidate(
-    evaluation: Evaluation, memory: float, threshold: float = math.inf, memory_passes: bool = True
-) -> bool:
-    """Build and simulate under each static-memory measure in turn, falling back to the scheme's
-    memory-saving passes within each, and keep the fastest plan that fits. ZeRO-1 is always
-    weighed against ZeRO-0 (its optimizer step is 1/dp and a budgeted generator gets more room,
-    against an all-gather of the weights); ZeRO-2 (bf16 gradient accumulation) only while memory
-    is short — when nothing fits without a memory-saving pass; offload only when nothing fits at
-    all. False if it cannot beat `threshold` (the plain schedule, which every pass only
-    lengthens, already takes that long)."""
-    candidate = evaluation.candidate
-    spec = SCHEMES[candidate.scheme]
-    chains = ((),) + (spec.fallbacks if memory_passes else ())
-    fitting = [option for option in evaluation.options if max(option.static_memory) <= memory]
-    best: dict | None = None
-    cut = []  # per measure tried: whether the bar cut its chains short
-    floor = None  # the first plain schedule's pipeline: no measure shortens a schedule it does not rebuild
-    built = None
-    for option in fitting:
-        bar = min(threshold, best["step_time"] if best else math.inf)
-        if floor is not None and not spec.budgeted:
-            if floor + option.allreduce_time + option.optimizer_time >= bar - _EPS:
-                cut.append(True)
-                continue
-        if best is not None:
-            plainly = best["candidate"].passes == candidate.passes  # fits without a memory-saving pass
-            if option.offload_all or (option.zero == 2 and plainly):
-                break  # ZeRO-2 only when memory is short, offload only when nothing else fits
-            extra = option.allreduce_time + option.optimizer_time
-            if extra >= best["allreduce_time"] + best["optimizer_time"] - _EPS and not spec.budgeted and plainly:
-                continue  # the same schedule, with a dearer step around it
-        costs = evaluation.costs = option.costs
-        evaluation.allreduce_time, evaluation.optimizer_time = option.allreduce_time, option.optimizer_time
-        budget = [memory - static for static in option.static_memory]
-        try:
-            if built is None or _uses_budget(candidate):  # else the measures share one schedule
-                built = _generate(candidate, costs, budget)
-            schedule = built
-        except PipeloomError as error:
-            evaluation.reason = f"schedule: {error.summary}"
-            cut.append(False)
-            continue
-        cut.append(False)
-        simulated = False  # this measure's first chain, which every later one only lengthens
-        option_chains = [chain + ("offload-all",) for chain in chains] if option.offload_all else chains
-        for passes in option_chains:
-            if simulated and evaluation.step_time >= bar - _EPS:
-                cut[-1] = True
-                break
-            if "wparts" in candidate.passes + passes and set(candidate.passes + passes) <= ORDER_KEEPING:
-                least = memory_floor(schedule, costs)
-                if max(least) > memory + _EPS:  # no placement of its W can make it fit: skip the passes
-                    device = least.index(max(least))
-                    evaluation.reason = f"memory: device {device} needs at least {_gib(least[device])} > {_gib(memory)}"
-                    continue
-            try:
-                current = schedule
-                for name in candidate.passes + passes:
-                    current = _apply(name, current, costs, budget)
-            except PipeloomError as error:
-                evaluation.reason = f"memory: {error.summary}"
-                continue
-            if "offload" in passes or "offload-all" in passes:
-                stages = range(current.num_stages) if "offload-all" in passes else None
-                offload = simulate_offload(t_offload(current, stages), costs)
-                timeline, pipeline = offload.timeline, offload.step_time
-            else:
-                offload, timeline = None, simulate(current, costs)
-                pipeline = timeline.makespan
-            peaks = timeline.peak_memory
-            if not simulated and floor is None and not (option.offload_all or candidate.passes + passes):
-                floor = pipeline
-            simulated = True
-            evaluation.candidate = candidate.with_passes(candidate.passes + passes, zero=option.zero)
-            evaluation.schedule, evaluation.timeline, evaluation.offload = current, timeline, offload
-            evaluation.pipeline_time, evaluation.peak_memory = pipeline, peaks
-            evaluation.allreduce_time = option.allreduce_time + option.replica_skew * pipeline
-            evaluation.static_memory = list(timeline.static_memory)
-            if max(peaks) <= memory + _EPS:
-                if best is None or evaluation.step_time < best["step_time"] - _EPS:
-                    best = {name: getattr(evaluation, name) for name in _RESULT_FIELDS}
-                    best["step_time"] = evaluation.step_time
-                break
-            device = peaks.index(max(peaks))
-            evaluation.reason = f"memory: device {device} peaks at {_gib(peaks[device])} > {_gib(memory)}"
-            evaluation.unfit.append((evaluation.candidate.label, evaluation.step_time, evaluation.reason))
-    if best is None:
-        return not (cut and all(cut))
-    for name in _RESULT_FIELDS:
-        setattr(evaluation, name, best[name])
-    evaluation.feasible, evaluation.reason = True, ""
-    return True
-
-
-def _uses_budget(candidate: Candidate) -> bool:
-    """Whether the generator reads the memory budget (so each static measure builds its own)."""
-    spec = SCHEMES[candidate.scheme]
-    return spec.budgeted and not spec.table3_forwards
-
-
-def _generate(candidate: Candidate, costs: Costs, budget: list[float]) -> Schedule:
-    spec, generator = SCHEMES[candidate.scheme], GENERATOR_OF[candidate.scheme]
-    options = get_generator(generator).options
-    kwargs: dict = {}
-    if "num_chunks" in options and (candidate.chunks > 1 or spec.table3_forwards):
-        kwargs["num_chunks"] = candidate.chunks
-    if "num_slices" in options:
-        kwargs["num_slices"] = candidate.slices
-    if "costs" in options:
-        kwargs["costs"] = costs
-    if spec.table3_forwards:  # one build, where searching the forwards would take many
-        kwargs["forwards"] = table3_forwards(candidate.pp, candidate.chunks, candidate.slices)
-    elif _uses_budget(candidate):
-        kwargs["mem_limit"] = budget
-    return build_schedule(generator, candidate.pp, candidate.num_microbatches, **kwargs)
-
-
-def _apply(name: str, schedule: Schedule, costs: Costs, budget: list[float]) -> Schedule:
-    if name == "mario":
-        return mario(schedule, costs, budget)
-    if name == "trecomp":
-        return t_recomp(schedule)
-    if name == "wparts":
-        return weight_parts(schedule, costs, mem_limit=budget)
-    if name in ("offload", "offload-all"):
-        return schedule  # a plan layer, simulated beside the schedule
-    raise AssertionError(name)
+    floor = pipeline_floor(candidate, plain.costs)
+    if SCHEMES[candidate.scheme].budgeted:  # no pass trades its activations for time
+        floor = max(floor, room_floor(candidate, plain.costs, most_room(fitting, memory)))
+    return evaluation, floor + extra + evaluation.overhead_time
 
 
 def _ops(candidate: Candidate) -> int:
@@ -386,12 +245,8 @@ def _binding_constraint(rejected: list[Evaluation], memory: float) -> str:
         closest = min(measured, key=lambda e: max(e.peak_memory or e.static_memory))
         need = max(closest.peak_memory or closest.static_memory)
         return (
-            f"no plan fits {_gib(memory)} per device: the least any configuration needs is {_gib(need)} "
+            f"no plan fits {gib(memory)} per device: the least any configuration needs is {gib(need)} "
             f"({closest.candidate.label}; {closest.reason})"
         )
     reasons = sorted({e.reason.split(":")[0] for e in rejected})
     return f"no plan fits: every configuration was ruled out ({', '.join(reasons)}); e.g. {rejected[0].reason}"
-
-
-def _gib(value: float) -> str:
-    return f"{value / 2**30:.2f} GiB"
