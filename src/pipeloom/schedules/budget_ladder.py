@@ -20,7 +20,7 @@ from pipeloom.errors import InfeasibleError
 from pipeloom.ir.schedule import Schedule
 from pipeloom.sim.simulate import Timeline, simulate
 
-__all__ = ["monotone_best", "RUNGS"]
+__all__ = ["monotone_best", "forget", "RUNGS"]
 
 RUNGS = 4
 """Budgets on the ladder, geometric between the least feasible budget and the largest useful one."""
@@ -85,3 +85,8 @@ def monotone_best(
     if fresh is not None and fresh[0] <= best_cost + _EPS:
         best = fresh[1]  # what a fresh process would answer, unless something found before is shorter
     return best if best.name == name else best.with_devices(best.devices, name=name)
+
+
+def forget() -> None:
+    """Drop every remembered schedule (`schedules.clear_caches`)."""
+    _REMEMBERED.clear()

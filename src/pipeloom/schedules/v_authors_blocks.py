@@ -34,7 +34,7 @@ from pipeloom.schedules.v_blocks import (
     v_min_block,
 )
 
-__all__ = ["authors_v_block"]
+__all__ = ["authors_v_block", "forget"]
 
 _FD, _FU, _BU, _BD, _W = range(5)  # their pass types; _W is any W while they are unnamed
 _UNIT_MEMORY = (1, 1, 0, 0, -1)
@@ -160,3 +160,8 @@ def _retimed(times, p: int):
             ready = max(ready, end[d][k][j - 1])
         end[d][k][j] = device_free[d] = ready + 1
     return [[[e - 1 for e in ends] for ends in dev] for dev in end]
+
+
+def forget() -> None:
+    """Drop the cached orders (`schedules.clear_caches`)."""
+    _orders.cache_clear()

@@ -77,41 +77,47 @@ class _Run:
         return self.end[kind][src if chunk == 0 else 2 * p - 1 - src][mb]
 
     def put(self, kind: int, d: int, chunk: int) -> None:
+        """Run the device's next op of `kind` in `chunk` (the greedy's inner loop: written out
+        flat, `input_end` and `_local_inputs_done` inlined)."""
         counts = self.count[d][kind]
         mb = counts[chunk]
-        s = d if chunk == 0 else 2 * self.p - 1 - d
+        p = self.p
+        s = d if chunk == 0 else 2 * p - 1 - d
         delta = self.deltas[kind][s]
         if mb >= self.m or self.mem[d] + delta > self.limits[d]:
             raise _Stuck
-        if not self._local_inputs_done(kind, d, chunk, mb):
-            raise _Stuck
+        end = self.end
+        if kind == _F:
+            if chunk == 1 and d == p - 1 and end[_F][s - 1][mb] < 0:
+                raise _Stuck
+            src = d - 1 if chunk == 0 else d + 1
+        elif kind == _B:
+            if end[_F][s][mb] < 0 or (chunk == 0 and d == p - 1 and end[_B][s + 1][mb] < 0):
+                raise _Stuck
+            src = d - 1 if chunk == 1 else d + 1
+        else:
+            if end[_B][s][mb] < 0:
+                raise _Stuck
+            src = -1
         clock = self.clock[d]
         ready = clock
-        if kind != _W:
-            arrival = self.input_end(kind, d, chunk, mb)
-            if arrival is not None:
-                if arrival < 0:
-                    raise _Stuck
-                ready = max(ready, arrival + self.t.comm)
+        if 0 <= src < p:  # its input comes from another device
+            arrival = end[kind][src if chunk == 0 else 2 * p - 1 - src][mb]
+            if arrival < 0:
+                raise _Stuck
+            arrival += self.t.comm
+            if arrival > ready:
+                ready = arrival
         if self.count[d][_F][0]:
             self.bubble[d] += ready - clock
-        self.clock[d] = end = ready + self.time[kind][s]
+        self.clock[d] = finish = ready + self.time[kind][s]
         if kind != _W:
-            self.end[kind][s][mb] = end
+            end[kind][s][mb] = finish
         self.mem[d] += delta
         self.order[d].append((_KINDS[kind], s, mb))
         counts[chunk] = mb + 1
         if kind == _B:
             self.pending[d].append(chunk)
-
-    def _local_inputs_done(self, kind: int, d: int, chunk: int, mb: int) -> bool:
-        """The inputs of this op that come from this device itself have run."""
-        s, end = self.stage(d, chunk), self.end
-        if kind == _F:
-            return not (chunk == 1 and d == self.p - 1) or end[_F][s - 1][mb] >= 0
-        if kind == _B:
-            return end[_F][s][mb] >= 0 and (not (chunk == 0 and d == self.p - 1) or end[_B][s + 1][mb] >= 0)
-        return end[_B][s][mb] >= 0
 
     def put_w(self, d: int) -> None:
         self.put(_W, d, self.pending[d].popleft())

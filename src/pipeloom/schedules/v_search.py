@@ -41,7 +41,7 @@ from pipeloom.schedules.v_greedy import median_plan, v_greedy, warm_up_memory
 from pipeloom.sim.simulate import Timeline, simulate
 from pipeloom.stage_costs import StageCosts
 
-__all__ = ["v_placement", "best_v_schedule", "paper_block_budget", "PAPER_MODEL"]
+__all__ = ["v_placement", "best_v_schedule", "paper_block_budget", "forget", "PAPER_MODEL"]
 
 PAPER_MODEL = 1.0
 """The paper's planning model: the share of M_B a B keeps until its W (all of it)."""
@@ -116,7 +116,7 @@ def _search(name: str, p: int, m: int, costs: Costs, budget: Sequence[float]) ->
                 consider(block_schedule(block, m, deltas, cap, name))
         for which in ("min", "half"):
             consider(authors_v_block(name, p, m, which))
-    for schedule in _greedy_schedules(p, m, table, limits):
+    for schedule in _greedy_schedules(p, m, table, limits, many):
         consider(schedule)
     try:  # under some tight budgets its greedy stalls; the other constructions still stand
         listed = auto_schedule(
@@ -141,15 +141,16 @@ def _search(name: str, p: int, m: int, costs: Costs, budget: Sequence[float]) ->
     return refined if refined.cost < best.cost - _EPS else best
 
 
-def _greedy_schedules(p: int, m: int, table: StageCosts, limits: list[float]) -> Iterator[Schedule]:
+def _greedy_schedules(p: int, m: int, table: StageCosts, limits: list[float], many: bool = False) -> Iterator[Schedule]:
     """The V greedy's schedules that may fit `limits`: planned on the exact costs under the
     limits, and — as the authors' runtime runs ZB-V — on the median device's costs under their
     own budgets, p·M_B and 2p·M_B. Those budgets do not depend on `limits`, so whenever the
-    authors' ZB-V fits a budget it is a candidate there. A greedy whose warm-up alone exceeds
-    `limits` is not run."""
+    authors' ZB-V fits a budget it is a candidate there; the exact costs are planned under them
+    too, except on `many` ops (a greedy run each, for a rarely shorter schedule). A greedy
+    whose warm-up alone exceeds `limits` is not run."""
     one_f_one_b = [p * (table.M_B[d] + table.M_B[2 * p - 1 - d]) for d in range(p)]
     runs = {(_key(table), tuple(min(limit, 2 * cap) for limit, cap in zip(limits, one_f_one_b)))}
-    for plan in (median_plan(table, p), table):
+    for plan in (median_plan(table, p),) if many else (median_plan(table, p), table):
         for factor in (1, 2):
             runs.add((_key(plan), tuple(factor * cap for cap in one_f_one_b)))
     for plan_key, caps in sorted(runs):
@@ -162,22 +163,36 @@ def _key(table: StageCosts) -> tuple:
     return (tuple(table.F), tuple(table.B), tuple(table.W), tuple(table.M_B), tuple(table.M_W), table.comm)
 
 
-@lru_cache(maxsize=256)
 def _planned_greedy(
     p: int, m: int, plan_key: tuple, caps: tuple[float, ...], limits: tuple[float, ...]
 ) -> Schedule | None:
     """The V greedy planned on `plan_key`'s costs under `caps`; None if it cannot run, or if its
-    warm-up alone holds more than `limits`. Cached: the tuner asks for the same runs again."""
-    F, B, W, M_B, M_W, comm = plan_key
-    zero = [0.0] * (2 * p)
-    plan = StageCosts(
-        1, list(F), list(B), list(W), zero, list(M_B), list(M_W), list(M_B), [0.0] * (2 * p), comm, zero, zero
-    )
-    caps_list = list(caps)
-    warm = warm_up_memory(p, m, plan, caps_list)
+    warm-up alone holds more than `limits`."""
+    warm = warm_up_memory(p, m, _plan_table(p, plan_key), list(caps))
     if warm is None or any(level > limit + _EPS for level, limit in zip(warm, limits)):
         return None
+    return _greedy_run(p, m, plan_key, caps)
+
+
+@lru_cache(maxsize=256)
+def _greedy_run(p: int, m: int, plan_key: tuple, caps: tuple[float, ...]) -> Schedule | None:
+    """Cached on what the run reads, the costs and caps, not the caller's limits: every budget
+    of one input (the tuner's static measures, the V family's generators) asks for the same
+    runs at the authors' budgets."""
     try:
-        return v_greedy("v-greedy", p, m, plan, caps_list)
+        return v_greedy("v-greedy", p, m, _plan_table(p, plan_key), list(caps))
     except InfeasibleError:
         return None
+
+
+def _plan_table(p: int, plan_key: tuple) -> StageCosts:
+    F, B, W, M_B, M_W, comm = plan_key
+    zero = [0.0] * (2 * p)
+    return StageCosts(
+        1, list(F), list(B), list(W), zero, list(M_B), list(M_W), list(M_B), [0.0] * (2 * p), comm, zero, zero
+    )
+
+
+def forget() -> None:
+    """Drop the cached greedy runs (`schedules.clear_caches`)."""
+    _greedy_run.cache_clear()

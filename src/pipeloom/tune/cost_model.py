@@ -64,6 +64,8 @@ class CostModel(Protocol):
 
     def to_dict(self) -> dict: ...
 
+    def __hash__(self) -> int: ...  # the tuner caches stage costs per model (`measures`)
+
 
 @dataclass(frozen=True)
 class AnalyticCostModel:

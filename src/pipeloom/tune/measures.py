@@ -5,6 +5,7 @@ device and what it adds to a step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from pipeloom.costs import Costs
 from pipeloom.tune.cost_model import CostModel
@@ -45,8 +46,8 @@ def static_options(
     levels = [0] + ([1, 2] if static_measures and candidate.dp > 1 else [])
     options = []
     for zero in levels:
-        costs = cost_model.stage_costs(
-            partition, candidate.micro_batch, candidate.pp, candidate.dp, zero=zero, slices=candidate.slices
+        costs = _stage_costs(
+            cost_model, tuple(partition), candidate.micro_batch, candidate.pp, candidate.dp, zero, candidate.slices
         )
         options.append(
             StaticOption(
@@ -74,3 +75,12 @@ def static_options(
             )
         )
     return options
+
+
+@lru_cache(maxsize=2048)
+def _stage_costs(
+    cost_model: CostModel, partition: tuple[int, ...], micro_batch: int, pp: int, dp: int, zero: int, slices: int
+) -> Costs:
+    """Cached: the schemes with as many stages share them, and building (and checking) Costs
+    was most of what the tuner spent before simulating anything."""
+    return cost_model.stage_costs(list(partition), micro_batch, pp, dp, zero=zero, slices=slices)

@@ -10,10 +10,12 @@ ranking, the rejected list and the counts do not either.
 
 from __future__ import annotations
 
+import gc
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
-__all__ = ["ROUND", "default_jobs", "RoundPool"]
+__all__ = ["ROUND", "default_jobs", "fewer_collections", "RoundPool"]
 
 ROUND = 16
 """Candidates per round: enough that one slow candidate does not leave the other cores idle
@@ -29,12 +31,32 @@ def default_jobs() -> int:
         return os.cpu_count() or 1
 
 
+YOUNG_COLLECTION = 50_000
+"""Allocations between the cyclic collector's young passes while the tuner searches (Python's
+default is 700). Building and simulating schedules allocates millions of small objects that
+die young or live on in the ranking; at the default, the collector's passes over them took a
+fifth of the default `tune` command (10.6 s against 8.6 s without any, on 2 cores)."""
+
+
+@contextmanager
+def fewer_collections() -> Iterator[None]:
+    """The collector's young threshold raised to `YOUNG_COLLECTION` for the block, then restored:
+    garbage cycles (a schedule and its cached graph) are still collected, just in bigger batches."""
+    before = gc.get_threshold()
+    gc.set_threshold(YOUNG_COLLECTION, *before[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+
+
 _task: tuple[Callable, Callable] | None = None  # the worker's (simulate, pack)
 
 
 def _start_worker(simulate: Callable, pack: Callable) -> None:
     global _task
     _task = (simulate, pack)
+    gc.set_threshold(YOUNG_COLLECTION, *gc.get_threshold()[1:])  # a worker of ours only searches
 
 
 def _run(evaluation, threshold: float):

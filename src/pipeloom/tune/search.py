@@ -33,7 +33,7 @@ from pipeloom.tune.cost_model import CostModel
 from pipeloom.tune.evaluation import Evaluation, TuneResult, packed, restore
 from pipeloom.tune.measures import static_options
 from pipeloom.tune.partition import partition_layers, partition_variants
-from pipeloom.tune.pool import ROUND, RoundPool, default_jobs
+from pipeloom.tune.pool import ROUND, RoundPool, default_jobs, fewer_collections
 from pipeloom.tune.space import DEFAULT_SCHEMES, SCHEMES, Candidate, candidates
 
 __all__ = ["Evaluation", "TuneResult", "tune", "evaluate"]
@@ -91,7 +91,8 @@ def tune(
             f"(dp × micro-batch size must divide it, the stages must not outnumber {cost_model.model.layers} layers"
             + (f", and dp must be a multiple of ep = {ep})" if ep > 1 else ")")
         )
-    prepared = [_prepare(point, cost_model, memory, static_measures) for point in points]
+    with fewer_collections():
+        prepared = [_prepare(point, cost_model, memory, static_measures) for point in points]
     prepared.sort(key=lambda item: item[1])
     ranked: list[Evaluation] = []
     rejected: list[Evaluation] = []
@@ -101,7 +102,7 @@ def tune(
         return ranked[keep - 1].step_time if len(ranked) >= keep and not exhaustive else math.inf
 
     task = partial(simulate_task, memory=memory, memory_passes=memory_passes)
-    with RoundPool(task, jobs if jobs is not None else default_jobs(), pack=packed) as pool:
+    with fewer_collections(), RoundPool(task, jobs if jobs is not None else default_jobs(), pack=packed) as pool:
         for first in range(0, len(prepared), ROUND):
             batch = list(enumerate(prepared[first : first + ROUND], first))
             limit = threshold()
