@@ -109,3 +109,24 @@ def test_v_auto_never_behind_the_authors_v_min_and_v_half():
             their_cost, their_peak = cost_and_peak(authors_v_block("authors", p, m, which), costs)
             ours, peak = cost_and_peak(build_schedule("v-auto", p, m, costs=costs, mem_limit=their_peak), costs)
             assert peak <= their_peak + SLACK and ours <= their_cost + SLACK, (p, m, which)
+
+
+def test_the_v_greedy_weighs_an_input_less_wait_as_the_authors_code_does():
+    """Their zbv.py looks up a missing input's end time at index -1 — the last W of device p−1's
+    first chunk — when it weighs running a W before an op with no input, and counts a bubble as
+    (end) − (clock + cost). Re-expressed otherwise, the greedy made another late decision on this
+    input (uniform costs, p = 9, m = 70, at their budget p·M_B) and lost 0.2 % to their ZB-V,
+    whose cost their code gives as 602.6259674186565."""
+    p, m = 9, 70
+    every = 2 * p  # per-stage values, as their code is planned: each chunk one stage
+    costs = Costs(
+        F=(0.7207811460108569,) * every,
+        B=(1.3447273486474067,) * every,
+        W=(2.162437118077694,) * every,
+        comm=0.31641824927208956,
+        M_B=(0.5,) * every,
+        M_W=(0.46729602767941064,) * every,
+    )
+    table = costs.resolve(p, 2 * p)
+    schedule = v_greedy("zb-v", p, m, median_plan(table, p), [p * 1.0] * p)
+    assert cost_and_peak(schedule, costs) == pytest.approx((602.6259674186565, 9.0), rel=1e-12)

@@ -53,6 +53,10 @@ class _Run:
         self.clock = [0.0] * p
         self.mem = [0.0] * p
         self.bubble = [0.0] * p
+        self.last_w_end = -1.0
+        """When the last device's last W of stage p−1 ended (-1: not yet): what the authors' code
+        reads as the input time of an op that has none — it indexes its end times with the
+        missing input's id, -1, which is that W's — so their W-filling rule does too here."""
         self.pending: list[deque] = [deque() for _ in range(p)]
         self.order: list[list[tuple[OpKind, int, int]]] = [[] for _ in range(p)]
         self.mattered: set[str] = set()
@@ -99,20 +103,22 @@ class _Run:
             if end[_B][s][mb] < 0:
                 raise _Stuck
             src = -1
-        clock = self.clock[d]
-        ready = clock
+        time = self.time[kind][s]
+        finish = no_wait = self.clock[d] + time  # rounded as the authors' code rounds it
         if 0 <= src < p:  # its input comes from another device
             arrival = end[kind][src if chunk == 0 else 2 * p - 1 - src][mb]
             if arrival < 0:
                 raise _Stuck
-            arrival += self.t.comm
-            if arrival > ready:
-                ready = arrival
+            arrival = arrival + self.t.comm + time
+            if arrival > finish:
+                finish = arrival
         if self.count[d][_F][0]:
-            self.bubble[d] += ready - clock
-        self.clock[d] = finish = ready + self.time[kind][s]
+            self.bubble[d] += finish - no_wait
+        self.clock[d] = finish
         if kind != _W:
             end[kind][s][mb] = finish
+        elif chunk == 0 and d == p - 1 and mb == self.m - 1:  # their chunk 1: they number B's and W's from the turn
+            self.last_w_end = finish
         self.mem[d] += delta
         self.order[d].append((_KINDS[kind], s, mb))
         counts[chunk] = mb + 1
@@ -129,13 +135,16 @@ class _Run:
         return most - self.bubble[d]
 
     def fill(self, d: int, arrival: float | None, eager: bool, switch: str | None) -> None:
-        """W into the wait for an input: those that fit wholly, and one more if `eager` and the
-        wait exceeds what the device may idle (`switch`: the variant switch that `eager` is)."""
-        if arrival is None:
-            return
+        """W into the wait for an input (`arrival`: when it ended, -1 if not yet; None: the op
+        has none): those that fit wholly, and one more if `eager` and the wait exceeds what the
+        device may idle (`switch`: the variant switch that `eager` is). Without an input the
+        wait is measured from `last_w_end`, as the authors' code measures it."""
         t, pending = self.t, self.pending[d]
-        while pending and arrival >= 0 and arrival + t.comm >= self.clock[d] + t.W[self.stage(d, pending[0])]:
-            self.put_w(d)
+        if arrival is not None:
+            while pending and arrival >= 0 and arrival + t.comm >= self.clock[d] + t.W[self.stage(d, pending[0])]:
+                self.put_w(d)
+        else:
+            arrival = self.last_w_end
         if pending and arrival + t.comm - self.clock[d] > self.allowance(d):
             if switch is not None:
                 self.mattered.add(switch)
@@ -199,9 +208,7 @@ class _Run:
                 first.append(d)
         for d, chunk in [(d, 0) for d in reversed(second)] + [(d, 1) for d in first]:
             arrival = self.input_end(_B, d, chunk, count[d][_B][chunk])
-            self.fill(
-                d, arrival if arrival is not None else -1.0, chunk == 0 or self.fill_b, None if chunk == 0 else "fill_b"
-            )
+            self.fill(d, arrival, chunk == 0 or self.fill_b, None if chunk == 0 else "fill_b")
             self.put(_B, d, chunk)
 
     def forward_round(self) -> None:
@@ -220,7 +227,7 @@ class _Run:
                 continue
             self.make_room(d, _F, chunk)
             arrival = self.input_end(_F, d, chunk, f[chunk])
-            self.fill(d, arrival if arrival is not None else -1.0, self.fill_f, "fill_f")
+            self.fill(d, arrival, self.fill_f, "fill_f")
             self.put(_F, d, chunk)
 
 
