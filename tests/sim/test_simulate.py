@@ -152,3 +152,11 @@ def test_simulation_is_deterministic_and_every_op_respects_its_inputs():
 def test_summary_has_the_cli_json_keys():
     summary = simulate(build_schedule("1f1b", 2, 2)).summary()
     assert {"name", "makespan", "cost", "bubble_rate", "peak_memory"} <= set(summary)
+
+
+def test_a_bubble_never_reads_below_zero():
+    """Useful time lies within each device's span, so a schedule with no idle time has a bubble
+    of 0, not the rounding's -1e-16 that printed as "-0.00%" (zb-v with all-to-alls)."""
+    costs = Costs(F=1, B=1, W=1, a2a_F=0.3, a2a_B=0.3)
+    timeline = simulate(build_schedule("zb-v", 4, 8, costs=costs), costs)
+    assert timeline.bubble_rate == 0.0 and f"{timeline.bubble_rate:.2%}" == "0.00%"

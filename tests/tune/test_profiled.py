@@ -172,3 +172,43 @@ def test_tensor_parallelism_splits_compute_and_adds_its_measured_collectives(seq
 def test_tensor_parallelism_needs_measured_collectives():
     with pytest.raises(ConfigError, match="no measured collectives"):
         ProfiledCostModel(profile(), tp=2)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda p: p["fits"]["1"]["F"].update(per_layer=float("nan")), r"fits\[1\]\.F\.per_layer is nan"),
+        (lambda p: p["fits"]["2"]["B"].update(first=-1.25), r"fits\[2\]\.B\.first is -1.25: .* cannot be negative"),
+        (lambda p: p["fits"]["1"]["M_B"].update(last="4000"), r"fits\[1\]\.M_B\.last must be a number"),
+        (lambda p: p.update(fits={}), "`fits` must map micro-batch sizes"),
+        (lambda p: p.update(fits="1,2"), "`fits` must map micro-batch sizes"),
+        (lambda p: p["fits"].update({"0": p["fits"]["1"]}), "size '0', not a positive integer"),
+        (lambda p: p["fits"]["1"].pop("W"), r"fits\[1\]\.W is missing"),
+        (lambda p: p["fits"]["1"].update(p2p_ms=float("inf")), r"fits\[1\]\.p2p_ms is inf"),
+        (lambda p: p.update(p2p_bandwidth=0), "p2p_bandwidth is 0: it must be positive"),
+        (lambda p: p["step_overhead"].update(base_ms=-2.0), "step_overhead.base_ms is -2.0"),
+    ],
+)
+def test_a_profile_with_a_bad_number_is_refused_by_name(change, message):
+    """A NaN per-layer time once became F = 0 in a plan (`max(0.0, nan)`), a negative one was
+    accepted, a string or an empty `fits` gave a traceback: each is refused on load, naming it."""
+    bad = profile()
+    change(bad)
+    with pytest.raises(ConfigError, match=message):
+        ProfiledCostModel(bad)
+    ProfiledCostModel(profile())  # the unchanged profile loads
+
+
+def test_the_cli_refuses_a_bad_profile_in_one_line(tmp_path, capsys):
+    import json
+
+    from pipeloom.cli import main
+
+    bad = profile()
+    bad["fits"]["1"]["F"]["per_layer"] = float("nan")
+    (tmp_path / "profile.json").write_text(json.dumps(bad))
+    argv = ["tune", "--costs", str(tmp_path / "profile.json"), "--devices", "2", "--memory", "1GiB"]
+    assert main(argv + ["--global-batch", "4", "--output", str(tmp_path / "plan.json")]) == 2
+    err = capsys.readouterr().err
+    assert "fits[1].F.per_layer is nan" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "plan.json").exists()

@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from pipeloom.costs import Costs
+from pipeloom.errors import ConfigError, RuntimeFault
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
 from pipeloom.ir.text import parse_op
@@ -33,6 +34,7 @@ from pipeloom.profile.stability import falling_per_sample, until_stable
 from pipeloom.schedules.registry import build_schedule
 from pipeloom.static_memory import compute_bytes
 from pipeloom.tune.presets import ModelSpec
+from pipeloom.tune.profile_checks import check_profile_numbers
 from pipeloom.tune.profiled import PROFILE_FORMAT, ProfiledCostModel, fit_positions
 
 __all__ = ["profile_model", "ping_seconds", "probe_schedule"]
@@ -102,6 +104,13 @@ def profile_model(
         profile["a2a"] = _expert_exchange(micro_batches, max(layer_counts), steps, threads, workload_for, dtype)
     profile["noise"] = _noise(measured, rerun)
     profile["warnings"] = warnings
+    try:  # what `tune` will refuse is never written: the fits are constrained, this is the proof
+        check_profile_numbers(profile)
+    except ConfigError as error:
+        raise RuntimeFault(
+            f"{error.summary} — the measurements did not settle into usable numbers; "
+            "profile again on a quieter machine, or with more --steps"
+        ) from None
     return profile
 
 

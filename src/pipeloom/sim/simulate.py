@@ -163,7 +163,8 @@ def simulate(schedule: Schedule, costs: Costs | None = None, not_before: Mapping
         memory_delta=deltas,
         makespan=last_end,  # some op always starts at 0: the first one with no inputs
         cost=cost,
-        bubble_rate=(cost - mean_useful) / cost if cost else 0.0,
+        # a device's useful time lies within its span: below 0 is rounding ("-0.00%" in reports)
+        bubble_rate=max(0.0, (cost - mean_useful) / cost) if cost else 0.0,
         spans=spans,
         useful_time=useful,
         busy_time=busy,

@@ -32,6 +32,7 @@ from pipeloom.errors import ConfigError
 from pipeloom.files import read_json
 from pipeloom.static_memory import collective_bytes, compute_bytes, static_bytes
 from pipeloom.tune.presets import ModelSpec, model_from_config
+from pipeloom.tune.profile_checks import check_profile_numbers
 
 __all__ = ["PROFILE_FORMAT", "ProfiledCostModel", "fit_positions", "profile_costs_keys"]
 
@@ -111,6 +112,9 @@ class ProfiledCostModel:
         self.tp, self.sequence_parallel = tp, sequence_parallel and tp > 1
         if not isinstance(profile, dict) or profile.get("format") != PROFILE_FORMAT:
             raise ConfigError(f"not a {PROFILE_FORMAT} file (run `pipeloom profile` to make one)")
+        if "fits" not in profile:
+            raise ConfigError("profile is incomplete: it has no 'fits' (run `pipeloom profile` to make one)")
+        check_profile_numbers(profile)
         try:
             self.model: ModelSpec = model_from_config(profile["model"])
             self.sizes = sorted(int(size) for size in profile["fits"])
