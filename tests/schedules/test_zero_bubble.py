@@ -179,3 +179,23 @@ def test_the_list_search_under_a_bound_finds_only_shorter_schedules():
                 assert bounded is not None and bounded.cost == pytest.approx(free.cost)
             else:
                 assert bounded is None or bounded.cost <= bound + 1e-9
+
+
+def test_a_w_that_keeps_more_than_its_b_frees_stays_within_the_budget():
+    """With M_W > M_B a B grows its device's memory (it keeps M_W of the M_B it frees), so a
+    forward is admitted for the most its micro-batch will hold. zb-auto at 2 M_B with M_W = 1.25
+    once returned F0 F1 B0 on device 0 (2.25 M_B); every budgeted schedule must fit or be refused."""
+    costs = Costs(F=1, B=1, W=1, M_W=1.25)
+    timeline = simulate(build_schedule("zb-auto", 2, 2, costs=costs, mem_limit=2), costs)
+    assert max(timeline.peak_activation_memory) <= 2
+    rng = random.Random(8)
+    for _ in range(60):
+        p, m = rng.randint(1, 5), rng.randint(1, 12)
+        costs = Costs(F=rng.uniform(0.5, 2), B=rng.uniform(0.5, 2), W=rng.uniform(0.2, 2), M_W=rng.uniform(1, 2))
+        name = rng.choice(["zb-auto", "v-auto"])
+        limit = rng.uniform(1, 2.5) * p * costs.M_W / (2 if name == "v-auto" else 1)
+        try:
+            schedule = build_schedule(name, p, m, costs=costs, mem_limit=limit)
+        except InfeasibleError:
+            continue
+        assert max(simulate(schedule, costs).peak_activation_memory) <= limit + 1e-9, (name, p, m)

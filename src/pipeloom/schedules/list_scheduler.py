@@ -121,9 +121,13 @@ class ListScheduler:
         self.stages_on = [[s for s in range(S) if placement[s] == d] for d in range(P)]
         self.comm_up = [table.comm if s and placement[s - 1] != placement[s] else 0.0 for s in range(S)]
         self.comm_down = [table.comm if s + 1 < S and placement[s + 1] != placement[s] else 0.0 for s in range(S)]
+        # A forward is admitted for the most its micro-batch will hold of the stage: M_B, or M_W
+        # once its B has run when a W keeps more than the activations it frees (M_W > M_B): a B
+        # then never needs room a later forward took.
+        self.admit = [max(table.M_B[s], table.M_W[s]) for s in range(S)]
         # A micro-batch entering a device's first stage must leave room for its later stages there.
         self.booking = [
-            sum(table.M_B[x] for x in self.stages_on[placement[s]] if x > s)
+            sum(self.admit[x] for x in self.stages_on[placement[s]] if x > s)
             if s == self.stages_on[placement[s]][0]
             else 0.0
             for s in range(S)
@@ -207,6 +211,7 @@ class ListScheduler:
         clock = [0.0] * P  # end of the device's last op
         first: list[float | None] = [None] * P
         mem, peak = [0.0] * P, [0.0] * P
+        held, admit = [0.0] * P, self.admit  # memory as forwards are admitted: `admit` per forward
         bubble = [0.0] * P
         most_bubble = 0.0
         pending: list[deque] = [deque() for _ in range(P)]
@@ -258,6 +263,8 @@ class ListScheduler:
             mem[d] += delta
             if mem[d] > peak[d]:
                 peak[d] = mem[d]
+            kind, s = op[0], op[1]
+            held[d] += admit[s] if kind == _F else t.M_W[s] - admit[s] if kind == _B else delta
             clock[d] = start + duration
             work_left[d] -= duration
             if clock[d] - began + work_left[d] > bound:
@@ -305,7 +312,7 @@ class ListScheduler:
                             mattered.add("loose_pacing")
                         if not h.unpaced:
                             continue
-                    if mem[d] + t.M_B[s] + booking[s] > limits[d] + _EPS:
+                    if held[d] + admit[s] + booking[s] > limits[d] + _EPS:
                         f_blocked = True
                         continue
                     ready = end_f[(s - 1) * m + j] + comm_up[s] if s else 0.0
