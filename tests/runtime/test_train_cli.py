@@ -51,6 +51,14 @@ def test_bad_models_data_and_devices_exit_2_with_one_line(capsys, tmp_path, llam
     assert "'t5' is not supported" in refused(capsys, "--model", f"hf:{tmp_path / 't5'}")
     (tmp_path / "odd.bin").write_bytes(b"\x01\x02\x03")
     assert "not a multiple of uint16" in refused(capsys, "--model", f"hf:{llama}", "--data", str(tmp_path / "odd.bin"))
+    (tmp_path / "empty.bin").write_bytes(b"")
+    assert "is empty: it holds no tokens" in refused(
+        capsys, "--model", f"hf:{llama}", "--data", str(tmp_path / "empty.bin")
+    )
+    write_token_file(tmp_path / "ids.bin", list(range(100)))  # a token file given as text
+    assert "is not UTF-8 text (it holds NUL bytes)" in refused(
+        capsys, "--model", f"hf:{llama}", "--data", str(tmp_path / "ids.bin"), "--tokenizer", str(llama)
+    )
     write_token_file(tmp_path / "big.bin", list(range(600)))
     assert "beyond the model's vocabulary of 512" in refused(
         capsys, "--model", f"hf:{llama}", "--data", str(tmp_path / "big.bin")

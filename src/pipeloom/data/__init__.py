@@ -82,6 +82,8 @@ class TokenFile(_Sampled):
         if self.dtype not in _DTYPES:
             raise ConfigError(f"data: token dtype must be uint16 or uint32, got {self.dtype!r}")
         size = self.path.stat().st_size
+        if size == 0:
+            raise ConfigError(f"data: token file {str(self.path)!r} is empty: it holds no tokens")
         if size % _DTYPES[self.dtype]:
             raise ConfigError(
                 f"data: {str(self.path)!r} has {size} bytes, not a multiple of {self.dtype}'s {_DTYPES[self.dtype]}"
@@ -105,8 +107,18 @@ class TextTokens(_Sampled):
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"data: text file {str(path)!r} does not exist")
+        raw = path.read_bytes()
+        try:
+            if b"\x00" in raw:  # a uint16/uint32 token file: small ids are NUL bytes
+                raise UnicodeError("it holds NUL bytes")
+            text = raw.decode("utf-8")
+        except UnicodeError as error:
+            raise ConfigError(
+                f"data: {str(path)!r} is not UTF-8 text ({str(error).split(':')[-1].strip()}): a token file "
+                "(uint16/uint32 ids) is read without --tokenizer"
+            ) from None
         tokenizer = load_tokenizer(tokenizer_dir)
-        ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"))["input_ids"]
+        ids = tokenizer(text)["input_ids"]
         self._ids = np.asarray(ids, dtype=np.int64)
         self._check_length(len(self._ids), f"{str(path)!r} tokenized")
         self.vocab_limit = int(self._ids.max()) + 1
