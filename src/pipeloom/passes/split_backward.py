@@ -58,7 +58,8 @@ def _name(schedule: Schedule, placement: str, batch: bool) -> str:
 
 
 def _as_b(op: Op) -> Op:
-    return Op(OpKind.B, op.stage, op.microbatch, op.slice)
+    """The BW's B, still the head of its overlapped pair if the BW was (backward first)."""
+    return Op(OpKind.B, op.stage, op.microbatch, op.slice, overlap_next=op.overlap_next)
 
 
 def _as_w(op: Op) -> Op:
@@ -66,12 +67,19 @@ def _as_w(op: Op) -> Op:
 
 
 def _split_after(ops: tuple[Op, ...]) -> list[Op]:
+    """Each W right after its B — or, when the B heads an overlapped pair, after the pair."""
     out: list[Op] = []
+    after_pair: Op | None = None
     for op in ops:
+        out.append(_as_b(op) if op.kind is OpKind.BW else op)
+        if after_pair is not None:
+            out.append(after_pair)
+            after_pair = None
         if op.kind is OpKind.BW:
-            out += (_as_b(op), _as_w(op))
-        else:
-            out.append(op)
+            if op.overlap_next:
+                after_pair = _as_w(op)
+            else:
+                out.append(_as_w(op))
     return out
 
 
@@ -107,7 +115,7 @@ def _fill_gaps(deferred: Schedule, costs: Costs, batch: bool) -> Schedule:
         clock = None
         for step, op in enumerate(body):
             start, end = timeline.interval(d, step)
-            if clock is not None:
+            if clock is not None and not body[step - 1].overlap_next:  # nothing between a pair's ops
                 clock = _place_into_gap(out, ready, clock, start, table)
             out.append(op)
             clock = end

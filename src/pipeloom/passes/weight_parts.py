@@ -163,8 +163,8 @@ class _Placer:
                 end[g] = clock[d] = max(clock[d], ready) + self.duration[g]
                 level[d] += self.delta[g]
                 head[d] += 1
-                if op.kind is _BW:
-                    out[d].append(Op(_B, op.stage, op.microbatch, op.slice))
+                if op.kind is _BW:  # a pair's head keeps its pairing (backward first)
+                    out[d].append(Op(_B, op.stage, op.microbatch, op.slice, overlap_next=op.overlap_next))
                     queued[d].extend((g, part) for part in range(self.parts))
                 else:
                     out[d].append(op)
@@ -198,6 +198,9 @@ class _Placer:
 
     def runs_a_part(self, d: int, g: int | None, ready: float | None, now: float, level: float, length: float) -> bool:
         """Whether device d runs its oldest queued W part (of `length`) before its next op g."""
+        graph = self.graph
+        if g is not None and g > graph.offsets[d] and graph.ops[g - 1].overlap_next:
+            return False  # g is an overlapped pair's second op: nothing runs between the two
         if g is None or self.policy == "eager":
             return True  # the drain, or parts right after their B
         if level + max(self.delta[g], 0.0) > self.limits[d] + _EPS:

@@ -150,7 +150,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, not_before: Mapping
         last_end = max(last_end, end[stop - 1])
         useful.append(sum(durations[g] for g in range(first, stop) if graph.ops[g].kind in _USEFUL))
         busy.append(sum(durations[first:stop]))
-        peaks.append(_peak(deltas, first, stop))
+        peaks.append(_peak(deltas, first, stop, graph.paired))
     cost = max(spans)
     mean_useful = sum(useful) / num_devices
     static = [sum(table.M_static[stage] for stage in schedule.stages_on(d)) for d in range(num_devices)]
@@ -196,9 +196,16 @@ def _op_costs(graph: DependencyGraph, table: StageCosts) -> tuple[list[float], l
     return durations, deltas
 
 
-def _peak(deltas: list[float], first: int, stop: int) -> float:
+def _peak(deltas: list[float], first: int, stop: int, paired: frozenset[int] = frozenset()) -> float:
+    """The most a device holds. An overlapped pair's two ops run at once, so while it runs the
+    device holds what either allocates before what either frees: a backward-first pair (B;F)
+    holds its F's activations while its B's are still there."""
     level = peak = 0.0
     for g in range(first, stop):
+        if g in paired:
+            during = level + max(deltas[g], 0.0) + max(deltas[g + 1], 0.0)
+            if during > peak:
+                peak = during
         level += deltas[g]
         if level > peak:
             peak = level
