@@ -58,3 +58,13 @@ def test_placement_of_refuses_replicated_stages():
 def test_exact_refuses_bad_arguments():
     with pytest.raises(ConfigError, match="time limit"):
         solve_exact([0, 1], 2, Costs(), None, time_limit=0)
+
+
+def test_exact_refuses_overlapped_pairs_it_cannot_model():
+    """DualPipeV's F&B pairs hide each other's all-to-alls: ordered one op at a time, the
+    "optimum" (10) was slower than the paired schedule it started from (9)."""
+    from pipeloom.tune.exact import optimise_schedule
+
+    costs = Costs(F=1, B=1, W=1, a2a_F=1, a2a_B=1)
+    with pytest.raises(ConfigError, match="cannot model overlapped F&B pairs"):
+        optimise_schedule(build_schedule("dualpipev", 1, 2, costs=costs), costs)

@@ -234,6 +234,11 @@ def optimise_schedule(
     from pipeloom.passes.split_backward import split_backward
     from pipeloom.sim.simulate import simulate
 
+    if any(op.overlap_next for _, _, op in schedule.ops()):
+        raise ConfigError(
+            "exact mode runs one op at a time: it cannot model overlapped F&B pairs (DualPipe's), whose two ops "
+            "hide each other's communication, so its optimum would be slower than the paired schedule"
+        )
     if any(op.kind is OpKind.BW for _, _, op in schedule.ops()):
         schedule = split_backward(schedule, "after")
     if any(op.kind is OpKind.R or op.slice or op.parts > 1 for _, _, op in schedule.ops()):
