@@ -193,3 +193,18 @@ def test_partial_recompute_flags_are_checked_before_any_rank_starts(capsys):
     assert "positive number of layers" in refused(capsys, "--ckpt", "full", "--recompute-layers", "0")
     sliced = ["--schedule", "svpp", "-v", "1", "--slices", "2", "--ckpt", "full", "--recompute-layers", "1"]
     assert "slice by slice" in refused(capsys, *sliced)
+
+
+def test_a_model_too_big_for_this_machine_is_refused_before_it_is_built(capsys, tmp_path, monkeypatch):
+    """`{"model_type": "llama"}` alone is transformers' default 6.7 B LLaMA: it was built in fp32
+    on every rank until memory ran out. Counted on the meta device, it is refused with its size."""
+    from pipeloom.models import memory_guard
+
+    monkeypatch.setattr(memory_guard, "available_memory", lambda: 8 * 2**30)  # any machine: 8 GiB free
+    (tmp_path / "defaults").mkdir()
+    (tmp_path / "defaults" / "config.json").write_text('{"model_type": "llama"}')
+    err = refused(capsys, "--model", f"hf:{tmp_path / 'defaults'}")
+    assert "6.74 B parameters" in err and "100.4 GiB" in err and "8.0 GiB available" in err
+    memory_guard.check_trainable_here(10**6, available=8 * 2**30)  # a million parameters fit in 8 GiB
+    with pytest.raises(ConfigError, match="1.00 B parameters"):
+        memory_guard.check_trainable_here(10**9, available=8 * 2**30)

@@ -31,6 +31,7 @@ from pipeloom.errors import ConfigError
 from pipeloom.models.compat import import_transformers
 from pipeloom.models.cut import counts_per_stage
 from pipeloom.models.hf_moe import RouterLogits
+from pipeloom.models.memory_guard import check_trainable_here, hf_parameter_count
 
 __all__ = ["FAMILIES", "load_hf_config", "hf_workload", "HFStage", "has_weights"]
 
@@ -367,6 +368,7 @@ def hf_workload(
     windowed = family in ("mistral", "mixtral") or getattr(config, "use_sliding_window", False)
     if windowed and window is not None and seq_len > window:
         raise ConfigError(f"hf: sequence length {seq_len} exceeds the model's sliding window {window}; lower --seq-len")
+    check_trainable_here(hf_parameter_count(config), what=f"hf:{family} ({path})")
     source = data if data is not None else SyntheticTokens(config.vocab_size, seq_len, seed)
     if source.vocab_limit is not None and source.vocab_limit > config.vocab_size:
         raise ConfigError(
