@@ -58,3 +58,22 @@ def test_torn_missing_and_mismatched_checkpoints_are_refused(tmp_path):
         check_spec(TrainSpec(schedule, config=CONFIG, steps=4, resume_dir=str(tmp_path / "empty")))
     with pytest.raises(ConfigError, match="go together|need both"):
         check_spec(TrainSpec(schedule, config=CONFIG, steps=4, save_every=2))
+
+
+def test_the_last_step_is_saved_old_checkpoints_pruned_and_each_save_said_once(tmp_path, capfd):
+    """--save-every 2 --steps 3 once never saved step 3, and nothing pruned old checkpoints or
+    said anything on a save: now the last step is saved, --keep-last 1 leaves only it, and rank
+    0 prints one line per save (and one on resume)."""
+    schedule = build_schedule("1f1b", 2, 4)
+    spec = TrainSpec(schedule, config=CONFIG, steps=3, save_every=2, keep_last=1, save_dir=str(tmp_path), report=True)
+    run_local(spec)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3"]
+    said = [line for line in capfd.readouterr().out.splitlines() if line.startswith("saved checkpoint")]
+    assert said == [
+        f"saved checkpoint {tmp_path / 'step-2'}",
+        f"saved checkpoint {tmp_path / 'step-3'}, removed step-2 (--keep-last 1)",
+    ]
+    run_local(TrainSpec(schedule, config=CONFIG, steps=4, resume_dir=str(tmp_path), report=True))
+    assert f"resumed from {tmp_path / 'step-3'}: 3 of 4 steps done" in capfd.readouterr().out
+    with pytest.raises(ConfigError, match="--keep-last K"):
+        check_spec(TrainSpec(schedule, config=CONFIG, steps=4, keep_last=2))

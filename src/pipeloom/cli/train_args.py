@@ -107,7 +107,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="step under the partially reduced norm and NaN state, validate and roll back later (Zero Bubble §4)",
     )
     parser.add_argument("--save", metavar="DIR", help="write checkpoints (torch.distributed.checkpoint) into DIR")
-    parser.add_argument("--save-every", type=int, default=0, metavar="K", help="with --save: every K steps")
+    parser.add_argument(
+        "--save-every", type=int, default=0, metavar="K", help="with --save: every K steps, and after the last"
+    )
+    parser.add_argument(
+        "--keep-last", type=int, default=0, metavar="K", help="with --save: keep only the newest K checkpoints"
+    )
     parser.add_argument(
         "--resume",
         metavar="DIR",
@@ -214,6 +219,7 @@ def run_options(args: argparse.Namespace) -> dict:
         "timeout_s": args.timeout,
         "backend": args.backend,
         "save_every": args.save_every,
+        "keep_last": args.keep_last,
         "save_dir": args.save,
         "resume_dir": args.resume,
         "clip_norm": args.clip_norm,

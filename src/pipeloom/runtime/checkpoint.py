@@ -35,7 +35,7 @@ from torch import nn
 
 from pipeloom.errors import ConfigError
 
-__all__ = ["find_checkpoint", "read_checkpoint", "save_checkpoint", "load_checkpoint", "MODEL"]
+__all__ = ["after_save", "find_checkpoint", "read_checkpoint", "save_checkpoint", "load_checkpoint", "MODEL"]
 
 _STEP = re.compile(r"^step-(\d+)$")
 MARKER = "COMPLETE"
@@ -202,3 +202,20 @@ def load_checkpoint(
     for holder in holders:
         holder.after_load()
     return int(state["step"])
+
+
+def after_save(saved: Path, keep_last: int, report: bool) -> None:
+    """Rank 0, once a checkpoint is complete: drop the complete ones older than the newest
+    `keep_last` (0: keep every one; a long run with a short period otherwise fills the disk),
+    and say so in one line."""
+    steps = sorted(
+        (int(match.group(1)), entry)
+        for entry in saved.parent.iterdir()
+        if (match := _STEP.match(entry.name)) and (entry / MARKER).exists()
+    )
+    dropped = [entry for _, entry in steps[:-keep_last]] if keep_last else []
+    for entry in dropped:
+        shutil.rmtree(entry, ignore_errors=True)
+    if report:
+        pruned = f", removed {', '.join(entry.name for entry in dropped)} (--keep-last {keep_last})" if dropped else ""
+        print(f"saved checkpoint {saved}{pruned}", flush=True)

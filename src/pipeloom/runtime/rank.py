@@ -27,7 +27,7 @@ import torch
 from pipeloom.errors import ConfigError
 from pipeloom.models.workload import Workload, global_names, layout_free, replica_microbatches
 from pipeloom.runtime.boundary import StageProbe
-from pipeloom.runtime.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from pipeloom.runtime.checkpoint import after_save, find_checkpoint, load_checkpoint, save_checkpoint
 from pipeloom.runtime.comm import MessagePlan, plan_messages
 from pipeloom.runtime.evaluation import Evaluation, perplexity
 from pipeloom.runtime.executor import DeviceExecutor
@@ -227,6 +227,8 @@ class RankRun:
             shards = tensor.as_shard if tensor else None
             run.first_step = load_checkpoint(found, stages, run.holders, shards, by_name)
             run.learning.load_state_dict(facts.get("lr_schedule"))
+            if spec.report and rank == 0:
+                print(f"resumed from {found}: {run.first_step} of {spec.steps} steps done", flush=True)
         if where.type == "cuda":
             torch.cuda.reset_peak_memory_stats(where)
         return run
@@ -308,8 +310,9 @@ class RankRun:
         if self.log is not None:
             self.log.step(step + 1, step_facts(result, record, result.learning_rates[-1], self.spec.peak_tflops))
         checkpoints = self.spec.checkpoints
-        if checkpoints.every and checkpoints.directory is not None and (step + 1) % checkpoints.every == 0:
-            self._save(checkpoints.directory, step + 1)
+        done = step + 1
+        if checkpoints.every and checkpoints.directory and (done % checkpoints.every == 0 or done == self.spec.steps):
+            self._save(checkpoints.directory, done)
 
     def _save(self, directory: str, steps_done: int) -> None:
         if self.sync is not None:
@@ -327,9 +330,11 @@ class RankRun:
             "config": self.spec.run_config,
         }
         shards = self.tensor.as_shard if self.tensor is not None else None
-        save_checkpoint(
+        saved = save_checkpoint(
             directory, steps_done, self.stages, self.holders, facts, shards, self.names, self.work.description
         )
+        if self.rank == 0:
+            after_save(saved, self.spec.checkpoints.keep_last, self.spec.report)
 
     def end_evaluation(self, step: int, loss: float, seconds: float) -> None:
         """Book the held-out loss after step `step` (summed over the ranks, mean over batches)

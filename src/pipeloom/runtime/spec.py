@@ -89,6 +89,7 @@ class CheckpointPart:
     every: int
     directory: str | None
     resume_from: str | None
+    keep_last: int = 0
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,9 @@ class TrainSpec:
     """For tests of the above: (step, stage, "nan" or "scale", factor) applied to that stage's
     gradients after they are reduced."""
     save_every: int = 0
-    """Write a checkpoint every this many steps into `save_dir` (0: never)."""
+    """Write a checkpoint every this many steps into `save_dir` (0: never), and after the last step."""
+    keep_last: int = 0
+    """Keep only the newest this many checkpoints in `save_dir` (0: every one)."""
     save_dir: str | None = None
     resume_dir: str | None = None
     """Continue from a checkpoint (a step-N directory, or the newest in this directory) up to `steps`."""
@@ -207,7 +210,7 @@ class TrainSpec:
 
     @property
     def checkpoints(self) -> CheckpointPart:
-        return CheckpointPart(self.save_every, self.save_dir, self.resume_dir)
+        return CheckpointPart(self.save_every, self.save_dir, self.resume_dir, self.keep_last)
 
     @property
     def torch_device_type(self) -> str:

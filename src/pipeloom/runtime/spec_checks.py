@@ -152,6 +152,8 @@ def _check_expert_parallel(spec: TrainSpec, parallel: ParallelPart) -> None:
 def _check_checkpoints(checkpoints: CheckpointPart, parallel: ParallelPart, steps: int) -> None:
     if (checkpoints.directory is None) != (checkpoints.every == 0) or checkpoints.every < 0:
         raise ConfigError("train: checkpoints need both a directory (--save) and a period (--save-every >= 1)")
+    if checkpoints.keep_last < 0 or (checkpoints.keep_last and checkpoints.directory is None):
+        raise ConfigError(f"train: --keep-last K (K >= 1) applies to --save, got {checkpoints.keep_last}")
     if checkpoints.resume_from is not None:
         schedule = parallel.schedule
         _, facts = find_checkpoint(
