@@ -208,3 +208,17 @@ def test_a_model_too_big_for_this_machine_is_refused_before_it_is_built(capsys, 
     memory_guard.check_trainable_here(10**6, available=8 * 2**30)  # a million parameters fit in 8 GiB
     with pytest.raises(ConfigError, match="1.00 B parameters"):
         memory_guard.check_trainable_here(10**9, available=8 * 2**30)
+
+
+def test_a_second_training_into_the_same_save_directory_is_refused(capsys, tmp_path, llama):
+    """Two runs with one --save both exited 0 and mixed their checkpoints: the first holds the
+    directory's lock for its whole run, the second is refused at once, naming the holder."""
+    import os
+
+    from pipeloom.runtime.save_lock import save_lock
+
+    with save_lock(tmp_path / "ck"):
+        err = refused(capsys, "--model", f"hf:{llama}", "--save", str(tmp_path / "ck"), "--save-every", "1")
+    assert f"is in use by another training (pid {os.getpid()})" in err
+    with save_lock(tmp_path / "ck"):  # released when the holder ends
+        pass

@@ -54,9 +54,11 @@ def run(args: argparse.Namespace) -> int:
         )
     from pipeloom.cli.config_file import config_line
     from pipeloom.runtime.local import run_local
+    from pipeloom.runtime.save_lock import save_lock
 
-    print(config_line(args, args.train_parser), flush=True)
-    results = run_local(spec, timeout_s=args.timeout * max(1, spec.steps))
+    with save_lock(spec.save_dir):
+        print(config_line(args, args.train_parser), flush=True)
+        results = run_local(spec, timeout_s=args.timeout * max(1, spec.steps))
     write_train_outputs(results, spec, args)
     if args.plan:
         from pipeloom.cli.plan import fidelity_report

@@ -1,0 +1,52 @@
+"""One training at a time per checkpoint directory.
+
+Two runs given the same `--save` both exited 0 and wrote their steps into one directory, so a
+later `--resume` picked up whichever wrote last. The launcher holds an exclusive lock on
+`DIR/.lock` for the whole run; the kernel drops it if the process dies, so a crash never
+leaves the directory locked.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from pipeloom.errors import ConfigError
+
+__all__ = ["LOCK_FILE", "save_lock"]
+
+LOCK_FILE = ".lock"
+
+
+@contextmanager
+def save_lock(directory: str | os.PathLike[str] | None) -> Iterator[None]:
+    """Hold `directory`'s lock for the block (nothing to hold without a directory); ConfigError
+    at once, naming the holder, if another process holds it."""
+    if directory is None:
+        yield
+        return
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    handle = open(path / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise ConfigError(
+            f"--save {str(directory)!r} is in use by another training ({holder}): give another directory, "
+            "or wait for that run to end"
+        ) from None
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}")
+        handle.flush()
+        yield
+    finally:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
