@@ -6,7 +6,7 @@ anything else escaping is a bug in pipeloom.
 
 from __future__ import annotations
 
-__all__ = ["PipeloomError", "ScheduleError", "ConfigError", "InfeasibleError", "RuntimeFault"]
+__all__ = ["PipeloomError", "ScheduleError", "ConfigError", "InfeasibleError", "RuntimeFault", "Stopped"]
 
 
 class PipeloomError(Exception):
@@ -46,3 +46,12 @@ class InfeasibleError(PipeloomError):
 
 class RuntimeFault(PipeloomError):
     """The runtime failed while executing a plan (peer died, timeout, mismatch)."""
+
+
+class Stopped(PipeloomError):
+    """A run was stopped by a signal (SIGINT, SIGTERM) and ended every process it started.
+    `exit_status` is the shell's convention for it: 128 + the signal's number."""
+
+    def __init__(self, message: str, signal_number: int):
+        super().__init__(message)
+        self.exit_status = 128 + signal_number

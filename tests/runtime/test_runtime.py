@@ -316,3 +316,46 @@ def test_every_op_kind_has_a_runtime_handler(kind):
     assert callable(DeviceExecutor._handler(executor, kind))
     with pytest.raises(AssertionError):
         DeviceExecutor._handler(executor, "X")
+
+
+@pytest.mark.parametrize("stop, status", [("term", 143), ("ctrl-c", 130)])
+def test_a_signal_to_the_launcher_stops_every_rank_in_one_line(tmp_path, stop, status):
+    """`kill -TERM` on `pipeloom train --nproc 2` left both ranks training as orphans; Ctrl-C
+    printed a traceback per process and left a half-written checkpoint. Now the launcher stops
+    every rank, says so in one line, removes any `.partial`, and exits 128 + the signal."""
+    import subprocess
+    import sys
+
+    token = str(tmp_path / "ck")  # in every rank's command line (forked), to find stragglers by
+    command = [sys.executable, "-m", "pipeloom", "train", "--nproc", "2", "--schedule", "1f1b", "-p", "2", "-m", "2"]
+    command += ["--steps", "100000", "--save", token, "--save-every", "1"]
+    launcher = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert launcher.stdout is not None
+    while "step 2:" not in launcher.stdout.readline():  # training, and saving every step
+        assert launcher.poll() is None, launcher.stderr.read() if launcher.stderr else ""
+    if stop == "term":
+        launcher.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(launcher.pid, signal.SIGINT)  # what the terminal sends the whole group
+    _, err = launcher.communicate(timeout=10)
+    assert launcher.returncode == status
+    assert (
+        err.strip()
+        == f"pipeloom: stopped by SIG{'TERM' if stop == 'term' else 'INT'}: every rank ended; only complete checkpoints remain"
+    )
+    assert _processes_naming(token) == []
+    assert not list(Path(token).glob("*.partial")) and list(Path(token).glob("step-*"))
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Pids of the processes whose command line holds `text` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(entry.name))
+        except OSError:  # ended while we looked
+            continue
+    return found

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from pipeloom.cli import compare, export, listing, pareto, profile, show, simulate, train, tune, validate
 from pipeloom.cli.parser import EXIT_BAD_INPUT, Parser
-from pipeloom.errors import PipeloomError
+from pipeloom.errors import PipeloomError, Stopped
 
 __all__ = ["main", "EXIT_BAD_INPUT", "subcommand"]
 
@@ -27,6 +27,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return EXIT_BAD_INPUT
         return args.handler(args)
+    except Stopped as stop:
+        print(f"pipeloom: {stop.summary}", file=sys.stderr)
+        return stop.exit_status
     except PipeloomError as error:
         print(f"pipeloom: error: {error.summary}", file=sys.stderr)
         return EXIT_BAD_INPUT

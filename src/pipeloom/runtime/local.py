@@ -9,24 +9,32 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from pipeloom.errors import PipeloomError, RuntimeFault
+from pipeloom.errors import PipeloomError, RuntimeFault, Stopped
 from pipeloom.runtime.boundary import StageProbe
 from pipeloom.runtime.probe import probe_spec
+from pipeloom.runtime.save_lock import remove_partials
 from pipeloom.runtime.training import RankResult, TrainSpec, check_spec, train_rank
 
 __all__ = ["run_local"]
 
 
 def _worker(spec: TrainSpec, rank: int, world_size: int, directory: str, probe: StageProbe | None = None) -> None:
+    # Ctrl-C reaches the whole foreground group: the launcher stops the ranks, which would
+    # otherwise each print a traceback. SIGTERM (the launcher's) ends a rank at once.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     init_method = f"file://{directory}/store"
     try:
         result = train_rank(spec, rank, world_size, init_method, probe=probe)
@@ -80,21 +88,21 @@ def _run_local(spec: TrainSpec, timeout_s: float, probe: StageProbe | None) -> l
             process.start()
         deadline = time.monotonic() + timeout_s
         failed = None
-        while any(process.is_alive() for process in processes):
-            failed = next((i for i, process in enumerate(processes) if process.exitcode not in (None, 0)), None)
-            if failed is not None or time.monotonic() > deadline:
-                break
-            time.sleep(0.02)
+        with _signals_noted() as received:
+            while any(process.is_alive() for process in processes):
+                failed = next((i for i, process in enumerate(processes) if process.exitcode not in (None, 0)), None)
+                if failed is not None or time.monotonic() > deadline or received:
+                    break
+                time.sleep(0.02)
+        if received:
+            _stop(processes)
+            remove_partials(spec.save_dir)
+            name = signal.Signals(received[0]).name
+            raise Stopped(f"stopped by {name}: every rank ended; only complete checkpoints remain", received[0])
         if failed is None:
             failed = next((i for i, process in enumerate(processes) if process.exitcode not in (None, 0)), None)
         if failed is not None or any(process.is_alive() for process in processes):
-            for process in processes:
-                if process.is_alive():
-                    process.terminate()
-            for process in processes:
-                process.join(5)
-                if process.is_alive() and process.pid is not None:
-                    os.kill(process.pid, 9)
+            _stop(processes)
             if failed is None:
                 raise RuntimeFault(f"training did not finish within {timeout_s:g} s")
             reason_file = Path(f"{directory}/rank{failed}.error")
@@ -103,3 +111,33 @@ def _run_local(spec: TrainSpec, timeout_s: float, probe: StageProbe | None) -> l
         for process in processes:
             process.join()
         return [torch.load(f"{directory}/rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+def _stop(processes) -> None:
+    """SIGTERM to every rank still alive, then SIGKILL to any that outlives 5 s."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(5)
+        if process.is_alive() and process.pid is not None:
+            os.kill(process.pid, signal.SIGKILL)
+
+
+@contextmanager
+def _signals_noted() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM noted (into the list yielded) instead of ending the launcher at once,
+    which left its ranks training as orphans; restored after. Off the main thread, where Python
+    allows no handler, the list stays empty."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    previous = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    for number in previous:
+        signal.signal(number, lambda signum, frame: received.append(signum))
+    try:
+        yield received
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)

@@ -1,4 +1,4 @@
-"""One training at a time per checkpoint directory.
+"""One training at a time per checkpoint directory, and no half-written checkpoint left in it.
 
 Two runs given the same `--save` both exited 0 and wrote their steps into one directory, so a
 later `--resume` picked up whichever wrote last. The launcher holds an exclusive lock on
@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from pipeloom.errors import ConfigError
 
-__all__ = ["LOCK_FILE", "save_lock"]
+__all__ = ["LOCK_FILE", "remove_partials", "save_lock"]
 
 LOCK_FILE = ".lock"
 
@@ -46,7 +47,17 @@ def save_lock(directory: str | os.PathLike[str] | None) -> Iterator[None]:
         handle.truncate()
         handle.write(f"pid {os.getpid()}")
         handle.flush()
+        remove_partials(path)  # an interrupted run's, now that no run writes here
         yield
     finally:
         fcntl.flock(handle, fcntl.LOCK_UN)
         handle.close()
+
+
+def remove_partials(directory: str | os.PathLike[str] | None) -> None:
+    """Delete `step-N.partial` directories: checkpoints whose write was interrupted (a complete
+    one is renamed to `step-N` by its last act), which nothing can resume from."""
+    if directory is None or not Path(directory).is_dir():
+        return
+    for entry in Path(directory).glob("step-*.partial"):
+        shutil.rmtree(entry, ignore_errors=True)
