@@ -35,6 +35,7 @@ def _worker(spec: TrainSpec, rank: int, world_size: int, directory: str, probe: 
     # Ctrl-C reaches the whole foreground group: the launcher stops the ranks, which would
     # otherwise each print a traceback. SIGTERM (the launcher's) ends a rank at once.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the launcher's handler, inherited by the fork
     init_method = f"file://{directory}/store"
     try:
         result = train_rank(spec, rank, world_size, init_method, probe=probe)
@@ -84,11 +85,11 @@ def _run_local(spec: TrainSpec, timeout_s: float, probe: StageProbe | None) -> l
             context.Process(target=_worker, args=(spec, rank, world_size, directory, probe), daemon=True)
             for rank in range(world_size)
         ]
-        for process in processes:
-            process.start()
-        deadline = time.monotonic() + timeout_s
         failed = None
-        with _signals_noted() as received:
+        with _signals_noted() as received:  # from the first fork: no window to orphan a rank in
+            for process in processes:
+                process.start()
+            deadline = time.monotonic() + timeout_s
             while any(process.is_alive() for process in processes):
                 failed = next((i for i, process in enumerate(processes) if process.exitcode not in (None, 0)), None)
                 if failed is not None or time.monotonic() > deadline or received:
