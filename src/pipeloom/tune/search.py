@@ -45,6 +45,7 @@ REFINED_PLANS = 3
 """The leading plans built again on other layer layouts (`_other_partitions`)."""
 
 
+@fewer_collections()  # the whole search: it allocates millions of short-lived objects
 def tune(
     cost_model: CostModel,
     devices: int,
@@ -91,8 +92,7 @@ def tune(
             f"(dp × micro-batch size must divide it, the stages must not outnumber {cost_model.model.layers} layers"
             + (f", and dp must be a multiple of ep = {ep})" if ep > 1 else ")")
         )
-    with fewer_collections():
-        prepared = [_prepare(point, cost_model, memory, static_measures) for point in points]
+    prepared = [_prepare(point, cost_model, memory, static_measures) for point in points]
     prepared.sort(key=lambda item: item[1])
     ranked: list[Evaluation] = []
     rejected: list[Evaluation] = []
@@ -102,7 +102,7 @@ def tune(
         return ranked[keep - 1].step_time if len(ranked) >= keep and not exhaustive else math.inf
 
     task = partial(simulate_task, memory=memory, memory_passes=memory_passes)
-    with fewer_collections(), RoundPool(task, jobs if jobs is not None else default_jobs(), pack=packed) as pool:
+    with RoundPool(task, jobs if jobs is not None else default_jobs(), pack=packed) as pool:
         for first in range(0, len(prepared), ROUND):
             batch = list(enumerate(prepared[first : first + ROUND], first))
             limit = threshold()
