@@ -76,11 +76,19 @@ def test_a_plan_that_does_not_hold_together_is_refused_naming_the_field(capsys, 
     assert main([*argv, "--schemes", "1f1b", "--max-mbs", "1", "--output", str(plan)]) == 0
     capsys.readouterr()
     data = json.loads(plan.read_text())
-    for field, value, message in [
-        ("pp", data["pp"] + 1, "field 'pp'"),
-        ("schedule", None, "lacks the field 'schedule'"),
+    for changes, message in [
+        ({"pp": data["pp"] + 1}, "field 'pp'"),
+        ({"schedule": None}, "lacks the field 'schedule'"),
+        ({"scheme": "gpipe"}, "field 'scheme' is 'gpipe', but its schedule was built by '1f1b'"),
+        ({"scheme": "pipedream"}, "field 'scheme' is 'pipedream', not one of"),
+        (
+            {"tp": 2, "devices": 2 * data["devices"]},
+            "field 'tp' is 2, but its costs and predictions were made for tp = 1",
+        ),
+        ({"inputs": {"data": {"kind": "csv"}}}, "field 'inputs.data' is not a data record"),
+        ({"inputs": {"dtype": "int8"}}, "field 'inputs.dtype' must be one of fp32, bf16, fp16"),
     ]:
-        broken = {**data, field: value} if value is not None else {k: v for k, v in data.items() if k != field}
+        broken = {k: v for k, v in {**data, **changes}.items() if v is not None}
         (tmp_path / "bad.json").write_text(json.dumps(broken))
         assert main(["train", "--plan", str(tmp_path / "bad.json")]) == 2
         _, err = capsys.readouterr()
@@ -111,3 +119,30 @@ def test_marios_passes_run_one_by_one_from_the_command_line(capsys):
     assert max(relaxed["peak_activation_memory"]) <= 3 and relaxed["makespan"] < checkpointed["makespan"]
     assert main([*base, "--passes", "apply-checkpoint,bogus"]) == 2
     assert "unknown pass 'bogus'" in capsys.readouterr().err
+
+
+def test_data_records_compare_contents_not_paths(tmp_path, monkeypatch):
+    """A resume or a plan compares what the data is: a moved corpus is the same data, a rewritten
+    or appended one is not; a large file's sampled fingerprint still sees truncation and appends."""
+    from pipeloom.data import provenance
+
+    first = tmp_path / "a.bin"
+    first.write_bytes(bytes(range(256)) * 8)
+    record = provenance.token_file(first, "uint16")
+    moved = tmp_path / "moved.bin"
+    first.rename(moved)
+    assert provenance.differences(record, provenance.token_file(moved, "uint16")) == []
+    moved.write_bytes(bytes(range(256)) * 7 + bytes(256))  # same size, other ids
+    (change,) = provenance.differences(record, provenance.token_file(moved, "uint16"))
+    assert f"token file {str(first.resolve())!r} (uint16, 2.0 KiB), not token file {str(moved.resolve())!r}" in change
+    same_place = provenance.token_file(moved, "uint16")
+    moved.write_bytes(moved.read_bytes() + bytes(2))
+    assert provenance.differences(same_place, provenance.token_file(moved, "uint16")) == [
+        f"token file {str(moved.resolve())!r} (uint16, 2.0 KiB) as it was (its bytes and sha256 changed since)"
+    ]
+    assert provenance.differences(None, same_place) == []  # older checkpoints record nothing
+    monkeypatch.setattr(provenance, "_WHOLE", 64)  # sampled: 64 spaced samples of 8 bytes
+    monkeypatch.setattr(provenance, "_SAMPLE", 8)
+    sampled = provenance.fingerprint(moved)
+    moved.write_bytes(moved.read_bytes()[:-2])
+    assert provenance.fingerprint(moved) != sampled

@@ -37,7 +37,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         spec = train_spec_from_args(args, report=True)
         if rank == 0:
+            from pipeloom.runtime.report import data_line
+
             print(config_line(args, parser), flush=True)
+            print(data_line(spec), flush=True)
         result = train_rank(spec, rank, world_size, "env://", gather=True)  # rank 0 prints every rank's figures
         if rank == 0 and result.all_results:
             write_train_outputs(result.all_results, spec, args)

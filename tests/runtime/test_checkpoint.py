@@ -54,6 +54,15 @@ def test_torn_missing_and_mismatched_checkpoints_are_refused(tmp_path):
     marker.write_text(marker.read_text().replace('"layout_free": true', '"layout_free": false'))
     with pytest.raises(ConfigError, match="running '1f1b', not 2 ranks running 'zb-h1', and its weights are keyed"):
         check_spec(other_layout)
+    for other, trained_on in [
+        ({"dtype": "bf16"}, "fp32 compute, not bf16"),
+        ({"seed": 1}, r"synthetic tokens \(ids below 64, seed 0\), not synthetic tokens \(ids below 64, seed 1\)"),
+    ]:  # other data or compute type: refused unless told, then resumed
+        with pytest.raises(ConfigError, match=f"trained on {trained_on}: give the same --data/--dtype"):
+            check_spec(TrainSpec(schedule, config=CONFIG, steps=4, resume_dir=str(tmp_path), **other))
+        check_spec(
+            TrainSpec(schedule, config=CONFIG, steps=4, resume_dir=str(tmp_path), allow_input_change=True, **other)
+        )
     with pytest.raises(ConfigError, match="no checkpoint in"):
         check_spec(TrainSpec(schedule, config=CONFIG, steps=4, resume_dir=str(tmp_path / "empty")))
     with pytest.raises(ConfigError, match="go together|need both"):

@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 from pipeloom.cli import main  # noqa: E402
 from pipeloom.data import TokenFile, masked_lm, sample_corpus, train_tokenizer, write_token_file  # noqa: E402
 from pipeloom.errors import ConfigError  # noqa: E402
+from pipeloom.runtime.plan_run import spec_from_plan  # noqa: E402
 
 LLAMA = {
     "model_type": "llama",
@@ -129,8 +130,10 @@ def test_masked_lm_masks_some_positions_and_ignores_the_rest(tmp_path):
 
 def test_profile_tune_and_train_a_hugging_face_model(capsys, tmp_path, llama):
     """profile --model hf:DIR times the model's own layers; the plan tuned on it trains that model
-    (not the built-in decoder) and its activation memory is predicted to the byte."""
+    (not the built-in decoder) on the data and in the type the plan records, and its activation
+    memory is predicted to the byte."""
     profile, plan = tmp_path / "profile.json", tmp_path / "plan.json"
+    tokens = write_token_file(tmp_path / "train.bin", torch.randint(0, 512, (4096,)).numpy())
     assert (
         main(
             [
@@ -172,6 +175,8 @@ def test_profile_tune_and_train_a_hugging_face_model(capsys, tmp_path, llama):
                 "1f1b",
                 "--pp",
                 "2",  # pinned: on a noisy machine pp=1 dp=2 (ZeRO-1) may time faster
+                "--data",
+                str(tokens),
                 "--output",
                 str(plan),
             ]
@@ -179,13 +184,23 @@ def test_profile_tune_and_train_a_hugging_face_model(capsys, tmp_path, llama):
         == 0
     )
     capsys.readouterr()
+    inputs = json.loads(plan.read_text())["inputs"]
+    assert inputs["dtype"] == "fp32" and inputs["data"]["path"] == str(tokens.resolve())
     assert main(["train", "--plan", str(plan), "--steps", "2"]) == 0
     out, _ = capsys.readouterr()
-    assert "hf:llama" in out
+    assert "hf:llama" in out and f"data: token file {str(tokens.resolve())!r} (uint16, 8.0 KiB)" in out.splitlines()
     activations = [line for line in out.splitlines() if "activations" in line]
     assert len(activations) == 2 and all(line.endswith("(+0.0%)") for line in activations)
     static = [line for line in out.splitlines() if " static " in line]
     assert len(static) == 2 and all("(+0.0%;" in line for line in static)  # ZeRO-0: 16 bytes per weight
+    edited = json.loads(plan.read_text())
+    edited["inputs"]["dtype"] = "bf16"
+    plan.write_text(json.dumps(edited))
+    spec = spec_from_plan(plan)
+    assert spec.dtype == "bf16" and spec.resolved_workload().data == inputs["data"]
+    tokens.unlink()
+    with pytest.raises(ConfigError, match="the plan was made for token file .* does not exist here: give --data"):
+        spec_from_plan(plan)
 
 
 def test_partial_recompute_flags_are_checked_before_any_rank_starts(capsys):

@@ -40,7 +40,15 @@ def spec_from_plan(args: argparse.Namespace):
     fields = run_options(args)
     if args.zero == 0:  # the plan's static-memory measures, unless the flags ask for others
         del fields["zero"]
+    if args.dtype is None:  # the type the plan's costs were measured in
+        del fields["dtype"]
     data = data_from_args(args, plan.model.seq_len)
+    recorded = (plan.inputs or {}).get("data")
+    if data is not None and recorded:
+        from pipeloom.data.provenance import differences
+
+        for change in differences(recorded, data.provenance):
+            print(f"data: --data replaces the plan's: it was made for {change}", flush=True)
     return plan_spec(plan, args.model, data, report=True, **fields)
 
 

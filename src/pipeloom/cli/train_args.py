@@ -69,9 +69,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--dtype",
         choices=("fp32", "bf16", "fp16"),
-        default="fp32",
         help="compute and p2p type (bf16/fp16 halve the p2p bytes); master weights and AdamW stay fp32; "
-        "fp16 adds a dynamic loss scale (default fp32)",
+        "fp16 adds a dynamic loss scale (default fp32, or the type a --plan was profiled in)",
     )
     run.add_argument("--device", choices=("cpu", "cuda"), help="cpu (default) or cuda: rank → LOCAL_RANK's GPU")
     run.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with --device cuda, gloo on CPU")
@@ -117,6 +116,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--resume",
         metavar="DIR",
         help="continue from the newest complete checkpoint in DIR (or a DIR/step-N) up to --steps",
+    )
+    parser.add_argument(
+        "--allow-input-change",
+        action="store_true",
+        help="with --resume: continue although --data or --dtype differ from what the checkpoint was trained on",
     )
     add_run_arguments(parser)
     parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every rank's ops")
@@ -189,6 +193,8 @@ def check_train_flags(args: argparse.Namespace) -> None:
         raise ConfigError("--save DIR and --save-every K go together")
     if args.save_every < 0:
         raise ConfigError(f"--save-every must be at least 1, got {args.save_every}")
+    if args.allow_input_change and not args.resume:
+        raise ConfigError("--allow-input-change applies to --resume DIR")
     if args.reload_bf16 and not args.offload_stages:
         raise ConfigError("--reload-bf16 applies to --offload-stages")
     if args.eval_every is not None and not args.eval_data:
@@ -222,9 +228,10 @@ def run_options(args: argparse.Namespace) -> dict:
         "keep_last": args.keep_last,
         "save_dir": args.save,
         "resume_dir": args.resume,
+        "allow_input_change": args.allow_input_change,
         "clip_norm": args.clip_norm,
         "post_validation": args.post_validation,
-        "dtype": args.dtype,
+        "dtype": args.dtype or "fp32",
         "device": args.device,
         "zero": args.zero,
         "peak_tflops": _peak_tflops(args),

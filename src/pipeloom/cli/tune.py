@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 from pipeloom.budget import parse_memory_budget
@@ -31,6 +32,10 @@ def register(commands) -> None:
         ],
     )
     add_tune_arguments(parser)
+    data = parser.add_argument_group("the run's data, recorded in the plan for `train --plan`")
+    data.add_argument("--data", metavar="PATH", help="a token file (uint16/uint32 ids), or text with --tokenizer")
+    data.add_argument("--tokenizer", metavar="DIR", help="a tokenizer directory for a text --data file")
+    data.add_argument("--data-dtype", choices=("uint16", "uint32"), help="token file id type (default uint16)")
     parser.set_defaults(handler=run)
 
 
@@ -88,11 +93,14 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pipeloom.tune.plan import plan_from_evaluation
     from pipeloom.tune.profiled import ProfiledCostModel
+    from pipeloom.tune.run_inputs import plan_inputs
     from pipeloom.tune.search import tune
     from pipeloom.viz.plot import check_plot_path, has_matplotlib, pyplot
 
     cost_model = _cost_model(args)
     memory = _memory(args, cost_model)
+    dtype = cost_model.profile.get("dtype", "fp32") if isinstance(cost_model, ProfiledCostModel) else None
+    inputs = plan_inputs(args.data, args.tokenizer, args.data_dtype, dtype, cost_model.model.vocab)
     schemes = args.schemes.split(",") if args.schemes else list(DEFAULT_SCHEMES)
     if args.runnable:
         schemes = [name for name in schemes if name in RUNNABLE_SCHEMES]
@@ -127,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         jobs=args.jobs,
     )
     best = result.best
-    plan = plan_from_evaluation(best, result, cost_model.model, cost_model.to_dict(), args.tp)
+    plan = replace(plan_from_evaluation(best, result, cost_model.model, cost_model.to_dict(), args.tp), inputs=inputs)
     if args.tp > 1 and isinstance(cost_model, ProfiledCostModel):  # measured collectives: the runtime checks them
         times, sent = cost_model.tp_step(plan.schedule, plan.partition, plan.micro_batch_size)
         plan.predicted["tp_comm_ms"], plan.predicted["tp_sent_bytes"] = times, sent

@@ -10,8 +10,10 @@ a run resumed at step n continues on step n's samples. The token file is the nan
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
+from pipeloom.data import provenance as records
 from pipeloom.errors import ConfigError
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "TokenFile",
     "TextTokens",
     "open_tokens",
+    "open_recorded",
     "masked_lm",
     "write_token_file",
     "sample_corpus",
@@ -35,6 +38,10 @@ class SyntheticTokens:
     def __init__(self, vocab: int, seq_len: int, seed: int) -> None:
         self.vocab, self.seq_len, self.seed = vocab, seq_len, seed
         self.vocab_limit = vocab
+
+    @property
+    def provenance(self) -> dict:
+        return records.synthetic(self.vocab, self.seed)
 
     def batch(self, rows: int, step: int):
         import torch
@@ -93,6 +100,10 @@ class TokenFile(_Sampled):
         self._check_length(len(self._memmap), repr(str(self.path)))
         self.vocab_limit = int(_chunked_max(self._memmap)) + 1
 
+    @functools.cached_property
+    def provenance(self) -> dict:
+        return records.token_file(self.path, self.dtype)
+
     def _tokens(self):
         return self._memmap
 
@@ -104,7 +115,8 @@ class TextTokens(_Sampled):
         import numpy as np
 
         self.seq_len, self.seed = seq_len, seed
-        path = Path(path)
+        self.path, self.tokenizer_dir = Path(path), Path(tokenizer_dir)
+        path = self.path
         if not path.is_file():
             raise ConfigError(f"data: text file {str(path)!r} does not exist")
         raw = path.read_bytes()
@@ -122,6 +134,10 @@ class TextTokens(_Sampled):
         self._ids = np.asarray(ids, dtype=np.int64)
         self._check_length(len(self._ids), f"{str(path)!r} tokenized")
         self.vocab_limit = int(self._ids.max()) + 1
+
+    @functools.cached_property
+    def provenance(self) -> dict:
+        return records.text_file(self.path, self.tokenizer_dir)
 
     def _tokens(self):
         return self._ids
@@ -149,6 +165,26 @@ def open_tokens(
     if Path(path).suffix in (".txt", ".md", ".text"):
         raise ConfigError(f"data: {str(path)!r} looks like text; give --tokenizer DIR to tokenize it")
     return TokenFile(path, seq_len, seed, dtype)
+
+
+def open_recorded(record: dict, seq_len: int, seed: int):
+    """The source a plan's data record names (`provenance`), or None for synthetic tokens; a
+    file that is gone is refused, one that changed since the record is read with a warning."""
+    import sys
+
+    if record.get("kind") not in ("tokens", "text"):
+        return None
+    path = Path(record["path"])
+    if not path.is_file():
+        raise ConfigError(
+            f"data: the plan was made for {records.describe(record)}, which does not exist here: give --data PATH"
+        )
+    tokenizer = record.get("tokenizer")
+    source = open_tokens(path, seq_len, seed, tokenizer, record.get("dtype") if tokenizer is None else None)
+    changed = records.differences(record, source.provenance)
+    if changed:
+        print(f"pipeloom: warning: data changed since the plan was made: it was {changed[0]}", file=sys.stderr)
+    return source
 
 
 def write_token_file(path: str | Path, ids, dtype: str = "uint16") -> Path:

@@ -388,4 +388,5 @@ def hf_workload(
         vocab=config.vocab_size,
         prepare=prepare,
         description={"kind": "hf", "family": family, "config": config.to_dict(), "source": str(path)},
+        data=source.provenance,
     )

@@ -55,9 +55,11 @@ def resnet_workload(
     seed: int = 0,
     counts=None,
 ):
+    from dataclasses import replace
+
     from pipeloom.models.workload import blocks_workload
 
-    return blocks_workload(
+    work = blocks_workload(
         lambda: resnet_blocks(name, num_classes, seed),
         synthetic_images(image_size, num_classes, seed),
         nn.functional.cross_entropy,
@@ -65,3 +67,5 @@ def resnet_workload(
         counts=counts,
         name=f"torchvision:{name}",
     )
+    what = f"synthetic {image_size}×{image_size} images of {num_classes} classes, seed {seed}"
+    return replace(work, data={"kind": "images", "what": what})

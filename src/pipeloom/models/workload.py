@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeloom.data.provenance import synthetic
 from pipeloom.models.cut import counts_per_stage
 from pipeloom.models.llama import LlamaConfig, build_stages, synthetic_batch
 
@@ -93,6 +94,9 @@ class Workload:
     description: dict | None = None
     """What the model is, as JSON, for checkpoints and `pipeloom export`: a Hugging Face model's
     {"kind": "hf", "family", "config" (its config.json), "source"}; None: nothing to export from."""
+    data: dict | None = None
+    """What it trains on (`pipeloom.data.provenance`), for headers, plans and checkpoints' resume
+    checks; None: batches the caller made, unnamed."""
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -129,6 +133,7 @@ def llama_workload(config: LlamaConfig, seed: int, layer_counts: Sequence[int] |
         name="llama (built-in)",
         vocab=config.vocab,
         description={"kind": "llama", "config": dataclasses.asdict(config)},
+        data=data.provenance if data is not None else synthetic(config.vocab, seed),
     )
 
 

@@ -26,8 +26,9 @@ _FIXED_BY_PLAN = {"schedule", "config", "dp", "tp", "layer_counts", "workload"}
 def spec_from_plan(plan: Plan | str | Path, model: str | None = None, data=None, **options) -> TrainSpec:
     """The run a plan describes. `model`: "hf:DIR" to train a Hugging Face model cut as planned
     (default: the model the plan's profile measured, else the built-in decoder); `data`: a
-    `pipeloom.data` source (default synthetic tokens); `options`: further `TrainSpec` fields
-    (steps, lr, dtype, save_dir, ...)."""
+    `pipeloom.data` source (default: the data the plan records, else synthetic tokens);
+    `options`: further `TrainSpec` fields (steps, lr, save_dir, ...; dtype defaults to the type
+    the plan's costs were measured in)."""
     plan = plan if isinstance(plan, Plan) else Plan.load(str(plan))
     known = {f.name for f in dataclass_fields(TrainSpec)}
     unknown = sorted(set(options) - known)
@@ -37,6 +38,13 @@ def spec_from_plan(plan: Plan | str | Path, model: str | None = None, data=None,
     if fixed:
         raise ConfigError(f"train_plan: the plan fixes {', '.join(fixed)}; drop them")
     options.setdefault("zero", plan.zero)
+    inputs = plan.inputs or {}
+    if inputs.get("dtype"):
+        options.setdefault("dtype", inputs["dtype"])
+    if data is None and inputs.get("data"):
+        from pipeloom.data import open_recorded
+
+        data = open_recorded(inputs["data"], plan.model.seq_len, options.get("seed", 0))
     if plan.sequence_parallel:
         options.setdefault("sequence_parallel", True)
     if plan.offload_stages:

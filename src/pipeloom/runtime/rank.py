@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeloom.errors import ConfigError
-from pipeloom.models.workload import Workload, global_names, layout_free, replica_microbatches
+from pipeloom.models.workload import Workload, global_names, replica_microbatches
 from pipeloom.runtime.boundary import StageProbe
-from pipeloom.runtime.checkpoint import after_save, find_checkpoint, load_checkpoint, save_checkpoint
 from pipeloom.runtime.comm import MessagePlan, plan_messages
 from pipeloom.runtime.evaluation import Evaluation, perplexity
 from pipeloom.runtime.executor import DeviceExecutor
@@ -39,6 +38,7 @@ from pipeloom.runtime.offload import HostOffload
 from pipeloom.runtime.optimizer_sync import OptimizerSync
 from pipeloom.runtime.precision import LossScaler, Precision
 from pipeloom.runtime.probe import probe_boundaries
+from pipeloom.runtime.rank_checkpoints import resume_rank, save_rank
 from pipeloom.runtime.rank_setup import (
     Transport,
     by_full,
@@ -212,23 +212,8 @@ class RankRun:
             evaluation=evaluation_of(spec, transport, executor, probe, (replica, device, tp_index), where, b),
             log=run_log_of(spec, rank),
         )
-        checkpoints = spec.checkpoints
-        if checkpoints.resume_from is not None:
-            found, facts = find_checkpoint(
-                checkpoints.resume_from,
-                transport.world_size,
-                schedule.name,
-                parallel.zero,
-                parallel.offload_stages,
-                parallel.tp,
-                layout_free(list(names.values())),
-            )
-            by_name = run.names if "layout_free" in facts else None  # older checkpoints: by stage
-            shards = tensor.as_shard if tensor else None
-            run.first_step = load_checkpoint(found, stages, run.holders, shards, by_name)
-            run.learning.load_state_dict(facts.get("lr_schedule"))
-            if spec.report and rank == 0:
-                print(f"resumed from {found}: {run.first_step} of {spec.steps} steps done", flush=True)
+        if spec.checkpoints.resume_from is not None:
+            resume_rank(run)
         if where.type == "cuda":
             torch.cuda.reset_peak_memory_stats(where)
         return run
@@ -312,29 +297,7 @@ class RankRun:
         checkpoints = self.spec.checkpoints
         done = step + 1
         if checkpoints.every and checkpoints.directory and (done % checkpoints.every == 0 or done == self.spec.steps):
-            self._save(checkpoints.directory, done)
-
-    def _save(self, directory: str, steps_done: int) -> None:
-        if self.sync is not None:
-            self.sync.validate()
-        if self.host is not None:
-            self.host.settle()  # its learning-rate step too
-        parallel = self.spec.parallelism
-        facts = {
-            "schedule": parallel.schedule.name,
-            "zero": parallel.zero,
-            "offload_stages": sorted(parallel.offload_stages),
-            "tp": parallel.tp,
-            "layout_free": layout_free(list(self.names.values())),
-            "lr_schedule": self.learning.state_dict(),
-            "config": self.spec.run_config,
-        }
-        shards = self.tensor.as_shard if self.tensor is not None else None
-        saved = save_checkpoint(
-            directory, steps_done, self.stages, self.holders, facts, shards, self.names, self.work.description
-        )
-        if self.rank == 0:
-            after_save(saved, self.spec.checkpoints.keep_last, self.spec.report)
+            save_rank(self, checkpoints.directory, done)
 
     def end_evaluation(self, step: int, loss: float, seconds: float) -> None:
         """Book the held-out loss after step `step` (summed over the ranks, mean over batches)

@@ -9,7 +9,15 @@ from os import PathLike
 
 from pipeloom.runtime.training import RankResult
 
-__all__ = ["summary", "write_summary", "write_trace", "run_context", "run_report"]
+__all__ = ["summary", "write_summary", "write_trace", "run_context", "run_report", "data_line"]
+
+
+def data_line(spec) -> str:
+    """What the run trains on, in one line: printed before the first step and in the report, so
+    a run on synthetic tokens never passes for one on the user's data."""
+    from pipeloom.data.provenance import describe
+
+    return f"data: {describe(spec.resolved_workload().data)}"
 
 
 def run_context(spec) -> dict:
@@ -22,6 +30,7 @@ def run_context(spec) -> dict:
         "sequence_parallel": spec.sequence_parallel,
         "ep": spec.ep,
         "model": spec.resolved_workload().name,
+        "data": spec.resolved_workload().data,
         "dtype": spec.dtype,
         "device": spec.torch_device_type,
         "zero": spec.zero,
@@ -43,7 +52,7 @@ def run_report(results: Sequence[RankResult], spec) -> str:
     )
     held_out = results[0].eval_losses
     tail = f"\nvalidation loss {held_out[-1][1]:.4f} after {held_out[-1][0]} steps" if held_out else ""
-    return header + "\n" + final_table(results, facts) + tail
+    return header + "\n" + data_line(spec) + "\n" + final_table(results, facts) + tail
 
 
 def summary(results: Sequence[RankResult], peak_tflops: float | None = None, **context) -> dict:

@@ -90,6 +90,7 @@ class CheckpointPart:
     directory: str | None
     resume_from: str | None
     keep_last: int = 0
+    allow_input_change: bool = False
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,8 @@ class TrainSpec:
     save_dir: str | None = None
     resume_dir: str | None = None
     """Continue from a checkpoint (a step-N directory, or the newest in this directory) up to `steps`."""
+    allow_input_change: bool = False
+    """Resume although the data or dtype differ from what the checkpoint was trained on."""
     tp: int = 1
     """Tensor-parallel ranks per pipeline device (`runtime.tensor_parallel`): the world is p × dp × tp."""
     sequence_parallel: bool = False
@@ -210,7 +213,7 @@ class TrainSpec:
 
     @property
     def checkpoints(self) -> CheckpointPart:
-        return CheckpointPart(self.save_every, self.save_dir, self.resume_dir, self.keep_last)
+        return CheckpointPart(self.save_every, self.save_dir, self.resume_dir, self.keep_last, self.allow_input_change)
 
     @property
     def torch_device_type(self) -> str:

@@ -36,7 +36,7 @@ def check_spec(spec: TrainSpec, world_size: int | None = None) -> None:
     _check_model(spec.model, parallel.schedule)
     _check_tensor_parallel(spec.model, parallel)
     _check_expert_parallel(spec, parallel)
-    _check_checkpoints(spec.checkpoints, parallel, spec.steps)
+    _check_checkpoints(spec.checkpoints, parallel, spec.steps, (spec.resolved_workload().data, spec.dtype))
 
 
 def _check_parallelism(parallel: ParallelPart, world_size: int | None) -> None:
@@ -149,7 +149,9 @@ def _check_expert_parallel(spec: TrainSpec, parallel: ParallelPart) -> None:
             raise ConfigError(f"train: --ep does not combine with {flag} yet (the expert shards have their own groups)")
 
 
-def _check_checkpoints(checkpoints: CheckpointPart, parallel: ParallelPart, steps: int) -> None:
+def _check_checkpoints(
+    checkpoints: CheckpointPart, parallel: ParallelPart, steps: int, inputs: tuple[dict | None, str]
+) -> None:
     if (checkpoints.directory is None) != (checkpoints.every == 0) or checkpoints.every < 0:
         raise ConfigError("train: checkpoints need both a directory (--save) and a period (--save-every >= 1)")
     if checkpoints.keep_last < 0 or (checkpoints.keep_last and checkpoints.directory is None):
@@ -168,6 +170,24 @@ def _check_checkpoints(checkpoints: CheckpointPart, parallel: ParallelPart, step
         done = int(facts["step"])
         if done >= steps:
             raise ConfigError(f"train: the checkpoint is already {done} steps in; ask for more than {done} --steps")
+        changes = input_changes(facts, *inputs)
+        if changes and not checkpoints.allow_input_change:
+            raise ConfigError(
+                f"train: the checkpoint was trained on {'; and '.join(changes)}: give the same --data/--dtype to "
+                "continue the run, or --allow-input-change to continue it on these"
+            )
+
+
+def input_changes(facts: dict, data: dict | None, dtype: str) -> list[str]:
+    """How this run's data and compute type differ from what a checkpoint (its marker's `facts`)
+    was trained on; checkpoints older than these records differ in nothing."""
+    from pipeloom.data.provenance import differences
+
+    changes = differences(facts.get("data"), data)
+    recorded = facts.get("dtype")
+    if recorded is not None and recorded != dtype:
+        changes.append(f"{recorded} compute, not {dtype}")
+    return changes
 
 
 def _check_recompute_layers(k: int | None, schedule: Schedule) -> None:

@@ -7,6 +7,7 @@
      "zero": 0, "offload_stages": [],
      "partition": [3, 4, 4, 3], "layout": "Ettt|tttt|tttt|tttL",
      "schedule": {...pipeloom.schedule/1...}, "costs": {...Costs keys...},
+     "inputs": {"data": {...pipeloom.data.provenance record...} or null, "dtype": "bf16" or null},
      "predicted": {"step_time_ms": ..., "pipeline_ms": ..., "allreduce_ms": ..., "optimizer_ms": ..., "overhead_ms": ...,
                    "throughput": ..., "bubble_rate": ..., "peak_memory": [...], "static_memory": [...],
                    "peak_activation_memory": [...]}}
@@ -29,6 +30,7 @@ from pipeloom.files import read_json
 from pipeloom.ir.schedule import Schedule
 from pipeloom.tune.partition import layout_string
 from pipeloom.tune.presets import ModelSpec, model_from_config
+from pipeloom.tune.run_inputs import check_inputs
 from pipeloom.tune.search import Evaluation, TuneResult
 
 __all__ = ["PLAN_FORMAT", "Plan", "plan_from_evaluation"]
@@ -58,6 +60,8 @@ class Plan:
     offload_stages: tuple[int, ...] = ()
     sequence_parallel: bool = False
     """With tp > 1: the plan was priced with sequence parallelism (`tune --sequence-parallel`)."""
+    inputs: dict | None = None
+    """The run's data and compute type (`tune.run_inputs`); None: not recorded (older plans)."""
 
     @property
     def num_microbatches(self) -> int:
@@ -87,6 +91,7 @@ class Plan:
             "schedule": self.schedule.to_dict(),
             "costs": self.costs.to_dict(),
             "predicted": self.predicted,
+            "inputs": self.inputs or {"data": None, "dtype": None},
         }
 
     def save(self, path: str | PathLike[str]) -> None:
@@ -123,12 +128,33 @@ class Plan:
         for field, value, expected, what in facts:
             if value != expected:
                 raise ConfigError(f"{where}: field {field!r} is {value}, but the plan's {what} make {expected}")
+        self._check_scheme(where)
+        priced_tp = self.cost_model.get("tp", self.tp)
+        if priced_tp != self.tp:
+            raise ConfigError(
+                f"{where}: field 'tp' is {self.tp}, but its costs and predictions were made for tp = {priced_tp}: "
+                f"plan it again with `pipeloom tune --tp {self.tp}`"
+            )
         if self.zero not in (0, 1, 2):
             raise ConfigError(f"{where}: field 'zero' must be 0, 1 or 2, got {self.zero}")
         bad = [s for s in self.offload_stages if not 0 <= s < schedule.num_stages]
         if bad:
             raise ConfigError(
                 f"{where}: field 'offload_stages' names stages {bad} outside 0..{schedule.num_stages - 1}"
+            )
+
+    def _check_scheme(self, where: str) -> None:
+        """`scheme` names what the stored schedule is (a generator, then its passes): a plan runs
+        its schedule, so an edited scheme would only mislabel the run."""
+        from pipeloom.tune.space import GENERATOR_OF
+
+        if self.scheme not in GENERATOR_OF:
+            raise ConfigError(f"{where}: field 'scheme' is {self.scheme!r}, not one of {', '.join(GENERATOR_OF)}")
+        built_by = self.schedule.name.split("+")[0]
+        if built_by != GENERATOR_OF[self.scheme]:
+            raise ConfigError(
+                f"{where}: field 'scheme' is {self.scheme!r}, but its schedule was built by {built_by!r}; a plan runs "
+                f"the schedule it stores, so to run {self.scheme} plan it: `pipeloom tune --schemes {self.scheme}`"
             )
 
     @classmethod
@@ -157,6 +183,7 @@ class Plan:
             zero=int(data.get("zero", 0)),
             offload_stages=tuple(int(s) for s in data.get("offload_stages", ())),
             sequence_parallel=bool(data.get("sequence_parallel", False)),
+            inputs=check_inputs(data.get("inputs", {}), "plan"),
         )
 
 

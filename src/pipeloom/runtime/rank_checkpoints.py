@@ -1,0 +1,60 @@
+"""A rank's side of checkpoints: what its marker records about the run (layout, schedule, the
+learning rate's state, and the data and compute type it trained on, so a resume can refuse
+other inputs), and restoring a rank from one."""
+
+from __future__ import annotations
+
+from pipeloom.models.workload import layout_free
+from pipeloom.runtime.checkpoint import after_save, find_checkpoint, load_checkpoint, save_checkpoint
+from pipeloom.runtime.spec_checks import input_changes
+
+__all__ = ["save_rank", "resume_rank"]
+
+
+def save_rank(run, directory: str, steps_done: int) -> None:
+    """Collective: every rank of `run` (a `RankRun`) writes its part of ``directory/step-n``."""
+    if run.sync is not None:
+        run.sync.validate()
+    if run.host is not None:
+        run.host.settle()  # its learning-rate step too
+    spec, parallel = run.spec, run.spec.parallelism
+    facts = {
+        "schedule": parallel.schedule.name,
+        "zero": parallel.zero,
+        "offload_stages": sorted(parallel.offload_stages),
+        "tp": parallel.tp,
+        "layout_free": layout_free(list(run.names.values())),
+        "lr_schedule": run.learning.state_dict(),
+        "config": spec.run_config,
+        "data": run.work.data,
+        "dtype": spec.dtype,
+    }
+    shards = run.tensor.as_shard if run.tensor is not None else None
+    saved = save_checkpoint(
+        directory, steps_done, run.stages, run.holders, facts, shards, run.names, run.work.description
+    )
+    if run.rank == 0:
+        after_save(saved, spec.checkpoints.keep_last, spec.report)
+
+
+def resume_rank(run) -> None:
+    """Restore `run`'s stages, optimizers, RNG and learning-rate schedule from the spec's
+    checkpoint; rank 0 says where from, and what changed when `--allow-input-change` let it."""
+    spec, parallel = run.spec, run.spec.parallelism
+    found, facts = find_checkpoint(
+        spec.checkpoints.resume_from,
+        run.transport.world_size,
+        parallel.schedule.name,
+        parallel.zero,
+        parallel.offload_stages,
+        parallel.tp,
+        layout_free(list(run.names.values())),
+    )
+    by_name = run.names if "layout_free" in facts else None  # older checkpoints: by stage
+    shards = run.tensor.as_shard if run.tensor else None
+    run.first_step = load_checkpoint(found, run.stages, run.holders, shards, by_name)
+    run.learning.load_state_dict(facts.get("lr_schedule"))
+    if spec.report and run.rank == 0:
+        changes = input_changes(facts, run.work.data, spec.dtype)
+        note = f"; it was trained on {'; and '.join(changes)}" if changes else ""
+        print(f"resumed from {found}: {run.first_step} of {spec.steps} steps done{note}", flush=True)
