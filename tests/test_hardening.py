@@ -146,3 +146,22 @@ def test_data_records_compare_contents_not_paths(tmp_path, monkeypatch):
     sampled = provenance.fingerprint(moved)
     moved.write_bytes(moved.read_bytes()[:-2])
     assert provenance.fingerprint(moved) != sampled
+
+
+def test_long_planning_work_is_never_silent_off_a_terminal(capsys):
+    """`pareto -p 64 -m 512` ran minutes and `show zb-v -p 64 -m 1000` seconds with nothing on a
+    piped stderr: counted work prints a line now and then, uncounted work says it is still going."""
+    import time
+
+    from pipeloom.cli.output import _progress_lines, still_working
+
+    report = _progress_lines("pareto", "schedule", first_s=0.0, every_s=3600.0)
+    for done in range(3):
+        report(done, 3)
+    assert capsys.readouterr().err.splitlines() == ["pipeloom pareto: 0 of 3 schedules after 0 s"]
+    with still_working("building zb-v for p=64, m=1000", after_s=0.01, every_s=3600.0):
+        time.sleep(0.2)
+    assert capsys.readouterr().err.startswith("pipeloom: building zb-v for p=64, m=1000: still working after 0 s")
+    with still_working("quick", after_s=60.0):
+        pass
+    assert capsys.readouterr().err == ""  # work done in time says nothing, and does not wait

@@ -225,6 +225,27 @@ def test_a_model_too_big_for_this_machine_is_refused_before_it_is_built(capsys, 
         memory_guard.check_trainable_here(10**9, available=8 * 2**30)
 
 
+def test_a_micro_batch_too_big_for_this_machine_is_refused_with_what_fits(capsys, monkeypatch):
+    """`--microbatch-size 100000` swapped for minutes: one micro-batch's stash, measured by the
+    probe on fake tensors (autograd's saved tensors per stage), is weighed against the host."""
+    from pipeloom import build_schedule
+    from pipeloom.models import memory_guard
+    from pipeloom.models.llama import LlamaConfig
+    from pipeloom.runtime.in_process import run_in_process
+    from pipeloom.runtime.probe import probe_spec
+    from pipeloom.runtime.training import TrainSpec
+
+    monkeypatch.setattr(memory_guard, "available_memory", lambda: 8 * 2**30)
+    err = refused(capsys, "--microbatch-size", "100000", "--seq-len", "32")
+    assert "a micro-batch of 100,000 sequences × 32 tokens leaves 60.6 GiB" in err and "8.0 GiB available" in err
+    assert "(at most 13,2" in err  # 60.6 GiB / 100,000 sequences into 8 GiB
+    spec = TrainSpec(build_schedule("gpipe", 2, 1), config=LlamaConfig(microbatch_size=2), steps=1)
+    probed = probe_spec(spec).stash_bytes
+    measured = [max(r.peak_stash_bytes for r in result.records) for result in run_in_process(spec)]
+    for estimate, stash in zip(probed, measured, strict=True):  # the saved tensors the runtime counts,
+        assert 0.75 < estimate / stash < 1.25  # less its inputs and loss, with views counted apart
+
+
 def test_a_second_training_into_the_same_save_directory_is_refused(capsys, tmp_path, llama):
     """Two runs with one --save both exited 0 and mixed their checkpoints: the first holds the
     directory's lock for its whole run, the second is refused at once, naming the holder."""

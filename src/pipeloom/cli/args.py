@@ -220,7 +220,10 @@ def schedule_from_args(args: argparse.Namespace, costs: Costs, budget_is_used: b
         elif budget is not None and not budget_is_used:
             takers = ", ".join(g.name for g in list_generators() if "mem_limit" in g.options)
             raise ConfigError(f"schedule {name!r} takes no memory limit; memory-driven schedules: {takers}")
-        schedule = build_schedule(name, args.p, args.m, **kwargs)
+        from pipeloom.cli.output import still_working
+
+        with still_working(f"building {name} for p={args.p}, m={args.m}", getattr(args, "quiet", False)):
+            schedule = build_schedule(name, args.p, args.m, **kwargs)
     if args.split:
         schedule = split_backward(schedule, args.split, costs=costs, batch=args.batch_w)
     return schedule

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from pipeloom.costs import Costs
@@ -24,6 +25,7 @@ __all__ = [
     "num",
     "offload_report",
     "progress_bar",
+    "still_working",
     "add_quiet",
     "clock_bar",
     "report",
@@ -111,10 +113,13 @@ def _tightest_windows(offload) -> str:
 
 
 def progress_bar(what: str, quiet: bool = False, unit: str = "it"):
-    """A live tqdm bar on stderr for `progress(done, total)` callbacks — none when stderr is not
-    a terminal (a log or a pipe keeps only the result) or with --quiet."""
-    if quiet or not sys.stderr.isatty():
+    """A live tqdm bar on stderr for `progress(done, total)` callbacks; off a terminal (a log, a
+    pipe) a plain line at most every 30 s once the work has run 10 s, so a long command is never
+    silent; none with --quiet."""
+    if quiet:
         return None
+    if not sys.stderr.isatty():
+        return _progress_lines(what, unit)
     from tqdm import tqdm
 
     bar = None
@@ -129,6 +134,55 @@ def progress_bar(what: str, quiet: bool = False, unit: str = "it"):
             bar.close()
 
     return report
+
+
+def _progress_lines(what: str, unit: str, first_s: float = 10.0, every_s: float = 30.0):
+    import time
+
+    started = time.monotonic()
+    next_line = started + first_s
+
+    def report(done: int, total: int) -> None:
+        nonlocal next_line
+        now = time.monotonic()
+        if now >= next_line and done < total:
+            print(
+                f"pipeloom {what}: {done:,} of {total:,} {unit}s after {now - started:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+            next_line = now + every_s
+
+    return report
+
+
+@contextmanager
+def still_working(what: str, quiet: bool = False, after_s: float = 5.0, every_s: float = 30.0):
+    """For work with no natural count (one large schedule built or simulated): if it runs past
+    `after_s`, say what it is on stderr, and again every `every_s`, so no command sits silent."""
+    import threading
+    import time
+
+    if quiet:
+        yield
+        return
+    done, started = threading.Event(), time.monotonic()
+
+    def speak() -> None:
+        wait = after_s
+        while not done.wait(wait):
+            print(
+                f"pipeloom: {what}: still working after {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True
+            )
+            wait = every_s
+
+    speaker = threading.Thread(target=speak, daemon=True)
+    speaker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        speaker.join()
 
 
 def clock_bar(what: str, seconds: float, quiet: bool = False):

@@ -54,13 +54,16 @@ def run(args: argparse.Namespace) -> int:
         )
     from pipeloom.cli.config_file import config_line
     from pipeloom.runtime.local import run_local
+    from pipeloom.runtime.probe import check_probe_fits, probe_spec
     from pipeloom.runtime.report import data_line
     from pipeloom.runtime.save_lock import save_lock
 
+    probe = probe_spec(spec)
+    check_probe_fits(spec, probe)  # before a line is printed: bad input gets one line
     with save_lock(spec.save_dir):
         print(config_line(args, args.train_parser), flush=True)
         print(data_line(spec), flush=True)
-        results = run_local(spec, timeout_s=args.timeout * max(1, spec.steps))
+        results = run_local(spec, timeout_s=args.timeout * max(1, spec.steps), probe=probe)
     write_train_outputs(results, spec, args)
     if args.plan:
         from pipeloom.cli.plan import fidelity_report

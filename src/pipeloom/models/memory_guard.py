@@ -16,7 +16,13 @@ from pathlib import Path
 
 from pipeloom.errors import ConfigError
 
-__all__ = ["TRAINING_BYTES_PER_PARAM", "available_memory", "check_trainable_here", "hf_parameter_count"]
+__all__ = [
+    "TRAINING_BYTES_PER_PARAM",
+    "available_memory",
+    "check_stash_fits",
+    "check_trainable_here",
+    "hf_parameter_count",
+]
 
 TRAINING_BYTES_PER_PARAM = 16
 """fp32 weights, fp32 gradients and AdamW's two fp32 moments: the least a trained parameter holds."""
@@ -46,6 +52,31 @@ def check_trainable_here(parameters: int, available: int | None = None, what: st
             f"activation) but this machine has {available / 2**30:.1f} GiB available; set a smaller config "
             "(hidden_size, num_hidden_layers, vocab_size — transformers' defaults are a full-size model)"
         )
+
+
+def check_stash_fits(
+    stash_bytes: float, sequences: int, tokens: int, replicas: int, available: int | None = None
+) -> None:
+    """ConfigError if one micro-batch's activations cannot be held at once on this machine.
+
+    When the last stage runs micro-batch 0's backward, every earlier stage still holds what its
+    forward of micro-batch 0 saved (its backward comes later), so whatever the schedule, the ranks
+    hold at least `stash_bytes` (autograd's saved tensors of one micro-batch, summed over the
+    stages) per data-parallel replica at once. A micro-batch far too large for the host (e.g.
+    100,000 sequences) otherwise swaps for minutes before failing."""
+    available = available_memory() if available is None else available
+    need = stash_bytes * replicas
+    if available is None or need <= available:
+        return
+    per_sequence = need / sequences
+    fits = int(available // per_sequence)
+    raise ConfigError(
+        f"a micro-batch of {sequences:,} sequences × {tokens:,} tokens leaves {need / 2**30:.1f} GiB of activations "
+        f"stashed across the stages{f' of {replicas} replicas' if replicas > 1 else ''} (each stage holds "
+        "micro-batch 0's until its backward), "
+        f"but this machine has {available / 2**30:.1f} GiB available: lower --microbatch-size"
+        + (f" (at most {fits:,} sequences fit)" if fits else " (not even one sequence fits: shorten --seq-len)")
+    )
 
 
 def hf_parameter_count(config) -> int:

@@ -3,15 +3,16 @@
 A stage may take and return a tensor or a tuple of tensors, and boundaries may differ in shape
 (a ResNet's feature maps shrink, a model may hand a mask along with its hidden states). Rather
 than asking the user to spell them out, the runtime runs one example micro-batch through the
-stages once — on fake tensors, without autograd and in eval mode (so batch-norm statistics do not
-move) — and records what each stage hands to the next. Receive buffers are then allocated from these specs;
+stages once — on fake tensors, in eval mode (so batch-norm statistics do not move) — and records
+what each stage hands to the next, and the bytes autograd saves for each stage's backward (the
+activations a micro-batch leaves stashed, for the memory guard before a run). Receive buffers are then allocated from these specs;
 gradients travel for the floating tensors only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -50,6 +51,9 @@ class StageProbe:
     forward_flops: list[float]
     """Per stage, the FLOPs of one micro-batch's forward (matrix products, convolutions,
     attention, as torch's FlopCounterMode counts them); training costs three times that."""
+    stash_bytes: list[float] = field(default_factory=list)
+    """Per stage, the bytes autograd saves for one micro-batch's backward (parameters and their
+    casts left out): what a forward leaves on the device until its backward."""
 
 
 def probe_stages(
@@ -97,15 +101,23 @@ def _walk(stages, example, run) -> StageProbe:
     from torch.utils.flop_counter import FlopCounterMode
 
     specs = [tuple(TensorSpec(tuple(t.shape), t.dtype) for t in example)]
-    flops = []
+    flops, stashes = [], []
     x = example
-    with torch.no_grad():
-        for index, stage in enumerate(stages):
-            counter = FlopCounterMode(display=False)
-            with counter:
-                out = run(stage, x)
-            flops.append(float(counter.get_total_flops()))
-            if index < len(stages) - 1:
-                x = out
-                specs.append(tuple(TensorSpec(tuple(t.shape), t.dtype) for t in x))
-    return StageProbe(specs, flops)
+    for index, stage in enumerate(stages):
+        counter = FlopCounterMode(display=False)
+        weights = {tuple(p.shape) for p in stage.parameters()}
+        saved = {}
+
+        def pack(tensor: torch.Tensor, weights=weights, saved=saved) -> torch.Tensor:
+            if tuple(tensor.shape) not in weights:  # a weight (or its autocast copy) is no activation
+                saved[id(tensor)] = tensor.numel() * tensor.element_size()
+            return tensor
+
+        with counter, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = run(stage, tuple(t.detach().requires_grad_(t.is_floating_point()) for t in x))
+        flops.append(float(counter.get_total_flops()))
+        stashes.append(float(sum(saved.values())))
+        if index < len(stages) - 1:
+            x = tuple(t.detach() for t in out)
+            specs.append(tuple(TensorSpec(tuple(t.shape), t.dtype) for t in x))
+    return StageProbe(specs, flops, stashes)

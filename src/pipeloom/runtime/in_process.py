@@ -27,7 +27,7 @@ from pipeloom.runtime.comm import plan_messages
 from pipeloom.runtime.executor import DeviceExecutor
 from pipeloom.runtime.gradients import reduce_in_process
 from pipeloom.runtime.memory_mailbox import MemoryMailbox, Postbox
-from pipeloom.runtime.probe import probe_spec
+from pipeloom.runtime.probe import check_probe_fits, probe_spec
 from pipeloom.runtime.rank import RankRun, Transport
 from pipeloom.runtime.spec import RankResult, TrainSpec
 from pipeloom.runtime.spec_checks import check_spec
@@ -54,6 +54,7 @@ def _train_all(spec: TrainSpec, world_size: int) -> list[RankResult]:
     plan = plan_messages(spec.schedule)
     postboxes: list[Postbox] = [{} for _ in range(spec.dp)]
     probe = probe_spec(spec)
+    check_probe_fits(spec, probe)
     runs = [
         RankRun.set_up(spec, rank, Transport(world_size, postboxes[layout.coords(rank)[0]]), plan, probe)
         for rank in range(world_size)

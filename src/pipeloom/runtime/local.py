@@ -24,7 +24,7 @@ import torch
 
 from pipeloom.errors import PipeloomError, RuntimeFault, Stopped
 from pipeloom.runtime.boundary import StageProbe
-from pipeloom.runtime.probe import probe_spec
+from pipeloom.runtime.probe import check_probe_fits, probe_spec
 from pipeloom.runtime.save_lock import remove_partials
 from pipeloom.runtime.training import RankResult, TrainSpec, check_spec, train_rank
 
@@ -79,6 +79,7 @@ def _run_local(spec: TrainSpec, timeout_s: float, probe: StageProbe | None) -> l
     check_spec(spec, world_size)
     _import_before_forking()
     probe = probe or probe_spec(spec)
+    check_probe_fits(spec, probe)
     context = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="pipeloom-") as directory:
         processes = [

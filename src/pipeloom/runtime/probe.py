@@ -16,13 +16,25 @@ from pipeloom.runtime.precision import Precision
 from pipeloom.runtime.spec import TrainSpec
 from pipeloom.runtime.stage_call import run_stage
 
-__all__ = ["probe_boundaries", "probe_spec"]
+__all__ = ["check_probe_fits", "probe_boundaries", "probe_spec"]
 
 
 def probe_spec(spec: TrainSpec) -> StageProbe:
     """The boundaries and FLOPs of `spec`'s stages, from a model built for the purpose."""
     work = spec.resolved_workload()
     return probe_boundaries(spec.schedule, work, work.build(spec.schedule.num_stages), Precision(spec.dtype))
+
+
+def check_probe_fits(spec: TrainSpec, probe: StageProbe) -> None:
+    """Refuse, before any rank starts, a micro-batch whose activations this host cannot hold
+    (ranks on one machine share its memory; a GPU run's activations live on its GPUs)."""
+    from pipeloom.models.memory_guard import check_stash_fits
+
+    if spec.torch_device_type != "cpu" or not probe.stash_bytes:
+        return
+    work = spec.resolved_workload()
+    stash = sum(probe.stash_bytes) * spec.schedule.num_slices  # the probe ran one slice
+    check_stash_fits(stash, work.microbatch_size, work.sample_tokens, spec.dp)
 
 
 def probe_boundaries(schedule: Schedule, work: Workload, all_stages, precision: Precision) -> StageProbe:
