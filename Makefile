@@ -16,8 +16,13 @@ DEMO_DIR ?= demo-output
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# torchvision (the `vision` extra) goes beside the venv, not into it: PyPI's build breaks
+# `import transformers` next to the CPU torch (see pyproject.toml), and the venv must stay what a
+# user of `pipeloom[models]` has. tests/conftest.py puts it on the path for the ResNet tests.
 $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,plot,exact,runtime,models,logs]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt --no-deps --upgrade \
+		--target $(VENV)/vision-for-tests torchvision
 	touch $(STAMP)
 
 demo: $(STAMP)

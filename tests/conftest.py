@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # the shared helpers: `from helpers.runtime import ...`
+_VISION = Path(sys.prefix) / "vision-for-tests"  # torchvision beside the venv (see the Makefile)
+if _VISION.is_dir():
+    sys.path.append(str(_VISION))
 
 from pipeloom import build_schedule
 from pipeloom.schedules import get_generator

@@ -39,3 +39,21 @@ def check_writable(*paths: str | PathLike[str] | None) -> None:
             raise ConfigError(f"cannot write {str(path)!r}: it is a directory; name a file")
         if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
             raise ConfigError(f"cannot write {str(path)!r}: permission denied")
+
+
+def check_directory_target(path: str | PathLike[str] | None, flag: str) -> None:
+    """Refuse, before any rank starts, a directory destination (`--save`, `--log-dir`) that cannot
+    be made: the path or one of its parents is a file, or the nearest existing parent is read-only.
+    A rank found it out later, and its peers reported only that it had gone."""
+    if not path:
+        return
+    target = Path(path).absolute()
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"{flag} {str(path)!r}: it is a file, not a directory")
+    existing = target
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{flag} {str(path)!r}: {str(existing)!r} is a file, not a directory")
+    if not os.access(existing, os.W_OK):
+        raise ConfigError(f"{flag} {str(path)!r}: cannot write into {str(existing)!r} (permission denied)")

@@ -1,12 +1,14 @@
 """Checkpoint and resume (torch.distributed.checkpoint): bit-identical continuation, torn ones refused."""
 
 import shutil
+from dataclasses import replace
 
 import pytest
 
 pytest.importorskip("torch")
 
 from pipeloom import ConfigError, build_schedule  # noqa: E402
+from pipeloom.errors import RuntimeFault  # noqa: E402
 from pipeloom.models.llama import LlamaConfig  # noqa: E402
 from pipeloom.runtime.local import run_local  # noqa: E402
 from pipeloom.runtime.training import TrainSpec, check_spec  # noqa: E402
@@ -63,6 +65,9 @@ def test_torn_missing_and_mismatched_checkpoints_are_refused(tmp_path):
         check_spec(
             TrainSpec(schedule, config=CONFIG, steps=4, resume_dir=str(tmp_path), allow_input_change=True, **other)
         )
+    bigger = TrainSpec(schedule, config=replace(CONFIG, layers=6), steps=4, resume_dir=str(tmp_path))
+    with pytest.raises(RuntimeFault, match="rank 1 failed: checkpoint .*step-2' holds another model: it holds no lay"):
+        run_local(bigger)  # rank 1's own error, not rank 0's echo of it ("connection closed by peer")
     with pytest.raises(ConfigError, match="no checkpoint in"):
         check_spec(TrainSpec(schedule, config=CONFIG, steps=4, resume_dir=str(tmp_path / "empty")))
     with pytest.raises(ConfigError, match="go together|need both"):

@@ -246,6 +246,27 @@ def test_a_micro_batch_too_big_for_this_machine_is_refused_with_what_fits(capsys
         assert 0.75 < estimate / stash < 1.25  # less its inputs and loss, with views counted apart
 
 
+def test_unreadable_weights_and_unmakeable_directories_are_named_before_any_rank_starts(capsys, tmp_path, llama):
+    """A truncated safetensors file surfaced as "rank 0 failed: SafetensorError", a --log-dir
+    that is a file as "rank 0 failed: ... connection closed by peer": both now name the file."""
+    from pipeloom.models.compat import import_transformers
+
+    transformers = import_transformers()
+    config = transformers.AutoConfig.for_model(**LLAMA)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "weights")
+    weights = tmp_path / "weights" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    capsys.readouterr()  # the library's own progress while saving
+    err = refused(capsys, "--model", f"hf:{tmp_path / 'weights'}")
+    assert f"cannot load the weights in {str(tmp_path / 'weights')!r} (model.safetensors): SafetensorError" in err
+    (tmp_path / "afile").write_text("")
+    assert f"--log-dir {str(tmp_path / 'afile')!r}: it is a file" in refused(
+        capsys, "--log-dir", str(tmp_path / "afile")
+    )
+    err = refused(capsys, "--save", str(tmp_path / "afile" / "ck"), "--save-every", "1")
+    assert f"{str(tmp_path / 'afile')!r} is a file, not a directory" in err
+
+
 def test_a_second_training_into_the_same_save_directory_is_refused(capsys, tmp_path, llama):
     """Two runs with one --save both exited 0 and mixed their checkpoints: the first holds the
     directory's lock for its whole run, the second is refused at once, naming the holder."""

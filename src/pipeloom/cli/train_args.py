@@ -9,6 +9,7 @@ from pipeloom.cli.args import add_ckpt, add_costs, add_schedule_source, int_list
 from pipeloom.cli.model import add_model_arguments
 from pipeloom.cli.output import check_outputs
 from pipeloom.errors import ConfigError
+from pipeloom.files import check_directory_target
 
 __all__ = ["add_train_arguments", "add_run_arguments", "check_train_flags", "run_options"]
 
@@ -175,6 +176,8 @@ def check_train_flags(args: argparse.Namespace) -> None:
     """What the flags alone can be refused for, before torch is imported: counts, pairings,
     destinations, and a plan that does not hold together."""
     check_outputs([args.trace, args.summary], plot=None)
+    check_directory_target(args.save, "--save")
+    check_directory_target(args.log_dir, "--log-dir")
     for name in ("steps", "threads"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}")

@@ -62,5 +62,5 @@ def import_torchvision():
     try:
         import torchvision
     except ImportError:
-        raise ConfigError("vision: models need torchvision: pip install 'pipeloom[models]'") from None
+        raise ConfigError("vision: torchvision models need torchvision: pip install 'pipeloom[vision]'") from None
     return torchvision

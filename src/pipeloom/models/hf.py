@@ -9,12 +9,11 @@ head on the last — and each stage calls the library's layers directly:
   from the model's own rotary module), GPT-2 (learned positions, Conv1D projections);
 * BERT as a masked LM (bidirectional, so no slices), Mamba through its pure-torch path.
 
-Tied input and output embeddings stay one parameter object in the model, so the runtime finds
-the tie by identity and sums its gradients over the ranks holding the two ends. Dropout is set
-to zero: a pipeline (and a recompute) draws random numbers in another order than one process,
-so with dropout no schedule could equal single-process training. Causal LMs also run slice by
-slice (MEPipe, TeraPipe): a slice's layers read the keys and values of the earlier slices
-through a `DynamicCache` seeded with them, under an explicit causal mask.
+Tied input and output embeddings stay one parameter object in the model, so the runtime finds the tie by
+identity and sums its gradients over the ranks holding the two ends. Dropout is set to zero: a pipeline (and a
+recompute) draws random numbers in another order than one process, so with dropout no schedule could equal
+single-process training. Causal LMs also run slice by slice (MEPipe, TeraPipe): a slice's layers read the keys
+and values of the earlier slices through a `DynamicCache` seeded with them, under an explicit causal mask.
 """
 
 from __future__ import annotations
@@ -92,9 +91,7 @@ def _build(path: str | Path, config, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     try:
         if has_weights(path):
-            model = auto.from_pretrained(
-                str(path), config=config, local_files_only=True, dtype=torch.float32, **options
-            )
+            model = _from_pretrained(auto, path, config, options)
         else:
             model = auto.from_config(config, dtype=torch.float32, **options)
     finally:
@@ -103,6 +100,17 @@ def _build(path: str | Path, config, seed: int) -> nn.Module:
         if isinstance(module, nn.Dropout):
             module.p = 0.0
     return model.train()
+
+
+def _from_pretrained(auto, path: str | Path, config, options: dict) -> nn.Module:
+    """The model with its saved weights; a file the library cannot read (truncated, corrupt, from
+    another config) is refused naming the directory and its weight files, not as a library trace."""
+    try:
+        return auto.from_pretrained(str(path), config=config, local_files_only=True, dtype=torch.float32, **options)
+    except Exception as error:  # noqa: BLE001 - safetensors, OSError, size mismatches: all one cause
+        files, reason = ", ".join(sorted(p.name for p in Path(path).glob("*.safetensors"))), str(error).strip()
+        why = f"{type(error).__name__}: {reason.splitlines()[0] if reason else ''}"
+        raise ConfigError(f"hf: cannot load the weights in {str(path)!r} ({files}): {why}") from None
 
 
 def _parts(model: Any, family: str) -> dict:

@@ -192,7 +192,9 @@ def load_checkpoint(
     rank = dist.get_rank()
     state = _state(stages, holders, shards, names)
     rng = f"rng.rank{rank}"
-    if rng in dcp.FileSystemReader(path).read_metadata().state_dict_metadata:
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    _check_same_model(path, state, stored)
+    if rng in stored:
         state[rng] = torch.get_rng_state()
     state["step"] = torch.tensor(0)
     with torch.no_grad():
@@ -202,6 +204,26 @@ def load_checkpoint(
     for holder in holders:
         holder.after_load()
     return int(state["step"])
+
+
+def _check_same_model(path: Path, state: dict, stored: dict) -> None:
+    """ConfigError naming the checkpoint and the first weight at fault when this run's model is
+    not the one it holds (another size, layer count or family): DCP's own error names neither."""
+    faults = []
+    for key, value in state.items():
+        if not key.startswith("model."):
+            continue
+        saved = stored.get(key)
+        if saved is None:
+            faults.append(f"it holds no {key[6:]}")
+        elif tuple(getattr(saved, "size", ())) != tuple(value.shape):
+            faults.append(f"its {key[6:]} is {list(saved.size)}, this run's {list(value.shape)}")
+    if faults:
+        more = f" (and {len(faults) - 1} more)" if len(faults) > 1 else ""
+        raise ConfigError(
+            f"checkpoint {str(path)!r} holds another model: {faults[0]}{more}; resume with the model and flags it "
+            f"was trained with (its {MODEL} and COMPLETE marker say what they were)"
+        )
 
 
 def after_save(saved: Path, keep_last: int, report: bool) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from pipeloom.errors import PipeloomError, RuntimeFault, Stopped
+from pipeloom.errors import ConfigError, PipeloomError, RuntimeFault, Stopped
 from pipeloom.runtime.boundary import StageProbe
 from pipeloom.runtime.probe import check_probe_fits, probe_spec
 from pipeloom.runtime.save_lock import remove_partials
@@ -40,12 +40,35 @@ def _worker(spec: TrainSpec, rank: int, world_size: int, directory: str, probe: 
     try:
         result = train_rank(spec, rank, world_size, init_method, probe=probe)
         torch.save(result, f"{directory}/rank{rank}.pt")
+    except ConfigError as error:  # bad input: the root cause, whatever its peers then report
+        Path(f"{directory}/rank{rank}.error").write_text(error.summary)
+        sys.exit(_BAD_INPUT)
     except PipeloomError as error:
         Path(f"{directory}/rank{rank}.error").write_text(error.summary)
-        sys.exit(3)
+        sys.exit(_FAULT)
     except BaseException:  # noqa: BLE001 - a crash must still end this rank with a reason on file
         Path(f"{directory}/rank{rank}.error").write_text(traceback.format_exc().strip().splitlines()[-1])
-        sys.exit(4)
+        sys.exit(_CRASH)
+
+
+_BAD_INPUT, _FAULT, _CRASH = 2, 3, 4
+_ROOT_FIRST = (_BAD_INPUT, _CRASH, _FAULT)
+"""Which failed rank the launcher reports: bad input, then a crash, then a fault (a peer that
+closed its connection is usually the echo of another rank's failure, not its cause)."""
+
+
+def _root_cause(processes, first: int) -> int:
+    """The rank whose failure explains the others: the peers of a failed rank fail a moment later
+    with "connection closed", so wait up to 2 s for them and pick by `_ROOT_FIRST`."""
+    deadline = time.monotonic() + 2.0
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    codes = [process.exitcode for process in processes]
+    ranked = sorted(
+        (i for i, code in enumerate(codes) if code not in (None, 0)),
+        key=lambda i: (_ROOT_FIRST.index(codes[i]) if codes[i] in _ROOT_FIRST else len(_ROOT_FIRST), i),
+    )
+    return ranked[0] if ranked else first
 
 
 def _import_before_forking() -> None:
@@ -104,9 +127,11 @@ def _run_local(spec: TrainSpec, timeout_s: float, probe: StageProbe | None) -> l
         if failed is None:
             failed = next((i for i, process in enumerate(processes) if process.exitcode not in (None, 0)), None)
         if failed is not None or any(process.is_alive() for process in processes):
-            _stop(processes)
             if failed is None:
+                _stop(processes)
                 raise RuntimeFault(f"training did not finish within {timeout_s:g} s")
+            failed = _root_cause(processes, failed)
+            _stop(processes)
             reason_file = Path(f"{directory}/rank{failed}.error")
             reason = reason_file.read_text() if reason_file.exists() else f"exit status {processes[failed].exitcode}"
             raise RuntimeFault(f"rank {failed} failed: {reason}")
