@@ -12,8 +12,8 @@ _VISION = Path(sys.prefix) / "vision-for-tests"  # torchvision beside the venv (
 if _VISION.is_dir():
     sys.path.append(str(_VISION))
 
-from pipeloom import build_schedule
-from pipeloom.schedules import get_generator
+from pipeloom import build_schedule  # noqa: E402
+from pipeloom.schedules import get_generator  # noqa: E402
 
 
 def random_schedule(rng: random.Random, names: list[str], max_devices: int, **costs_for_generators):

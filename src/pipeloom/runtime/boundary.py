@@ -106,7 +106,7 @@ def _walk(stages, example, run) -> StageProbe:
     for index, stage in enumerate(stages):
         counter = FlopCounterMode(display=False)
         weights = {tuple(p.shape) for p in stage.parameters()}
-        saved = {}
+        saved: dict[int, int] = {}
 
         def pack(tensor: torch.Tensor, weights=weights, saved=saved) -> torch.Tensor:
             if tuple(tensor.shape) not in weights:  # a weight (or its autocast copy) is no activation
