@@ -349,6 +349,33 @@ def test_a_signal_to_the_launcher_stops_every_rank_in_one_line(tmp_path, stop, s
     assert not list(Path(token).glob("*.partial")) and list(Path(token).glob("step-*"))
 
 
+def test_a_signal_torchrun_forwards_ends_a_rank_in_one_line(tmp_path):
+    """torchrun forwards SIGTERM to its ranks: a rank (here one started as torchrun starts it)
+    ends at once with 143, rank 0 removing half-written checkpoints and printing one line."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    environment = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    environment.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    save = tmp_path / "ck"
+    command = [sys.executable, "-m", "pipeloom.train", "--schedule", "1f1b", "-p", "1", "-m", "2"]
+    command += ["--steps", "100000", "--save", str(save), "--save-every", "1"]
+    rank = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
+    assert rank.stdout is not None
+    while "step 2:" not in rank.stdout.readline():
+        assert rank.poll() is None, rank.stderr.read() if rank.stderr else ""
+    (save / "step-999.partial").mkdir()  # as a write cut short by the signal would leave it
+    rank.send_signal(signal.SIGTERM)
+    _, err = rank.communicate(timeout=10)
+    assert rank.returncode == 143
+    assert err.strip() == "pipeloom.train: stopped by SIGTERM: only complete checkpoints remain"
+    assert not list(save.glob("*.partial")) and list(save.glob("step-*"))
+
+
 def _processes_naming(text: str) -> list[int]:
     """Pids of the processes whose command line holds `text` (from /proc)."""
     found = []
