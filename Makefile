@@ -38,7 +38,8 @@ demo: $(STAMP)
 		--costs F=1,B=1,W=1,M_W=0.25 --plot $(DEMO_DIR)/compare.png
 
 CORE := src/pipeloom/__init__.py src/pipeloom/errors.py src/pipeloom/units.py src/pipeloom/files.py \
-	src/pipeloom/costs.py src/pipeloom/budget.py src/pipeloom/static_memory.py src/pipeloom/ir src/pipeloom/sim \
+	src/pipeloom/costs.py src/pipeloom/budget.py src/pipeloom/static_memory.py src/pipeloom/provenance.py \
+	src/pipeloom/ir src/pipeloom/sim \
 	src/pipeloom/schedules src/pipeloom/passes src/pipeloom/tune
 
 lint: $(STAMP)

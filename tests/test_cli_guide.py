@@ -96,11 +96,17 @@ def test_compare_plot_is_one_file(capsys, tmp_path):
     assert code == 2 and "use a .png" in err
 
 
-def test_progress_is_live_on_a_terminal_only(monkeypatch, capsys):
+def test_progress_is_live_on_a_terminal_and_sparse_off_one(monkeypatch, capsys):
+    """A bar on a terminal; off one (a log, a pipe) nothing for short work, a plain line now and
+    then for long work (see test_hardening's long planning test); nothing with --quiet."""
     from pipeloom.cli import output
 
     monkeypatch.setattr(output.sys.stderr, "isatty", lambda: False, raising=False)
-    assert output.progress_bar("tune") is None
+    quick = output.progress_bar("tune")
+    for done in range(1, 5):
+        quick(done, 4)
+    assert capsys.readouterr().err == ""  # done within its first 10 s: silent
+    assert output.progress_bar("tune", quiet=True) is None
     monkeypatch.setattr(output.sys.stderr, "isatty", lambda: True, raising=False)
     assert output.progress_bar("tune", quiet=True) is None
     report = output.progress_bar("tune", unit="candidate")

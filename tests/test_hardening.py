@@ -124,7 +124,7 @@ def test_marios_passes_run_one_by_one_from_the_command_line(capsys):
 def test_data_records_compare_contents_not_paths(tmp_path, monkeypatch):
     """A resume or a plan compares what the data is: a moved corpus is the same data, a rewritten
     or appended one is not; a large file's sampled fingerprint still sees truncation and appends."""
-    from pipeloom.data import provenance
+    from pipeloom import provenance
 
     first = tmp_path / "a.bin"
     first.write_bytes(bytes(range(256)) * 8)

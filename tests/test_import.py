@@ -77,7 +77,7 @@ def test_modules_import_each_other_in_one_direction():
 # runtime trains; the runtime runs plans; the profiler measures with the runtime; the command
 # line and the plots sit on top.
 LAYERS = [
-    {"errors", "units", "files", "ir", "stage_costs", "costs", "static_memory", "budget"},
+    {"errors", "units", "files", "provenance", "ir", "stage_costs", "costs", "static_memory", "budget"},
     {"sim"},
     {"schedules", "passes"},
     {"tune"},

@@ -45,7 +45,7 @@ def spec_from_plan(args: argparse.Namespace):
     data = data_from_args(args, plan.model.seq_len)
     recorded = (plan.inputs or {}).get("data")
     if data is not None and recorded:
-        from pipeloom.data.provenance import differences
+        from pipeloom.provenance import differences
 
         for change in differences(recorded, data.provenance):
             print(f"data: --data replaces the plan's: it was made for {change}", flush=True)

@@ -91,9 +91,9 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pipeloom.cli.run_inputs import plan_inputs
     from pipeloom.tune.plan import plan_from_evaluation
     from pipeloom.tune.profiled import ProfiledCostModel
-    from pipeloom.tune.run_inputs import plan_inputs
     from pipeloom.tune.search import tune
     from pipeloom.viz.plot import check_plot_path, has_matplotlib, pyplot
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from pipeloom.data import provenance as records
+from pipeloom import provenance as records
 from pipeloom.errors import ConfigError
 
 __all__ = [

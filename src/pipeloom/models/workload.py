@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeloom.data.provenance import synthetic
 from pipeloom.models.cut import counts_per_stage
 from pipeloom.models.llama import LlamaConfig, build_stages, synthetic_batch
+from pipeloom.provenance import synthetic
 
 __all__ = [
     "Workload",
@@ -95,7 +95,7 @@ class Workload:
     """What the model is, as JSON, for checkpoints and `pipeloom export`: a Hugging Face model's
     {"kind": "hf", "family", "config" (its config.json), "source"}; None: nothing to export from."""
     data: dict | None = None
-    """What it trains on (`pipeloom.data.provenance`), for headers, plans and checkpoints' resume
+    """What it trains on (`pipeloom.provenance`), for headers, plans and checkpoints' resume
     checks; None: batches the caller made, unnamed."""
 
 

@@ -15,7 +15,7 @@ __all__ = ["summary", "write_summary", "write_trace", "run_context", "run_report
 def data_line(spec) -> str:
     """What the run trains on, in one line: printed before the first step and in the report, so
     a run on synthetic tokens never passes for one on the user's data."""
-    from pipeloom.data.provenance import describe
+    from pipeloom.provenance import describe
 
     return f"data: {describe(spec.resolved_workload().data)}"
 

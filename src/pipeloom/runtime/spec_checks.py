@@ -181,7 +181,7 @@ def _check_checkpoints(
 def input_changes(facts: dict, data: dict | None, dtype: str) -> list[str]:
     """How this run's data and compute type differ from what a checkpoint (its marker's `facts`)
     was trained on; checkpoints older than these records differ in nothing."""
-    from pipeloom.data.provenance import differences
+    from pipeloom.provenance import differences
 
     changes = differences(facts.get("data"), data)
     recorded = facts.get("dtype")

@@ -7,7 +7,7 @@
      "zero": 0, "offload_stages": [],
      "partition": [3, 4, 4, 3], "layout": "Ettt|tttt|tttt|tttL",
      "schedule": {...pipeloom.schedule/1...}, "costs": {...Costs keys...},
-     "inputs": {"data": {...pipeloom.data.provenance record...} or null, "dtype": "bf16" or null},
+     "inputs": {"data": {...pipeloom.provenance record...} or null, "dtype": "bf16" or null},
      "predicted": {"step_time_ms": ..., "pipeline_ms": ..., "allreduce_ms": ..., "optimizer_ms": ..., "overhead_ms": ...,
                    "throughput": ..., "bubble_rate": ..., "peak_memory": [...], "static_memory": [...],
                    "peak_activation_memory": [...]}}
