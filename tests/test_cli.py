@@ -3,11 +3,14 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from pipeloom import build_schedule, load_schedule
 from pipeloom.cli import main
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def run(capsys, *argv):
@@ -390,6 +393,10 @@ TUNE = ["tune", "--model", "gpt3-13b", "--hardware", "h100", "--devices", "8", "
         ([*TUNE, "--output", "no/dir/p.json"], "does not exist"),
         (["train", "--plan", "missing.json"], "cannot read plan"),
         (["profile", "--model", "gpt3-13b"], "too large"),
+        (
+            ["profile", "--model", str(EXAMPLES / "tiny-llama.json"), "--max-rounds", "1"],
+            "--max-rounds must be at least 2",
+        ),
     ],
 )
 def test_tune_refusals_are_one_line(capsys, tmp_path, monkeypatch, argv, message):

@@ -39,6 +39,8 @@ def test_profile_simulate_tune_train(tmp_path, capsys):
                 "1,2",
                 "--steps",
                 "3",
+                "--max-rounds",
+                "2",  # a quick profile: what is checked here is the flow, not the figures' settling
                 "--output",
                 str(profile),
             ]

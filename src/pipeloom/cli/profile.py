@@ -42,6 +42,14 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mbs", default="1,2", metavar="LIST", help="micro-batch sizes to measure (default 1,2)")
     parser.add_argument("--layers", default="1,2,3", metavar="LIST", help="layers per stage to measure (default 1,2,3)")
     parser.add_argument("--steps", type=int, default=4, help="steps per probe; the first is left out (default 4)")
+    parser.add_argument(
+        "--max-rounds",
+        type=int,
+        default=4,
+        metavar="N",
+        help="rounds a probe may repeat until its medians settle (at least 2; default 4): more on a noisy "
+        "machine, 2 for a quick profile",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--output", default="profile.json", help="where to write the profile (default profile.json)")
     add_quiet(parser)
@@ -80,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
     sizes, layers = int_list(args.mbs, "--mbs"), int_list(args.layers, "--layers")
     if len(layers) < 2 or min(layers) < 1 or not sizes or min(sizes) < 1 or args.steps < 2 or args.threads < 1:
         raise ConfigError("profile needs at least two layer counts >= 1, micro-batch sizes >= 1 and --steps >= 2")
+    if args.max_rounds < 2:
+        raise ConfigError(
+            f"--max-rounds must be at least 2 (a median settles between two rounds), got {args.max_rounds}"
+        )
     check_writable(args.output)
     from pipeloom.profile.profiler import profile_model
     from pipeloom.tune.profiled import ProfiledCostModel, profile_costs_keys
@@ -93,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         progress=progress_bar("profile", args.quiet, "probe"),
         workload_for=workload_for,
         dtype=args.dtype,
+        max_rounds=args.max_rounds,
     )
     if workload_for is not None:
         profile["source"] = args.model
