@@ -148,6 +148,8 @@ def test_profile_tune_and_train_a_hugging_face_model(capsys, tmp_path, llama):
                 "16",
                 "--steps",
                 "2",
+                "--max-rounds",
+                "2",
                 "--output",
                 str(profile),
             ]
