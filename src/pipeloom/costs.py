@@ -21,9 +21,10 @@ Communication inside an op (a2a_F, a2a_B: MoE all-to-all, tensor-parallel collec
 a lone op's time and is hidden by an overlapped F&B pair as far as the other side's compute
 reaches (`StageCosts.pair_time`).
 
-T-Offload (`pipeloom.passes.offload`) reads four more per-stage keys, scaled the same way: the
+T-Offload (`pipeloom.passes.offload`) reads five more per-stage keys, scaled the same way: the
 gradient bytes it moves to the host, the weight bytes it loads back, the optimizer FLOPs the host
-runs, and M_offload, the part of M_static the device stops holding; with the rates host_bandwidth
+runs, M_offload, the part of M_static the device stops holding, and M_host, what the host holds
+for the stage instead (so a plan can be checked against the host's memory); with the rates host_bandwidth
 (bytes per time unit) and host_flops (FLOPs per time unit) they give its copy and host op times,
 and p2p_host_link_share says how much p2p transfers slow the copies on a shared link.
 """
@@ -45,7 +46,7 @@ __all__ = ["Costs", "CostValue", "causal_attention_fraction"]
 CostValue = float | Sequence[float | Sequence[float]]
 
 _PER_STAGE_KEYS = ("F", "B", "W", "R", "M_B", "M_W", "M_ckpt", "M_static", "a2a_F", "a2a_B")
-_OFFLOAD_KEYS = ("offload_bytes", "reload_bytes", "host_step_flops", "M_offload")
+_OFFLOAD_KEYS = ("offload_bytes", "reload_bytes", "host_step_flops", "M_offload", "M_host")
 _RATE_KEYS = ("host_bandwidth", "host_flops")
 _ATTENTION_KEYS = ("F", "B", "R")
 _UNITS = {"time_unit": (None, "ms", "s", "us"), "memory_unit": (None, "bytes")}
@@ -81,6 +82,9 @@ class Costs:
     """T-Offload: optimizer FLOPs the host runs for a stage."""
     M_offload: CostValue = 0.0
     """T-Offload: the part of M_static (optimizer state, gradients) the device stops holding."""
+    M_host: CostValue = 0.0
+    """T-Offload: host memory an offloaded stage takes (fp32 master weights, gradients, AdamW
+    moments): hosts have a limit too, per GPU a share of the node's memory."""
     host_bandwidth: float | None = None
     """Bytes per time unit between a device and its host, each way."""
     host_flops: float | None = None

@@ -98,3 +98,29 @@ def test_explain_names_the_measure_and_its_price(capsys, tmp_path):
     line = next(line for line in out.splitlines() if line.startswith("static memory:"))
     zero = json.loads((tmp_path / "plan.json").read_text())["zero"]
     assert zero > 0 and f"ZeRO-{zero}" in line and "GiB per device" in line and "ms per step" in line
+
+
+def test_offloaded_optimizer_state_must_fit_the_host():
+    cost_model = _model(160)
+    space = dict(schemes=["1f1b"], pp_values=[4], micro_batches=[1], keep=1, layouts=False)
+    best = tune(cost_model, 16, 40 * GIB, 64, **space).best
+    assert "offload-all" in best.candidate.passes
+    params = cost_model.stage_params(best.partition)
+    assert best.host_memory == pytest.approx([static_bytes(n, offloaded=True).host for n in params])
+    assert best.host_memory[0] == pytest.approx(16 * params[0])  # fp32 master weights, gradients, 2 moments
+    with pytest.raises(InfeasibleError, match="offloading optimizer state to the host would need at least .* GiB of host memory per device"):
+        tune(cost_model, 16, 40 * GIB, 64, host_memory=0.5 * max(best.host_memory), **space)
+    roomy = tune(cost_model, 16, 40 * GIB, 64, host_memory=max(best.host_memory), **space).best
+    assert roomy.candidate == best.candidate
+
+
+def test_tune_prints_host_memory_and_takes_host_memory(capsys, tmp_path):
+    argv = ["tune", "--model", "gpt3-13b", "--hardware", "a100-40g", "--devices", "16", "--global-batch", "64"]
+    argv += ["--schemes", "1f1b", "--pp", "4", "--max-mbs", "1", "--output", str(tmp_path / "plan.json")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "(host 128 GiB each)" in out and "host GiB" in out  # a DGX A100's 1 TiB over 8 GPUs
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["predicted"]["host_memory"] == [0.0] * 4
+    assert main(argv + ["--host-memory", "lots", "--force"]) == 2
+    assert "memory budget 'lots'" in capsys.readouterr().err

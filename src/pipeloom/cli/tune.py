@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from collections import Counter
 from dataclasses import replace
@@ -43,6 +44,12 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="a preset (gpt3-13b, llama2-13b, ...) or an HF-style config.json")
     parser.add_argument("--devices", type=int, required=True, help="GPUs (or ranks) in all")
     parser.add_argument("--memory", help="memory per device, e.g. 40GiB (default: the hardware's)")
+    parser.add_argument(
+        "--host-memory",
+        metavar="SIZE",
+        help="host memory per device for offloaded optimizer state, e.g. 128GiB (default: the hardware's, "
+        "a node's memory over its GPUs; a profile's: unlimited, as it plans no offload)",
+    )
     parser.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--hardware", help="a hardware preset: a100-40g, a100-80g, h100, h200, rtx-4090")
@@ -99,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
     cost_model = _cost_model(args)
     memory = _memory(args, cost_model)
+    host_memory = _host_memory(args, cost_model)
     dtype = cost_model.profile.get("dtype", "fp32") if isinstance(cost_model, ProfiledCostModel) else None
     inputs = plan_inputs(args.data, args.tokenizer, args.data_dtype, dtype, cost_model.model.vocab)
     schemes = args.schemes.split(",") if args.schemes else list(DEFAULT_SCHEMES)
@@ -133,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         ep=args.ep,
         progress=progress_bar("tune", args.quiet, "candidate"),
         jobs=args.jobs,
+        host_memory=host_memory,
     )
     best = result.best
     plan = replace(plan_from_evaluation(best, result, cost_model.model, cost_model.to_dict(), args.tp), inputs=inputs)
@@ -212,6 +221,15 @@ def _memory(args: argparse.Namespace, cost_model) -> float:
     return device_memory
 
 
+def _host_memory(args: argparse.Namespace, cost_model) -> float:
+    if args.host_memory:
+        budget = parse_memory_budget(args.host_memory)
+        if isinstance(budget, list):
+            raise ConfigError("--host-memory takes one size for every device, e.g. 128GiB")
+        return budget
+    return getattr(getattr(cost_model, "hardware", None), "host_memory", math.inf)
+
+
 def _row(e, result) -> list:
     peak = max(e.peak_memory)
     return [
@@ -220,6 +238,7 @@ def _row(e, result) -> list:
         f"{result.throughput(e):.3g}",
         f"{peak / 2**30:.2f}",
         f"{min(e.peak_memory) / 2**30:.2f}",
+        f"{max(e.host_memory, default=0.0) / 2**30:.2f}",
         f"{e.bubble_rate:.1%}",
     ]
 
@@ -239,6 +258,7 @@ def _row_dict(e, result) -> dict:
         "step_time_ms": e.step_time,
         "throughput": result.throughput(e),
         "peak_memory": e.peak_memory,
+        "host_memory": e.host_memory or [0.0] * len(e.peak_memory),
         "bubble_rate": e.bubble_rate,
         "partition": e.partition,
         "memory_unit": "bytes",
@@ -247,13 +267,14 @@ def _row_dict(e, result) -> dict:
 
 def _report(result, args, memory: float, cost_model) -> str:
     reasons = Counter(e.reason.split(":")[0] for e in result.rejected)
+    host = f" (host {result.host_memory / 2**30:.0f} GiB each)" if math.isfinite(result.host_memory) else ""
     head = (
-        f"{cost_model.model.name} on {args.devices} × {cost_model.source}, {memory / 2**30:.2f} GiB each, "
+        f"{cost_model.model.name} on {args.devices} × {cost_model.source}, {memory / 2**30:.2f} GiB each{host}, "
         f"global batch {args.global_batch}: simulated {result.evaluated}, pruned {result.pruned}, "
         f"ruled out {len(result.rejected)}"
         + (f" ({', '.join(f'{n} {r}' for r, n in reasons.items())})" if reasons else "")
     )
-    headers = ["plan", "step ms", "samples/s", "max GiB", "min GiB", "bubble"]
+    headers = ["plan", "step ms", "samples/s", "max GiB", "min GiB", "host GiB", "bubble"]
     rows = [[str(i + 1) + ". " + row[0], *row[1:]] for i, row in enumerate(_row(e, result) for e in result.ranked)]
     best = result.best
     return f"{head}\n\n{table(headers, rows)}\n\nbest: {best.candidate.label}, layers per stage {best.partition}"

@@ -141,6 +141,8 @@ class OffloadTimeline:
     """Per device; `timeline.static_memory` is what remains."""
     windows: list[LaneWindow]
     """Per offloaded (device, stage), measured on the schedule without offloading."""
+    host_memory: list[float]
+    """Per device: what its host holds for the offloaded stages (M_host)."""
 
     @property
     def delay(self) -> float:
@@ -181,6 +183,7 @@ class OffloadTimeline:
             ],
             "static_memory": self.static_memory,
             "static_memory_saved": self.static_memory_saved,
+            "host_memory": self.host_memory,
             "peak_memory": self.timeline.peak_memory,
             "lane_ops": [
                 {
@@ -229,8 +232,11 @@ def simulate_offload(plan: OffloadPlan, costs: Costs) -> OffloadTimeline:
         lane_ops.append(LaneOp(LaneOpKind.HOST_STEP, stage, device, start, end, step_end))
 
     saved = [0.0] * schedule.num_devices
+    host = [0.0] * schedule.num_devices
+    host_per_stage = costs.per_slice("M_host", schedule.num_devices, schedule.num_stages)
     for device, stage in first_forward:
         saved[device] += saved_per_stage[stage]
+        host[device] += host_per_stage[stage]
     static = [before - s for before, s in zip(baseline.static_memory, saved)]
     return OffloadTimeline(
         plan=plan,
@@ -240,6 +246,7 @@ def simulate_offload(plan: OffloadPlan, costs: Costs) -> OffloadTimeline:
         step_time=max([timeline.makespan] + [op.end for op in lane_ops]),
         static_memory_saved=saved,
         windows=_windows(baseline, first_forward, last_backward),
+        host_memory=host,
     )
 
 

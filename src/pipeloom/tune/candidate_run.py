@@ -29,26 +29,33 @@ _EPS = 1e-9
 
 _RESULT_FIELDS = (
     "candidate", "costs", "schedule", "timeline", "offload", "pipeline_time", "allreduce_time",
-    "optimizer_time", "static_memory", "peak_memory",
+    "optimizer_time", "static_memory", "peak_memory", "host_memory",
 )  # fmt: skip
 
 
-def simulate_task(evaluation: Evaluation, threshold: float, memory: float, memory_passes: bool):
+def simulate_task(
+    evaluation: Evaluation, threshold: float, memory: float, memory_passes: bool, host_memory: float = math.inf
+):
     """One candidate simulated: (the evaluation, whether it was kept)."""
-    kept = simulate_candidate(evaluation, memory, threshold, memory_passes)
+    kept = simulate_candidate(evaluation, memory, threshold, memory_passes, host_memory)
     return evaluation, kept
 
 
 def simulate_candidate(
-    evaluation: Evaluation, memory: float, threshold: float = math.inf, memory_passes: bool = True
+    evaluation: Evaluation,
+    memory: float,
+    threshold: float = math.inf,
+    memory_passes: bool = True,
+    host_memory: float = math.inf,
 ) -> bool:
     """Build and simulate under each static-memory measure in turn, falling back to the scheme's
     memory-saving passes within each, and keep the fastest plan that fits. ZeRO-1 is always
     weighed against ZeRO-0 (its optimizer step is 1/dp and a budgeted generator gets more room,
     against an all-gather of the weights); ZeRO-2 (bf16 gradient accumulation) only while memory
     is short — when nothing fits without a memory-saving pass; offload only when nothing fits at
-    all. False if it cannot beat `threshold` (the plain schedule, which every pass only
-    lengthens, already takes that long)."""
+    all. A plan whose offloaded stages need more than `host_memory` bytes of some device's host
+    does not fit either. False if it cannot beat `threshold` (the plain schedule, which every pass
+    only lengthens, already takes that long)."""
     candidate = evaluation.candidate
     spec = SCHEMES[candidate.scheme]
     chains = ((),) + (spec.fallbacks if memory_passes else ())
@@ -108,6 +115,13 @@ def simulate_candidate(
                 stages = range(current.num_stages) if "offload-all" in passes else None
                 offload = simulate_offload(t_offload(current, stages), costs)
                 timeline, pipeline = offload.timeline, offload.step_time
+                host = offload.host_memory
+                if max(host) > host_memory + _EPS:
+                    device = host.index(max(host))
+                    evaluation.reason = (
+                        f"host memory: device {device}'s host holds {gib(host[device])} > {gib(host_memory)}"
+                    )
+                    continue
             else:
                 offload, timeline = None, simulate(current, costs)
                 pipeline = timeline.makespan
@@ -118,6 +132,7 @@ def simulate_candidate(
             evaluation.candidate = candidate.with_passes(candidate.passes + passes, zero=option.zero)
             evaluation.schedule, evaluation.timeline, evaluation.offload = current, timeline, offload
             evaluation.pipeline_time, evaluation.peak_memory = pipeline, peaks
+            evaluation.host_memory = list(offload.host_memory) if offload else []
             evaluation.allreduce_time = option.allreduce_time + option.replica_skew * pipeline
             evaluation.static_memory = list(timeline.static_memory)
             if max(peaks) <= memory + _EPS:

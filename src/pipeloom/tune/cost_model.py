@@ -131,6 +131,7 @@ class AnalyticCostModel:
             reload_bytes=[2 * n for n in params],
             host_step_flops=[ADAM_FLOPS_PER_PARAM * n for n in params],
             M_offload=[offload_saving(n, dp, zero) for n in params],
+            M_host=[static_bytes(n, offloaded=True).host for n in params],
             host_bandwidth=hw.host_bandwidth / 1e3,
             host_flops=hw.host_flops / 1e3,
             a2a_F=a2a,

@@ -36,6 +36,11 @@ class Evaluation:
     """The rest of a step: the batch, zeroing gradients, the loss all-reduce."""
     static_memory: list[float] = field(default_factory=list)
     peak_memory: list[float] = field(default_factory=list)
+    host_memory: list[float] = field(default_factory=list)
+    """Per device, what its host holds for offloaded stages (empty: nothing offloaded)."""
+    host_short: float = 0.0
+    """The host memory per device that offloading would have needed, where the host's limit ruled
+    it out (0: it did not)."""
     unfit: list[tuple[str, float, str]] = field(default_factory=list)
     """(plan, step time, why) of the pass chains tried here that did not fit."""
     options: list[StaticOption] = field(default_factory=list, repr=False)
@@ -68,6 +73,8 @@ class TuneResult:
     memory: float
     evaluated: int = 0
     pruned: int = 0
+    host_memory: float = math.inf
+    """The host memory per device the plans had to fit."""
 
     @property
     def best(self) -> Evaluation:

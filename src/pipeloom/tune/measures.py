@@ -28,6 +28,8 @@ class StaticOption:
     replica_skew: float = 0.0
     """Share of the pipeline's time the gradient collectives also wait for the slowest of the dp
     replicas (the cost model's, measured; 0 where it has none)."""
+    host_memory: tuple[float, ...] = ()
+    """Per device, the host memory its offloaded stages take (empty: nothing on the host)."""
 
     @property
     def label(self) -> str:
@@ -72,6 +74,7 @@ def static_options(
                 plain.allreduce_time,
                 0.0,  # the host steps every stage, in the offload lanes
                 plain.replica_skew,
+                tuple(sum(plain.costs.stage_value("M_host", s) for s in stages_on) for stages_on in placement),
             )
         )
     return options

@@ -220,6 +220,7 @@ def plan_from_evaluation(
             "peak_memory": list(evaluation.peak_memory),
             "static_memory": list(evaluation.static_memory),
             "peak_activation_memory": list(timeline.peak_activation_memory),
+            "host_memory": list(evaluation.host_memory) or [0.0] * candidate.pp,
         },
         zero=candidate.zero,
         offload_stages=tuple(evaluation.offload.plan.stages) if evaluation.offload else (),

@@ -139,6 +139,9 @@ class HardwareSpec:
     """Bytes/s each way between a GPU and its host (PCIe)."""
     host_flops: float = 2e11
     """FLOP/s of one GPU's share of the host CPUs (T-Offload's optimizer step)."""
+    host_memory: float = float("inf")
+    """Bytes of one GPU's share of its node's host memory: where offloaded optimizer state lives
+    (infinite: not known, not checked)."""
     gpus_per_node: int = 8
     efficiency: float = 0.5
     """Share of peak_flops a transformer layer's GEMMs reach."""
@@ -176,13 +179,15 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
 HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     spec.name: spec
     for spec in [
-        HardwareSpec("a100-40g", 312e12, 40 * _GIB, 1.555e12, 300e9, 25e9),
-        HardwareSpec("a100-80g", 312e12, 80 * _GIB, 2.039e12, 300e9, 25e9),
-        HardwareSpec("h100", 989e12, 80 * _GIB, 3.35e12, 450e9, 50e9, host_bandwidth=50e9),
-        HardwareSpec("h200", 989e12, 141e9, 4.8e12, 450e9, 50e9, host_bandwidth=50e9),
-        HardwareSpec("rtx-4090", 165e12, 24 * _GIB, 1.008e12, 25e9, 12.5e9, efficiency=0.6),
+        HardwareSpec("a100-40g", 312e12, 40 * _GIB, 1.555e12, 300e9, 25e9, host_memory=1024 * _GIB / 8),
+        HardwareSpec("a100-80g", 312e12, 80 * _GIB, 2.039e12, 300e9, 25e9, host_memory=2048 * _GIB / 8),
+        HardwareSpec("h100", 989e12, 80 * _GIB, 3.35e12, 450e9, 50e9, host_bandwidth=50e9, host_memory=2048 * _GIB / 8),
+        HardwareSpec("h200", 989e12, 141e9, 4.8e12, 450e9, 50e9, host_bandwidth=50e9, host_memory=2048 * _GIB / 8),
+        HardwareSpec("rtx-4090", 165e12, 24 * _GIB, 1.008e12, 25e9, 12.5e9, efficiency=0.6, host_memory=64 * _GIB),
     ]
 }
+"""Host memory per GPU is the node's over its GPUs: a DGX A100 has 1 TiB (40 GB GPUs) or 2 TiB
+(80 GB), a DGX H100 or H200 2 TiB, over 8 GPUs; an RTX 4090 server 512 GiB over 8."""
 
 
 def load_model(name_or_path: str | PathLike[str]) -> ModelSpec:

@@ -64,6 +64,7 @@ def tune(
     jobs: int | None = 1,
     ep: int = 1,
     layouts: bool = True,
+    host_memory: float = math.inf,
 ) -> TuneResult:
     """The `keep` fastest plans that fit `memory` bytes per device; InfeasibleError if none does,
     naming the binding constraint. `memory_passes=False` leaves out Mario, T-Recomp and T-Offload;
@@ -72,7 +73,8 @@ def tune(
     candidates (None: every core this process may use); the result is the same for any. With
     `ep` > 1 the experts are shared out over groups of ep data-parallel replicas, so dp must
     be a multiple of ep. `layouts`: the leading plans are also built on other layer layouts
-    than the balanced one (`_other_partitions`)."""
+    than the balanced one (`_other_partitions`). `host_memory`: bytes of host memory per device,
+    which the optimizer state of offloaded stages must fit."""
     points = [
         point
         for point in candidates(
@@ -92,7 +94,7 @@ def tune(
             f"(dp × micro-batch size must divide it, the stages must not outnumber {cost_model.model.layers} layers"
             + (f", and dp must be a multiple of ep = {ep})" if ep > 1 else ")")
         )
-    prepared = [_prepare(point, cost_model, memory, static_measures) for point in points]
+    prepared = [_prepare(point, cost_model, memory, static_measures, host_memory=host_memory) for point in points]
     prepared.sort(key=lambda item: item[1])
     ranked: list[Evaluation] = []
     rejected: list[Evaluation] = []
@@ -101,7 +103,7 @@ def tune(
     def threshold() -> float:
         return ranked[keep - 1].step_time if len(ranked) >= keep and not exhaustive else math.inf
 
-    task = partial(simulate_task, memory=memory, memory_passes=memory_passes)
+    task = partial(simulate_task, memory=memory, memory_passes=memory_passes, host_memory=host_memory)
     with RoundPool(task, jobs if jobs is not None else default_jobs(), pack=packed) as pool:
         for first in range(0, len(prepared), ROUND):
             batch = list(enumerate(prepared[first : first + ROUND], first))
@@ -133,16 +135,21 @@ def tune(
                 if progress:
                     progress(index + 1, len(prepared))
         if ranked and layouts:
-            evaluated += _other_partitions(ranked, pool, cost_model, memory, static_measures)
+            evaluated += _other_partitions(ranked, pool, cost_model, memory, static_measures, host_memory)
     for evaluation in ranked:
         restore(evaluation)
     if not ranked:
-        raise InfeasibleError(_binding_constraint(rejected, memory))
-    return TuneResult(ranked, rejected, global_batch, memory, evaluated, pruned)
+        raise InfeasibleError(_binding_constraint(rejected, memory) + _host_note(rejected, host_memory))
+    return TuneResult(ranked, rejected, global_batch, memory, evaluated, pruned, host_memory)
 
 
 def _other_partitions(
-    ranked: list[Evaluation], pool: RoundPool, cost_model: CostModel, memory: float, static_measures: bool
+    ranked: list[Evaluation],
+    pool: RoundPool,
+    cost_model: CostModel,
+    memory: float,
+    static_measures: bool,
+    host_memory: float = math.inf,
 ) -> int:
     """The leading plans built and simulated again on other layer layouts (`partition_variants`):
     the layout is chosen with the schedule, the balanced one being one input, not the only one.
@@ -155,7 +162,7 @@ def _other_partitions(
         base = replace(evaluation.candidate, passes=SCHEMES[evaluation.candidate.scheme].passes, zero=0)
         own = (evaluation.candidate.zero, "offload-all" in evaluation.candidate.passes)
         for layout in partition_variants(evaluation.partition):
-            variant, bound = _prepare(base, cost_model, memory, static_measures, partition=layout)
+            variant, bound = _prepare(base, cost_model, memory, static_measures, layout, host_memory)
             every = variant.options  # the plan's own static measure only: a layer moves little memory
             variant.options = [option for option in every if (option.zero, option.offload_all) == own]
             if not variant.reason and variant.options and bound < evaluation.step_time - _EPS:
@@ -176,11 +183,12 @@ def evaluate(
     memory: float,
     memory_passes: bool = True,
     static_measures: bool = True,
+    host_memory: float = math.inf,
 ) -> Evaluation:
     """One candidate, fully (no pruning)."""
-    evaluation, _ = _prepare(candidate, cost_model, memory, static_measures)
+    evaluation, _ = _prepare(candidate, cost_model, memory, static_measures, host_memory=host_memory)
     if not evaluation.reason:
-        simulate_candidate(evaluation, memory, memory_passes=memory_passes)
+        simulate_candidate(evaluation, memory, memory_passes=memory_passes, host_memory=host_memory)
     return evaluation
 
 
@@ -190,9 +198,10 @@ def _prepare(
     memory: float,
     static_measures: bool = True,
     partition: list[int] | None = None,
+    host_memory: float = math.inf,
 ) -> tuple[Evaluation, float]:
-    """Partition (the balanced one unless given), the static-memory measures that fit, and a
-    lower bound on the step time."""
+    """Partition (the balanced one unless given), the static-memory measures that fit (the
+    device's memory and, for what they offload, the host's), and a lower bound on the step time."""
     evaluation = Evaluation(candidate, overhead_time=cost_model.step_overhead_time())
     stages = candidate.num_stages
     ops = _ops(candidate)
@@ -211,7 +220,9 @@ def _prepare(
     except InfeasibleError as error:
         evaluation.reason = f"layers: {error}"
         return evaluation, math.inf
-    options = static_options(candidate, cost_model, evaluation.partition, static_measures)
+    every = static_options(candidate, cost_model, evaluation.partition, static_measures)
+    options = [option for option in every if max(option.host_memory, default=0.0) <= host_memory + _EPS]
+    evaluation.host_short = min((max(option.host_memory) for option in every if option not in options), default=0.0)
     plain = options[0]
     evaluation.costs, evaluation.static_memory = plain.costs, plain.static_memory
     evaluation.allreduce_time, evaluation.optimizer_time = plain.allreduce_time, plain.optimizer_time
@@ -237,6 +248,17 @@ def _prepare(
 def _ops(candidate: Candidate) -> int:
     """How many ops its schedule has: a guess at how long it takes to build and simulate."""
     return 2 * candidate.num_stages * candidate.num_microbatches * candidate.slices
+
+
+def _host_note(rejected: list[Evaluation], host_memory: float) -> str:
+    """What the host's limit ruled out, when it did: offloading that would have needed more."""
+    needs = [e.host_short for e in rejected if e.host_short]
+    if not needs:
+        return ""
+    return (
+        f"; offloading optimizer state to the host would need at least {gib(min(needs))} of host memory per "
+        f"device, over the {gib(host_memory)} there is (--host-memory)"
+    )
 
 
 def _binding_constraint(rejected: list[Evaluation], memory: float) -> str:
