@@ -18,7 +18,9 @@ import hashlib
 import math
 from pathlib import Path
 
-__all__ = ["fingerprint", "directory_fingerprint", "differences", "describe", "token_file", "text_file", "synthetic"]
+__all__ = [
+    "fingerprint", "directory_fingerprint", "differences", "describe", "token_file", "text_file", "synthetic", "byte_size",
+]  # fmt: skip
 
 _WHOLE = 64 << 20
 _SAMPLES, _SAMPLE = 64, 1 << 20
@@ -116,13 +118,14 @@ def describe(record: dict | None, brief: bool = False) -> str:
             f"nothing to learn, the loss stays near ln {vocab} = {math.log(vocab):.2f})"
         )
     if kind == "tokens":
-        return f"token file {record['path']!r} ({record['dtype']}, {_size(record['bytes'])})"
+        return f"token file {record['path']!r} ({record['dtype']}, {byte_size(record['bytes'])})"
     if kind == "text":
-        return f"text {record['path']!r} ({_size(record['bytes'])}) tokenized by {record['tokenizer']!r}"
+        return f"text {record['path']!r} ({byte_size(record['bytes'])}) tokenized by {record['tokenizer']!r}"
     return str(record.get("what", kind))
 
 
-def _size(count: int) -> str:
+def byte_size(count: float) -> str:
+    """A byte count in the largest binary unit that keeps it at least 1 (1.5 GiB, 80.0 KiB)."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if count >= scale:
             return f"{count / scale:.1f} {unit}"

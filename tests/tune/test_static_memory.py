@@ -108,7 +108,10 @@ def test_offloaded_optimizer_state_must_fit_the_host():
     params = cost_model.stage_params(best.partition)
     assert best.host_memory == pytest.approx([static_bytes(n, offloaded=True).host for n in params])
     assert best.host_memory[0] == pytest.approx(16 * params[0])  # fp32 master weights, gradients, 2 moments
-    with pytest.raises(InfeasibleError, match="offloading optimizer state to the host would need at least .* GiB of host memory per device"):
+    with pytest.raises(
+        InfeasibleError,
+        match="offloading optimizer state to the host would need at least .* GiB of host memory per device",
+    ):
         tune(cost_model, 16, 40 * GIB, 64, host_memory=0.5 * max(best.host_memory), **space)
     roomy = tune(cost_model, 16, 40 * GIB, 64, host_memory=max(best.host_memory), **space).best
     assert roomy.candidate == best.candidate

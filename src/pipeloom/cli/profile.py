@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -13,7 +14,10 @@ from pipeloom.cli.parser import add_command
 from pipeloom.errors import ConfigError
 from pipeloom.files import check_writable
 
-__all__ = ["register"]
+__all__ = ["register", "ALLOW_BUSY_ENV"]
+
+ALLOW_BUSY_ENV = "PIPELOOM_ALLOW_BUSY"
+"""Set to 1 by a harness whose own work keeps the machine busy (the test suite's parallel workers)."""
 
 
 def register(commands) -> None:
@@ -51,6 +55,12 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
         "machine, 2 for a quick profile",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument(
+        "--allow-busy",
+        action="store_true",
+        help="profile even while other processes take the cores (their times read slow; the profile says so). "
+        f"Without it a busy machine is refused; {ALLOW_BUSY_ENV}=1 does the same (the test suite sets it)",
+    )
     parser.add_argument("--output", default="profile.json", help="where to write the profile (default profile.json)")
     add_quiet(parser)
 
@@ -106,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         workload_for=workload_for,
         dtype=args.dtype,
         max_rounds=args.max_rounds,
+        allow_busy=args.allow_busy or os.environ.get(ALLOW_BUSY_ENV) == "1",
     )
     if workload_for is not None:
         profile["source"] = args.model
@@ -150,7 +161,11 @@ def noise_line(profile: dict) -> str:
     noise = profile["noise"]
     unsettled = f", {noise['unsettled']} never settled" if noise["unsettled"] else ""
     again = f"; sizes {noise['remeasured_sizes']} measured again" if noise["remeasured_sizes"] else ""
+    busy = noise.get("busy_rounds", 0)
+    cores = f"; ops ran at {noise['wall_over_cpu']:.2f}× their CPU time" if "wall_over_cpu" in noise else ""
+    dropped = f", {busy} busy round(s) {'kept' if noise.get('busy_allowed') else 'dropped'}" if busy else ""
     return (
         f"noise: op times spread {noise['median_spread']:.1%} (median over probes, worst {noise['worst_spread']:.1%}; "
         f"interquartile range / median); {noise['rounds']} rounds over {noise['probes']} probes{unsettled}{again}"
+        f"{cores}{dropped}"
     )

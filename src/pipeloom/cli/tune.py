@@ -157,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
         assert best.timeline is not None, "the plan's timeline was restored above"
         plot_timeline(best.timeline, plot, lanes=best.offload.lane_ops if best.offload else None)
     if args.json:
-        print(json.dumps([_row_dict(e, result) for e in result.ranked], allow_nan=False))
+        rows = [_row_dict(e, result) | {"step_time_band_ms": b} for e, b in zip(result.ranked, result.bands)]
+        print(json.dumps(rows, allow_nan=False))
         return 0
     print(_report(result, args, memory, cost_model))
     if args.explain:
@@ -276,8 +277,13 @@ def _report(result, args, memory: float, cost_model) -> str:
     )
     headers = ["plan", "step ms", "samples/s", "max GiB", "min GiB", "host GiB", "bubble"]
     rows = [[str(i + 1) + ". " + row[0], *row[1:]] for i, row in enumerate(_row(e, result) for e in result.ranked)]
+    if any(result.bands):  # a measured profile: how far each step can be trusted
+        headers.insert(2, "± ms")
+        for row, width in zip(rows, result.bands):
+            row.insert(2, f"{width:.2f}")
     best = result.best
-    return f"{head}\n\n{table(headers, rows)}\n\nbest: {best.candidate.label}, layers per stage {best.partition}"
+    note = f"\nnear-tie: {result.tie_note}" if result.tie_note else ""
+    return f"{head}\n\n{table(headers, rows)}\n\nbest: {best.candidate.label}, layers per stage {best.partition}{note}"
 
 
 def _explain(result, memory: float, cost_model) -> str:

@@ -3,9 +3,11 @@
 Each probe trains the LLaMA-style decoder for a few steps with the pipeloom runtime on two forked
 gloo ranks, as the plans will run: two stages of n layers each, the first carrying the embedding,
 the last the head and loss. Its schedule runs every pass the simulator knows — F, B and W split,
-and every other micro-batch checkpointed so that R and a checkpointed F's stash appear too. A
-probe is repeated until its medians settle (`stability`), and the profile records how noisy the
-machine was. From the runtime's records (op start/end, bytes each F and R stashed) it fits, per
+and every other micro-batch checkpointed so that R and a checkpointed F's stash appear too. The
+probes take turns, a round of each at a time, each repeated until its medians settle
+(`stability`); a round in which another process took the cores (wall against CPU time,
+`contention`) is dropped and run again, and a machine that stays busy is refused. The profile
+records how noisy the machine was. From the runtime's records (op start/end, bytes each F and R stashed) it fits, per
 micro-batch size and per pass, time = a·n + b_position with one slope a per layer and an
 intercept for the first and the last stage (`fit_positions` derives the middle and single ones).
 Activation bytes are fitted the same way. A size that looks cheaper per sample than a smaller
@@ -28,9 +30,10 @@ from pipeloom.ir.schedule import Schedule
 from pipeloom.ir.text import parse_op
 from pipeloom.models.llama import build_stages, llama_config
 from pipeloom.passes.split_backward import split_backward
+from pipeloom.profile.contention import Contention
 from pipeloom.profile.links import measure_links, ping_seconds
 from pipeloom.profile.overheads import linear_fit, op_overhead_ms
-from pipeloom.profile.stability import falling_per_sample, until_stable
+from pipeloom.profile.stability import Series, falling_per_sample
 from pipeloom.schedules.registry import build_schedule
 from pipeloom.static_memory import compute_bytes
 from pipeloom.tune.presets import ModelSpec
@@ -54,26 +57,32 @@ def profile_model(
     workload_for: Callable[[int, int], object] | None = None,
     dtype: str = "fp32",
     max_rounds: int = 4,
+    allow_busy: bool = False,
 ) -> dict:
     """The profile (format ``pipeloom.profile/1``) as a dict. `workload_for(layers, micro-batch
     size)` builds another model to probe (a Hugging Face one: `models.hf.hf_workload`); by
     default it is the built-in LLaMA-style decoder of `model`'s shape. Each probe runs `steps`
     steps a round (the first left out as warm-up), in as many rounds (at most `max_rounds`) as
-    its medians take to settle (`stability.until_stable`)."""
+    its medians take to settle (`stability.Series`), the probes taking turns. RuntimeFault if
+    the machine is too busy to measure (`contention.Contention`), unless `allow_busy`."""
     probes = [(mbs, n) for mbs in micro_batches for n in layer_counts]
-    total = len(probes) + 1
-    measured: dict[tuple[int, int], _Probe] = {}
-    for done, (mbs, n) in enumerate(probes, 1):
-        measured[(mbs, n)] = _measure_probe(model, mbs, n, steps, threads, workload_for, dtype, max_rounds)
+    total = len(probes) * max_rounds + 1
+    busy = Contention(allow=allow_busy)
+    shape = (model, steps, threads, workload_for, dtype)
+    done = [0]
+
+    def tick() -> None:
+        done[0] += 1
         if progress:
-            progress(done, total)
+            progress(min(done[0], total - 1), total)
+
+    measured = _measure_probes(probes, shape, max_rounds, busy, tick)
     warnings: list[str] = []
     fits = _fits(measured, micro_batches)
     rerun = falling_per_sample(fits, _noise_margin(measured))
     if rerun:  # re-measure the sizes that look cheaper per sample, once, before trusting them
-        for mbs in rerun:
-            for n in layer_counts:
-                measured[(mbs, n)] = _measure_probe(model, mbs, n, steps, threads, workload_for, dtype, max_rounds)
+        again = [(mbs, n) for mbs in rerun for n in layer_counts]
+        measured |= _measure_probes(again, shape, max_rounds, busy, tick)
         fits = _fits(measured, micro_batches)
         warnings = falling_per_sample(fits, _noise_margin(measured), describe=True)
     links = measure_links()
@@ -97,13 +106,16 @@ def profile_model(
     profile.update(_runtime_overheads(profile, measured))
     layers = max(layer_counts)
     profile["replica_skew"] = {
-        str(zero): _replica_skew(profile, zero, model, micro_batches[0], layers, steps, threads, workload_for, dtype)
+        str(zero): _replica_skew(
+            profile, zero, model, micro_batches[0], layers, steps, threads, workload_for, dtype, busy
+        )
         for zero in (0, 1)
     }
     if workload_for is not None and getattr(workload_for(1, 1), "experts", None) is not None:
         profile["a2a"] = _expert_exchange(micro_batches, max(layer_counts), steps, threads, workload_for, dtype)
-    profile["noise"] = _noise(measured, rerun)
-    profile["warnings"] = warnings
+    profile["noise"] = _noise(measured, rerun) | busy.summary()
+    profile["confidence"] = _confidence(measured, micro_batches)
+    profile["warnings"] = warnings + [text for text in [busy.warning()] if text]
     try:  # what `tune` will refuse is never written: the fits are constrained, this is the proof
         check_profile_numbers(profile)
     except ConfigError as error:
@@ -139,15 +151,33 @@ _SETTLED_MS = 0.1
 """A median that moves by less than this (ms) has settled, however small it is."""
 
 
-def _measure_probe(model, mbs, n, steps, threads, workload_for, dtype, max_rounds) -> _Probe:
+def _measure_probes(keys, shape, max_rounds: int, busy: Contention, tick) -> dict[tuple[int, int], _Probe]:
+    """The probes (micro-batch size, layers per stage) measured by turns: a round of each, then
+    another of each that has not settled, up to `max_rounds` — so a busy spell falls on one
+    round of several probes, not every round of one. A round `busy` finds contended is dropped
+    and run again (`Contention` refuses once the machine stays busy)."""
     from pipeloom.runtime.local import run_local
     from pipeloom.runtime.probe import probe_spec
+
+    specs = {key: _probe_spec(*shape, *key) for key in keys}
+    probes = {key: probe_spec(spec) for key, spec in specs.items()}  # the same boundaries every round
+    series = {key: Series(floor=_SETTLED_MS) for key in keys}
+    while todo := [key for key in keys if not series[key].settled and series[key].rounds < max_rounds]:
+        for key in todo:
+            results = run_local(specs[key], probe=probes[key])
+            while not busy.clean_round(results):
+                results = run_local(specs[key], probe=probes[key])
+            series[key].add(_samples(results))
+            tick()
+    return {key: _Probe(key[0], key[1], specs[key].schedule, series[key].measured()) for key in keys}
+
+
+def _probe_spec(model, steps, threads, workload_for, dtype, mbs, n):
     from pipeloom.runtime.training import TrainSpec
 
     p = 2
-    schedule = probe_schedule(p)
-    spec = TrainSpec(
-        schedule,
+    return TrainSpec(
+        probe_schedule(p),
         config=llama_config(model, n * p, mbs),
         steps=steps,
         layer_counts=(n,) * p,
@@ -155,9 +185,6 @@ def _measure_probe(model, mbs, n, steps, threads, workload_for, dtype, max_round
         workload=workload_for(n * p, mbs) if workload_for else None,
         dtype=dtype,
     )
-    probe = probe_spec(spec)  # the same boundaries every round
-    values = until_stable(lambda: _samples(run_local(spec, probe=probe)), floor=_SETTLED_MS, max_rounds=max_rounds)
-    return _Probe(mbs, n, schedule, values)
 
 
 def _samples(results) -> dict[str, list[float]]:
@@ -195,6 +222,22 @@ def _fits(measured: dict[tuple[int, int], _Probe], micro_batches: Sequence[int])
     return fits
 
 
+def _confidence(measured: dict[tuple[int, int], _Probe], micro_batches: Sequence[int]) -> dict:
+    """Per micro-batch size and op kind, how far to trust its times: the relative standard error
+    of their medians (the median over the probes and ranks that measured them). `tune` turns it
+    into a band around each plan's step time."""
+    out: dict[str, dict[str, float]] = {}
+    for mbs in micro_batches:
+        errors: dict[str, list[float]] = {}
+        for (size, _), probe in measured.items():
+            for key, value in probe.values.items():
+                kind = key.split("@")[0]
+                if size == mbs and kind in _OP_KINDS:
+                    errors.setdefault(kind, []).append(value.relative_error)
+        out[str(mbs)] = {kind: statistics.median(values) for kind, values in errors.items()}
+    return out
+
+
 def _noise_margin(measured: dict) -> float:
     """How much cheaper per sample a larger micro-batch may look before it is suspect: three
     standard errors of the probes' op-time medians, at least 3 %."""
@@ -229,7 +272,7 @@ def _runtime_overheads(profile: dict, measured: dict) -> dict:
     }
 
 
-def _replica_skew(profile, zero, model, mbs, layers, steps, threads, workload_for, dtype) -> float:
+def _replica_skew(profile, zero, model, mbs, layers, steps, threads, workload_for, dtype, busy) -> float:
     """Two data-parallel replicas of one stage (ZeRO-`zero`): the mean time rank 0's gradient
     collectives and optimizer take beyond what the links and the optimizer fit predict — its
     wait for the other replica's pipeline — as a share of the pipeline. The mean, not the median:
@@ -253,7 +296,10 @@ def _replica_skew(profile, zero, model, mbs, layers, steps, threads, workload_fo
     )
     waits, pipelines = [], []
     for _ in range(2):
-        phases = run_local(spec)[0].phase_seconds[1:]
+        results = run_local(spec)
+        while not busy.clean_round(results):
+            results = run_local(spec)
+        phases = results[0].phase_seconds[1:]
         waits += [1e3 * (step["allreduce"] + step["optimizer"]) - expected for step in phases]
         pipelines += [1e3 * step["pipeline"] for step in phases]
     return max(0.0, statistics.fmean(waits)) / statistics.median(pipelines)

@@ -19,7 +19,7 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Measured", "until_stable", "relative_spread", "falling_per_sample", "TOLERANCE"]
+__all__ = ["Measured", "Series", "until_stable", "relative_spread", "falling_per_sample", "TOLERANCE"]
 
 _SE_PER_IQR = 1.253 / 1.349
 """Standard error of a median per interquartile range, times √n (normal samples)."""
@@ -54,6 +54,42 @@ def relative_spread(samples: Sequence[float]) -> float:
     return (high - low) / abs(middle) if middle else 0.0
 
 
+class Series:
+    """The rounds of one probe so far: `add` one round's samples; `settled` once the latest round
+    agreed with the earlier ones (see `until_stable`). Several series can take turns — round 1
+    of every probe, then round 2 of each that has not settled — so a busy spell falls on one
+    round of many probes, which their other rounds outvote, not on every round of one probe."""
+
+    def __init__(self, tolerance: float = TOLERANCE, floor: float = 0.0):
+        self.tolerance, self.floor = tolerance, floor
+        self.kept: dict[str, list[float]] = {}
+        self.per_round: dict[str, list[float]] = {}
+        self.rounds = 0
+        self.settled = False
+
+    def add(self, samples: Mapping[str, Sequence[float]]) -> bool:
+        """One round's samples (warm-up already left out); whether the series has now settled."""
+        fresh = {key: [float(v) for v in values] for key, values in samples.items() if len(values)}
+        if self.kept:
+            self.settled = all(
+                _agrees(values, self.kept.get(key, []), self.tolerance, self.floor) for key, values in fresh.items()
+            )
+        for key, values in fresh.items():
+            self.kept.setdefault(key, []).extend(values)
+            self.per_round.setdefault(key, []).append(statistics.median(values))
+        self.rounds += 1
+        return self.settled
+
+    def measured(self) -> dict[str, Measured]:
+        """The median of the rounds' medians: a busy spell is one round, outvoted by the others."""
+        return {
+            key: Measured(
+                statistics.median(self.per_round[key]), relative_spread(values), len(values), self.rounds, self.settled
+            )
+            for key, values in self.kept.items()
+        }
+
+
 def until_stable(
     run_round: Callable[[], Mapping[str, Sequence[float]]],
     *,
@@ -67,24 +103,10 @@ def until_stable(
     to matter) — at most `max_rounds`."""
     if max_rounds < 1:
         raise ValueError(f"max_rounds must be at least 1, got {max_rounds}")
-    kept: dict[str, list[float]] = {}
-    per_round: dict[str, list[float]] = {}
-    rounds = 0
-    settled = False
-    while rounds < max_rounds:
-        fresh = {key: [float(v) for v in values] for key, values in run_round().items() if len(values)}
-        rounds += 1
-        if kept:
-            settled = all(_agrees(values, kept.get(key, []), tolerance, floor) for key, values in fresh.items())
-        for key, values in fresh.items():
-            kept.setdefault(key, []).extend(values)
-            per_round.setdefault(key, []).append(statistics.median(values))
-        if settled:
-            break
-    return {  # the median of the rounds' medians: a busy spell is one round, outvoted by the others
-        key: Measured(statistics.median(per_round[key]), relative_spread(values), len(values), rounds, settled)
-        for key, values in kept.items()
-    }
+    series = Series(tolerance, floor)
+    while series.rounds < max_rounds and not series.add(run_round()):
+        pass
+    return series.measured()
 
 
 def _standard_error(values: Sequence[float]) -> float:

@@ -158,7 +158,7 @@ class DeviceExecutor:
             self._index += 2
         else:
             self._handler(op.kind)(step, op)
-            step.record.ops.append((op.text, step.start, step.now()))
+            step.end_op(op.text)
             self._index += 1
 
     def finish(self) -> StepRecord:
@@ -333,7 +333,7 @@ class DeviceExecutor:
         """Run the W at `index` (with `concat_w`, and the W of its stage right after it, as one
         GEMM); return how many ops it consumed."""
         consumed = self.queue.run_ops(self.ops, index, self.concat_w)
-        step.record.ops.append((self.ops[index].text, step.start, step.now()))
+        step.end_op(self.ops[index].text)
         return consumed
 
     def _lone_weight_op(self, step: StepState, op: Op) -> None:

@@ -17,6 +17,7 @@ the baton too.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -106,10 +107,11 @@ def run_pair(executor, step, first, second) -> None:
         began = step.now()
         ends = PairBaton().run(lambda: run(first), lambda: run(second), step.now)
         step.record.ops += [(first.text, began, ends[0]), (second.text, began, ends[1])]
+        step.record.op_cpu += [math.nan, math.nan]
     else:
         for op in (first, second):
             step.start = step.now()
             run(op)
-            step.record.ops.append((op.text, step.start, step.now()))
+            step.end_op(op.text)
     if side is not None:
         torch.cuda.current_stream(device).wait_stream(side)

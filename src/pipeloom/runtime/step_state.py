@@ -24,6 +24,10 @@ class StepRecord:
     """Sum of this device's scaled micro-batch losses (last stage only)."""
     ops: list[tuple[str, float, float]] = field(default_factory=list)
     """(op text, start, end) in seconds from the step's start; an op starts once its inputs are here."""
+    op_cpu: list[float] = field(default_factory=list)
+    """Per entry of `ops`, the CPU seconds its thread ran during it (NaN for an overlapped pair's
+    ops, which share two threads): on a CPU a wall time well above it means another process
+    took the core — contention, which `profile` detects and refuses to fit."""
     stash: list[tuple[float, int]] = field(default_factory=list)
     """(time, bytes held) after every change."""
     peak_stash_bytes: int = 0
@@ -76,7 +80,23 @@ class StepState:
     kv: dict[tuple[int, int, int], tuple[list, list]] = field(default_factory=dict)
     """Slice key → (its keys/values per layer, their leaves for the later slices)."""
     held: int = 0
-    start: float = 0.0
+    _start: float = 0.0
+    _cpu_start: float = 0.0
+
+    @property
+    def start(self) -> float:
+        """When the current op's own time began (seconds from the step's start); setting it also
+        notes the thread's CPU clock, for `end_op`."""
+        return self._start
+
+    @start.setter
+    def start(self, value: float) -> None:
+        self._start, self._cpu_start = value, time.thread_time()
+
+    def end_op(self, text: str) -> None:
+        """Record the op that began at `start` as ending now, with its thread's CPU time."""
+        self.record.ops.append((text, self._start, self.now()))
+        self.record.op_cpu.append(time.thread_time() - self._cpu_start)
 
     def now(self) -> float:
         return time.perf_counter() - self.began

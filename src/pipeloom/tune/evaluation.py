@@ -75,6 +75,11 @@ class TuneResult:
     pruned: int = 0
     host_memory: float = math.inf
     """The host memory per device the plans had to fit."""
+    bands: list[float] = field(default_factory=list)
+    """Per ranked plan, ± ms around its step from the profile's confidence (`tune.confidence`;
+    zeros from a cost model that measured nothing)."""
+    tie_note: str = ""
+    """What the ranking did with plans within the noise of each other (empty: none were)."""
 
     @property
     def best(self) -> Evaluation:

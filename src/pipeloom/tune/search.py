@@ -29,6 +29,7 @@ from functools import partial
 from pipeloom.errors import InfeasibleError
 from pipeloom.tune.bounds import pipeline_floor, room_floor
 from pipeloom.tune.candidate_run import gib, most_room, simulate_candidate, simulate_task
+from pipeloom.tune.confidence import settle_near_ties
 from pipeloom.tune.cost_model import CostModel
 from pipeloom.tune.evaluation import Evaluation, TuneResult, packed, restore
 from pipeloom.tune.measures import static_options
@@ -140,7 +141,9 @@ def tune(
         restore(evaluation)
     if not ranked:
         raise InfeasibleError(_binding_constraint(rejected, memory) + _host_note(rejected, host_memory))
-    return TuneResult(ranked, rejected, global_batch, memory, evaluated, pruned, host_memory)
+    result = TuneResult(ranked, rejected, global_batch, memory, evaluated, pruned, host_memory)
+    settle_near_ties(result, cost_model)
+    return result
 
 
 def _other_partitions(

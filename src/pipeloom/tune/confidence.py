@@ -1,0 +1,130 @@
+"""How far to trust a plan's predicted step, and when two plans are too close to tell apart.
+
+A profile says how well it knows each op kind's time at each micro-batch size (`confidence`:
+the relative standard error of the measured medians). A plan's step responds to each of those
+figures as its schedule dictates — a 1 % dearer F moves a forward-bound plan more than a
+W-filled one — so each figure is moved by its standard error and the schedule simulated again
+(`sensitivities`). Figures measured apart are taken as independent errors, so a plan's band is
+twice the root sum of squares of its sensitivities (about 95 %). Two plans share the figures
+of their micro-batch size: an error that slows both cancels from their difference, which is
+what decides whether their order is known (`tied`). Only the pipeline is moved; the all-reduce,
+optimizer and step overhead come from fits of their own and are left as predicted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from pipeloom.passes.offload import simulate_offload
+from pipeloom.provenance import byte_size
+from pipeloom.sim.simulate import simulate
+from pipeloom.tune.evaluation import Evaluation
+
+__all__ = ["figure_errors", "sensitivities", "band", "tied", "robustness"]
+
+_KINDS = ("F", "B", "W", "R")
+_Z = 2.0
+"""Standard errors per side of a band: about 95 % for normal errors."""
+
+
+def figure_errors(cost_model, micro_batch: int) -> dict[str, float]:
+    """Relative standard error per op kind at `micro_batch` (a size between two profiled ones
+    takes the worse of the two); {} for a cost model that measured nothing (analytic)."""
+    confidence = getattr(cost_model, "profile", {}).get("confidence") or {}
+    if not confidence:
+        return {}
+    sizes = sorted(int(size) for size in confidence)
+    below = max([size for size in sizes if size <= micro_batch], default=sizes[0])
+    above = min([size for size in sizes if size >= micro_batch], default=sizes[-1])
+    return {
+        kind: max(confidence[str(below)].get(kind, 0.0), confidence[str(above)].get(kind, 0.0))
+        for kind in _KINDS
+        if kind in confidence[str(below)] or kind in confidence[str(above)]
+    }
+
+
+def sensitivities(evaluation: Evaluation, errors: dict[str, float]) -> dict[tuple[int, str], float]:
+    """Per (micro-batch size, op kind): how much the step moves (ms) when that figure is one
+    standard error dearer."""
+    schedule, costs = evaluation.schedule, evaluation.costs
+    if schedule is None or costs is None:
+        return {}
+    base = _pipeline(evaluation, costs)
+    out = {}
+    for kind, error in errors.items():
+        value = getattr(costs, kind)
+        if error <= 0 or value is None:
+            continue
+        moved = replace(costs, **{kind: _scaled(value, 1 + error)})
+        out[evaluation.candidate.micro_batch, kind] = _pipeline(evaluation, moved) - base
+    return out
+
+
+def band(moves: dict[tuple[int, str], float]) -> float:
+    """± ms around a plan's step (`sensitivities` of it)."""
+    return _Z * math.sqrt(sum(move**2 for move in moves.values()))
+
+
+def tied(first: Evaluation, second: Evaluation, moves: dict[int, dict]) -> bool:
+    """Whether the two plans' steps differ by less than the band of their difference (`moves`:
+    each plan's sensitivities, by id)."""
+    one, two = moves[id(first)], moves[id(second)]
+    spread = _Z * math.sqrt(sum((one.get(key, 0.0) - two.get(key, 0.0)) ** 2 for key in one.keys() | two.keys()))
+    return abs(second.step_time - first.step_time) <= spread
+
+
+def robustness(evaluation: Evaluation) -> tuple[float, int]:
+    """What a near-tie is broken by, smaller first: peak memory (room for what the prediction
+    missed), then pipeline ranks (fewer transfers and stages to wait on)."""
+    return max(evaluation.peak_memory), evaluation.candidate.pp
+
+
+def _pipeline(evaluation: Evaluation, costs) -> float:
+    if evaluation.offload is not None:
+        return simulate_offload(evaluation.offload.plan, costs).step_time
+    assert evaluation.schedule is not None, "only simulated plans are ranked"
+    return simulate(evaluation.schedule, costs).makespan
+
+
+def _scaled(value, factor: float):
+    if isinstance(value, tuple | list):
+        return tuple(_scaled(entry, factor) for entry in value)
+    return value * factor
+
+
+def settle_near_ties(result, cost_model) -> None:
+    """Give each ranked plan its band (`result.bands`, ms) and, where the leader's lead is
+    within the noise of the profile, put the most robust of the tied plans first, noting why
+    (`result.tie_note`). Nothing changes for a cost model that measured nothing."""
+    ranked = result.ranked
+    moves = {id(e): sensitivities(e, figure_errors(cost_model, e.candidate.micro_batch)) for e in ranked}
+    result.bands = [band(moves[id(e)]) for e in ranked]
+    if not any(result.bands):
+        return
+    fastest = ranked[0]
+    close = [e for e in ranked if tied(fastest, e, moves)]
+    if len(close) < 2:
+        return
+    chosen = min(close, key=robustness)
+    places = ", ".join(str(ranked.index(e) + 1) for e in close)
+    if chosen is fastest:
+        result.tie_note = (
+            f"plans {places} are within the profile's noise of each other; {fastest.candidate.label}, the fastest, "
+            "also needs the least memory and pipeline ranks of them"
+        )
+        return
+    (chosen_memory, chosen_pp), (fastest_memory, fastest_pp) = robustness(chosen), robustness(fastest)
+    why = (
+        f"lower peak memory ({byte_size(chosen_memory)} against {byte_size(fastest_memory)})"
+        if chosen_memory < fastest_memory
+        else f"fewer pipeline ranks ({chosen_pp} against {fastest_pp})"
+    )
+    fastest_band, index = result.bands[0], ranked.index(chosen)
+    result.bands.insert(0, result.bands.pop(index))
+    ranked.insert(0, ranked.pop(index))
+    result.tie_note = (
+        f"plans {places} are within the profile's noise of each other ({fastest.candidate.label} is fastest at "
+        f"{fastest.step_time:.1f} ± {fastest_band:.1f} ms, by {chosen.step_time - fastest.step_time:.1f} ms): "
+        f"ranked {chosen.candidate.label} first for its {why}"
+    )

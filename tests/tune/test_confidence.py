@@ -1,0 +1,73 @@
+"""A plan's band from the profile's confidence, and near-ties broken by robustness."""
+
+import pytest
+
+from pipeloom.tune.confidence import band, figure_errors, sensitivities, tied
+from pipeloom.tune.profiled import ProfiledCostModel
+from pipeloom.tune.search import tune
+
+from .test_profiled import profile
+
+SPACE = dict(schemes=["1f1b", "zb-h1", "gpipe"], pp_values=[2], micro_batches=[1, 2], layouts=False)
+
+
+def _with_confidence(error: float) -> ProfiledCostModel:
+    data = profile()
+    data["confidence"] = {size: {kind: error for kind in "FBWR"} for size in ("1", "2")}
+    return ProfiledCostModel(data)
+
+
+def test_figure_errors_take_the_worse_neighbour_and_nothing_without_a_profile():
+    data = profile()
+    data["confidence"] = {"1": {"F": 0.01, "B": 0.05}, "4": {"F": 0.03, "B": 0.02}}
+    model = ProfiledCostModel(data)
+    assert figure_errors(model, 1) == {"F": 0.01, "B": 0.05}
+    assert figure_errors(model, 2) == {"F": 0.03, "B": 0.05}  # between 1 and 4: the worse of the two
+    assert figure_errors(model, 8) == {"F": 0.03, "B": 0.02}
+    assert figure_errors(ProfiledCostModel(profile()), 2) == {}  # an older profile: no band
+
+
+def test_a_band_is_what_moving_each_figure_by_its_error_does_to_the_step():
+    model = _with_confidence(0.05)
+    result = tune(model, 2, 1e9, 8, keep=6, **SPACE)
+    for evaluation, width in zip(result.ranked, result.bands):
+        moves = sensitivities(evaluation, figure_errors(model, evaluation.candidate.micro_batch))
+        assert set(moves) == {(evaluation.candidate.micro_batch, kind) for kind in "FBWR"}
+        # the pipeline is linear in the op times: all four 5 % dearer make it at most 5 % longer
+        assert 0 < sum(moves.values()) <= 0.05 * evaluation.pipeline_time + 1e-9
+        assert width == pytest.approx(band(moves)) and width == pytest.approx(
+            2 * sum(m**2 for m in moves.values()) ** 0.5
+        )
+    assert not any(tune(ProfiledCostModel(profile()), 2, 1e9, 8, keep=3, **SPACE).bands)
+
+
+def test_an_error_shared_by_two_plans_cancels_from_their_difference():
+    result = tune(_with_confidence(0.05), 2, 1e9, 8, keep=6, **SPACE)
+    moves = {id(e): sensitivities(e, {"F": 0.05, "B": 0.05, "W": 0.05, "R": 0.05}) for e in result.ranked}
+    first = result.ranked[0]
+    assert tied(first, first, moves)
+    same = [e for e in result.ranked[1:] if e.candidate.micro_batch == first.candidate.micro_batch]
+    # the difference's band is at most the sum of both bands, never more
+    for other in same:
+        one, two = moves[id(first)], moves[id(other)]
+        diff = 2 * sum((one[k] - two[k]) ** 2 for k in one) ** 0.5
+        assert diff <= band(one) + band(two) + 1e-9
+
+
+def test_near_ties_go_to_the_plan_with_less_memory_and_say_so():
+    precise = tune(_with_confidence(0.0001), 2, 1e9, 8, keep=6, **SPACE)
+    noisy = tune(_with_confidence(0.3), 2, 1e9, 8, keep=6, **SPACE)
+    fastest = precise.best
+    assert precise.tie_note == "" and [e.step_time for e in precise.ranked] == sorted(
+        e.step_time for e in precise.ranked
+    )
+    assert fastest.candidate.label == "zb-h1 pp=2 dp=1 mbs=2"
+    # ±30 % figures: mbs 1's plans are within the noise of mbs 2's (independent figures), and need less memory
+    best = noisy.best
+    assert best.candidate.label == "zb-h1 pp=2 dp=1 mbs=1" and best.step_time > fastest.step_time
+    assert max(best.peak_memory) < max(fastest.peak_memory)
+    assert noisy.ranked[1].candidate.label == fastest.candidate.label  # the rest keep their order
+    assert noisy.tie_note.startswith("plans 1, 2, 5, 6 are within the profile's noise of each other")
+    assert "ranked zb-h1 pp=2 dp=1 mbs=1 first for its lower peak memory (79.7 KiB against 86.1 KiB)" in noisy.tie_note
+    # zb-h1 and 1f1b at mbs 2 share their figures: 8 ms apart is not noise, however noisy the figures
+    assert noisy.bands[0] > 10 * precise.bands[0]
