@@ -1,4 +1,5 @@
-"""What moving bytes between ranks costs on this machine: p2p and the data-parallel collectives.
+"""What moving bytes between ranks costs on this machine: p2p, the data-parallel collectives and
+a mixture of experts' all-to-alls (`expert_exchange`).
 
 Each is measured between two forked gloo ranks at two sizes — a tiny tensor for the latency and a
 large one for the bandwidth — and fitted as time = latency + bytes / bandwidth, bytes being the
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-__all__ = ["ping_seconds", "measure_links"]
+__all__ = ["ping_seconds", "measure_links", "expert_exchange"]
 
 _SMALL, _LARGE = 16, 4 * 2**20
 """fp32 elements of the two sizes measured: 64 bytes (latency), 16 MiB (bandwidth)."""
@@ -98,3 +99,31 @@ def _link_rank(rank: int, directory: str, sizes: tuple[int, ...], repeats: int) 
     if rank == 0:
         Path(directory, "links").write_text(" ".join(str(1e3 * s) for s in seconds))
     dist.destroy_process_group()
+
+
+_EP = 2
+"""The expert-parallel group `profile` measures: two ranks, one all-to-all partner each."""
+
+
+def expert_exchange(micro_batches, layers, steps, threads, workload_for, dtype) -> dict:
+    """A mixture of experts' dispatch and combine, per MoE layer and micro-batch size: one stage
+    of `layers` layers trained by two data-parallel replicas that share out the experts (--ep 2),
+    lone ops only, so each exchange's time in flight is its own. ms per layer of an F (a2a_F:
+    the counts, the tokens out and back) and of a B (a2a_B: their gradients)."""
+    from pipeloom.runtime.local import run_local
+    from pipeloom.runtime.training import TrainSpec
+    from pipeloom.schedules.registry import build_schedule
+
+    m = 2
+    out: dict = {"ep": _EP}
+    for mbs in micro_batches:
+        work = workload_for(layers, mbs)
+        schedule = build_schedule("1f1b", 1, m)
+        spec = TrainSpec(schedule, workload=work, steps=steps, dp=_EP, ep=_EP, threads=threads, dtype=dtype)
+        records = [r for result in run_local(spec) for r in result.records[1:] or result.records]
+        per_op = m * layers
+        out[str(mbs)] = {
+            "F": statistics.median(r.a2a_forward_ms for r in records) / per_op,
+            "B": statistics.median(r.a2a_ms - r.a2a_forward_ms for r in records) / per_op,
+        }
+    return out

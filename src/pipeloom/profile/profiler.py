@@ -31,8 +31,9 @@ from pipeloom.ir.text import parse_op
 from pipeloom.models.llama import build_stages, llama_config
 from pipeloom.passes.split_backward import split_backward
 from pipeloom.profile.contention import Contention
-from pipeloom.profile.links import measure_links, ping_seconds
+from pipeloom.profile.links import expert_exchange, measure_links, ping_seconds
 from pipeloom.profile.overheads import linear_fit, op_overhead_ms
+from pipeloom.profile.speed import speed_quantiles, step_busy
 from pipeloom.profile.stability import Series, falling_per_sample
 from pipeloom.schedules.registry import build_schedule
 from pipeloom.static_memory import compute_bytes
@@ -112,9 +113,10 @@ def profile_model(
         for zero in (0, 1)
     }
     if workload_for is not None and getattr(workload_for(1, 1), "experts", None) is not None:
-        profile["a2a"] = _expert_exchange(micro_batches, max(layer_counts), steps, threads, workload_for, dtype)
+        profile["a2a"] = expert_exchange(micro_batches, max(layer_counts), steps, threads, workload_for, dtype)
     profile["noise"] = _noise(measured, rerun) | busy.summary()
     profile["confidence"] = _confidence(measured, micro_batches)
+    profile["step_speed"] = speed_quantiles(busy for probe in measured.values() for busy in probe.busy)
     profile["warnings"] = warnings + [text for text in [busy.warning()] if text]
     try:  # what `tune` will refuse is never written: the fits are constrained, this is the proof
         check_profile_numbers(profile)
@@ -129,8 +131,10 @@ def profile_model(
 class _Probe:
     """One probe's measurements: (kind, rank) → Measured, and the probe's schedule and shape."""
 
-    def __init__(self, mbs: int, layers: int, schedule: Schedule, values: dict):
+    def __init__(self, mbs: int, layers: int, schedule: Schedule, values: dict, busy: list[list[float]]):
         self.mbs, self.layers, self.schedule, self.values = mbs, layers, schedule, values
+        self.busy = busy
+        """Per rank, its time in ops in each step measured (ms)."""
 
     def median(self, key: str) -> float:
         return self.values[key].median
@@ -160,6 +164,7 @@ def _measure_probes(keys, shape, max_rounds: int, busy: Contention, tick) -> dic
     from pipeloom.runtime.probe import probe_spec
 
     specs = {key: _probe_spec(*shape, *key) for key in keys}
+    busy_steps: dict[tuple, list[float]] = {}
     probes = {key: probe_spec(spec) for key, spec in specs.items()}  # the same boundaries every round
     series = {key: Series(floor=_SETTLED_MS) for key in keys}
     while todo := [key for key in keys if not series[key].settled and series[key].rounds < max_rounds]:
@@ -168,8 +173,13 @@ def _measure_probes(keys, shape, max_rounds: int, busy: Contention, tick) -> dic
             while not busy.clean_round(results):
                 results = run_local(specs[key], probe=probes[key])
             series[key].add(_samples(results))
+            for rank, result in enumerate(results):
+                busy_steps.setdefault((key, rank), []).extend(step_busy(result.records[1:]))
             tick()
-    return {key: _Probe(key[0], key[1], specs[key].schedule, series[key].measured()) for key in keys}
+    return {
+        key: _Probe(key[0], key[1], specs[key].schedule, series[key].measured(), [busy_steps[key, r] for r in (0, 1)])
+        for key in keys
+    }
 
 
 def _probe_spec(model, steps, threads, workload_for, dtype, mbs, n):
@@ -303,33 +313,6 @@ def _replica_skew(profile, zero, model, mbs, layers, steps, threads, workload_fo
         waits += [1e3 * (step["allreduce"] + step["optimizer"]) - expected for step in phases]
         pipelines += [1e3 * step["pipeline"] for step in phases]
     return max(0.0, statistics.fmean(waits)) / statistics.median(pipelines)
-
-
-_EP = 2
-"""The expert-parallel group `profile` measures: two ranks, one all-to-all partner each."""
-
-
-def _expert_exchange(micro_batches, layers, steps, threads, workload_for, dtype) -> dict:
-    """A mixture of experts' dispatch and combine, per MoE layer and micro-batch size: one stage
-    of `layers` layers trained by two data-parallel replicas that share out the experts (--ep 2),
-    lone ops only, so each exchange's time in flight is its own. ms per layer of an F (a2a_F:
-    the counts, the tokens out and back) and of a B (a2a_B: their gradients)."""
-    from pipeloom.runtime.local import run_local
-    from pipeloom.runtime.training import TrainSpec
-
-    m = 2
-    out: dict = {"ep": _EP}
-    for mbs in micro_batches:
-        work = workload_for(layers, mbs)
-        schedule = build_schedule("1f1b", 1, m)
-        spec = TrainSpec(schedule, workload=work, steps=steps, dp=_EP, ep=_EP, threads=threads, dtype=dtype)
-        records = [r for result in run_local(spec) for r in result.records[1:] or result.records]
-        per_op = m * layers
-        out[str(mbs)] = {
-            "F": statistics.median(r.a2a_forward_ms for r in records) / per_op,
-            "B": statistics.median(r.a2a_ms - r.a2a_forward_ms for r in records) / per_op,
-        }
-    return out
 
 
 def _probe_costs(probe: _Probe, p: int, fitted: Costs) -> Costs:

@@ -34,6 +34,9 @@ class Evaluation:
     optimizer_time: float = 0.0
     overhead_time: float = 0.0
     """The rest of a step: the batch, zeroing gradients, the loss all-reduce."""
+    noise_time: float = 0.0
+    """The part of `pipeline_time` that the ranks' step-to-step speed noise adds to the median
+    step (`tune.speed_noise`; 0 without a measured profile)."""
     static_memory: list[float] = field(default_factory=list)
     peak_memory: list[float] = field(default_factory=list)
     host_memory: list[float] = field(default_factory=list)

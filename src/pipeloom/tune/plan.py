@@ -215,6 +215,7 @@ def plan_from_evaluation(
             "allreduce_ms": evaluation.allreduce_time,
             "optimizer_ms": evaluation.optimizer_time,
             "overhead_ms": evaluation.overhead_time,
+            "speed_noise_ms": evaluation.noise_time,
             "throughput": result.throughput(evaluation),
             "bubble_rate": timeline.bubble_rate,
             "peak_memory": list(evaluation.peak_memory),

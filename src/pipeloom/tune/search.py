@@ -16,7 +16,10 @@ For each candidate the layers are partitioned to balance stage time given the em
    takes one only when it needs it.
 
 Step time = the simulated pipeline (with offload lanes) + the data-parallel all-reduce of the
-gradients + the optimizer step; throughput = global batch / step time.
+gradients + the optimizer step; throughput = global batch / step time. From a measured profile,
+the ranked plans' pipelines then take the machine's step-to-step speed noise into account
+(`speed_noise`) and are ranked again, and near-ties within the profile's noise are broken by
+robustness (`confidence`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from pipeloom.tune.measures import static_options
 from pipeloom.tune.partition import partition_layers, partition_variants
 from pipeloom.tune.pool import ROUND, RoundPool, default_jobs, fewer_collections
 from pipeloom.tune.space import DEFAULT_SCHEMES, SCHEMES, Candidate, candidates
+from pipeloom.tune.speed_noise import apply_speed_noise
 
 __all__ = ["Evaluation", "TuneResult", "tune", "evaluate"]
 
@@ -141,6 +145,7 @@ def tune(
         restore(evaluation)
     if not ranked:
         raise InfeasibleError(_binding_constraint(rejected, memory) + _host_note(rejected, host_memory))
+    apply_speed_noise(ranked, cost_model)
     result = TuneResult(ranked, rejected, global_batch, memory, evaluated, pruned, host_memory)
     settle_near_ties(result, cost_model)
     return result

@@ -1,0 +1,57 @@
+"""Replaying a run's own op times separates a profile's error from the runtime's."""
+
+import pytest
+
+from pipeloom import Costs, build_schedule
+from pipeloom.sim.replay import replay
+from pipeloom.sim.simulate import simulate
+
+COSTS = Costs(F=1.0, B=2.0, W=0.0, comm=0.1)
+
+
+def _records(schedule, costs, idle=0.0, steps=3):
+    """Each device's ops as a run under `costs` would record them, with `idle` ms of the
+    runtime's own before every op (pushing the device's later ops back)."""
+    timeline = simulate(schedule, costs)
+    out = []
+    for device, ops in enumerate(schedule.devices):
+        clock, rows = 0.0, []
+        offset = sum(len(o) for o in schedule.devices[:device])
+        for step, op in enumerate(ops):
+            g = offset + step
+            clock = max(clock, timeline.start[g]) + idle
+            rows.append((op.text, clock, clock + timeline.end[g] - timeline.start[g]))
+            clock = rows[-1][2]
+        out.append([rows] * steps)
+    return out
+
+
+def test_a_run_as_predicted_replays_to_the_prediction():
+    schedule = build_schedule("1f1b", 4, 8)
+    result = replay(schedule, COSTS, _records(schedule, COSTS))
+    assert result.replayed == pytest.approx(result.predicted) == pytest.approx(simulate(schedule, COSTS).makespan)
+    assert result.kinds == pytest.approx({"F": 0.0, "BW": 0.0})
+    assert result.measured == pytest.approx(result.predicted)
+
+
+def test_slower_ops_show_as_op_time_error_and_alike_as_the_machine():
+    schedule = build_schedule("1f1b", 4, 8)
+    result = replay(schedule, COSTS, _records(schedule, Costs(F=1.1, B=2.2, W=0.0, comm=0.1)))
+    assert result.kinds == pytest.approx({"F": 0.1, "BW": 0.1})
+    assert result.drift == pytest.approx(0.1)
+    # 10 % dearer ops, comm unchanged: the replay is at most 10 % longer, and what the run measured
+    assert result.predicted < result.replayed <= 1.1 * result.predicted + 1e-9
+    assert result.measured == pytest.approx(result.replayed)  # the ops explain the whole run
+    text = result.explain(result.measured)
+    assert "the machine ran 10% slower than while profiled" in text and "BW +10%, F +10%" in text
+    uneven = replay(schedule, COSTS, _records(schedule, Costs(F=1.3, B=1.9, W=0.0, comm=0.1)))
+    assert uneven.drift is None and "alike" not in uneven.explain(uneven.measured)
+
+
+def test_time_the_ops_do_not_explain_is_the_runtime_s():
+    schedule = build_schedule("zb-h1", 2, 4)
+    costs = Costs(F=1.0, B=1.0, W=1.0, comm=0.0)
+    result = replay(schedule, costs, _records(schedule, costs, idle=0.05))
+    assert result.replayed == pytest.approx(result.predicted)  # the ops took what was predicted
+    assert result.measured > result.replayed + 0.05 * len(schedule.devices[0]) - 1e-9  # idle before each op
+    assert "runtime +" in result.explain(result.measured) and "idle beyond" in result.explain(result.measured)

@@ -1,0 +1,44 @@
+"""The median step under the ranks' step-to-step speed noise (`tune.speed_noise`)."""
+
+import pytest
+
+from pipeloom.profile.speed import QUANTILES, speed_quantiles
+from pipeloom.tune.profiled import ProfiledCostModel
+from pipeloom.tune.search import tune
+from pipeloom.tune.speed_noise import noisy_pipeline
+
+from .test_profiled import profile
+
+SPACE = dict(micro_batches=[2], layouts=False, keep=3)
+STEADY = [1.0] * QUANTILES
+JUMPY = [0.8 + 0.4 * k / (QUANTILES - 1) for k in range(QUANTILES)]  # uniform ±20 %, median 1
+
+
+def _model(quantiles) -> ProfiledCostModel:
+    data = profile()
+    data["step_speed"] = quantiles
+    return ProfiledCostModel(data)
+
+
+def test_quantiles_are_each_step_over_its_series_median():
+    series = [[100.0, 100.0, 150.0, 100.0]] * 3 + [[10.0, 12.0, 8.0, 10.0]] * 3
+    quantiles = speed_quantiles(series)
+    assert len(quantiles) == QUANTILES and quantiles[0] == pytest.approx(0.8) and quantiles[-1] == pytest.approx(1.5)
+    assert quantiles[QUANTILES // 2] == pytest.approx(1.0) and quantiles == sorted(quantiles)
+    assert speed_quantiles([[1.0, 2.0]]) == []  # too few steps to say
+
+
+def test_steady_ranks_change_nothing_and_one_stage_feels_no_coupling():
+    steady = tune(_model(STEADY), 2, 1e9, 8, schemes=["1f1b"], pp_values=[2], **SPACE).best
+    assert steady.noise_time == pytest.approx(0.0, abs=1e-9)
+    alone = tune(_model(JUMPY), 2, 1e9, 8, schemes=["1f1b"], pp_values=[1], **SPACE).best
+    assert alone.noise_time == pytest.approx(0.0, abs=1e-6 * alone.pipeline_time)  # the median factor is 1
+
+
+def test_a_pipeline_waits_for_whichever_rank_was_slow():
+    plain = tune(ProfiledCostModel(profile()), 2, 1e9, 8, schemes=["1f1b"], pp_values=[2], **SPACE).best
+    noisy = tune(_model(JUMPY), 2, 1e9, 8, schemes=["1f1b"], pp_values=[2], **SPACE).best
+    assert noisy.candidate == plain.candidate and noisy.noise_time > 0
+    assert noisy.pipeline_time == pytest.approx(plain.pipeline_time + noisy.noise_time)
+    assert noisy.noise_time < 0.2 * plain.pipeline_time  # never beyond the slowest factor's
+    assert noisy_pipeline(noisy, JUMPY) == noisy_pipeline(noisy, JUMPY)  # the same draws every time
