@@ -10,8 +10,8 @@ probes take turns, a round of each at a time, each repeated until its medians se
 records how noisy the machine was. From the runtime's records (op start/end, bytes each F and R stashed) it fits, per
 micro-batch size and per pass, time = a·n + b_position with one slope a per layer and an
 intercept for the first and the last stage (`fit_positions` derives the middle and single ones).
-Activation bytes are fitted the same way. A size that looks cheaper per sample than a smaller
-one is measured again, and a warning kept if it still does. p2p and the gradient all-reduce are
+Activation bytes are fitted the same way. Where busy rounds were seen, a size that looks cheaper
+per sample than a smaller one is measured again, and a warning kept if it still does. p2p and the gradient all-reduce are
 measured on their own (`links`), and the runtime's phases give what it adds beyond the ops: a
 per-op overhead, the optimizer step and the rest of a step (`overheads`).
 """
@@ -80,8 +80,10 @@ def profile_model(
     measured = _measure_probes(probes, shape, max_rounds, busy, tick)
     warnings: list[str] = []
     fits = _fits(measured, micro_batches)
-    rerun = falling_per_sample(fits, _noise_margin(measured))
-    if rerun:  # re-measure the sizes that look cheaper per sample, once, before trusting them
+    # a size cheaper per sample than a smaller one is what larger GEMMs do, unless a busy spell
+    # slowed the smaller: where busy rounds were seen, measure such sizes again before trusting them
+    rerun = falling_per_sample(fits, _noise_margin(measured)) if busy.contended else []
+    if rerun:
         again = [(mbs, n) for mbs in rerun for n in layer_counts]
         measured |= _measure_probes(again, shape, max_rounds, busy, tick)
         fits = _fits(measured, micro_batches)
