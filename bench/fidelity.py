@@ -84,15 +84,15 @@ def limit(cost_model: ProfiledCostModel, options: dict) -> float:
 
 def replayed(plan, rounds: list):
     """The plan's schedule simulated with its runs' own op times (`sim.replay`, replica 0's
-    devices, every round)."""
-    steps = [
-        [
-            [(text, 1e3 * a, 1e3 * b) for text, a, b in record.ops]
-            for results in rounds
-            for record in results[d].records[1:]
-        ]
-        for d in range(plan.pp)
-    ]
+    devices, every round), each step's ops on one clock: from the first of its ranks to begin."""
+    steps: list[list] = [[] for _ in range(plan.pp)]
+    for results in rounds:
+        for k in range(1, len(results[0].records)):
+            records = [results[d].records[k] for d in range(plan.pp)]
+            first = min(record.began for record in records)
+            for d, record in enumerate(records):
+                shift = record.began - first
+                steps[d].append([(text, 1e3 * (shift + a), 1e3 * (shift + b)) for text, a, b in record.ops])
     return replay(plan.schedule, plan.costs, steps)
 
 

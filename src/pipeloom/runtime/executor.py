@@ -129,7 +129,8 @@ class DeviceExecutor:
     def begin(self, inputs: Sequence[Tensors], targets: Sequence[object]) -> None:
         if self.num_slices > 1:
             self.slice_len = inputs[0][0].shape[1] // self.num_slices
-        self._step = StepState(inputs, targets, StepRecord(), time.perf_counter())
+        began = time.perf_counter()
+        self._step = StepState(inputs, targets, StepRecord(began=began), began)
         self._index = 0
         self.mail.open()
 

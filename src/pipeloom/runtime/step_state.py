@@ -24,6 +24,9 @@ class StepRecord:
     """Sum of this device's scaled micro-batch losses (last stage only)."""
     ops: list[tuple[str, float, float]] = field(default_factory=list)
     """(op text, start, end) in seconds from the step's start; an op starts once its inputs are here."""
+    began: float = 0.0
+    """When the step began (`time.perf_counter`, shared by the processes of one machine): what
+    lines up the ranks' op times, to see how long a message took from one rank's op to another's."""
     op_cpu: list[float] = field(default_factory=list)
     """Per entry of `ops`, the CPU seconds its thread ran during it (NaN for an overlapped pair's
     ops, which share two threads): on a CPU a wall time well above it means another process
