@@ -55,3 +55,18 @@ def test_time_the_ops_do_not_explain_is_the_runtime_s():
     assert result.replayed == pytest.approx(result.predicted)  # the ops took what was predicted
     assert result.measured > result.replayed + 0.05 * len(schedule.devices[0]) - 1e-9  # idle before each op
     assert "runtime +" in result.explain(result.measured) and "idle beyond" in result.explain(result.measured)
+
+
+def test_ops_that_vary_from_step_to_step_cost_a_pipeline_more_than_their_medians():
+    schedule = build_schedule("1f1b", 2, 4)
+    slow = Costs(F=1.5, B=3.0, W=0.0, comm=0.1)
+    # device 0 slow in steps 1 and 3, device 1 in 0 and 2: each device's median op is the plain one
+    steps = [[], []]
+    for k in range(5):
+        for device in range(2):
+            costs = slow if k in ((1, 3), (0, 2))[device] else COSTS
+            steps[device].append(_records(schedule, costs)[device][0])
+    result = replay(schedule, COSTS, steps)
+    assert result.replayed == pytest.approx(result.predicted)  # the medians are the plain ops
+    assert result.stepwise > result.replayed + 0.5  # every step waits for its slow device
+    assert "their variation +" in result.explain(result.measured)

@@ -1,11 +1,13 @@
 """The median step under the ranks' step-to-step speed noise (`tune.speed_noise`)."""
 
+from types import SimpleNamespace
+
 import pytest
 
-from pipeloom.profile.speed import QUANTILES, speed_quantiles
+from pipeloom.profile.speed import QUANTILES, op_ratios, speed_quantiles
 from pipeloom.tune.profiled import ProfiledCostModel
 from pipeloom.tune.search import tune
-from pipeloom.tune.speed_noise import noisy_pipeline
+from pipeloom.tune.speed_noise import noisy_pipeline, winsorized
 
 from .test_profiled import profile
 
@@ -42,3 +44,26 @@ def test_a_pipeline_waits_for_whichever_rank_was_slow():
     assert noisy.pipeline_time == pytest.approx(plain.pipeline_time + noisy.noise_time)
     assert noisy.noise_time < 0.2 * plain.pipeline_time  # never beyond the slowest factor's
     assert noisy_pipeline(noisy, JUMPY) == noisy_pipeline(noisy, JUMPY)  # the same draws every time
+
+
+def test_skewed_op_times_lengthen_even_one_device_s_median_step():
+    skewed = [1.0] * (QUANTILES - 6) + [1.1, 1.2, 1.3, 1.4, 1.5, 9.0]  # slow ops slower than fast ones fast
+    data = profile()
+    data["step_speed"], data["op_speed"] = STEADY, skewed
+    alone = tune(ProfiledCostModel(data), 2, 1e9, 8, schemes=["1f1b"], pp_values=[1], **SPACE).best
+    assert alone.noise_time > 0
+    assert winsorized(skewed)[-1] == 1.5 and winsorized(skewed)[0] == 1.0  # the top bin: one op in twenty
+    # the sum of the ops' median factors is 1: what is added is below the winsorized mean excess
+    excess = sum(winsorized(skewed)) / QUANTILES - 1
+    assert alone.noise_time < excess * (alone.pipeline_time - alone.noise_time)
+
+
+def test_an_op_s_ratio_takes_its_step_s_speed_out():
+    def record(*durations):
+        return SimpleNamespace(ops=[(f"{k}F0", 0.0, d) for k, d in enumerate(durations)])
+
+    # step 2 ran twice as slow throughout; in step 3 op 0 alone was slow
+    ratios = op_ratios([record(1.0, 1.0), record(2.0, 2.0), record(1.5, 1.0), record(1.0, 1.0), record(1.0, 1.0)])
+    assert ratios[:4] == pytest.approx([1.0, 1.0, 1.0, 1.0])  # a slow step is the step's factor, not the ops'
+    assert ratios[4:6] == pytest.approx([1.2, 0.8])  # 1.5 and 1 ms in a step 1.25 times as long
+    assert op_ratios([record(1.0)]) == []  # one step: nothing to compare

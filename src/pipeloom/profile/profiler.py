@@ -33,7 +33,7 @@ from pipeloom.passes.split_backward import split_backward
 from pipeloom.profile.contention import Contention
 from pipeloom.profile.links import expert_exchange, measure_links, ping_seconds
 from pipeloom.profile.overheads import linear_fit, op_overhead_ms
-from pipeloom.profile.speed import speed_quantiles, step_busy
+from pipeloom.profile.speed import op_ratios, quantiles_of, speed_quantiles, step_busy
 from pipeloom.profile.stability import Series, falling_per_sample
 from pipeloom.schedules.registry import build_schedule
 from pipeloom.static_memory import compute_bytes
@@ -119,6 +119,8 @@ def profile_model(
     profile["noise"] = _noise(measured, rerun) | busy.summary()
     profile["confidence"] = _confidence(measured, micro_batches)
     profile["step_speed"] = speed_quantiles(busy for probe in measured.values() for busy in probe.busy)
+    shared = {id(probe.op_variation): probe.op_variation for probe in measured.values()}  # one list per turn
+    profile["op_speed"] = quantiles_of([ratio for ratios in shared.values() for ratio in ratios])
     profile["warnings"] = warnings + [text for text in [busy.warning()] if text]
     try:  # what `tune` will refuse is never written: the fits are constrained, this is the proof
         check_profile_numbers(profile)
@@ -133,10 +135,13 @@ def profile_model(
 class _Probe:
     """One probe's measurements: (kind, rank) → Measured, and the probe's schedule and shape."""
 
-    def __init__(self, mbs: int, layers: int, schedule: Schedule, values: dict, busy: list[list[float]]):
+    def __init__(self, mbs, layers, schedule: Schedule, values: dict, busy: list[list[float]], ops: list[float]):
         self.mbs, self.layers, self.schedule, self.values = mbs, layers, schedule, values
         self.busy = busy
         """Per rank, its time in ops in each step measured (ms)."""
+        self.op_variation = ops
+        """Each op's time over its median, its step's speed taken out (one list shared by the
+        probes measured by turns together)."""
 
     def median(self, key: str) -> float:
         return self.values[key].median
@@ -167,6 +172,7 @@ def _measure_probes(keys, shape, max_rounds: int, busy: Contention, tick) -> dic
 
     specs = {key: _probe_spec(*shape, *key) for key in keys}
     busy_steps: dict[tuple, list[float]] = {}
+    op_variation: list[float] = []
     probes = {key: probe_spec(spec) for key, spec in specs.items()}  # the same boundaries every round
     series = {key: Series(floor=_SETTLED_MS) for key in keys}
     while todo := [key for key in keys if not series[key].settled and series[key].rounds < max_rounds]:
@@ -177,9 +183,17 @@ def _measure_probes(keys, shape, max_rounds: int, busy: Contention, tick) -> dic
             series[key].add(_samples(results))
             for rank, result in enumerate(results):
                 busy_steps.setdefault((key, rank), []).extend(step_busy(result.records[1:]))
+                op_variation.extend(op_ratios(result.records[1:]))
             tick()
     return {
-        key: _Probe(key[0], key[1], specs[key].schedule, series[key].measured(), [busy_steps[key, r] for r in (0, 1)])
+        key: _Probe(
+            key[0],
+            key[1],
+            specs[key].schedule,
+            series[key].measured(),
+            [busy_steps[key, r] for r in (0, 1)],
+            op_variation,
+        )
         for key in keys
     }
 

@@ -3,9 +3,11 @@
 A predicted pipeline differs from a measured one for two kinds of reason: the ops took another
 time than the costs said (the profile is off for this plan's ops), or the runtime spent time the
 simulator does not know (waiting on a transfer, dispatching ops). Simulating the schedule again
-with each op's measured duration separates them: the replay is what the simulator predicts from
-perfect op times, so predicted → replayed is the op times' share of the error and replayed →
-measured the runtime's. Per op kind, the measured time over the predicted says which figures
+with each op's measured duration separates them: the replay of the median op times is what the
+simulator predicts from perfect op times, so predicted → replayed is the op times' share of the
+error. Each step replayed with its own op times, the median of those is what the ops' variation
+from step to step adds (a pipeline waits for its slowest path in each step); what the run took
+beyond that is the runtime's. Per op kind, the measured time over the predicted says which figures
 were off. Torch-free: it reads op records as (text, start, end) triples.
 """
 
@@ -37,7 +39,10 @@ class Replay:
     replayed: float
     """The pipeline simulated with the run's median op durations (ms)."""
     measured: float
-    """The run's pipeline: its slowest device's (ms)."""
+    """The run's pipeline: the median over steps of its slowest device's (ms)."""
+    stepwise: float
+    """The median over steps of each step's own op times replayed (ms): beyond `replayed`, what
+    the ops' variation from step to step costs a pipeline that waits for its slowest path."""
     kinds: dict[str, float]
     """Per op kind, the run's total time over the predicted one, minus 1."""
 
@@ -53,10 +58,10 @@ class Replay:
         return statistics.median(ratios)
 
     def explain(self, step: float, noise: float = 0.0) -> str:
-        """The pipeline's error in two parts, as shares of a `step` ms step; `noise`: what the
-        prediction already added for the ranks' step-to-step speed noise (ms), which the
-        runtime's part is counted beyond."""
-        ops, runtime = self.replayed - self.predicted, self.measured - self.replayed - noise
+        """The pipeline's error in three parts, as shares of a `step` ms step: the op times, their
+        variation (beyond the `noise` ms the prediction added for it) and the runtime."""
+        ops, varied = self.replayed - self.predicted, self.stepwise - self.replayed - noise
+        runtime = self.measured - self.stepwise
         off = ", ".join(f"{kind} {ratio:+.0%}" for kind, ratio in sorted(self.kinds.items()) if abs(ratio) >= 0.02)
         drift = self.drift
         alike = (
@@ -67,35 +72,39 @@ class Replay:
         )
         return (
             f"op times {ops / step:+.1%} of the step (the run's own ops replayed: {self.replayed:.1f} ms against "
-            f"{self.predicted:.1f}{'; ' + off + ' against the profile' if off else ''}{alike}), runtime "
-            f"{runtime / step:+.1%} (measured {self.measured:.1f} ms: "
-            f"{'idle beyond' if runtime >= 0 else 'less than'} what its ops"
-            f"{f' and the predicted {noise:.1f} ms of speed noise' if noise else ''} explain)"
+            f"{self.predicted:.1f}{'; ' + off + ' against the profile' if off else ''}{alike}), their variation "
+            f"{varied / step:+.1%} (each step's own ops replayed: {self.stepwise:.1f} ms, against the "
+            f"{noise:.1f} ms of speed noise predicted), runtime {runtime / step:+.1%} (measured {self.measured:.1f} ms: "
+            f"{'idle beyond' if runtime >= 0 else 'less than'} what each step's ops explain)"
         )
 
 
 def replay(schedule: Schedule, costs: Costs, steps_per_device: Sequence[Sequence[Sequence[OpRecord]]]) -> Replay:
-    """`steps_per_device[d]`: device d's ops in each step measured (warm-up left out)."""
+    """`steps_per_device[d]`: device d's ops in each step measured (warm-up left out), the
+    devices' steps in the same order and, for `measured`, on one clock."""
     graph = build_graph(schedule)
     planned = simulate(schedule, costs)
-    medians: dict[tuple[int, str], float] = {}
-    ends = []
-    for device, steps in enumerate(steps_per_device):
-        durations: dict[str, list[float]] = {}
-        for ops in steps:
+    steps = min(len(device_steps) for device_steps in steps_per_device)
+    per_step: list[dict[tuple[int, str], float]] = [{} for _ in range(steps)]
+    for device, device_steps in enumerate(steps_per_device):
+        for k, ops in enumerate(device_steps[:steps]):
             for text, began, ended in ops:
-                durations.setdefault(text, []).append(ended - began)
-        medians.update({(device, text): statistics.median(values) for text, values in durations.items()})
-        ends.append(statistics.median(max(ended for _, _, ended in ops) for ops in steps if ops))
-    # an op the run did not time on its own (a W concatenated into the one before it) takes no time
-    times = [medians.get((graph.device_of[g], op.text), 0.0) for g, op in enumerate(graph.ops)]
-    _, finished = run(graph, times, costs.comm)
+                per_step[k][device, text] = ended - began
+    medians = {key: statistics.median(step.get(key, 0.0) for step in per_step) for key in per_step[0]}
+    measured = statistics.median(
+        max(ended for device_steps in steps_per_device for _, _, ended in device_steps[k]) for k in range(steps)
+    )
+
+    def makespan(durations: dict[tuple[int, str], float]) -> float:
+        # an op the run did not time on its own (a W concatenated into the one before it) takes no time
+        times = [durations.get((graph.device_of[g], op.text), 0.0) for g, op in enumerate(graph.ops)]
+        return max(run(graph, times, costs.comm)[1])
+
     kinds: dict[str, list[float]] = {}
     for g, op in enumerate(graph.ops):
-        kind = op.kind.value
-        measured = medians.get((graph.device_of[g], op.text), 0.0)
-        totals = kinds.setdefault(kind, [0.0, 0.0])
-        totals[0] += measured
+        totals = kinds.setdefault(op.kind.value, [0.0, 0.0])
+        totals[0] += medians.get((graph.device_of[g], op.text), 0.0)
         totals[1] += planned.end[g] - planned.start[g]
-    ratios = {kind: measured / predicted - 1 for kind, (measured, predicted) in kinds.items() if predicted > 0}
-    return Replay(planned.makespan, max(finished), max(ends), ratios)
+    ratios = {kind: measured_ / predicted - 1 for kind, (measured_, predicted) in kinds.items() if predicted > 0}
+    stepwise = statistics.median(makespan(durations) for durations in per_step)
+    return Replay(planned.makespan, makespan(medians), measured, stepwise, ratios)

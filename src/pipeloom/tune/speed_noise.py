@@ -1,13 +1,15 @@
 """A pipeline's median step on a machine whose ranks change speed from step to step.
 
 The simulator times a schedule on the median op times. On a machine whose ranks run some steps
-markedly slower than others (`profile.speed` measures how much), each step of a pipeline waits
-for whichever rank was slow in it, so the median step is longer — more so the more a schedule
-couples its devices. The leading plans are simulated again under `DRAWS` draws of one speed
-factor per device, from the profile's quantiles (the same draws for every plan, so that their
-order reflects their schedules, not the dice; stratified, so that each device sees every part of
-the distribution once and 64 draws pin the median well), and their pipeline takes the median makespan.
-One stage, or a profile without the quantiles: nothing changes.
+markedly slower than others, and some ops slower than others within a step (`profile.speed`
+measures both), each step of a pipeline waits for whichever rank was slow in it and each
+cross-device dependency for the later of its two paths, and skewed op times make even one
+device's median step longer than its median ops' sum. The leading plans are simulated again
+under `DRAWS` draws of one speed factor per device and one per op, from the profile's quantiles
+(from one seed for every plan, so that their order reflects their schedules, not the dice; the
+devices' stratified, so that each sees every part of the distribution once), and their pipeline
+takes the median makespan. A profile without the quantiles changes nothing. `sim.replay` checks
+it against runs: each step's own ops replayed, the median of those against the median ops'.
 """
 
 from __future__ import annotations
@@ -19,15 +21,19 @@ from collections.abc import Sequence
 from pipeloom.ir.walk import run
 from pipeloom.tune.evaluation import Evaluation
 
-__all__ = ["DRAWS", "noisy_pipeline", "apply_speed_noise"]
+__all__ = ["DRAWS", "noisy_pipeline", "apply_speed_noise", "winsorized"]
 
 DRAWS = 64
 """Steps drawn per plan."""
 
 
-def noisy_pipeline(evaluation: Evaluation, quantiles: Sequence[float], draws: int = DRAWS) -> float:
+def noisy_pipeline(
+    evaluation: Evaluation, quantiles: Sequence[float], draws: int = DRAWS, op_quantiles: Sequence[float] = ()
+) -> float:
     """The median pipeline over `draws` steps, each device's op times scaled by a factor drawn
-    from `quantiles` (evenly spaced, fastest first)."""
+    from `quantiles` (evenly spaced, fastest first) and each op's by one from `op_quantiles`,
+    winsorized (`winsorized`)."""
+    op_quantiles = winsorized(op_quantiles)
     timeline = evaluation.timeline
     assert timeline is not None, "a ranked plan has its timeline"
     graph, costs = timeline.graph, timeline.costs
@@ -42,6 +48,8 @@ def noisy_pipeline(evaluation: Evaluation, quantiles: Sequence[float], draws: in
     for k in range(draws):
         factors = [_draw((order[k] + 0.5) / draws, quantiles) for order in strata]
         durations = [duration * factors[graph.device_of[g]] for g, duration in enumerate(base)]
+        if op_quantiles:
+            durations = [duration * _draw(rng.random(), op_quantiles) for duration in durations]
         makespans.append(max(run(graph, durations, costs.comm)[1]))
     return statistics.median(makespans)
 
@@ -49,16 +57,27 @@ def noisy_pipeline(evaluation: Evaluation, quantiles: Sequence[float], draws: in
 def apply_speed_noise(ranked: list[Evaluation], cost_model) -> None:
     """Add each ranked plan's speed-noise cost to its pipeline (`Evaluation.noise_time`) and sort
     the ranking again; plans with offload lanes keep theirs (the lanes are timed on the host)."""
-    quantiles = (getattr(cost_model, "profile", None) or {}).get("step_speed") or []
+    profile = getattr(cost_model, "profile", None) or {}
+    quantiles = profile.get("step_speed") or []
     if not quantiles:
         return
     for evaluation in ranked:
         if evaluation.offload is not None or evaluation.timeline is None:
             continue
-        tax = noisy_pipeline(evaluation, quantiles) - evaluation.timeline.makespan
+        ops = profile.get("op_speed") or ()
+        tax = noisy_pipeline(evaluation, quantiles, op_quantiles=ops) - evaluation.timeline.makespan
         evaluation.pipeline_time += tax
         evaluation.noise_time = tax
     ranked.sort(key=lambda evaluation: evaluation.step_time)
+
+
+def winsorized(quantiles: Sequence[float]) -> list[float]:
+    """The op quantiles with the extreme bins (below 5 %, above 95 %) held at their neighbours':
+    those rest on a handful of the few hundred ops a profile times, and drawn independently for
+    every op they would charge each step a stall that a step, measured, does not carry."""
+    if len(quantiles) < 3:
+        return list(quantiles)
+    return [quantiles[1], *quantiles[1:-1], quantiles[-2]]
 
 
 def _draw(u: float, quantiles: Sequence[float]) -> float:
