@@ -10,8 +10,8 @@ probes take turns, a round of each at a time, each repeated until its medians se
 records how noisy the machine was. From the runtime's records (op start/end, bytes each F and R stashed) it fits, per
 micro-batch size and per pass, time = a·n + b_position with one slope a per layer and an
 intercept for the first and the last stage (`fit_positions` derives the middle and single ones).
-Activation bytes are fitted the same way. Where busy rounds were seen, a size that looks cheaper
-per sample than a smaller one is measured again, and a warning kept if it still does. p2p and the gradient all-reduce are
+Activation bytes are fitted the same way. Where busy rounds were kept (allowed), a size that
+looks cheaper per sample than a smaller one is warned of. p2p and the gradient all-reduce are
 measured on their own (`links`), and the runtime's phases give what it adds beyond the ops: a
 per-op overhead, the optimizer step and the rest of a step (`overheads`).
 """
@@ -78,16 +78,11 @@ def profile_model(
             progress(min(done[0], total - 1), total)
 
     measured = _measure_probes(probes, shape, max_rounds, busy, tick)
-    warnings: list[str] = []
     fits = _fits(measured, micro_batches)
     # a size cheaper per sample than a smaller one is what larger GEMMs do, unless a busy spell
-    # slowed the smaller: where busy rounds were seen, measure such sizes again before trusting them
-    rerun = falling_per_sample(fits, _noise_margin(measured)) if busy.contended else []
-    if rerun:
-        again = [(mbs, n) for mbs in rerun for n in layer_counts]
-        measured |= _measure_probes(again, shape, max_rounds, busy, tick)
-        fits = _fits(measured, micro_batches)
-        warnings = falling_per_sample(fits, _noise_margin(measured), describe=True)
+    # slowed the smaller: busy rounds are dropped, so only where they were kept (allowed) is it suspect
+    suspect = busy.allow and busy.contended
+    warnings = falling_per_sample(fits, _noise_margin(measured), describe=True) if suspect else []
     links = measure_links()
     for mbs in micro_batches:
         activation_bytes = compute_bytes(dtype) * mbs * model.seq_len * model.hidden
@@ -116,7 +111,7 @@ def profile_model(
     }
     if workload_for is not None and getattr(workload_for(1, 1), "experts", None) is not None:
         profile["a2a"] = expert_exchange(micro_batches, max(layer_counts), steps, threads, workload_for, dtype)
-    profile["noise"] = _noise(measured, rerun) | busy.summary()
+    profile["noise"] = _noise(measured) | busy.summary()
     profile["confidence"] = _confidence(measured, micro_batches)
     profile["step_speed"] = speed_quantiles(busy for probe in measured.values() for busy in probe.busy)
     shared = {id(probe.op_variation): probe.op_variation for probe in measured.values()}  # one list per turn
@@ -341,7 +336,7 @@ def _probe_costs(probe: _Probe, p: int, fitted: Costs) -> Costs:
     return replace(fitted, **times)
 
 
-def _noise(measured: dict, rerun: list) -> dict:
+def _noise(measured: dict) -> dict:
     """How noisy the machine was: the op times' spread over probes, and the rounds they took."""
     spreads = [probe.spread for probe in measured.values()]
     return {
@@ -350,7 +345,7 @@ def _noise(measured: dict, rerun: list) -> dict:
         "rounds": sum(probe.rounds for probe in measured.values()),
         "probes": len(measured),
         "unsettled": sum(1 for probe in measured.values() if not all(m.stable for m in probe.values.values())),
-        "remeasured_sizes": list(rerun),
+        "remeasured_sizes": [],  # busy rounds are dropped and run again instead (kept for older readers)
     }
 
 

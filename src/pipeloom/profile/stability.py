@@ -142,9 +142,9 @@ def falling_per_sample(fits: dict, noise: float, describe: bool = False) -> list
             suspects |= {small, large}
             warnings.append(
                 f"per-sample layer time falls from {per_small:.3g} ms at micro-batch {small} to {per_large:.3g} ms "
-                f"at {large}, beyond the {noise:.0%} the probes varied by, even measured again: the machine "
-                "may have been busy (run `profile` again on an idle one), or larger micro-batches are truly "
-                "more efficient here"
+                f"at {large}, beyond the {noise:.0%} the probes varied by, with busy rounds kept: the machine's "
+                "other work may have slowed the smaller size (run `profile` again on an idle machine), or "
+                "larger micro-batches are truly more efficient here"
             )
     return warnings if describe else sorted(suspects)
 
