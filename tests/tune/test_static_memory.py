@@ -127,3 +127,13 @@ def test_tune_prints_host_memory_and_takes_host_memory(capsys, tmp_path):
     assert plan["predicted"]["host_memory"] == [0.0] * 4
     assert main(argv + ["--host-memory", "lots", "--force"]) == 2
     assert "memory budget 'lots'" in capsys.readouterr().err
+
+
+def test_the_host_limit_also_binds_tpipe_s_offload_pass():
+    cost_model = _model(340)
+    space = dict(schemes=["tpipe"], pp_values=[16], micro_batches=[1], keep=1, layouts=False, static_measures=False)
+    with pytest.raises(InfeasibleError) as unlimited:
+        tune(cost_model, 16, 40 * GIB, 64, **space)
+    assert "host memory" not in str(unlimited.value)
+    with pytest.raises(InfeasibleError, match=r"to the host would need at least \d+\.\d+ GiB .* over the 10\.00 GiB"):
+        tune(cost_model, 16, 40 * GIB, 64, host_memory=10 * GIB, **space)

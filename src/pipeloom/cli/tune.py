@@ -210,12 +210,16 @@ def _with_experts_spread(model, ep: int):
     return replace(model, expert_parallel=ep)  # refuses experts that do not divide by ep
 
 
+def _one_size(text: str, flag: str, example: str) -> float:
+    budget = parse_memory_budget(text)
+    if isinstance(budget, list):
+        raise ConfigError(f"{flag} takes one size for every device, e.g. {example}")
+    return budget
+
+
 def _memory(args: argparse.Namespace, cost_model) -> float:
     if args.memory:
-        budget = parse_memory_budget(args.memory)
-        if isinstance(budget, list):
-            raise ConfigError("--memory takes one size for every device, e.g. 40GiB")
-        return budget
+        return _one_size(args.memory, "--memory", "40GiB")
     device_memory = getattr(getattr(cost_model, "hardware", None), "memory", None)
     if device_memory is None:
         raise ConfigError("give --memory (e.g. 40GiB): the profile does not say how much the devices have")
@@ -224,10 +228,7 @@ def _memory(args: argparse.Namespace, cost_model) -> float:
 
 def _host_memory(args: argparse.Namespace, cost_model) -> float:
     if args.host_memory:
-        budget = parse_memory_budget(args.host_memory)
-        if isinstance(budget, list):
-            raise ConfigError("--host-memory takes one size for every device, e.g. 128GiB")
-        return budget
+        return _one_size(args.host_memory, "--host-memory", "128GiB")
     return getattr(getattr(cost_model, "hardware", None), "host_memory", math.inf)
 
 

@@ -121,6 +121,8 @@ def simulate_candidate(
                     evaluation.reason = (
                         f"host memory: device {device}'s host holds {gib(host[device])} > {gib(host_memory)}"
                     )
+                    need = max(host)  # what the limit ruled out, for the message when nothing fits
+                    evaluation.host_short = min(evaluation.host_short, need) if evaluation.host_short else need
                     continue
             else:
                 offload, timeline = None, simulate(current, costs)
