@@ -137,3 +137,15 @@ def test_the_host_limit_also_binds_tpipe_s_offload_pass():
     assert "host memory" not in str(unlimited.value)
     with pytest.raises(InfeasibleError, match=r"to the host would need at least \d+\.\d+ GiB .* over the 10\.00 GiB"):
         tune(cost_model, 16, 40 * GIB, 64, host_memory=10 * GIB, **space)
+
+
+def test_zero_s_weight_all_gather_is_priced_in_the_optimizer_phase_where_the_runtime_runs_it():
+    cost_model = _model(32)
+    best = tune(cost_model, 16, 40 * GIB, 64, schemes=["1f1b"], pp_values=[4], micro_batches=[1], keep=1).best
+    assert best.candidate.zero == 1 and best.candidate.dp == 4
+    params = max(cost_model.stage_params(best.partition))
+    gather = cost_model.gather_time(params, 4, 4)
+    assert gather > 0
+    assert best.optimizer_time == pytest.approx(cost_model.optimizer_time(params, 4, zero=1) + gather)
+    assert best.allreduce_time == pytest.approx(cost_model.allreduce_time(params, 4, 4, zero=1) - gather)
+    assert cost_model.gather_time(params, 4, 1) == 0.0

@@ -135,7 +135,11 @@ def simulate_candidate(
             evaluation.schedule, evaluation.timeline, evaluation.offload = current, timeline, offload
             evaluation.pipeline_time, evaluation.peak_memory = pipeline, peaks
             evaluation.host_memory = list(offload.host_memory) if offload else []
-            evaluation.allreduce_time = option.allreduce_time + option.replica_skew * pipeline
+            # the wait for the slowest replica: at the gradients' all-reduce under ZeRO-0, at the
+            # weights' all-gather (the optimizer phase) under ZeRO-1/2, as the runtime's phases measure
+            wait = option.replica_skew * pipeline
+            evaluation.allreduce_time = option.allreduce_time + (0.0 if option.zero else wait)
+            evaluation.optimizer_time = option.optimizer_time + (wait if option.zero else 0.0)
             evaluation.static_memory = list(timeline.static_memory)
             if max(peaks) <= memory + _EPS:
                 if best is None or evaluation.step_time < best["step_time"] - _EPS:

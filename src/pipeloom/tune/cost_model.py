@@ -58,6 +58,8 @@ class CostModel(Protocol):
 
     def optimizer_time(self, params: float, dp: int, zero: int = 0) -> float: ...
 
+    def gather_time(self, params: float, pp: int, dp: int) -> float: ...
+
     def step_overhead_time(self) -> float: ...
 
     def replica_skew(self, dp: int, zero: int = 0) -> float: ...
@@ -163,6 +165,14 @@ class AnalyticCostModel:
         link = self._link(pp * dp)
         messages = 2 * (dp - 1) * (2 if zero else 1)
         return 1e3 * (collective_bytes(params, dp, zero) / link + messages * self.hardware.latency)
+
+    def gather_time(self, params: float, pp: int, dp: int) -> float:
+        """The part of ZeRO-1/2's `allreduce_time` that all-gathers the new weights (the runtime
+        runs it after the optimizer step, in its optimizer phase)."""
+        if dp == 1:
+            return 0.0
+        gathered = (dp - 1) / dp * 2 * params  # 16-bit weights, as `collective_bytes` counts them
+        return 1e3 * (gathered / self._link(pp * dp) + 2 * (dp - 1) * self.hardware.latency)
 
     def optimizer_time(self, params: float, dp: int, zero: int = 0) -> float:
         """AdamW is memory-bound: read and write the fp32 master weights, moments and gradients

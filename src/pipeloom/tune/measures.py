@@ -51,14 +51,16 @@ def static_options(
         costs = _stage_costs(
             cost_model, tuple(partition), candidate.micro_batch, candidate.pp, candidate.dp, zero, candidate.slices
         )
+        # the runtime all-gathers ZeRO-1/2's new weights after the optimizer step: priced in that phase
+        gather = cost_model.gather_time(on_device, candidate.pp, replicas) if zero else 0.0
         options.append(
             StaticOption(
                 zero,
                 False,
                 costs,
                 [sum(costs.stage_value("M_static", s) for s in stages_on) for stages_on in placement],
-                cost_model.allreduce_time(on_device, candidate.pp, replicas, zero=zero),
-                cost_model.optimizer_time(on_device, candidate.dp, zero=zero),
+                cost_model.allreduce_time(on_device, candidate.pp, replicas, zero=zero) - gather,
+                cost_model.optimizer_time(on_device, candidate.dp, zero=zero) + gather,
                 cost_model.replica_skew(candidate.dp, zero=zero),  # Chimera's twins share a pipeline's clock
             )
         )

@@ -347,6 +347,13 @@ class ProfiledCostModel:
             "all_gather", self.compute * params, dp
         )
 
+    def gather_time(self, params: float, pp: int, dp: int) -> float:
+        """The all-gather of ZeRO-1/2's new weights, part of `allreduce_time` (the runtime runs it
+        in its optimizer phase)."""
+        if dp == 1 or not all(name in self.links for name in _COLLECTIVES):
+            return 0.0
+        return self._collective("all_gather", self.compute * params, dp)
+
     def _collective(self, name: str, nbytes: float, dp: int) -> float:
         """dp − 1 latencies and 2(dp − 1)/dp of the bytes, from the dp = 2 fit (which moved half)."""
         link = self.links[name]
