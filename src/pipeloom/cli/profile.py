@@ -160,12 +160,11 @@ def noise_line(profile: dict) -> str:
     """How noisy the machine was while it was measured."""
     noise = profile["noise"]
     unsettled = f", {noise['unsettled']} never settled" if noise["unsettled"] else ""
-    again = f"; sizes {noise['remeasured_sizes']} measured again" if noise["remeasured_sizes"] else ""
     busy = noise.get("busy_rounds", 0)
     cores = f"; ops ran at {noise['wall_over_cpu']:.2f}× their CPU time" if "wall_over_cpu" in noise else ""
     dropped = f", {busy} busy round(s) {'kept' if noise.get('busy_allowed') else 'dropped'}" if busy else ""
     return (
         f"noise: op times spread {noise['median_spread']:.1%} (median over probes, worst {noise['worst_spread']:.1%}; "
-        f"interquartile range / median); {noise['rounds']} rounds over {noise['probes']} probes{unsettled}{again}"
+        f"interquartile range / median); {noise['rounds']} rounds over {noise['probes']} probes{unsettled}"
         f"{cores}{dropped}"
     )

@@ -77,7 +77,8 @@ def profile_model(
         if progress:
             progress(min(done[0], total - 1), total)
 
-    measured = _measure_probes(probes, shape, max_rounds, busy, tick)
+    op_variation: list[float] = []  # each op's time over its median, its step's speed taken out
+    measured = _measure_probes(probes, shape, max_rounds, busy, tick, op_variation)
     fits = _fits(measured, micro_batches)
     # a size cheaper per sample than a smaller one is what larger GEMMs do, unless a busy spell
     # slowed the smaller: busy rounds are dropped, so only where they were kept (allowed) is it suspect
@@ -114,8 +115,7 @@ def profile_model(
     profile["noise"] = _noise(measured) | busy.summary()
     profile["confidence"] = _confidence(measured, micro_batches)
     profile["step_speed"] = speed_quantiles(busy for probe in measured.values() for busy in probe.busy)
-    shared = {id(probe.op_variation): probe.op_variation for probe in measured.values()}  # one list per turn
-    profile["op_speed"] = quantiles_of([ratio for ratios in shared.values() for ratio in ratios])
+    profile["op_speed"] = quantiles_of(op_variation)
     profile["warnings"] = warnings + [text for text in [busy.warning()] if text]
     try:  # what `tune` will refuse is never written: the fits are constrained, this is the proof
         check_profile_numbers(profile)
@@ -130,13 +130,10 @@ def profile_model(
 class _Probe:
     """One probe's measurements: (kind, rank) → Measured, and the probe's schedule and shape."""
 
-    def __init__(self, mbs, layers, schedule: Schedule, values: dict, busy: list[list[float]], ops: list[float]):
+    def __init__(self, mbs: int, layers: int, schedule: Schedule, values: dict, busy: list[list[float]]):
         self.mbs, self.layers, self.schedule, self.values = mbs, layers, schedule, values
         self.busy = busy
         """Per rank, its time in ops in each step measured (ms)."""
-        self.op_variation = ops
-        """Each op's time over its median, its step's speed taken out (one list shared by the
-        probes measured by turns together)."""
 
     def median(self, key: str) -> float:
         return self.values[key].median
@@ -157,17 +154,19 @@ _SETTLED_MS = 0.1
 """A median that moves by less than this (ms) has settled, however small it is."""
 
 
-def _measure_probes(keys, shape, max_rounds: int, busy: Contention, tick) -> dict[tuple[int, int], _Probe]:
+def _measure_probes(
+    keys, shape, max_rounds: int, busy: Contention, tick, op_variation: list[float]
+) -> dict[tuple[int, int], _Probe]:
     """The probes (micro-batch size, layers per stage) measured by turns: a round of each, then
     another of each that has not settled, up to `max_rounds` — so a busy spell falls on one
     round of several probes, not every round of one. A round `busy` finds contended is dropped
-    and run again (`Contention` refuses once the machine stays busy)."""
+    and run again (`Contention` refuses once the machine stays busy). Each op's own variation
+    (`speed.op_ratios`) goes into `op_variation`."""
     from pipeloom.runtime.local import run_local
     from pipeloom.runtime.probe import probe_spec
 
     specs = {key: _probe_spec(*shape, *key) for key in keys}
     busy_steps: dict[tuple, list[float]] = {}
-    op_variation: list[float] = []
     probes = {key: probe_spec(spec) for key, spec in specs.items()}  # the same boundaries every round
     series = {key: Series(floor=_SETTLED_MS) for key in keys}
     while todo := [key for key in keys if not series[key].settled and series[key].rounds < max_rounds]:
@@ -187,7 +186,6 @@ def _measure_probes(keys, shape, max_rounds: int, busy: Contention, tick) -> dic
             specs[key].schedule,
             series[key].measured(),
             [busy_steps[key, r] for r in (0, 1)],
-            op_variation,
         )
         for key in keys
     }

@@ -129,8 +129,7 @@ class DeviceExecutor:
     def begin(self, inputs: Sequence[Tensors], targets: Sequence[object]) -> None:
         if self.num_slices > 1:
             self.slice_len = inputs[0][0].shape[1] // self.num_slices
-        began = time.perf_counter()
-        self._step = StepState(inputs, targets, StepRecord(began=began), began)
+        self._step = StepState(inputs, targets, StepRecord(), time.perf_counter())
         self._index = 0
         self.mail.open()
 

@@ -86,6 +86,9 @@ class StepState:
     _start: float = 0.0
     _cpu_start: float = 0.0
 
+    def __post_init__(self) -> None:
+        self.record.began = self.began
+
     @property
     def start(self) -> float:
         """When the current op's own time began (seconds from the step's start); setting it also

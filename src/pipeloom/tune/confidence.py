@@ -47,10 +47,10 @@ def figure_errors(cost_model, micro_batch: int) -> dict[str, float]:
 def sensitivities(evaluation: Evaluation, errors: dict[str, float]) -> dict[tuple[int, str], float]:
     """Per (micro-batch size, op kind): how much the step moves (ms) when that figure is one
     standard error dearer."""
-    schedule, costs = evaluation.schedule, evaluation.costs
-    if schedule is None or costs is None:
-        return {}
-    base = _pipeline(evaluation, costs)
+    costs, timeline = evaluation.costs, evaluation.timeline
+    if not any(error > 0 for error in errors.values()) or costs is None or timeline is None:
+        return {}  # nothing measured (an analytic cost model): no schedule simulated again
+    base = evaluation.offload.step_time if evaluation.offload is not None else timeline.makespan
     out = {}
     for kind, error in errors.items():
         value = getattr(costs, kind)
@@ -70,8 +70,8 @@ def tied(first: Evaluation, second: Evaluation, moves: dict[int, dict]) -> bool:
     """Whether the two plans' steps differ by less than the band of their difference (`moves`:
     each plan's sensitivities, by id)."""
     one, two = moves[id(first)], moves[id(second)]
-    spread = _Z * math.sqrt(sum((one.get(key, 0.0) - two.get(key, 0.0)) ** 2 for key in one.keys() | two.keys()))
-    return abs(second.step_time - first.step_time) <= spread
+    difference = {key: one.get(key, 0.0) - two.get(key, 0.0) for key in one.keys() | two.keys()}
+    return abs(second.step_time - first.step_time) <= band(difference)
 
 
 def robustness(evaluation: Evaluation) -> tuple[float, int]:

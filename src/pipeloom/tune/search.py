@@ -229,8 +229,9 @@ def _prepare(
         evaluation.reason = f"layers: {error}"
         return evaluation, math.inf
     every = static_options(candidate, cost_model, evaluation.partition, static_measures)
-    options = [option for option in every if max(option.host_memory, default=0.0) <= host_memory + _EPS]
-    evaluation.host_short = min((max(option.host_memory) for option in every if option not in options), default=0.0)
+    host_needs = [max(option.host_memory, default=0.0) for option in every]
+    options = [option for option, need in zip(every, host_needs) if need <= host_memory + _EPS]
+    evaluation.host_short = min((need for need in host_needs if need > host_memory + _EPS), default=0.0)
     plain = options[0]
     evaluation.costs, evaluation.static_memory = plain.costs, plain.static_memory
     evaluation.allreduce_time, evaluation.optimizer_time = plain.allreduce_time, plain.optimizer_time
