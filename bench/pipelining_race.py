@@ -16,6 +16,7 @@ from pipeloom import Costs, parse_op, simulate
 from pipeloom.profile.profiler import ping_seconds  # noqa: F401 - the races import it from here
 from pipeloom.runtime.comm import plan_messages
 from pipeloom.runtime.executor import DeviceExecutor
+from pipeloom.runtime.host_heap import keep_freed_memory
 from pipeloom.runtime.mailbox import Mailbox
 from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
 
@@ -46,24 +47,20 @@ def torch_schedule_for(modules, stage_ids, num_stages: int, torch_class, m: int,
 def race(
     executor, torch_schedule, batch, m: int, b: int, steps: int, holds_first: bool, holds_last: bool, modules=()
 ) -> dict:
-    """Step by step, pipeloom then torch, between barriers: both step times and pipeloom's op
-    durations by kind and stage (a fused backward counts as B, W = 0)."""
-    ours, theirs, records = [], [], []
-    for step in range(steps):
-        tokens, targets = batch(m * b, step)
-        dist.barrier()
-        began = time.perf_counter()
-        records.append(
-            executor.run_step(
-                [(tokens[j * b : (j + 1) * b],) for j in range(m)], [targets[j * b : (j + 1) * b] for j in range(m)]
-            )
-        )
-        dist.barrier()
-        ours.append(time.perf_counter() - began)
-        for module in modules:
-            module.zero_grad(set_to_none=True)
-        dist.barrier()
-        began = time.perf_counter()
+    """Step by step, between barriers, pipeloom first on even steps and torch first on odd ones (the
+    one that runs first after the gradients were dropped pays for growing the heap again): both
+    step times and pipeloom's op durations by kind and stage (a fused backward counts as B, W = 0).
+    Both run in this process, so both get pipeloom's steady host heap (`keep_freed_memory`)."""
+    keep_freed_memory()
+    ours: list[float] = []
+    theirs: list[float] = []
+    records = []
+
+    def run_ours(tokens, targets) -> None:
+        inputs = [(tokens[j * b : (j + 1) * b],) for j in range(m)]
+        records.append(executor.run_step(inputs, [targets[j * b : (j + 1) * b] for j in range(m)]))
+
+    def run_theirs(tokens, targets) -> None:
         if holds_first and holds_last:
             torch_schedule.step(tokens, target=targets)
         elif holds_first:
@@ -72,8 +69,18 @@ def race(
             torch_schedule.step(target=targets)
         else:
             torch_schedule.step()
-        dist.barrier()
-        theirs.append(time.perf_counter() - began)
+
+    for step in range(steps):
+        tokens, targets = batch(m * b, step)
+        turns = [(run_ours, ours), (run_theirs, theirs)]
+        for run, times in turns if step % 2 == 0 else turns[::-1]:
+            for module in modules:
+                module.zero_grad(set_to_none=True)
+            dist.barrier()
+            began = time.perf_counter()
+            run(tokens, targets)
+            dist.barrier()
+            times.append(time.perf_counter() - began)
     durations: dict[str, list[float]] = {}
     for record in records[1:]:
         for text, start, end in record.ops:
@@ -84,7 +91,9 @@ def race(
 
 
 def summarise(results: list[dict], schedule) -> dict:
-    """Median steps of rank 0 (first step left out) and the simulated step from every rank's op times."""
+    """Median steps of rank 0 (first step left out), the median of their step-by-step ratios (each
+    step's two runs are neighbours in time, so the ratio of a pair leaves out the machine's drift
+    across the run), and the simulated step from every rank's op times."""
     durations: dict[str, list[float]] = {}
     for result in results:
         for key, values in result["durations"].items():
@@ -99,5 +108,6 @@ def summarise(results: list[dict], schedule) -> dict:
     return {
         "ours": statistics.median(results[0]["ours"][1:]),
         "theirs": statistics.median(results[0]["theirs"][1:]),
+        "ratio": statistics.median(a / b for a, b in zip(results[0]["ours"][1:], results[0]["theirs"][1:])),
         "predicted": simulate(schedule, measured).makespan,
     }

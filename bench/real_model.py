@@ -6,13 +6,14 @@ vocabulary 8192: about 100M parameters), built from a config.json written here; 
 flat uint16 token file made from text this machine ships (the Python license and standard-library
 docstrings), tokenized by a byte-level BPE trained on it. Both runtimes get the same stage
 modules (pipeloom's cut of the model) and the same micro-batches, and alternate step by step on the
-same ranks. Printed: median step time and tokens/s of each, their ratio (goal ≤ 1.0), and the step
+same ranks. Printed: median step time and tokens/s of each, the median ratio of a step's two runs
+(goal ≤ 1.0), and the step
 the simulator predicts from the op times pipeloom measured (predicted vs measured).
 
 `--model resnet152` runs torchvision's ResNet-152 (2BP's CNN) on synthetic 64×64 images instead,
 cut into balanced runs of its residual blocks; throughput is then in images/s.
 
-    python bench/real_model.py [--model llama|resnet152] [--steps 5] [--seq-len 128] [--microbatches 4]
+    python bench/real_model.py [--model llama|resnet152] [--steps 9] [--seq-len 128] [--microbatches 4]
                                [--schedules 1f1b zb-v]
 """
 
@@ -111,7 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("llama", "resnet152", "resnet50", "resnet18"), default="llama")
     parser.add_argument("--image-size", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=9)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--microbatch-size", type=int, default=1)
@@ -144,7 +145,7 @@ def main() -> None:
             r = run_case(directory, args, case)
             print(
                 f"{case:<9} {r['ours'] * 1e3:>12.1f} {r['theirs'] * 1e3:>9.1f} {tokens / r['ours']:>15.1f} "
-                f"{tokens / r['theirs']:>12.1f} {r['ours'] / r['theirs']:>6.3f} {r['predicted'] * 1e3:>13.1f} "
+                f"{tokens / r['theirs']:>12.1f} {r['ratio']:>6.3f} {r['predicted'] * 1e3:>13.1f} "
                 f"{r['predicted'] / r['ours'] - 1:>+7.1%}"
             )
         what = "transformers LlamaForCausalLM" if args.model == "llama" else f"torchvision {args.model}"

@@ -22,6 +22,7 @@ from pipeloom.errors import RuntimeFault
 from pipeloom.models.workload import rows_of
 from pipeloom.runtime.boundary import StageProbe
 from pipeloom.runtime.gradients import unique_parameters
+from pipeloom.runtime.host_heap import keep_freed_memory
 from pipeloom.runtime.lr_schedule import build_scheduler
 from pipeloom.runtime.mailbox import peer_failure
 from pipeloom.runtime.precision import Precision
@@ -46,6 +47,8 @@ def train_rank(
     boundaries, when the launcher probed them once for all ranks."""
     check_spec(spec, world_size)
     torch.set_num_threads(spec.threads)
+    if spec.torch_device_type == "cpu":
+        keep_freed_memory()  # steps re-use their host memory instead of faulting it in anew
     if spec.torch_device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count()))))
     dist.init_process_group(
