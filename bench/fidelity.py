@@ -1,36 +1,39 @@
 """Predicted vs measured: plans tuned from a profile of this machine, then run with the runtime.
 
 Profiles examples/tiny-llama.json (micro-batch sizes 1, 2, 4; 1, 2, 4 layers per stage; the
-probes taking turns, each repeated until its medians settle, at most 6 times; a busy machine is refused, and the
-bench stops there), tunes one plan per row on 2 ranks (global batch 8,
+probes taking turns, each repeated until its medians settle, at most 6 times; a busy machine is
+refused, and the bench stops there) and tunes one plan per row on 2 ranks (global batch 8,
 micro-batch ≤ 2) — each scheme on two stages; pure data parallelism (dp = 2) with ZeRO-0 and, under a
-limit only sharding meets, ZeRO-1; a memory limit only checkpointing meets; slices (SVPP) —
-trains each for `--steps` steps (the first left out) in `--rounds` rounds, the plans taking turns
-so that a slow spell of the machine falls on one round of several plans, and prints predicted and
-measured (the median of the rounds' medians) step time,
-the step's breakdown, and peak activation (stash) bytes per device, with their mean absolute
-percentage errors and their bias (predicted over measured, signed; the mean says whether the
-simulator leans slow or fast). Goal: MAPE ≤ 3 % for time, ≤ 2 % for memory (Mario reports 9.4 %
-and 5.1 %). Each plan that missed by more than 5 % gets a line saying where: the pipeline's
-error split into the op times' share and the runtime's (the run's own op durations replayed
-through the simulator, `sim.replay`), and each other phase that missed, after how busy the
-machine was (wall over CPU time of the ops, `profile.contention`).
+limit only sharding meets, ZeRO-1; a memory limit only checkpointing meets; slices (SVPP). Then
+Hugging Face models, each profiled and tuned the same way: tensor parallelism (pp = 1 × tp = 2,
+with and without sequence parallelism) of examples/hf-llama-tiny, and a small Mixtral with its
+experts on each stage (pp = 2) and shared out by expert parallelism (dp = 2, ep = 2).
 
-Then tensor parallelism: the Hugging Face LLaMA of examples/hf-llama-tiny is profiled, a tp = 2
-plan on 4 ranks (pp = 2) is tuned with and without sequence parallelism and trained as planned
-(`spec_from_plan`), and each prints its step time and its tensor-parallel traffic predicted beside
-measured, and the bytes each rank sends per step between stages and in its group's collectives.
-Usage: python bench/fidelity.py [--profile profile.json] [--steps 8] [--rounds 3] [--only-tp] [--explain-above 0.05]
+Each model's plans then run `--rounds` times for `--steps` steps (the first left out), taking
+turns so that a slow spell of the machine falls on one round of several plans. Printed per model
+family (the built-in decoder; the Hugging Face models, whose misses say what their profiles lack):
+step time predicted and measured (the median of the rounds' medians), its bias (predicted over
+measured, signed), the step's breakdown, and peak activation (stash) bytes per
+device; the mean absolute percentage errors. Goal: MAPE ≤ 3 % for time, ≤ 2 % for memory (Mario
+reports 9.4 % and 5.1 %). Each plan that missed by more than 5 % gets a line saying where: the
+pipeline's error split into the op times' share and the runtime's (the run's own op durations
+replayed through the simulator, `sim.replay`), and each other phase that missed, after how busy
+the machine was (wall over CPU time of the ops, `profile.contention`); tensor- and
+expert-parallel plans also print their collectives' traffic, predicted beside measured.
+Usage: python bench/fidelity.py [--profile profile.json] [--steps 8] [--rounds 5] [--only-hf | --no-hf]
+                                [--explain-above 0.05]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import platform
 import statistics
 import tempfile
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from pipeloom.errors import RuntimeFault
@@ -38,15 +41,30 @@ from pipeloom.models.llama import llama_config
 from pipeloom.profile.contention import BUSY, wall_over_cpu
 from pipeloom.profile.profiler import profile_model
 from pipeloom.profile.stability import Series
+from pipeloom.runtime.layout import RankLayout
 from pipeloom.runtime.local import run_local
 from pipeloom.runtime.training import TrainSpec
 from pipeloom.sim.replay import replay
-from pipeloom.tune.plan import plan_from_evaluation
-from pipeloom.tune.presets import load_model
+from pipeloom.tune.plan import Plan, plan_from_evaluation
+from pipeloom.tune.presets import ModelSpec, load_model
 from pipeloom.tune.profiled import ProfiledCostModel
 from pipeloom.tune.search import tune
 
 MODEL = Path(__file__).resolve().parent.parent / "examples" / "tiny-llama.json"
+HF_LLAMA = MODEL.parent / "hf-llama-tiny"
+HF_SEQ = 64
+MIXTRAL = {  # four experts, two per token
+    "model_type": "mixtral",
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 256,
+}
 TWO_STAGES = {"pp_values": [2], "micro_batches": [1, 2]}
 DATA_PARALLEL = {"schemes": ["1f1b"], "pp_values": [1], "micro_batches": [1, 2]}
 PLANS = [  # tune keyword arguments; "activations" / "static": a memory limit of that share (below)
@@ -82,13 +100,13 @@ def limit(cost_model: ProfiledCostModel, options: dict) -> float:
     return options.get("static", 1.0) * static + options.get("activations", 1.0) * activations
 
 
-def replayed(plan, rounds: list):
+def replayed(plan, rounds: list, layout):
     """The plan's schedule simulated with its runs' own op times (`sim.replay`, replica 0's
     devices, every round), each step's ops on one clock: from the first of its ranks to begin."""
     steps: list[list] = [[] for _ in range(plan.pp)]
     for results in rounds:
         for k in range(1, len(results[0].records)):
-            records = [results[d].records[k] for d in range(plan.pp)]
+            records = [results[layout.rank(0, d)].records[k] for d in range(plan.pp)]
             first = min(record.began for record in records)
             for d, record in enumerate(records):
                 shift = record.began - first
@@ -100,7 +118,9 @@ def why(plan, rounds: list, measured_parts: dict, measured_step: float, again) -
     """Where a plan's prediction missed: how busy the machine was, the pipeline's error split into
     op times and runtime (`again`: its replay), then each phase that missed by 1 % of the step."""
     busy = statistics.median(wall_over_cpu(results) for results in rounds)
-    parts = [f"ops ran at {busy:.2f}× their CPU time{' (busy: other processes took the cores)' if busy > BUSY else ''}"]
+    waits = plan.tp > 1 or "a2a_ms" in plan.predicted  # collectives inside the ops: waiting is theirs
+    note = " (their collectives wait inside them)" if waits else " (busy: other processes took the cores)"
+    parts = [f"ops ran at {busy:.2f}× their CPU time{note if busy > BUSY else ''}"]
     noise = plan.predicted.get("speed_noise_ms", 0.0)
     parts.append(again.explain(measured_step, noise))
     for phase in PHASES[1:]:
@@ -113,175 +133,239 @@ def why(plan, rounds: list, measured_parts: dict, measured_step: float, again) -
     return "; ".join(parts)
 
 
+@dataclass
+class Row:
+    """One plan, tuned from its model's profile, and its runs."""
+
+    label: str
+    plan: Plan
+    spec: TrainSpec
+    runs: list = field(default_factory=list)
+
+
+@dataclass
+class Group:
+    """A model and the plans tuned from its profile."""
+
+    model: ModelSpec
+    rows: list[Row]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", help="reuse a profile instead of measuring one")
+    parser.add_argument("--profile", help="reuse a profile of tiny-llama to tune from instead of measuring one")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5, help="runs of each plan, taking turns (default 5)")
-    parser.add_argument("--only-tp", action="store_true", help="only the tensor-parallel plans")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--only-hf", action="store_true", help="only the Hugging Face (tensor parallel, MoE) plans")
+    which.add_argument("--no-hf", action="store_true", help="only the built-in decoder's plans")
     parser.add_argument(
         "--explain-above", type=float, default=EXPLAIN_ABOVE, metavar="SHARE", help="explain plans that missed by more"
     )
     args = parser.parse_args()
-    if args.only_tp:
-        tensor_parallel_plans(args.steps)
-        return
-    model = load_model(MODEL)
-    if args.profile:
-        profile = json.loads(Path(args.profile).read_text())
-    else:
+    print(f"python {platform.python_version()} on {platform.machine()}; 2 ranks, {args.steps} steps a run")
+    groups: list[Group] = []
+    with tempfile.TemporaryDirectory(prefix="pipeloom-fidelity-") as directory:
         try:
-            profile = profile_model(model, micro_batches=(1, 2, 4), layer_counts=(1, 2, 4), steps=5, max_rounds=6)
+            if not args.only_hf:
+                groups.append(dense_group(args.profile, args.steps))
+            if not args.no_hf:
+                groups += hf_groups(Path(directory), args.steps)
+            for group in groups:
+                run_by_turns(group, args.rounds)
         except RuntimeFault as error:  # a busy machine: no plan is better than a misleading one
             print(f"profile refused: {error}")
             return
-    cost_model = ProfiledCostModel(profile)
-    noise = profile.get("noise", {})
-    print(f"python {platform.python_version()} on {platform.machine()}; {model.name}, 2 ranks, {args.steps} steps")
-    if noise:
-        print(
-            f"profile noise: op times spread {noise['median_spread']:.1%} (worst {noise['worst_spread']:.1%}), "
-            f"{noise['rounds']} rounds over {noise['probes']} probes; per-op overhead {profile['op_overhead_ms']:.3f} ms"
-        )
+    split = 0 if args.only_hf else 1  # the first group is the built-in decoder's
+    for title, section in (("the built-in decoder", groups[:split]), ("Hugging Face models", groups[split:])):
+        rows = [row for group in section for row in group.rows]
+        if rows:  # each its own MAPE: the Hugging Face plans' misses say what their profiles lack
+            print(f"\n{title}:")
+            report(rows, args.explain_above)
+
+
+def first_profile(model: ModelSpec, profiling: dict) -> dict:
+    print(f"profiling {model.name} ...", flush=True)
+    profile = profile_model(model, **profiling)
+    noise = profile["noise"]
+    print(
+        f"  op times spread {noise['median_spread']:.1%} (worst {noise['worst_spread']:.1%}), "
+        f"{noise['rounds']} rounds over {noise['probes']} probes; per-op overhead {profile['op_overhead_ms']:.3f} ms"
+    )
     for warning in profile.get("warnings", []):
-        print(f"warning: {warning}")
-    plans = []
+        print(f"  warning: {warning}")
+    return profile
+
+
+def dense_group(reuse: str | None, steps: int) -> Group:
+    """One tuned plan per row of PLANS, from a profile of examples/tiny-llama.json."""
+    model = load_model(MODEL)
+    profiling = {"micro_batches": (1, 2, 4), "layer_counts": (1, 2, 4), "steps": 5, "max_rounds": 6}
+    if reuse:
+        profile = json.loads(Path(reuse).read_text())
+    else:
+        profile = first_profile(model, profiling)
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+            json.dump(profile, handle)
+            print(f"  profile kept at {handle.name} (--profile to reuse)")
+    rows = []
     for options in PLANS:
-        memory = limit(cost_model, options)
+        memory = limit(ProfiledCostModel(profile), options)
+
+        cost_model = ProfiledCostModel(profile)
         result = tune(cost_model, 2, memory, 8, **{k: v for k, v in options.items() if k not in LIMITS})
         plan = plan_from_evaluation(result.best, result, model, cost_model.to_dict(), 1)
         spec = TrainSpec(
             plan.schedule,
             config=llama_config(model, model.layers, plan.micro_batch_size),
             dp=plan.dp,
-            steps=args.steps,
+            steps=steps,
             layer_counts=plan.partition,
             zero=plan.zero,
             offload_stages=plan.offload_stages,
         )
-        plans.append((result.best.candidate.label, plan, spec))
-    # the plans take turns, a round of each at a time: a slow spell of the machine falls on one
-    # round of several plans, which their other rounds outvote (as the profile's probes do)
-    series = [Series() for _ in plans]
-    runs: list[list] = [[] for _ in plans]
-    for _ in range(args.rounds):
-        for index, (_, _, spec) in enumerate(plans):
-            results = run_local(spec)
-            runs[index].append(results)
+        rows.append(Row(result.best.candidate.label, plan, spec))
+    return Group(model, rows)
+
+
+def hf_groups(directory: Path, steps: int) -> list[Group]:
+    """Hugging Face models, each profiled and its plans tuned from its own profile: tensor
+    parallelism (pp = 1 × tp = 2, with and without sequence parallelism) of the LLaMA in
+    examples/hf-llama-tiny, and a small Mixtral with its experts on each stage (pp = 2) and shared
+    out over two replicas (dp = 2, ep = 2: every MoE layer's dispatch and combine an all-to-all)."""
+    from pipeloom.runtime.plan_run import spec_from_plan
+    from pipeloom.tune.presets import model_from_config
+
+    (directory / "config.json").write_text(json.dumps(MIXTRAL))
+    groups = []
+    for source, name, tunings in (
+        (HF_LLAMA, "hf-llama-tiny", [{"tp": 2, "sequence_parallel": sp} for sp in (False, True)]),
+        (directory, "mixtral-tiny", [{"ep": 1, "pp_values": [2]}, {"ep": 2, "pp_values": [1]}]),
+    ):
+        config = json.loads((source / "config.json").read_text())
+        model = dataclasses.replace(model_from_config(config, name=name), seq_len=HF_SEQ)
+        profiling = {
+            "micro_batches": (1, 2),
+            "layer_counts": (1, 2),
+            "steps": 4,
+            "max_rounds": 4,
+            "workload_for": partial(hf_workload_at, source),
+        }
+        profile = first_profile(model, profiling) | {"source": f"hf:{source}"}
+        rows = []
+        for tuning in tunings:
+            label, plan = hf_tuned(model, tuning, profile)
+            rows.append(Row(label, plan, spec_from_plan(plan, steps=steps)))
+        groups.append(Group(model, rows))
+    return groups
+
+
+def hf_workload_at(directory: Path, layers: int, mbs: int):
+    from pipeloom.models.hf import hf_workload
+
+    return hf_workload(directory, 0, mbs, HF_SEQ, layers=layers)
+
+
+def hf_tuned(model: ModelSpec, tuning: dict, profile: dict) -> tuple[str, Plan]:
+    """A tensor- or expert-parallel 1F1B plan of a Hugging Face model on 2 ranks (expert
+    parallelism without ZeRO, which it does not combine with yet, as `tune --runnable`)."""
+    tp, sp, ep = tuning.get("tp", 1), tuning.get("sequence_parallel", False), tuning.get("ep", 1)
+    cost_model = ProfiledCostModel(profile, tp, sp)
+    cost_model.model = dataclasses.replace(cost_model.model, expert_parallel=ep)
+    space = {"pp_values": tuning.get("pp_values", [1]), "micro_batches": [1, 2]}
+    result = tune(cost_model, 2, 2**30, 8, tp=tp, ep=ep, schemes=["1f1b"], static_measures=ep == 1, **space)
+    plan = plan_from_evaluation(result.best, result, cost_model.model, cost_model.to_dict(), tp)
+    if tp > 1:
+        _, sent = cost_model.tp_step(plan.schedule, plan.partition, plan.micro_batch_size)
+        plan.predicted["tp_sent_bytes"] = max(sent)
+    if ep > 1:
+        plan.predicted["a2a_ms"] = max(cost_model.a2a_step(plan.schedule, plan.partition, plan.micro_batch_size))
+    label = f"{model.name} {result.best.candidate.label}{' +sp' if sp else ''}{f' ep={ep}' if ep > 1 else ''}"
+    return label, plan
+
+
+def run_by_turns(group: Group, rounds: int) -> None:
+    """The group's plans `rounds` times, a round of each at a time: a slow spell of the machine
+    falls on one round of several plans, which their other rounds outvote (as the profile's probes do)."""
+    print(f"{group.model.name}: {len(group.rows)} plans × {rounds} rounds, by turns ...", flush=True)
+    for _ in range(rounds):
+        for row in group.rows:
+            row.runs.append(run_local(row.spec))
+
+
+def report(rows: list[Row], explain_above: float) -> None:
+    width = max(len(row.label) for row in rows) + 1
+    header = f"{'plan':<{width}} {'step ms':>8} {'measured':>8} {'bias':>7}  "
+    print(header + "  ".join(f"{p[:8]:>13}" for p in PHASES) + "   stash MiB (pred/meas) per device")
+    errors: dict[str, list[float]] = {"time": [], "memory": [], "simulator": [], "bias": []}
+    explained, traffics = [], []
+    for row in rows:
+        plan, rounds = row.plan, row.runs
+        series = Series()
+        for results in rounds:
             phases = results[0].phase_seconds[1:]
-            series[index].add(
+            series.add(
                 {"step": [1e3 * s for s in results[0].step_seconds[1:]]}
                 | {p: [1e3 * step[p] for step in phases] for p in PHASES}
             )
-    header = f"{'plan':<40} {'step ms':>8} {'measured':>8} {'bias':>7}  "
-    print(header + "  ".join(f"{p[:8]:>13}" for p in PHASES) + "   stash MiB (pred/meas) per device")
-    time_errors, memory_errors, biases, explained, simulator_errors = [], [], [], [], []
-    for (label, plan, _), measured_parts, rounds in zip(plans, (s.measured() for s in series), runs):
-        results = rounds[-1]
+        measured_parts = series.measured()
+        layout = RankLayout(plan.pp, plan.dp, plan.tp)
         measured = measured_parts["step"].median
         predicted = plan.predicted["step_time_ms"]
-        time_errors.append(abs(measured - predicted) / measured)
-        biases.append((predicted - measured) / measured)
+        errors["time"].append(abs(measured - predicted) / measured)
+        errors["bias"].append((predicted - measured) / measured)
         parts = [f"{plan.predicted.get(p + '_ms', 0.0):6.1f}/{measured_parts[p].median:<6.1f}" for p in PHASES]
         cells = []
         for device, expected in enumerate(plan.predicted["peak_activation_memory"]):
             stash = max(
-                r.peak_stash_bytes for replica in range(plan.dp) for r in results[replica * plan.pp + device].records
+                r.peak_stash_bytes
+                for replica in range(plan.dp)
+                for r in rounds[-1][layout.rank(replica, device)].records
             )
-            memory_errors.append(abs(stash - expected) / stash)
+            errors["memory"].append(abs(stash - expected) / stash)
             cells.append(f"{expected / 2**20:.1f}/{stash / 2**20:.1f}")
         print(
-            f"{label:<40} {predicted:>8.1f} {measured:>8.1f} {biases[-1]:>+7.1%}  "
+            f"{row.label:<{width}} {predicted:>8.1f} {measured:>8.1f} {errors['bias'][-1]:>+7.1%}  "
             + "  ".join(parts)
             + "   "
             + "  ".join(cells)
         )
-        again = replayed(plan, rounds)  # the simulator alone: this run's own op times, the plan's the rest
-        simulator_errors.append(abs(predicted + again.replayed - again.predicted - measured) / measured)
-        if time_errors[-1] > args.explain_above:
-            explained.append(f"{label}: {why(plan, rounds, measured_parts, measured, again)}")
-    time_mape, memory_mape = statistics.fmean(time_errors), statistics.fmean(memory_errors)
-    print(f"\nbreakdown columns: predicted/measured ms (rank 0's medians); {len(PLANS)} plans")
-    print(f"per plan |error|: {', '.join(f'{e:.1%}' for e in time_errors)}")
+        again = replayed(plan, rounds, layout)  # the simulator alone: the runs' own op times, the plan's the rest
+        errors["simulator"].append(abs(predicted + again.replayed - again.predicted - measured) / measured)
+        if errors["time"][-1] > explain_above:
+            explained.append(f"{row.label}: {why(plan, rounds, measured_parts, measured, again)}")
+        if traffic(plan, rounds):
+            traffics.append(f"{row.label}: {traffic(plan, rounds)}")
+    mape = {key: statistics.fmean(values) for key, values in errors.items()}
+    print(f"breakdown columns: predicted/measured ms (rank 0's medians); {len(rows)} plans")
+    print("\n".join(f"  {line}" for line in traffics))
+    print(f"per plan |error|: {', '.join(f'{e:.1%}' for e in errors['time'])}")
     print(
-        f"MAPE: step time {time_mape:.1%} (goal ≤ 3%: {'met' if time_mape <= 0.03 else 'missed'}), "
-        f"bias {statistics.fmean(biases):+.1%} (predicted over measured, mean), "
-        f"memory {memory_mape:.2%} (goal ≤ 2%: {'met' if memory_mape <= 0.02 else 'missed'})"
+        f"MAPE: step time {mape['time']:.1%} (goal ≤ 3%: {'met' if mape['time'] <= 0.03 else 'missed'}), "
+        f"bias {mape['bias']:+.1%} (predicted over measured, mean), memory {mape['memory']:.2%} "
+        f"(goal ≤ 2%: {'met' if mape['memory'] <= 0.02 else 'missed'})"
     )
     print(
         f"the simulator alone (each plan's runs' own op times replayed, the rest as predicted): MAPE "
-        f"{statistics.fmean(simulator_errors):.1%} — the rest of the error is the op times' (the profile against "
-        "the runs: the machine's speed moves between them)"
+        f"{mape['simulator']:.1%} — the rest of the error is the op times' (the profile against the runs)"
     )
     if explained:
-        print(f"\nwhy each plan missed by more than {args.explain_above:.0%} (shares of its measured step):")
+        print(f"\nwhy each plan missed by more than {explain_above:.0%} (shares of its measured step):")
         print("\n".join(f"  {line}" for line in explained))
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
-        json.dump(profile, handle)
-        print(f"profile kept at {handle.name} (--profile to reuse)")
-    tensor_parallel_plans(args.steps)
 
 
-def tensor_parallel_plans(steps: int) -> None:
-    """tp = 2 plans of a profiled Hugging Face LLaMA, with and without sequence parallelism."""
-    import dataclasses
-
-    from pipeloom.models.hf import hf_workload
-    from pipeloom.runtime.layout import RankLayout
-    from pipeloom.runtime.plan_run import spec_from_plan
-    from pipeloom.tune.presets import model_from_config
-
-    directory, seq_len = MODEL.parent / "hf-llama-tiny", 64
-    config = json.loads((directory / "config.json").read_text())
-    model = dataclasses.replace(model_from_config(config, name="hf-llama-tiny"), seq_len=seq_len)
-    profile = profile_model(
-        model,
-        micro_batches=(1, 2),
-        layer_counts=(1, 2),
-        steps=4,
-        workload_for=lambda layers, mbs: hf_workload(directory, 0, mbs, seq_len, layers=layers),
-    )
-    profile["source"] = f"hf:{directory}"
-    print(f"\ntensor parallelism: {model.name} at {seq_len} tokens, pp = 2 × tp = 2 on 4 gloo ranks, {steps} steps")
-    print(
-        f"{'plan':<34} {'step ms':>8} {'measured':>8} {'bias':>7}  {'TP MiB/step (pred/meas)':>24}  "
-        f"{'TP ms (pred)':>12}  {'p2p MiB/step per rank':>21}"
-    )
-    explained = []
-    for sequence_parallel in (False, True):
-        cost_model = ProfiledCostModel(profile, 2, sequence_parallel)
-        result = tune(cost_model, 4, 2**30, 8, tp=2, schemes=["zb-h1"], pp_values=[2], micro_batches=[1, 2])
-        plan = plan_from_evaluation(result.best, result, model, cost_model.to_dict(), 2)
-        times, sent = cost_model.tp_step(plan.schedule, plan.partition, plan.micro_batch_size)
-        spec = spec_from_plan(plan, steps=steps)
-        results = run_local(spec)
-        measured = 1e3 * statistics.median(results[0].step_seconds[1:])
-        predicted = plan.predicted["step_time_ms"]
-        layout = RankLayout(plan.pp, plan.dp, plan.tp)
-        tp_measured = max(r.records[-1].tp_sent_bytes for r in results)
-        p2p = [results[layout.rank(0, d, t)].records[-1].sent_bytes / 2**20 for d in range(2) for t in range(2)]
-        label = f"{result.best.candidate.label}{' +sp' if sequence_parallel else ''}"
-        print(
-            f"{label:<34} {predicted:>8.1f} {measured:>8.1f} {(predicted - measured) / measured:>+7.1%}  "
-            f"{max(sent) / 2**20:>11.2f}/{tp_measured / 2**20:<12.2f}  {max(times):>12.1f}  "
-            f"{' '.join(f'{b:.3f}' for b in p2p):>21}"
+def traffic(plan, rounds: list) -> str:
+    """What a tensor- or expert-parallel plan moves besides the pipeline's messages, predicted/measured."""
+    records = [r for results in rounds for result in results for r in result.records[1:]]
+    if "tp_sent_bytes" in plan.predicted:
+        measured = max(r.tp_sent_bytes for r in records)
+        return (
+            f"TP collectives {plan.predicted['tp_sent_bytes'] / 2**20:.2f}/{measured / 2**20:.2f} MiB a step per rank"
         )
-        if abs(measured - predicted) / measured > EXPLAIN_ABOVE:
-            busy = wall_over_cpu(results)
-            cores = os.cpu_count() or 1
-            shared = f"{len(results)} ranks on {cores} cores: " if len(results) > cores else ""
-            ops = [
-                [[(t, 1e3 * a, 1e3 * b) for t, a, b in r.ops] for r in results[layout.rank(0, d, 0)].records[1:]]
-                for d in range(2)
-            ]
-            explained.append(
-                f"{label}: {shared}ops ran at {busy:.2f}× their CPU time{' (waiting for a core)' if busy > BUSY else ''}; "
-                + replay(plan.schedule, plan.costs, ops).explain(measured)
-            )
-    print("p2p: per rank (device 0 tp 0, tp 1, device 1 tp 0, tp 1); each sends its sequence shard")
-    if explained:
-        print(f"why each plan missed by more than {EXPLAIN_ABOVE:.0%} (shares of its measured step):")
-        print("\n".join(f"  {line}" for line in explained))
+    if "a2a_ms" in plan.predicted:
+        measured = statistics.median(r.a2a_ms for r in records)
+        return f"expert all-to-alls {plan.predicted['a2a_ms']:.1f}/{measured:.1f} ms in flight a step"
+    return ""
 
 
 if __name__ == "__main__":
