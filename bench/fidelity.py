@@ -334,8 +334,8 @@ def report(rows: list[Row], explain_above: float) -> None:
         errors["simulator"].append(abs(predicted + again.replayed - again.predicted - measured) / measured)
         if errors["time"][-1] > explain_above:
             explained.append(f"{row.label}: {why(plan, rounds, measured_parts, measured, again)}")
-        if traffic(plan, rounds):
-            traffics.append(f"{row.label}: {traffic(plan, rounds)}")
+        if moved := traffic(plan, rounds):  # collectives' bytes or all-to-all time, read once
+            traffics.append(f"{row.label}: {moved}")
     mape = {key: statistics.fmean(values) for key, values in errors.items()}
     print(f"breakdown columns: predicted/measured ms (rank 0's medians); {len(rows)} plans")
     print("\n".join(f"  {line}" for line in traffics))
