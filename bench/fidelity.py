@@ -12,7 +12,8 @@ experts on each stage (pp = 2) and shared out by expert parallelism (dp = 2, ep 
 Each model's plans then run `--rounds` times for `--steps` steps (the first left out), taking
 turns so that a slow spell of the machine falls on one round of several plans. Printed per model
 family (the built-in decoder; the Hugging Face models, whose misses say what their profiles lack):
-step time predicted and measured (the median of the rounds' medians), its bias (predicted over
+step time predicted and measured (the median of the rounds' medians over the steps that ran at
+the machine's own speed, as the profile's: `speed.steady_steps`), its bias (predicted over
 measured, signed), the step's breakdown, and peak activation (stash) bytes per
 device; the mean absolute percentage errors. Goal: MAPE ≤ 3 % for time, ≤ 2 % for memory (Mario
 reports 9.4 % and 5.1 %). Each plan that missed by more than 5 % gets a line saying where: the
@@ -34,12 +35,14 @@ import statistics
 import tempfile
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import compress
 from pathlib import Path
 
 from pipeloom.errors import RuntimeFault
 from pipeloom.models.llama import llama_config
 from pipeloom.profile.contention import BUSY, wall_over_cpu
 from pipeloom.profile.profiler import profile_model
+from pipeloom.profile.speed import steady_steps, step_busy
 from pipeloom.profile.stability import Series
 from pipeloom.runtime.layout import RankLayout
 from pipeloom.runtime.local import run_local
@@ -100,12 +103,25 @@ def limit(cost_model: ProfiledCostModel, options: dict) -> float:
     return options.get("static", 1.0) * static + options.get("activations", 1.0) * activations
 
 
-def replayed(plan, rounds: list, layout):
-    """The plan's schedule simulated with its runs' own op times (`sim.replay`, replica 0's
-    devices, every round), each step's ops on one clock: from the first of its ranks to begin."""
-    steps: list[list] = [[] for _ in range(plan.pp)]
+def steady(rounds: list) -> list[list[bool]]:
+    """Per round, which of its timed steps (warm-up left out) every rank ran at the machine's own
+    speed (`speed.steady_steps`, over every round): the profile's medians are over such steps,
+    so the measured ones are too — which steps fell in a slow spell is luck (`profile.speed`)."""
+    busy = [step_busy(r for results in rounds for r in results[rank].records[1:]) for rank in range(len(rounds[0]))]
+    flags, out = steady_steps(busy), []
     for results in rounds:
-        for k in range(1, len(results[0].records)):
+        out.append(flags[: len(results[0].records) - 1])
+        flags = flags[len(out[-1]) :]
+    return out
+
+
+def replayed(plan, rounds: list, layout, kept: list[list[bool]]):
+    """The plan's schedule simulated with its runs' own op times (`sim.replay`, replica 0's
+    devices, the `kept` steps of every round), each step's ops on one clock: from the first of
+    its ranks to begin."""
+    steps: list[list] = [[] for _ in range(plan.pp)]
+    for results, flags in zip(rounds, kept):
+        for k in [k for k, flag in enumerate(flags, start=1) if flag]:
             records = [results[layout.rank(0, d)].records[k] for d in range(plan.pp)]
             first = min(record.began for record in records)
             for d, record in enumerate(records):
@@ -298,14 +314,16 @@ def report(rows: list[Row], explain_above: float) -> None:
     header = f"{'plan':<{width}} {'step ms':>8} {'measured':>8} {'bias':>7}  "
     print(header + "  ".join(f"{p[:8]:>13}" for p in PHASES) + "   stash MiB (pred/meas) per device")
     errors: dict[str, list[float]] = {"time": [], "memory": [], "simulator": [], "bias": []}
-    explained, traffics = [], []
+    explained, traffics, shares = [], [], []
     for row in rows:
         plan, rounds = row.plan, row.runs
         series = Series()
-        for results in rounds:
-            phases = results[0].phase_seconds[1:]
+        kept = steady(rounds)
+        shares.append(sum(map(sum, kept)) / sum(map(len, kept)))
+        for results, flags in zip(rounds, kept):
+            phases = list(compress(results[0].phase_seconds[1:], flags))
             series.add(
-                {"step": [1e3 * s for s in results[0].step_seconds[1:]]}
+                {"step": [1e3 * s for s in compress(results[0].step_seconds[1:], flags)]}
                 | {p: [1e3 * step[p] for step in phases] for p in PHASES}
             )
         measured_parts = series.measured()
@@ -330,14 +348,17 @@ def report(rows: list[Row], explain_above: float) -> None:
             + "   "
             + "  ".join(cells)
         )
-        again = replayed(plan, rounds, layout)  # the simulator alone: the runs' own op times, the plan's the rest
+        again = replayed(plan, rounds, layout, kept)  # the simulator alone: the runs' own op times, the plan's the rest
         errors["simulator"].append(abs(predicted + again.replayed - again.predicted - measured) / measured)
         if errors["time"][-1] > explain_above:
             explained.append(f"{row.label}: {why(plan, rounds, measured_parts, measured, again)}")
         if moved := traffic(plan, rounds):  # collectives' bytes or all-to-all time, read once
             traffics.append(f"{row.label}: {moved}")
     mape = {key: statistics.fmean(values) for key, values in errors.items()}
-    print(f"breakdown columns: predicted/measured ms (rank 0's medians); {len(rows)} plans")
+    print(
+        f"breakdown columns: predicted/measured ms (rank 0's medians over its steady steps: "
+        f"{statistics.median(shares):.0%} of a plan's, the rest ran in slow spells); {len(rows)} plans"
+    )
     print("\n".join(f"  {line}" for line in traffics))
     print(f"per plan |error|: {', '.join(f'{e:.1%}' for e in errors['time'])}")
     print(

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeloom.profile.speed import QUANTILES, op_ratios, speed_quantiles
+from pipeloom.profile.speed import QUANTILES, op_ratios, speed_quantiles, steady_steps
 from pipeloom.tune.profiled import ProfiledCostModel
 from pipeloom.tune.search import tune
 from pipeloom.tune.speed_noise import noisy_pipeline, winsorized
@@ -67,3 +67,18 @@ def test_an_op_s_ratio_takes_its_step_s_speed_out():
     assert ratios[:4] == pytest.approx([1.0, 1.0, 1.0, 1.0])  # a slow step is the step's factor, not the ops'
     assert ratios[4:6] == pytest.approx([1.2, 0.8])  # 1.5 and 1 ms in a step 1.25 times as long
     assert op_ratios([record(1.0)]) == []  # one step: nothing to compare
+
+
+def test_steps_in_a_slow_spell_are_left_out_whatever_share_of_the_steps_it_took():
+    """Steps measured here: rank 0 at about 155 ms, then a spell at 200 ms and one at 240 ms."""
+    fast, slow = [160.0, 155.0, 162.0, 150.0, 158.0], [204.0, 198.0, 236.0, 241.0]
+    for spell in (1, 4):  # one slow step or nearly half of them
+        rank0 = fast + slow[:spell]
+        rank1 = [100.0] * len(rank0)
+        assert steady_steps([rank0, rank1]) == [True] * len(fast) + [False] * spell
+    # a step is steady only where every rank was: rank 1's slow step goes too
+    assert steady_steps([fast, [100.0, 100.0, 100.0, 130.0, 100.0]]) == [True, True, True, False, True]
+    jitter = [100.0, 104.0, 97.0, 109.0, 101.0, 95.0]  # one speed throughout: all kept
+    assert steady_steps([jitter]) == [True] * len(jitter)
+    assert steady_steps([[100.0, 300.0]]) == [True, True]  # too few to tell a spell from the work
+    assert steady_steps([[100.0, 300.0, 310.0, 320.0, 330.0]]) == [True] * 5  # a lone fast step is not a level

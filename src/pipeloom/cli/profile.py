@@ -163,8 +163,10 @@ def noise_line(profile: dict) -> str:
     busy = noise.get("busy_rounds", 0)
     cores = f"; ops ran at {noise['wall_over_cpu']:.2f}× their CPU time" if "wall_over_cpu" in noise else ""
     dropped = f", {busy} busy round(s) {'kept' if noise.get('busy_allowed') else 'dropped'}" if busy else ""
+    share = noise.get("steady_share", 1.0)
+    spells = f"; {1 - share:.0%} of steps ran in slow spells, left out" if share < 1 else ""
     return (
         f"noise: op times spread {noise['median_spread']:.1%} (median over probes, worst {noise['worst_spread']:.1%}; "
         f"interquartile range / median); {noise['rounds']} rounds over {noise['probes']} probes{unsettled}"
-        f"{cores}{dropped}"
+        f"{cores}{dropped}{spells}"
     )

@@ -6,8 +6,10 @@ the last the head and loss. Its schedule runs every pass the simulator knows —
 and every other micro-batch checkpointed so that R and a checkpointed F's stash appear too. The
 probes take turns, a round of each at a time, each repeated until its medians settle
 (`stability`); a round in which another process took the cores (wall against CPU time,
-`contention`) is dropped and run again, and a machine that stays busy is refused. The profile
-records how noisy the machine was. From the runtime's records (op start/end, bytes each F and R stashed) it fits, per
+`contention`) is dropped and run again, and a machine that stays busy is refused. A step that
+ran in a slow spell of the host — ops still on the CPU, but a quarter or more slower, for
+seconds — is left out of every median (`speed.steady_steps`). The profile records how noisy the
+machine was. From the runtime's records (op start/end, bytes each F and R stashed) it fits, per
 micro-batch size and per pass, time = a·n + b_position with one slope a per layer and an
 intercept for the first and the last stage (`fit_positions` derives the middle and single ones).
 Activation bytes are fitted the same way. Where busy rounds were kept (allowed), a size that
@@ -27,13 +29,13 @@ from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError, RuntimeFault
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
-from pipeloom.ir.text import parse_op
 from pipeloom.models.llama import build_stages, llama_config
 from pipeloom.passes.split_backward import split_backward
 from pipeloom.profile.contention import Contention
 from pipeloom.profile.links import expert_exchange, measure_links, ping_seconds
 from pipeloom.profile.overheads import linear_fit, op_overhead_ms
-from pipeloom.profile.speed import op_ratios, quantiles_of, speed_quantiles, step_busy
+from pipeloom.profile.probe_rounds import OP_KINDS, SETTLED_MS, Probe, samples, steady_probe
+from pipeloom.profile.speed import quantiles_of, speed_quantiles
 from pipeloom.profile.stability import Series, falling_per_sample
 from pipeloom.schedules.registry import build_schedule
 from pipeloom.static_memory import compute_bytes
@@ -127,36 +129,9 @@ def profile_model(
     return profile
 
 
-class _Probe:
-    """One probe's measurements: (kind, rank) → Measured, and the probe's schedule and shape."""
-
-    def __init__(self, mbs: int, layers: int, schedule: Schedule, values: dict, busy: list[list[float]]):
-        self.mbs, self.layers, self.schedule, self.values = mbs, layers, schedule, values
-        self.busy = busy
-        """Per rank, its time in ops in each step measured (ms)."""
-
-    def median(self, key: str) -> float:
-        return self.values[key].median
-
-    @property
-    def spread(self) -> float:
-        """The noisiest op time's spread."""
-        return max((m.spread for key, m in self.values.items() if key.split("@")[0] in _OP_KINDS), default=0.0)
-
-    @property
-    def rounds(self) -> int:
-        return max(m.rounds for m in self.values.values())
-
-
-_OP_KINDS = ("F", "B", "W", "R")
-_PHASES = ("pipeline", "allreduce", "optimizer", "overhead")
-_SETTLED_MS = 0.1
-"""A median that moves by less than this (ms) has settled, however small it is."""
-
-
 def _measure_probes(
     keys, shape, max_rounds: int, busy: Contention, tick, op_variation: list[float]
-) -> dict[tuple[int, int], _Probe]:
+) -> dict[tuple[int, int], Probe]:
     """The probes (micro-batch size, layers per stage) measured by turns: a round of each, then
     another of each that has not settled, up to `max_rounds` — so a busy spell falls on one
     round of several probes, not every round of one. A round `busy` finds contended is dropped
@@ -166,29 +141,18 @@ def _measure_probes(
     from pipeloom.runtime.probe import probe_spec
 
     specs = {key: _probe_spec(*shape, *key) for key in keys}
-    busy_steps: dict[tuple, list[float]] = {}
     probes = {key: probe_spec(spec) for key, spec in specs.items()}  # the same boundaries every round
-    series = {key: Series(floor=_SETTLED_MS) for key in keys}
+    series = {key: Series(floor=SETTLED_MS) for key in keys}
+    rounds: dict[tuple[int, int], list] = {key: [] for key in keys}
     while todo := [key for key in keys if not series[key].settled and series[key].rounds < max_rounds]:
         for key in todo:
             results = run_local(specs[key], probe=probes[key])
             while not busy.clean_round(results):
                 results = run_local(specs[key], probe=probes[key])
-            series[key].add(_samples(results))
-            for rank, result in enumerate(results):
-                busy_steps.setdefault((key, rank), []).extend(step_busy(result.records[1:]))
-                op_variation.extend(op_ratios(result.records[1:]))
+            series[key].add(samples(results))
+            rounds[key].append(results)
             tick()
-    return {
-        key: _Probe(
-            key[0],
-            key[1],
-            specs[key].schedule,
-            series[key].measured(),
-            [busy_steps[key, r] for r in (0, 1)],
-        )
-        for key in keys
-    }
+    return {key: steady_probe(key, specs[key].schedule, rounds[key], series[key], op_variation) for key in keys}
 
 
 def _probe_spec(model, steps, threads, workload_for, dtype, mbs, n):
@@ -206,27 +170,7 @@ def _probe_spec(model, steps, threads, workload_for, dtype, mbs, n):
     )
 
 
-def _samples(results) -> dict[str, list[float]]:
-    """One round's samples, the first step left out: op times (ms) by "kind@rank", stashed
-    bytes ("M_B@rank", "M_ckpt@rank") and rank 0's step phases (ms)."""
-    out: dict[str, list[float]] = {}
-    for rank, result in enumerate(results):
-        for record in result.records[1:] or result.records:
-            for text, start, end in record.ops:
-                op = parse_op(text)
-                if op.kind is not OpKind.R and op.microbatch % 2:
-                    continue  # a checkpointed micro-batch's backward follows its recompute: time plain ones
-                out.setdefault(f"{op.kind.value}@{rank}", []).append(1e3 * (end - start))
-        entries = result.records[-1].entry_bytes
-        out[f"M_B@{rank}"] = [v for text, v in entries.items() if "F" in text and not text.endswith("c")]
-        out[f"M_ckpt@{rank}"] = [v for text, v in entries.items() if "F" in text and text.endswith("c")]
-    for phases in results[0].phase_seconds[1:] or results[0].phase_seconds:
-        for phase in _PHASES:
-            out.setdefault(phase, []).append(1e3 * phases[phase])
-    return out
-
-
-def _fits(measured: dict[tuple[int, int], _Probe], micro_batches: Sequence[int]) -> dict:
+def _fits(measured: dict[tuple[int, int], Probe], micro_batches: Sequence[int]) -> dict:
     fits = {}
     for mbs in micro_batches:
         samples: dict[str, list[tuple[str, int, float]]] = {}
@@ -241,7 +185,7 @@ def _fits(measured: dict[tuple[int, int], _Probe], micro_batches: Sequence[int])
     return fits
 
 
-def _confidence(measured: dict[tuple[int, int], _Probe], micro_batches: Sequence[int]) -> dict:
+def _confidence(measured: dict[tuple[int, int], Probe], micro_batches: Sequence[int]) -> dict:
     """Per micro-batch size and op kind, how far to trust its times: the relative standard error
     of their medians (the median over the probes and ranks that measured them). `tune` turns it
     into a band around each plan's step time."""
@@ -251,7 +195,7 @@ def _confidence(measured: dict[tuple[int, int], _Probe], micro_batches: Sequence
         for (size, _), probe in measured.items():
             for key, value in probe.values.items():
                 kind = key.split("@")[0]
-                if size == mbs and kind in _OP_KINDS:
+                if size == mbs and kind in OP_KINDS:
                     errors.setdefault(kind, []).append(value.relative_error)
         out[str(mbs)] = {kind: statistics.median(values) for kind, values in errors.items()}
     return out
@@ -264,7 +208,7 @@ def _noise_margin(measured: dict) -> float:
         m.relative_error
         for probe in measured.values()
         for key, m in probe.values.items()
-        if key.split("@")[0] in _OP_KINDS
+        if key.split("@")[0] in OP_KINDS
     ]
     return max(0.03, 3 * statistics.median(errors))
 
@@ -324,11 +268,11 @@ def _replica_skew(profile, zero, model, mbs, layers, steps, threads, workload_fo
     return max(0.0, statistics.fmean(waits)) / statistics.median(pipelines)
 
 
-def _probe_costs(probe: _Probe, p: int, fitted: Costs) -> Costs:
+def _probe_costs(probe: Probe, p: int, fitted: Costs) -> Costs:
     """The probe's own measured op times per stage (not the fit's), with the fitted rest."""
     times: dict[str, Any] = {
         kind: [probe.median(f"{kind}@{rank}") for rank in range(p)]
-        for kind in _OP_KINDS
+        for kind in OP_KINDS
         if all(f"{kind}@{rank}" in probe.values for rank in range(p))
     }
     return replace(fitted, **times)
@@ -342,6 +286,7 @@ def _noise(measured: dict) -> dict:
         "worst_spread": max(spreads),
         "rounds": sum(probe.rounds for probe in measured.values()),
         "probes": len(measured),
+        "steady_share": statistics.median(probe.steady for probe in measured.values()),
         "unsettled": sum(1 for probe in measured.values() if not all(m.stable for m in probe.values.values())),
         "remeasured_sizes": [],  # busy rounds are dropped and run again instead (kept for older readers)
     }

@@ -10,7 +10,17 @@ about ±4 % between quartiles here, and skewed: slow ops are slower than fast on
 and even one device's median step is longer than the sum of its median ops for it. The profile
 keeps both distributions as quantiles — a rank's step time over its median per probe and rank
 (`step_speed`), and an op's time over its median with its step's factor taken out (`op_speed`);
-`tune.speed_noise` draws from them. Torch-free.
+`tune.speed_noise` draws from them.
+
+The speed moves in spells, too: steps of one rank here ran at about 155 ms for a few seconds,
+then about 200 ms, then 240 ms, then 155 ms again, within one run and with the ops' wall time
+still their CPU time (a neighbour on the host taking the memory bandwidth and the shared cache:
+a cache-resident matmul timed between the runs did not follow it). Which share of a profile's or
+a run's steps falls in a slow spell is luck, so a median over all of them moves by up to 30 %
+from one run to the next. `steady_steps` keeps the steps that ran at the machine's own speed —
+within `STEADY_BAND` of each rank's fast level — and the profile, and the fidelity bench's
+measured steps, take their medians over those: the step a quiet machine gives, which the slow
+spells only lengthen. Torch-free.
 """
 
 from __future__ import annotations
@@ -18,10 +28,36 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Sequence
 
-__all__ = ["QUANTILES", "step_busy", "speed_quantiles", "op_ratios", "quantiles_of"]
+__all__ = ["QUANTILES", "STEADY_BAND", "step_busy", "steady_steps", "speed_quantiles", "op_ratios", "quantiles_of"]
 
 QUANTILES = 21
 """Quantiles kept (every 5 %): the tail matters, a rank slow in one step of four."""
+
+
+STEADY_BAND = 0.15
+"""How far beyond its rank's fast level a step may run and still be steady: the ops' own jitter
+within a spell (about ±5 % a step) passes, the next slower spell (+25–55 %) does not."""
+_MIN_STEADY = 3
+"""Fewer steady steps than this is no median: the steps are all kept instead."""
+
+
+def steady_steps(busy: Sequence[Sequence[float]], band: float = STEADY_BAND) -> list[bool]:
+    """Per step, whether every rank ran it at the machine's own speed. `busy[r][k]`: rank r's
+    time in ops in step k (`step_busy`, over every round of the same work). A step is steady
+    when each rank's time is within `band` over that rank's fast level (the lower quartile of
+    its steps); when fewer than three are, all are kept (no spell to leave out can be told)."""
+    steps = min((len(times) for times in busy), default=0)
+    if steps < _MIN_STEADY:
+        return [True] * steps
+    limits = [(1 + band) * _lower_quartile(times) for times in busy]
+    keep = [all(times[k] <= limit for times, limit in zip(busy, limits)) for k in range(steps)]
+    return keep if sum(keep) >= _MIN_STEADY else [True] * steps
+
+
+def _lower_quartile(values: Sequence[float]) -> float:
+    """A rank's fast level: inside the fast spell whenever a quarter of the steps ran in it, and
+    no single step's luck."""
+    return statistics.quantiles(values, n=4, method="inclusive")[0]
 
 
 def step_busy(records: Iterable) -> list[float]:

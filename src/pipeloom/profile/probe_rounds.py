@@ -1,0 +1,101 @@
+"""A probe's rounds turned into measurements: op times, stashed bytes and step phases.
+
+The profiler runs each probe (micro-batch size, layers per stage) in rounds of a few steps;
+`samples` reads one round, `Series` decides when the rounds have settled, and `steady_probe`
+measures the probe over the steps that ran at the machine's own speed (`speed.steady_steps`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from itertools import compress
+
+from pipeloom.ir.ops import OpKind
+from pipeloom.ir.schedule import Schedule
+from pipeloom.ir.text import parse_op
+from pipeloom.profile.speed import op_ratios, steady_steps, step_busy
+from pipeloom.profile.stability import Series
+
+__all__ = ["OP_KINDS", "PHASES", "SETTLED_MS", "Probe", "samples", "steady_probe"]
+
+OP_KINDS = ("F", "B", "W", "R")
+PHASES = ("pipeline", "allreduce", "optimizer", "overhead")
+SETTLED_MS = 0.1
+"""A median that moves by less than this (ms) has settled, however small it is."""
+
+
+class Probe:
+    """One probe's measurements: (kind, rank) → Measured, and the probe's schedule and shape."""
+
+    def __init__(self, mbs: int, layers: int, schedule: Schedule, values: dict, busy: list[list[float]], steady: float):
+        self.mbs, self.layers, self.schedule, self.values = mbs, layers, schedule, values
+        self.busy = busy
+        """Per rank, its time in ops in each steady step measured (ms)."""
+        self.steady = steady
+        """The share of its timed steps that were steady (`speed.steady_steps`)."""
+
+    def median(self, key: str) -> float:
+        return self.values[key].median
+
+    @property
+    def spread(self) -> float:
+        """The noisiest op time's spread."""
+        return max((m.spread for key, m in self.values.items() if key.split("@")[0] in OP_KINDS), default=0.0)
+
+    @property
+    def rounds(self) -> int:
+        return max(m.rounds for m in self.values.values())
+
+
+def steady_probe(key: tuple[int, int], schedule: Schedule, rounds: list, series: Series, op_variation) -> Probe:
+    """The probe measured over its steady steps only (`speed.steady_steps`, over every round):
+    its rounds decided when it had settled, but which of their steps fell in a slow spell of the
+    machine is luck, and it would move the medians by up to 30 %."""
+    ranks = range(len(rounds[0]))
+    steps = [[_timed(results[rank].records) for results in rounds] for rank in ranks]  # [rank][round][step]
+    flags = steady_steps([step_busy(record for round_ in per_round for record in round_) for per_round in steps])
+    kept_steps, start = [], 0
+    for count in map(len, steps[0]):
+        kept_steps.append(flags[start : start + count])
+        start += count
+    steady = Series(floor=SETTLED_MS)
+    busy: list[list[float]] = [[] for _ in ranks]
+    for results, kept_flags in zip(rounds, kept_steps):
+        if any(kept_flags):
+            steady.add(samples(results, kept_flags))
+        for rank in ranks:
+            kept = _kept(_timed(results[rank].records), kept_flags)
+            busy[rank] += step_busy(kept)
+            op_variation.extend(op_ratios(kept))
+    measured = {key: replace(m, rounds=series.rounds, stable=series.settled) for key, m in steady.measured().items()}
+    return Probe(key[0], key[1], schedule, measured, busy, sum(flags) / len(flags))
+
+
+def _timed(steps: list) -> list:
+    """The steps a round times: all but the first (warm-up), unless that is all it ran."""
+    return steps[1:] or steps
+
+
+def _kept(steps: list, kept: Sequence[bool] | None) -> list:
+    return steps if kept is None else list(compress(steps, kept))
+
+
+def samples(results, kept: Sequence[bool] | None = None) -> dict[str, list[float]]:
+    """One round's samples, the first step left out (and those not `kept`): op times (ms) by
+    "kind@rank", stashed bytes ("M_B@rank", "M_ckpt@rank") and rank 0's step phases (ms)."""
+    out: dict[str, list[float]] = {}
+    for rank, result in enumerate(results):
+        for record in _kept(_timed(result.records), kept):
+            for text, start, end in record.ops:
+                op = parse_op(text)
+                if op.kind is not OpKind.R and op.microbatch % 2:
+                    continue  # a checkpointed micro-batch's backward follows its recompute: time plain ones
+                out.setdefault(f"{op.kind.value}@{rank}", []).append(1e3 * (end - start))
+        entries = result.records[-1].entry_bytes
+        out[f"M_B@{rank}"] = [v for text, v in entries.items() if "F" in text and not text.endswith("c")]
+        out[f"M_ckpt@{rank}"] = [v for text, v in entries.items() if "F" in text and text.endswith("c")]
+    for phases in _kept(_timed(results[0].phase_seconds), kept):
+        for phase in PHASES:
+            out.setdefault(phase, []).append(1e3 * phases[phase])
+    return out
