@@ -254,9 +254,10 @@ def hf_groups(directory: Path, steps: int) -> list[Group]:
 
     (directory / "config.json").write_text(json.dumps(MIXTRAL))
     groups = []
-    for source, name, tunings in (
-        (HF_LLAMA, "hf-llama-tiny", [{"tp": 2, "sequence_parallel": sp} for sp in (False, True)]),
-        (directory, "mixtral-tiny", [{"ep": 1, "pp_values": [2]}, {"ep": 2, "pp_values": [1]}]),
+    tensor_parallel = [(2, False), (2, True)]  # measured on tp ranks (`profile.tp_probes`)
+    for source, name, tunings, layouts in (
+        (HF_LLAMA, "hf-llama-tiny", [{"tp": 2, "sequence_parallel": sp} for _, sp in tensor_parallel], tensor_parallel),
+        (directory, "mixtral-tiny", [{"ep": 1, "pp_values": [2]}, {"ep": 2, "pp_values": [1]}], []),
     ):
         config = json.loads((source / "config.json").read_text())
         model = dataclasses.replace(model_from_config(config, name=name), seq_len=HF_SEQ)
@@ -266,6 +267,7 @@ def hf_groups(directory: Path, steps: int) -> list[Group]:
             "steps": 4,
             "max_rounds": 4,
             "workload_for": partial(hf_workload_at, source),
+            "tensor_parallel": layouts,
         }
         profile = first_profile(model, profiling) | {"source": f"hf:{source}"}
         rows = []

@@ -397,6 +397,14 @@ TUNE = ["tune", "--model", "gpt3-13b", "--hardware", "h100", "--devices", "8", "
             ["profile", "--model", str(EXAMPLES / "tiny-llama.json"), "--max-rounds", "1"],
             "--max-rounds must be at least 2",
         ),
+        (
+            ["profile", "--model", str(EXAMPLES / "tiny-llama.json"), "--tp", "2"],
+            "tensor parallelism is measured at --tp N > 1 on a Hugging Face model",
+        ),
+        (
+            ["profile", "--model", str(EXAMPLES / "tiny-llama.json"), "--sequence-parallel"],
+            "--tp 1 --sequence-parallel",
+        ),
     ],
 )
 def test_tune_refusals_are_one_line(capsys, tmp_path, monkeypatch, argv, message):

@@ -150,6 +150,8 @@ def test_profile_tune_and_train_a_hugging_face_model(capsys, tmp_path, llama):
                 "2",
                 "--max-rounds",
                 "2",
+                "--tp",
+                "2",
                 "--output",
                 str(profile),
             ]
@@ -158,6 +160,9 @@ def test_profile_tune_and_train_a_hugging_face_model(capsys, tmp_path, llama):
     )
     facts = json.loads(profile.read_text())
     assert facts["source"] == f"hf:{llama}" and facts["params"]["first"] == 512 * 32
+    measured = facts["tensor_parallel"]["2"]["1"]  # its ops on one stage over two ranks, as `tune --tp 2` prices them
+    assert set(measured) == {"F", "B", "W", "R"} and measured["F"]["per_layer"] + measured["F"]["single"] > 0
+    assert "mbs 1 on tp 2: per layer F" in capsys.readouterr().out
     assert (
         main(
             [

@@ -169,6 +169,30 @@ def test_tensor_parallelism_splits_compute_and_adds_its_measured_collectives(seq
     assert split.stage_params([2, 3, 3]) == pytest.approx([p / 2 for p in whole.stage_params([2, 3, 3])])
 
 
+def test_ops_measured_on_tensor_parallel_ranks_are_priced_as_measured():
+    """A profile that measured a layout on tp ranks (`profile --tp`) prices its ops from that:
+    slope and single-stage intercept as measured, another position's intercept the tp = 1 one
+    scaled as the single stage's, no collectives added (they are inside the measured times);
+    another layout, not measured, keeps the split-and-add estimate."""
+    data = {**profile(), **links()}
+    measured = {kind: {"per_layer": 4.0 * k, "single": 3.0 * k} for k, kind in enumerate("FBWR", start=1)}
+    data["tensor_parallel"] = {
+        "2": {"1": measured, "2": {k: {f: 2 * v for f, v in fit.items()} for k, fit in measured.items()}}
+    }
+    split = ProfiledCostModel(data, tp=2)
+    single = split.stage_costs([3], 2, 1, 1)
+    assert single.F == pytest.approx([3 * 8.0 + 6.0]) and single.W == pytest.approx([3 * 24.0 + 18.0])
+    staged = split.stage_costs([2, 3], 1, 2, 1)
+    # tp = 1 intercepts of F: first 0.5, last 1.5, single 1.5 — measured single 3.0 scales them by 2
+    assert staged.F == pytest.approx([2 * 4.0 + 1.0, 3 * 4.0 + 3.0])
+    assert split.layer_time(1) == pytest.approx(4.0 + 8.0 + 12.0)
+    estimated = ProfiledCostModel(data, tp=2, sequence_parallel=True)  # "2+sp" was not measured
+    assert estimated.stage_costs([3], 2, 1, 1).F != single.F
+    data["tensor_parallel"]["2"]["1"]["F"]["single"] = -1.0
+    with pytest.raises(ConfigError, match=r"tensor_parallel\[2\]\[1\]\.F\.single is -1.0"):
+        ProfiledCostModel(data, tp=2)
+
+
 def test_tensor_parallelism_needs_measured_collectives():
     with pytest.raises(ConfigError, match="no measured collectives"):
         ProfiledCostModel(profile(), tp=2)

@@ -56,6 +56,19 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="hf: models: also measure the ops on one stage over N tensor-parallel ranks, as `tune --tp N` "
+        "then prices them (default 1: none)",
+    )
+    parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp: measure that layout with sequence parallelism too (`tune --tp N --sequence-parallel`)",
+    )
+    parser.add_argument(
         "--allow-busy",
         action="store_true",
         help="profile even while other processes take the cores (their times read slow; the profile says so). "
@@ -102,6 +115,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--max-rounds must be at least 2 (a median settles between two rounds), got {args.max_rounds}"
         )
+    if args.tp < 1 or (args.tp > 1 and workload_for is None) or (args.sequence_parallel and args.tp == 1):
+        raise ConfigError(
+            f"--tp {args.tp}{' --sequence-parallel' if args.sequence_parallel else ''}: tensor parallelism is "
+            "measured at --tp N > 1 on a Hugging Face model (--model hf:DIR)"
+        )
+    layouts = [(args.tp, False), *([(args.tp, True)] if args.sequence_parallel else [])] if args.tp > 1 else []
     check_writable(args.output)
     from pipeloom.profile.profiler import profile_model
     from pipeloom.tune.profiled import ProfiledCostModel, profile_costs_keys
@@ -117,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_rounds=args.max_rounds,
         allow_busy=args.allow_busy or os.environ.get(ALLOW_BUSY_ENV) == "1",
+        tensor_parallel=layouts,
     )
     if workload_for is not None:
         profile["source"] = args.model
@@ -135,6 +155,12 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"mbs {size}: expert all-to-all (ep {profile['a2a']['ep']}) {a2a['F']:.3f} ms per layer in F, "
                 f"{a2a['B']:.3f} ms in B"
+            )
+    for layout, by_size in profile.get("tensor_parallel", {}).items():
+        for size, fit in by_size.items():
+            print(
+                f"mbs {size} on tp {layout}: per layer F {fit['F']['per_layer']:.3f} ms, B {fit['B']['per_layer']:.3f} ms, "
+                f"W {fit['W']['per_layer']:.3f} ms (collectives and their waits included)"
             )
     print(runtime_line(profile))
     print(noise_line(profile))

@@ -7,17 +7,18 @@ measures the probe over the steps that ran at the machine's own speed (`speed.st
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from itertools import compress
 
 from pipeloom.ir.ops import OpKind
 from pipeloom.ir.schedule import Schedule
 from pipeloom.ir.text import parse_op
+from pipeloom.profile.contention import Contention
 from pipeloom.profile.speed import op_ratios, steady_steps, step_busy
 from pipeloom.profile.stability import Series
 
-__all__ = ["OP_KINDS", "PHASES", "SETTLED_MS", "Probe", "samples", "steady_probe"]
+__all__ = ["OP_KINDS", "PHASES", "SETTLED_MS", "Probe", "measure_probes", "samples", "steady_probe"]
 
 OP_KINDS = ("F", "B", "W", "R")
 PHASES = ("pipeline", "allreduce", "optimizer", "overhead")
@@ -46,6 +47,33 @@ class Probe:
     @property
     def rounds(self) -> int:
         return max(m.rounds for m in self.values.values())
+
+
+def measure_probes(
+    specs: dict, max_rounds: int, busy: Contention | None, tick: Callable[[], None], op_variation: list[float]
+) -> dict[tuple[int, int], Probe]:
+    """The probes (micro-batch size, layers per stage) → their TrainSpec, measured by turns: a
+    round of each, then another of each that has not settled, up to `max_rounds` — so a busy
+    spell falls on one round of several probes, not every round of one. A round `busy` finds
+    contended is dropped and run again (`Contention` refuses once the machine stays busy; None:
+    no check, for ops whose collectives wait inside them). Each op's own variation
+    (`speed.op_ratios`) goes into `op_variation`."""
+    from pipeloom.runtime.local import run_local
+    from pipeloom.runtime.probe import probe_spec
+
+    keys = list(specs)
+    probes = {key: probe_spec(spec) for key, spec in specs.items()}  # the same boundaries every round
+    series = {key: Series(floor=SETTLED_MS) for key in keys}
+    rounds: dict[tuple[int, int], list] = {key: [] for key in keys}
+    while todo := [key for key in keys if not series[key].settled and series[key].rounds < max_rounds]:
+        for key in todo:
+            results = run_local(specs[key], probe=probes[key])
+            while busy is not None and not busy.clean_round(results):
+                results = run_local(specs[key], probe=probes[key])
+            series[key].add(samples(results))
+            rounds[key].append(results)
+            tick()
+    return {key: steady_probe(key, specs[key].schedule, rounds[key], series[key], op_variation) for key in keys}
 
 
 def steady_probe(key: tuple[int, int], schedule: Schedule, rounds: list, series: Series, op_variation) -> Probe:

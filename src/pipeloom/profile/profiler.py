@@ -34,14 +34,16 @@ from pipeloom.passes.split_backward import split_backward
 from pipeloom.profile.contention import Contention
 from pipeloom.profile.links import expert_exchange, measure_links, ping_seconds
 from pipeloom.profile.overheads import linear_fit, op_overhead_ms
-from pipeloom.profile.probe_rounds import OP_KINDS, SETTLED_MS, Probe, samples, steady_probe
+from pipeloom.profile.probe_rounds import OP_KINDS, Probe, measure_probes
 from pipeloom.profile.speed import quantiles_of, speed_quantiles
-from pipeloom.profile.stability import Series, falling_per_sample
+from pipeloom.profile.stability import falling_per_sample
+from pipeloom.profile.tp_probes import tensor_parallel_fits
 from pipeloom.schedules.registry import build_schedule
 from pipeloom.static_memory import compute_bytes
 from pipeloom.tune.presets import ModelSpec
 from pipeloom.tune.profile_checks import check_profile_numbers
-from pipeloom.tune.profiled import PROFILE_FORMAT, ProfiledCostModel, fit_positions
+from pipeloom.tune.profile_fits import fit_positions
+from pipeloom.tune.profiled import PROFILE_FORMAT, ProfiledCostModel
 
 __all__ = ["profile_model", "ping_seconds", "probe_schedule"]
 
@@ -61,15 +63,17 @@ def profile_model(
     dtype: str = "fp32",
     max_rounds: int = 4,
     allow_busy: bool = False,
+    tensor_parallel: Sequence[tuple[int, bool]] = (),
 ) -> dict:
     """The profile (format ``pipeloom.profile/1``) as a dict. `workload_for(layers, micro-batch
     size)` builds another model to probe (a Hugging Face one: `models.hf.hf_workload`); by
     default it is the built-in LLaMA-style decoder of `model`'s shape. Each probe runs `steps`
     steps a round (the first left out as warm-up), in as many rounds (at most `max_rounds`) as
     its medians take to settle (`stability.Series`), the probes taking turns. RuntimeFault if
-    the machine is too busy to measure (`contention.Contention`), unless `allow_busy`."""
+    the machine is too busy to measure (`contention.Contention`), unless `allow_busy`.
+    `tensor_parallel`: (tp, sequence parallel) layouts whose ops are measured too (`tp_probes`)."""
     probes = [(mbs, n) for mbs in micro_batches for n in layer_counts]
-    total = len(probes) * max_rounds + 1
+    total = len(probes) * max_rounds * (1 + len(tensor_parallel)) + 1
     busy = Contention(allow=allow_busy)
     shape = (model, steps, threads, workload_for, dtype)
     done = [0]
@@ -80,12 +84,14 @@ def profile_model(
             progress(min(done[0], total - 1), total)
 
     op_variation: list[float] = []  # each op's time over its median, its step's speed taken out
-    measured = _measure_probes(probes, shape, max_rounds, busy, tick, op_variation)
+    specs = {key: _probe_spec(*shape, *key) for key in probes}
+    measured = measure_probes(specs, max_rounds, busy, tick, op_variation)
     fits = _fits(measured, micro_batches)
     # a size cheaper per sample than a smaller one is what larger GEMMs do, unless a busy spell
     # slowed the smaller: busy rounds are dropped, so only where they were kept (allowed) is it suspect
     suspect = busy.allow and busy.contended
     warnings = falling_per_sample(fits, _noise_margin(measured), describe=True) if suspect else []
+    tp_fits = tensor_parallel_fits(tensor_parallel, shape, micro_batches, layer_counts, max_rounds, tick)
     links = measure_links()
     for mbs in micro_batches:
         activation_bytes = compute_bytes(dtype) * mbs * model.seq_len * model.hidden
@@ -105,6 +111,8 @@ def profile_model(
         **links,
     }
     profile.update(_runtime_overheads(profile, measured))
+    if tp_fits:
+        profile["tensor_parallel"] = tp_fits
     layers = max(layer_counts)
     profile["replica_skew"] = {
         str(zero): _replica_skew(
@@ -127,32 +135,6 @@ def profile_model(
             "profile again on a quieter machine, or with more --steps"
         ) from None
     return profile
-
-
-def _measure_probes(
-    keys, shape, max_rounds: int, busy: Contention, tick, op_variation: list[float]
-) -> dict[tuple[int, int], Probe]:
-    """The probes (micro-batch size, layers per stage) measured by turns: a round of each, then
-    another of each that has not settled, up to `max_rounds` — so a busy spell falls on one
-    round of several probes, not every round of one. A round `busy` finds contended is dropped
-    and run again (`Contention` refuses once the machine stays busy). Each op's own variation
-    (`speed.op_ratios`) goes into `op_variation`."""
-    from pipeloom.runtime.local import run_local
-    from pipeloom.runtime.probe import probe_spec
-
-    specs = {key: _probe_spec(*shape, *key) for key in keys}
-    probes = {key: probe_spec(spec) for key, spec in specs.items()}  # the same boundaries every round
-    series = {key: Series(floor=SETTLED_MS) for key in keys}
-    rounds: dict[tuple[int, int], list] = {key: [] for key in keys}
-    while todo := [key for key in keys if not series[key].settled and series[key].rounds < max_rounds]:
-        for key in todo:
-            results = run_local(specs[key], probe=probes[key])
-            while not busy.clean_round(results):
-                results = run_local(specs[key], probe=probes[key])
-            series[key].add(samples(results))
-            rounds[key].append(results)
-            tick()
-    return {key: steady_probe(key, specs[key].schedule, rounds[key], series[key], op_variation) for key in keys}
 
 
 def _probe_spec(model, steps, threads, workload_for, dtype, mbs, n):

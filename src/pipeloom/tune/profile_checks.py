@@ -53,6 +53,23 @@ def check_profile_numbers(profile: Mapping[str, Any]) -> None:
             raise ConfigError(f"profile: {name} must hold base_ms and per_param_ms, got {fit!r}; {_ADVICE}")
         for field in ("base_ms", "per_param_ms"):
             _non_negative(fit.get(field), f"{name}.{field}")
+    _check_tensor_parallel(profile.get("tensor_parallel", {}))
+
+
+def _check_tensor_parallel(layouts: Any) -> None:
+    """The ops measured on tp ranks: layout ("2", "2+sp") → micro-batch size → pass → fit."""
+    if not isinstance(layouts, Mapping):
+        raise ConfigError(f"profile: tensor_parallel must map layouts to fits, got {layouts!r}; {_ADVICE}")
+    for layout, by_size in layouts.items():
+        if not isinstance(by_size, Mapping) or not by_size:
+            raise ConfigError(f"profile: tensor_parallel[{layout}] must map micro-batch sizes to fits; {_ADVICE}")
+        for size, fits in by_size.items():
+            where = f"tensor_parallel[{layout}][{size}]"
+            if not isinstance(fits, Mapping) or not all(isinstance(fit, Mapping) for fit in fits.values()):
+                raise ConfigError(f"profile: {where} must hold the measured fits, got {fits!r}; {_ADVICE}")
+            for kind, fit in fits.items():
+                for field in ("per_layer", "single"):
+                    _non_negative(fit.get(field), f"{where}.{kind}.{field}")
 
 
 def _number(value: Any, where: str) -> float:

@@ -11,7 +11,10 @@ overhead on every F, B, W and R; p2p as latency + bytes / bandwidth; the dp = 2 
 to other dp by the ring; the optimizer step; and the rest of a step. The file also carries plain Costs keys — a two-device split of the
 model at the first profiled micro-batch size — so `simulate --costs profile.json` reads it too.
 
-With tp > 1 (Megatron's layout, `pipeloom.runtime.tensor_parallel`) each op's measured compute is
+With tp > 1 (Megatron's layout, `pipeloom.runtime.tensor_parallel`), from a profile that measured
+that layout on tp ranks (`profile --tp`, `pipeloom.profile.tp_probes`), each op is its measured
+time there — DTensor's dispatch and the collectives' waits included, which nothing below
+predicts (2.5× the estimate here). Otherwise each op's measured compute is
 split over the tp ranks and its tensor-parallel collectives are added, priced from the same
 measured collectives (a tp group is a ring of tp ranks like a dp group): per layer two
 all-reduces of the activation forward and two backward (under sequence parallelism an all-gather
@@ -23,7 +26,6 @@ p2p bytes and, as Korthikanti et al. count them, activations shrink with tp.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
 from os import PathLike
 
@@ -33,76 +35,13 @@ from pipeloom.files import read_json
 from pipeloom.static_memory import collective_bytes, compute_bytes, static_bytes
 from pipeloom.tune.presets import ModelSpec, model_from_config
 from pipeloom.tune.profile_checks import check_profile_numbers
+from pipeloom.tune.profile_fits import at_size, fit_positions
 
 __all__ = ["PROFILE_FORMAT", "ProfiledCostModel", "fit_positions", "profile_costs_keys"]
 
 PROFILE_FORMAT = "pipeloom.profile/1"
 _TIMES = ("F", "B", "W", "R")
 _COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather")
-
-
-def fit_positions(points: Sequence[tuple[str, int, float]]) -> dict[str, float]:
-    """Least squares of value = slope·n + intercept[position] over (position, n, value) points,
-    with the middle and single intercepts derived from the first and last. Neither a layer nor a
-    stage's fixed part costs less than nothing, so the fit is constrained to slope ≥ 0 and every
-    intercept ≥ 0: noise on a busy machine (layers cheaper than its jitter, or one position's
-    steeper than another's) must not price an op below zero."""
-    by_position: dict[str, list[tuple[int, float]]] = {}
-    for position, n, value in points:
-        by_position.setdefault(position, []).append((n, value))
-    slope = _nonnegative_slope(by_position)
-    fit = {"per_layer": slope}
-    for pos, xs in by_position.items():
-        fit[pos] = max(0.0, statistics.fmean(v for _, v in xs) - slope * statistics.fmean(n for n, _ in xs))
-    if {"first", "last"} <= fit.keys():
-        # A middle stage has neither embedding nor head; the embedding is a lookup, so the cheaper
-        # end is the closer estimate. A single stage has both.
-        fit["middle"] = min(fit["first"], fit["last"])
-        fit["single"] = max(fit["first"], fit["last"])
-    return fit
-
-
-def _nonnegative_slope(by_position: dict[str, list[tuple[int, float]]]) -> float:
-    """The slope of the least squares under slope ≥ 0 and intercepts ≥ 0. Given the slope, each
-    intercept is its position's mean residual clipped at zero, so the objective is a convex
-    piecewise quadratic in the slope, with a knot where each position's intercept reaches zero:
-    the minimum of each piece in closed form, the best of them taken."""
-    means = {
-        pos: (statistics.fmean(n for n, _ in xs), statistics.fmean(v for _, v in xs)) for pos, xs in by_position.items()
-    }
-
-    def residual(slope: float) -> float:
-        total = 0.0
-        for pos, xs in by_position.items():
-            intercept = max(0.0, means[pos][1] - slope * means[pos][0])
-            total += sum((v - slope * n - intercept) ** 2 for n, v in xs)
-        return total
-
-    knots = sorted({0.0, *(v / n for n, v in means.values() if n > 0 and v > 0)})
-    candidates = []
-    for low, high in zip(knots, [*knots[1:], math.inf]):
-        clipped = {pos for pos, (n, v) in means.items() if n > 0 and v <= low * n}  # intercept 0 on this piece
-        cross = spread = 0.0
-        for pos, xs in by_position.items():
-            mean_n, mean_v = (0.0, 0.0) if pos in clipped else means[pos]
-            cross += sum((n - mean_n) * (v - mean_v) for n, v in xs)
-            spread += sum((n - mean_n) ** 2 for n, _ in xs)
-        candidates.append(min(max(cross / spread if spread else low, low), high))
-    return min(candidates, key=residual)
-
-
-def _at_size(values: dict[int, float], micro_batch: float) -> float:
-    """A per-size measurement at `micro_batch`: linear between the profiled sizes (and beyond,
-    along the last two), proportional to the size when only one was profiled; never below zero."""
-    sizes = sorted(values)
-    if len(sizes) == 1:
-        return max(0.0, values[sizes[0]] * micro_batch / sizes[0])
-    low = max([s for s in sizes if s <= micro_batch], default=sizes[0])
-    high = min([s for s in sizes if s > low], default=None)
-    if high is None:
-        low, high = sizes[-2], sizes[-1]
-    a, b = values[low], values[high]
-    return max(0.0, a + (b - a) * (micro_batch - low) / (high - low))
 
 
 class ProfiledCostModel:
@@ -175,6 +114,32 @@ class ProfiledCostModel:
             return {"F": ["all_gather", "reduce_scatter"] * 2, "B": ["reduce_scatter", "all_gather"] * 2}
         return {"F": ["allreduce"] * 2, "B": ["allreduce"] * 2}
 
+    def _tp_measured(self) -> dict[str, dict[int, dict]] | None:
+        """The profile's measured tensor-parallel fits for this layout (`profile.tp_probes`):
+        pass → micro-batch size → {"per_layer", "single"}; None if it measured none."""
+        key = f"{self.tp}{'+sp' if self.sequence_parallel else ''}"
+        by_size = (self.profile.get("tensor_parallel") or {}).get(key)
+        if not by_size:
+            return None
+        kinds = set.intersection(*(set(fits) for fits in by_size.values()))
+        return {kind: {int(size): fits[kind] for size, fits in by_size.items()} for kind in kinds if kind in _TIMES}
+
+    def _tp_per_stage(self, key: str, fits: dict[int, dict], counts: Sequence[int], size: float) -> list[float]:
+        """A stage's op as measured on tp ranks: the measured slope per layer, and the single
+        stage's measured intercept — at another position, the tp = 1 intercept there scaled as
+        the single stage's was (the embedding's and the head's share of it)."""
+        slope = at_size({s: fit["per_layer"] for s, fit in fits.items()}, size)
+        single = at_size({s: fit["single"] for s, fit in fits.items()}, size)
+        alone = self._value(key, "single", size)
+        out = []
+        for i, n in enumerate(counts):
+            position = self._position(i, len(counts))
+            intercept = (
+                single if position == "single" or alone <= 0 else self._value(key, position, size) * single / alone
+            )
+            out.append(n * slope + intercept)
+        return out
+
     def _tp_time(self, names: list[str], micro_batch: float) -> float:
         nbytes = self._activation_bytes(micro_batch)
         return sum(self._collective(name, nbytes, self.tp) for name in names)
@@ -212,7 +177,7 @@ class ProfiledCostModel:
 
     def _value(self, key: str, field: str, micro_batch: float) -> float:
         """A fitted coefficient at `micro_batch`, linear between the profiled sizes."""
-        return _at_size({size: fit[key][field] for size, fit in self.fits.items()}, micro_batch)
+        return at_size({size: fit[key][field] for size, fit in self.fits.items()}, micro_batch)
 
     def _p2p(self, micro_batch: float) -> float:
         if "p2p" in self.links:  # latency + bytes / bandwidth, activations in the compute type
@@ -256,6 +221,10 @@ class ProfiledCostModel:
             share = self._activation_share()
             per_stage["M_B"] = [m * share for m in per_stage["M_B"]]
             per_stage["M_ckpt"] = [m / self.tp for m in per_stage["M_ckpt"]]
+        if self.tp > 1 and (measured := self._tp_measured()):
+            for key, fits in measured.items():
+                per_stage[key] = self._tp_per_stage(key, fits, counts, size)
+        elif self.tp > 1:
             for i, n in enumerate(counts):
                 collectives = self.tp_collectives(i, len(counts), n)
                 forward, backward = self._tp_time(collectives["F"], size), self._tp_time(collectives["B"], size)
@@ -290,7 +259,7 @@ class ProfiledCostModel:
         if not self.exchange or not self.model.num_experts or self.model.expert_parallel == 1:
             return {"F": 0.0, "B": 0.0}
         return {
-            kind: [n * _at_size({size: v[kind] for size, v in self.exchange.items()}, micro_batch) for n in counts]
+            kind: [n * at_size({size: v[kind] for size, v in self.exchange.items()}, micro_batch) for n in counts]
             for kind in ("F", "B")
         }
 
@@ -305,6 +274,12 @@ class ProfiledCostModel:
         return [sum(kinds[op.kind.value][op.stage] for op in ops if op.kind.value in kinds) for ops in schedule.devices]
 
     def layer_time(self, micro_batch: int) -> float:
+        if self.tp > 1 and (measured := self._tp_measured()):
+            return sum(
+                at_size({size: fit["per_layer"] for size, fit in measured[key].items()}, micro_batch)
+                for key in ("F", "B", "W")
+                if key in measured
+            )
         compute = sum(self._value(key, "per_layer", micro_batch) for key in ("F", "B", "W")) / self.tp
         layer = self._layer_collectives()
         return compute + self._tp_time(layer["F"] + layer["B"], micro_batch)

@@ -1,0 +1,79 @@
+"""Tensor-parallel op times, measured: a single stage on tp ranks, at each probe's shape.
+
+The tp = 1 profile divided by tp, plus each collective timed alone (`links`), prices a tensor-
+parallel op at what its arithmetic and bytes would cost. On this machine that was 2.5× too low:
+a 4-layer stage of examples/hf-llama-tiny at micro-batch 2 ran its forward in 7.4 ms on one rank
+and in 28.9 ms on each of two (36.3 ms with sequence parallelism), its ops at 1.9× their CPU
+time. DTensor dispatches every op of the sharded modules in Python, and each collective waits
+for the slower rank, whose jitter it then carries. Neither follows from the tp = 1 times, so a
+profile asked for tensor parallelism measures it: the probe schedule (`profiler.probe_schedule`)
+on one stage of n layers over tp ranks, for each micro-batch size and n, fitted as time = a·n +
+b per pass (`tune.profiled.ProfiledCostModel` prices a stage at other positions by the tp = 1
+intercepts scaled as the single stage's). The machine's contention is judged on the tp = 1
+probes: a tensor-parallel op's wall time is its CPU time plus its waits by design.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from pipeloom.errors import ConfigError
+from pipeloom.models.llama import llama_config
+from pipeloom.profile.probe_rounds import OP_KINDS, measure_probes
+from pipeloom.tune.profile_fits import fit_positions
+
+__all__ = ["tp_key", "tensor_parallel_fits"]
+
+
+def tp_key(tp: int, sequence_parallel: bool) -> str:
+    """The profile's `tensor_parallel` entry for a layout: "2", "2+sp"."""
+    return f"{tp}{'+sp' if sequence_parallel else ''}"
+
+
+def tensor_parallel_fits(
+    layouts: Sequence[tuple[int, bool]],
+    shape: tuple,
+    micro_batches: Sequence[int],
+    layer_counts: Sequence[int],
+    max_rounds: int,
+    tick: Callable[[], None],
+) -> dict:
+    """`tp_key` → micro-batch size → pass → {"per_layer", "single"} (ms), measured on one stage
+    over tp ranks for each (tp, sequence parallel) of `layouts`. `shape`: the profiler's
+    (model, steps, threads, workload_for, dtype); the workload must be a Hugging Face model's
+    (their tensor-parallel plans are transformers')."""
+    model, steps, threads, workload_for, dtype = shape
+    if not layouts:
+        return {}
+    if workload_for is None:
+        raise ConfigError("profile: tensor parallelism is measured on Hugging Face models (--model hf:DIR)")
+    from pipeloom.profile.profiler import probe_schedule
+    from pipeloom.runtime.training import TrainSpec
+
+    out = {}
+    for tp, sequence_parallel in layouts:
+        specs = {
+            (mbs, n): TrainSpec(
+                probe_schedule(1),
+                config=llama_config(model, n, mbs),
+                steps=steps,
+                layer_counts=(n,),
+                threads=threads,
+                workload=workload_for(n, mbs),
+                dtype=dtype,
+                tp=tp,
+                sequence_parallel=sequence_parallel,
+            )
+            for mbs in micro_batches
+            for n in layer_counts
+        }
+        measured = measure_probes(specs, max_rounds, None, tick, [])
+        out[tp_key(tp, sequence_parallel)] = {
+            str(mbs): {
+                kind: fit_positions([("single", n, measured[mbs, n].median(f"{kind}@0")) for n in layer_counts])
+                for kind in OP_KINDS
+                if f"{kind}@0" in measured[mbs, layer_counts[0]].values
+            }
+            for mbs in micro_batches
+        }
+    return out
