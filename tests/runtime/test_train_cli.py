@@ -163,6 +163,12 @@ def test_profile_tune_and_train_a_hugging_face_model(capsys, tmp_path, llama):
     measured = facts["tensor_parallel"]["2"]["1"]  # its ops on one stage over two ranks, as `tune --tp 2` prices them
     assert set(measured) == {"F", "B", "W", "R"} and measured["F"]["per_layer"] + measured["F"]["single"] > 0
     assert "mbs 1 on tp 2: per layer F" in capsys.readouterr().out
+    for sequence_parallel in (False, True):  # priced as measured; a layout it did not measure is warned of
+        flags = ["--tp", "2", *(["--sequence-parallel"] if sequence_parallel else [])]
+        tuned = ["tune", "--costs", str(profile), "--devices", "2", "--memory", "1GiB", "--global-batch", "4"]
+        assert main([*tuned, *flags, "--max-mbs", "1", "--output", str(tmp_path / f"tp-{sequence_parallel}.json")]) == 0
+        warned = "measured no ops on 2 tensor-parallel ranks" in capsys.readouterr().err
+        assert warned == sequence_parallel
     assert (
         main(
             [

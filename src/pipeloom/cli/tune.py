@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import os
+import sys
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -181,6 +182,14 @@ def _cost_model(args: argparse.Namespace):
         if args.model and load_model(args.model).to_dict() != profiled.model.to_dict():
             raise ConfigError(f"--model {args.model} differs from the model profiled in {args.costs}")
         profiled.model = _with_experts_spread(profiled.model, args.ep)
+        if args.tp > 1 and not profiled.tp_measured():
+            layout = f"--tp {args.tp}{' --sequence-parallel' if args.sequence_parallel else ''}"
+            print(
+                f"pipeloom: tune: warning: {args.costs} measured no ops on {args.tp} tensor-parallel ranks: they are "
+                f"estimated as 1/{args.tp} of the compute plus the collectives timed alone, which on CPU ranks read "
+                f"2.5x fast; `profile {layout}` measures them",
+                file=sys.stderr,
+            )
         if args.ep > 1 and not profiled.exchange:
             raise ConfigError(
                 f"{args.costs} measured no expert all-to-all: profile the MoE model with `profile --model hf:DIR`"

@@ -20,14 +20,9 @@ from collections.abc import Callable, Sequence
 from pipeloom.errors import ConfigError
 from pipeloom.models.llama import llama_config
 from pipeloom.profile.probe_rounds import OP_KINDS, measure_probes
-from pipeloom.tune.profile_fits import fit_positions
+from pipeloom.tune.profile_fits import fit_positions, tp_key
 
-__all__ = ["tp_key", "tensor_parallel_fits"]
-
-
-def tp_key(tp: int, sequence_parallel: bool) -> str:
-    """The profile's `tensor_parallel` entry for a layout: "2", "2+sp"."""
-    return f"{tp}{'+sp' if sequence_parallel else ''}"
+__all__ = ["tensor_parallel_fits"]
 
 
 def tensor_parallel_fits(

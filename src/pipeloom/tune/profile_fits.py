@@ -9,7 +9,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-__all__ = ["fit_positions", "at_size"]
+__all__ = ["fit_positions", "at_size", "tp_key"]
 
 
 def fit_positions(points: Sequence[tuple[str, int, float]]) -> dict[str, float]:
@@ -74,3 +74,8 @@ def at_size(values: dict[int, float], micro_batch: float) -> float:
         low, high = sizes[-2], sizes[-1]
     a, b = values[low], values[high]
     return max(0.0, a + (b - a) * (micro_batch - low) / (high - low))
+
+
+def tp_key(tp: int, sequence_parallel: bool) -> str:
+    """A profile's `tensor_parallel` entry for a layout measured on tp ranks: "2", "2+sp"."""
+    return f"{tp}{'+sp' if sequence_parallel else ''}"

@@ -35,7 +35,7 @@ from pipeloom.files import read_json
 from pipeloom.static_memory import collective_bytes, compute_bytes, static_bytes
 from pipeloom.tune.presets import ModelSpec, model_from_config
 from pipeloom.tune.profile_checks import check_profile_numbers
-from pipeloom.tune.profile_fits import at_size, fit_positions
+from pipeloom.tune.profile_fits import at_size, fit_positions, tp_key
 
 __all__ = ["PROFILE_FORMAT", "ProfiledCostModel", "fit_positions", "profile_costs_keys"]
 
@@ -114,11 +114,10 @@ class ProfiledCostModel:
             return {"F": ["all_gather", "reduce_scatter"] * 2, "B": ["reduce_scatter", "all_gather"] * 2}
         return {"F": ["allreduce"] * 2, "B": ["allreduce"] * 2}
 
-    def _tp_measured(self) -> dict[str, dict[int, dict]] | None:
+    def tp_measured(self) -> dict[str, dict[int, dict]] | None:
         """The profile's measured tensor-parallel fits for this layout (`profile.tp_probes`):
         pass → micro-batch size → {"per_layer", "single"}; None if it measured none."""
-        key = f"{self.tp}{'+sp' if self.sequence_parallel else ''}"
-        by_size = (self.profile.get("tensor_parallel") or {}).get(key)
+        by_size = (self.profile.get("tensor_parallel") or {}).get(tp_key(self.tp, self.sequence_parallel))
         if not by_size:
             return None
         kinds = set.intersection(*(set(fits) for fits in by_size.values()))
@@ -221,7 +220,7 @@ class ProfiledCostModel:
             share = self._activation_share()
             per_stage["M_B"] = [m * share for m in per_stage["M_B"]]
             per_stage["M_ckpt"] = [m / self.tp for m in per_stage["M_ckpt"]]
-        if self.tp > 1 and (measured := self._tp_measured()):
+        if self.tp > 1 and (measured := self.tp_measured()):
             for key, fits in measured.items():
                 per_stage[key] = self._tp_per_stage(key, fits, counts, size)
         elif self.tp > 1:
@@ -274,7 +273,7 @@ class ProfiledCostModel:
         return [sum(kinds[op.kind.value][op.stage] for op in ops if op.kind.value in kinds) for ops in schedule.devices]
 
     def layer_time(self, micro_batch: int) -> float:
-        if self.tp > 1 and (measured := self._tp_measured()):
+        if self.tp > 1 and (measured := self.tp_measured()):
             return sum(
                 at_size({size: fit["per_layer"] for size, fit in measured[key].items()}, micro_batch)
                 for key in ("F", "B", "W")
