@@ -15,7 +15,9 @@ family (the built-in decoder; the Hugging Face models, whose misses say what the
 step time predicted and measured (the median of the rounds' medians over the steps that ran at
 the machine's own speed, as the profile's: `speed.steady_steps`), its bias (predicted over
 measured, signed), the step's breakdown, and peak activation (stash) bytes per
-device; the mean absolute percentage errors. Goal: MAPE ≤ 3 % for time, ≤ 2 % for memory (Mario
+device; the mean absolute percentage errors, and each plan's noise: the prediction's band from
+the profile's confidence (`tune.confidence`) and two standard errors of the measured median,
+together — a miss within it is what the measurements can resolve, not a model's error. Goal: MAPE ≤ 3 % for time, ≤ 2 % for memory (Mario
 reports 9.4 % and 5.1 %). Each plan that missed by more than 5 % gets a line saying where: the
 pipeline's error split into the op times' share and the runtime's (the run's own op durations
 replayed through the simulator, `sim.replay`), and each other phase that missed, after how busy
@@ -38,16 +40,15 @@ from functools import partial
 from itertools import compress
 from pathlib import Path
 
+from fidelity_measures import PHASES, replayed, steady, traffic, why
+
 from pipeloom.errors import RuntimeFault
 from pipeloom.models.llama import llama_config
-from pipeloom.profile.contention import BUSY, wall_over_cpu
 from pipeloom.profile.profiler import profile_model
-from pipeloom.profile.speed import steady_steps, step_busy
 from pipeloom.profile.stability import Series
 from pipeloom.runtime.layout import RankLayout
 from pipeloom.runtime.local import run_local
 from pipeloom.runtime.training import TrainSpec
-from pipeloom.sim.replay import replay
 from pipeloom.tune.plan import Plan, plan_from_evaluation
 from pipeloom.tune.presets import ModelSpec, load_model
 from pipeloom.tune.profiled import ProfiledCostModel
@@ -90,7 +91,6 @@ sharding the optimizer state meets it."""
 LIMITS = ("activations", "static")
 EXPLAIN_ABOVE = 0.05
 """Plans whose step missed by more than this share get a line saying where the time went."""
-PHASES = ("pipeline", "allreduce", "optimizer", "overhead")
 
 
 def limit(cost_model: ProfiledCostModel, options: dict) -> float:
@@ -103,52 +103,6 @@ def limit(cost_model: ProfiledCostModel, options: dict) -> float:
     return options.get("static", 1.0) * static + options.get("activations", 1.0) * activations
 
 
-def steady(rounds: list) -> list[list[bool]]:
-    """Per round, which of its timed steps (warm-up left out) every rank ran at the machine's own
-    speed (`speed.steady_steps`, over every round): the profile's medians are over such steps,
-    so the measured ones are too — which steps fell in a slow spell is luck (`profile.speed`)."""
-    busy = [step_busy(r for results in rounds for r in results[rank].records[1:]) for rank in range(len(rounds[0]))]
-    flags, out = steady_steps(busy), []
-    for results in rounds:
-        out.append(flags[: len(results[0].records) - 1])
-        flags = flags[len(out[-1]) :]
-    return out
-
-
-def replayed(plan, rounds: list, layout, kept: list[list[bool]]):
-    """The plan's schedule simulated with its runs' own op times (`sim.replay`, replica 0's
-    devices, the `kept` steps of every round), each step's ops on one clock: from the first of
-    its ranks to begin."""
-    steps: list[list] = [[] for _ in range(plan.pp)]
-    for results, flags in zip(rounds, kept):
-        for k in [k for k, flag in enumerate(flags, start=1) if flag]:
-            records = [results[layout.rank(0, d)].records[k] for d in range(plan.pp)]
-            first = min(record.began for record in records)
-            for d, record in enumerate(records):
-                shift = record.began - first
-                steps[d].append([(text, 1e3 * (shift + a), 1e3 * (shift + b)) for text, a, b in record.ops])
-    return replay(plan.schedule, plan.costs, steps)
-
-
-def why(plan, rounds: list, measured_parts: dict, measured_step: float, again) -> str:
-    """Where a plan's prediction missed: how busy the machine was, the pipeline's error split into
-    op times and runtime (`again`: its replay), then each phase that missed by 1 % of the step."""
-    busy = statistics.median(wall_over_cpu(results) for results in rounds)
-    waits = plan.tp > 1 or "a2a_ms" in plan.predicted  # collectives inside the ops: waiting is theirs
-    note = " (their collectives wait inside them)" if waits else " (busy: other processes took the cores)"
-    parts = [f"ops ran at {busy:.2f}× their CPU time{note if busy > BUSY else ''}"]
-    noise = plan.predicted.get("speed_noise_ms", 0.0)
-    parts.append(again.explain(measured_step, noise))
-    for phase in PHASES[1:]:
-        gap = measured_parts[phase].median - plan.predicted.get(phase + "_ms", 0.0)
-        if abs(gap) >= 0.01 * measured_step:
-            parts.append(
-                f"{phase} {gap / measured_step:+.1%} ({plan.predicted.get(phase + '_ms', 0.0):.1f} → "
-                f"{measured_parts[phase].median:.1f} ms)"
-            )
-    return "; ".join(parts)
-
-
 @dataclass
 class Row:
     """One plan, tuned from its model's profile, and its runs."""
@@ -156,6 +110,8 @@ class Row:
     label: str
     plan: Plan
     spec: TrainSpec
+    band: float = 0.0
+    """The prediction's band (ms, about 95 %) from the profile's confidence (`tune.confidence`)."""
     runs: list = field(default_factory=list)
 
 
@@ -240,7 +196,7 @@ def dense_group(reuse: str | None, steps: int) -> Group:
             zero=plan.zero,
             offload_stages=plan.offload_stages,
         )
-        rows.append(Row(result.best.candidate.label, plan, spec))
+        rows.append(Row(result.best.candidate.label, plan, spec, _band(result)))
     return Group(model, rows)
 
 
@@ -272,8 +228,8 @@ def hf_groups(directory: Path, steps: int) -> list[Group]:
         profile = first_profile(model, profiling) | {"source": f"hf:{source}"}
         rows = []
         for tuning in tunings:
-            label, plan = hf_tuned(model, tuning, profile)
-            rows.append(Row(label, plan, spec_from_plan(plan, steps=steps)))
+            label, plan, band = hf_tuned(model, tuning, profile)
+            rows.append(Row(label, plan, spec_from_plan(plan, steps=steps), band))
         groups.append(Group(model, rows))
     return groups
 
@@ -284,7 +240,11 @@ def hf_workload_at(directory: Path, layers: int, mbs: int):
     return hf_workload(directory, 0, mbs, HF_SEQ, layers=layers)
 
 
-def hf_tuned(model: ModelSpec, tuning: dict, profile: dict) -> tuple[str, Plan]:
+def _band(result) -> float:
+    return result.bands[0] if result.bands else 0.0
+
+
+def hf_tuned(model: ModelSpec, tuning: dict, profile: dict) -> tuple[str, Plan, float]:
     """A tensor- or expert-parallel 1F1B plan of a Hugging Face model on 2 ranks (expert
     parallelism without ZeRO, which it does not combine with yet, as `tune --runnable`)."""
     tp, sp, ep = tuning.get("tp", 1), tuning.get("sequence_parallel", False), tuning.get("ep", 1)
@@ -299,7 +259,7 @@ def hf_tuned(model: ModelSpec, tuning: dict, profile: dict) -> tuple[str, Plan]:
     if ep > 1:
         plan.predicted["a2a_ms"] = max(cost_model.a2a_step(plan.schedule, plan.partition, plan.micro_batch_size))
     label = f"{model.name} {result.best.candidate.label}{' +sp' if sp else ''}{f' ep={ep}' if ep > 1 else ''}"
-    return label, plan
+    return label, plan, _band(result)
 
 
 def run_by_turns(group: Group, rounds: int) -> None:
@@ -317,6 +277,8 @@ def report(rows: list[Row], explain_above: float) -> None:
     print(header + "  ".join(f"{p[:8]:>13}" for p in PHASES) + "   stash MiB (pred/meas) per device")
     errors: dict[str, list[float]] = {"time": [], "memory": [], "simulator": [], "bias": []}
     explained, traffics, shares = [], [], []
+    within: list[bool] = []
+    noises: list[float] = []
     for row in rows:
         plan, rounds = row.plan, row.runs
         series = Series()
@@ -333,6 +295,10 @@ def report(rows: list[Row], explain_above: float) -> None:
         measured = measured_parts["step"].median
         predicted = plan.predicted["step_time_ms"]
         errors["time"].append(abs(measured - predicted) / measured)
+        # about 95 % each: the profile's band around the prediction, two standard errors of the measured median
+        noise = (row.band**2 + (2 * measured_parts["step"].relative_error * measured) ** 2) ** 0.5 / measured
+        within.append(errors["time"][-1] <= noise)
+        noises.append(noise)
         errors["bias"].append((predicted - measured) / measured)
         parts = [f"{plan.predicted.get(p + '_ms', 0.0):6.1f}/{measured_parts[p].median:<6.1f}" for p in PHASES]
         cells = []
@@ -364,6 +330,10 @@ def report(rows: list[Row], explain_above: float) -> None:
     print("\n".join(f"  {line}" for line in traffics))
     print(f"per plan |error|: {', '.join(f'{e:.1%}' for e in errors['time'])}")
     print(
+        f"per plan noise (the profile's band and two standard errors of the measured median, together): "
+        f"{', '.join(f'±{n:.1%}' for n in noises)}; {sum(within)} of {len(rows)} plans missed by no more than that"
+    )
+    print(
         f"MAPE: step time {mape['time']:.1%} (goal ≤ 3%: {'met' if mape['time'] <= 0.03 else 'missed'}), "
         f"bias {mape['bias']:+.1%} (predicted over measured, mean), memory {mape['memory']:.2%} "
         f"(goal ≤ 2%: {'met' if mape['memory'] <= 0.02 else 'missed'})"
@@ -375,20 +345,6 @@ def report(rows: list[Row], explain_above: float) -> None:
     if explained:
         print(f"\nwhy each plan missed by more than {explain_above:.0%} (shares of its measured step):")
         print("\n".join(f"  {line}" for line in explained))
-
-
-def traffic(plan, rounds: list) -> str:
-    """What a tensor- or expert-parallel plan moves besides the pipeline's messages, predicted/measured."""
-    records = [r for results in rounds for result in results for r in result.records[1:]]
-    if "tp_sent_bytes" in plan.predicted:
-        measured = max(r.tp_sent_bytes for r in records)
-        return (
-            f"TP collectives {plan.predicted['tp_sent_bytes'] / 2**20:.2f}/{measured / 2**20:.2f} MiB a step per rank"
-        )
-    if "a2a_ms" in plan.predicted:
-        measured = statistics.median(r.a2a_ms for r in records)
-        return f"expert all-to-alls {plan.predicted['a2a_ms']:.1f}/{measured:.1f} ms in flight a step"
-    return ""
 
 
 if __name__ == "__main__":

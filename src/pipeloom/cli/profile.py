@@ -28,6 +28,7 @@ def register(commands) -> None:
         [
             "pipeloom profile --model examples/tiny-llama.json --mbs 1,2 --layers 1,2 --output profile.json",
             "pipeloom profile --model hf:./my-llama --seq-len 256 --mbs 1,2 --layers 1,2 --output prof.json",
+            "pipeloom profile --model hf:./my-llama --seq-len 256 --tp 2 --sequence-parallel --output tp-prof.json",
         ],
     )
     add_profile_arguments(parser)

@@ -1,0 +1,72 @@
+"""What bench/fidelity.py reads from a plan's runs: its steady steps, its replay through the
+simulator, where its prediction missed, and what its collectives moved."""
+
+from __future__ import annotations
+
+import statistics
+
+from pipeloom.profile.contention import BUSY, wall_over_cpu
+from pipeloom.profile.speed import steady_steps, step_busy
+from pipeloom.sim.replay import replay
+
+PHASES = ("pipeline", "allreduce", "optimizer", "overhead")
+
+
+def steady(rounds: list) -> list[list[bool]]:
+    """Per round, which of its timed steps (warm-up left out) every rank ran at the machine's own
+    speed (`speed.steady_steps`, over every round): the profile's medians are over such steps,
+    so the measured ones are too — which steps fell in a slow spell is luck (`profile.speed`)."""
+    busy = [step_busy(r for results in rounds for r in results[rank].records[1:]) for rank in range(len(rounds[0]))]
+    flags, out = steady_steps(busy), []
+    for results in rounds:
+        out.append(flags[: len(results[0].records) - 1])
+        flags = flags[len(out[-1]) :]
+    return out
+
+
+def replayed(plan, rounds: list, layout, kept: list[list[bool]]):
+    """The plan's schedule simulated with its runs' own op times (`sim.replay`, replica 0's
+    devices, the `kept` steps of every round), each step's ops on one clock: from the first of
+    its ranks to begin."""
+    steps: list[list] = [[] for _ in range(plan.pp)]
+    for results, flags in zip(rounds, kept):
+        for k in [k for k, flag in enumerate(flags, start=1) if flag]:
+            records = [results[layout.rank(0, d)].records[k] for d in range(plan.pp)]
+            first = min(record.began for record in records)
+            for d, record in enumerate(records):
+                shift = record.began - first
+                steps[d].append([(text, 1e3 * (shift + a), 1e3 * (shift + b)) for text, a, b in record.ops])
+    return replay(plan.schedule, plan.costs, steps)
+
+
+def why(plan, rounds: list, measured_parts: dict, measured_step: float, again) -> str:
+    """Where a plan's prediction missed: how busy the machine was, the pipeline's error split into
+    op times and runtime (`again`: its replay), then each phase that missed by 1 % of the step."""
+    busy = statistics.median(wall_over_cpu(results) for results in rounds)
+    waits = plan.tp > 1 or "a2a_ms" in plan.predicted  # collectives inside the ops: waiting is theirs
+    note = " (their collectives wait inside them)" if waits else " (busy: other processes took the cores)"
+    parts = [f"ops ran at {busy:.2f}× their CPU time{note if busy > BUSY else ''}"]
+    noise = plan.predicted.get("speed_noise_ms", 0.0)
+    parts.append(again.explain(measured_step, noise))
+    for phase in PHASES[1:]:
+        gap = measured_parts[phase].median - plan.predicted.get(phase + "_ms", 0.0)
+        if abs(gap) >= 0.01 * measured_step:
+            parts.append(
+                f"{phase} {gap / measured_step:+.1%} ({plan.predicted.get(phase + '_ms', 0.0):.1f} → "
+                f"{measured_parts[phase].median:.1f} ms)"
+            )
+    return "; ".join(parts)
+
+
+def traffic(plan, rounds: list) -> str:
+    """What a tensor- or expert-parallel plan moves besides the pipeline's messages, predicted/measured."""
+    records = [r for results in rounds for result in results for r in result.records[1:]]
+    if "tp_sent_bytes" in plan.predicted:
+        measured = max(r.tp_sent_bytes for r in records)
+        return (
+            f"TP collectives {plan.predicted['tp_sent_bytes'] / 2**20:.2f}/{measured / 2**20:.2f} MiB a step per rank"
+        )
+    if "a2a_ms" in plan.predicted:
+        measured = statistics.median(r.a2a_ms for r in records)
+        return f"expert all-to-alls {plan.predicted['a2a_ms']:.1f}/{measured:.1f} ms in flight a step"
+    return ""
