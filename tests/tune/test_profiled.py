@@ -186,6 +186,13 @@ def test_ops_measured_on_tensor_parallel_ranks_are_priced_as_measured():
     # tp = 1 intercepts of F: first 0.5, last 1.5, single 1.5 — measured single 3.0 scales them by 2
     assert staged.F == pytest.approx([2 * 4.0 + 1.0, 3 * 4.0 + 3.0])
     assert split.layer_time(1) == pytest.approx(4.0 + 8.0 + 12.0)
+    unmeasured = ProfiledCostModel({**profile(), **links()}, tp=2).stage_costs([3], 2, 1, 1)
+    assert single.M_B == pytest.approx(unmeasured.M_B)  # no stash measured: the estimate's share
+    data["tensor_parallel"]["2"]["2"]["M_B"] = {"per_layer": 700.0, "single": 900.0}
+    data["tensor_parallel"]["2"]["1"]["M_B"] = {"per_layer": 350.0, "single": 450.0}
+    stashed = ProfiledCostModel(data, tp=2)
+    assert stashed.stage_costs([3], 2, 1, 1).M_B == pytest.approx([3 * 700.0 + 900.0])  # the stash as measured
+    assert stashed.layer_memory(2, 1)[0] == pytest.approx(700.0)
     estimated = ProfiledCostModel(data, tp=2, sequence_parallel=True)  # "2+sp" was not measured
     assert estimated.stage_costs([3], 2, 1, 1).F != single.F
     data["tensor_parallel"]["2"]["1"]["F"]["single"] = -1.0

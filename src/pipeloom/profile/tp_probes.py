@@ -8,8 +8,8 @@ time. DTensor dispatches every op of the sharded modules in Python, and each col
 for the slower rank, whose jitter it then carries. Neither follows from the tp = 1 times, so a
 profile asked for tensor parallelism measures it: the probe schedule (`profiler.probe_schedule`)
 on one stage of n layers over tp ranks, for each micro-batch size and n, fitted as time = a·n +
-b per pass (`tune.profiled.ProfiledCostModel` prices a stage at other positions by the tp = 1
-intercepts scaled as the single stage's). The machine's contention is judged on the tp = 1
+b per pass, and its stashed bytes the same way (`tune.profiled.ProfiledCostModel` prices a
+stage at other positions by the tp = 1 intercepts scaled as the single stage's). The machine's contention is judged on the tp = 1
 probes: a tensor-parallel op's wall time is its CPU time plus its waits by design.
 """
 
@@ -33,7 +33,8 @@ def tensor_parallel_fits(
     max_rounds: int,
     tick: Callable[[], None],
 ) -> dict:
-    """`tp_key` → micro-batch size → pass → {"per_layer", "single"} (ms), measured on one stage
+    """`tp_key` → micro-batch size → pass (ms) or stash (bytes: M_B, M_ckpt) → {"per_layer",
+    "single"}, measured on one stage
     over tp ranks for each (tp, sequence parallel) of `layouts`. `shape`: the profiler's
     (model, steps, threads, workload_for, dtype); the workload must be a Hugging Face model's
     (their tensor-parallel plans are transformers')."""
@@ -66,7 +67,7 @@ def tensor_parallel_fits(
         out[tp_key(tp, sequence_parallel)] = {
             str(mbs): {
                 kind: fit_positions([("single", n, measured[mbs, n].median(f"{kind}@0")) for n in layer_counts])
-                for kind in OP_KINDS
+                for kind in (*OP_KINDS, "M_B", "M_ckpt")
                 if f"{kind}@0" in measured[mbs, layer_counts[0]].values
             }
             for mbs in micro_batches

@@ -14,7 +14,7 @@ model at the first profiled micro-batch size — so `simulate --costs profile.js
 With tp > 1 (Megatron's layout, `pipeloom.runtime.tensor_parallel`), from a profile that measured
 that layout on tp ranks (`profile --tp`, `pipeloom.profile.tp_probes`), each op is its measured
 time there — DTensor's dispatch and the collectives' waits included, which nothing below
-predicts (2.5× the estimate here). Otherwise each op's measured compute is
+predicts (2.5× the estimate here) — and its stash the bytes measured there. Otherwise each op's measured compute is
 split over the tp ranks and its tensor-parallel collectives are added, priced from the same
 measured collectives (a tp group is a ring of tp ranks like a dp group): per layer two
 all-reduces of the activation forward and two backward (under sequence parallelism an all-gather
@@ -116,12 +116,14 @@ class ProfiledCostModel:
 
     def tp_measured(self) -> dict[str, dict[int, dict]] | None:
         """The profile's measured tensor-parallel fits for this layout (`profile.tp_probes`):
-        pass → micro-batch size → {"per_layer", "single"}; None if it measured none."""
+        pass or stash (M_B, M_ckpt) → micro-batch size → {"per_layer", "single"}; None if it
+        measured none."""
         by_size = (self.profile.get("tensor_parallel") or {}).get(tp_key(self.tp, self.sequence_parallel))
         if not by_size:
             return None
         kinds = set.intersection(*(set(fits) for fits in by_size.values()))
-        return {kind: {int(size): fits[kind] for size, fits in by_size.items()} for kind in kinds if kind in _TIMES}
+        wanted = (*_TIMES, "M_B", "M_ckpt")
+        return {kind: {int(size): fits[kind] for size, fits in by_size.items()} for kind in kinds if kind in wanted}
 
     def _tp_per_stage(self, key: str, fits: dict[int, dict], counts: Sequence[int], size: float) -> list[float]:
         """A stage's op as measured on tp ranks: the measured slope per layer, and the single
@@ -293,7 +295,11 @@ class ProfiledCostModel:
         return max(0.0, extra("first")), max(0.0, extra("last"))
 
     def layer_memory(self, micro_batch: int, dp: int, zero: int = 0) -> tuple[float, float]:
-        activations = self._value("M_B", "per_layer", micro_batch) * self._activation_share()
+        measured = self.tp_measured() if self.tp > 1 else None
+        if measured and "M_B" in measured:
+            activations = at_size({size: fit["per_layer"] for size, fit in measured["M_B"].items()}, micro_batch)
+        else:
+            activations = self._value("M_B", "per_layer", micro_batch) * self._activation_share()
         return activations, self._static(self.params["layer"] / self.tp, dp, zero)
 
     def stage_params(self, counts: Sequence[int]) -> list[float]:
