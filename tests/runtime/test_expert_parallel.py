@@ -141,3 +141,15 @@ def test_a_pair_switches_only_where_an_exchange_is_in_flight():
     PairBaton().run(forward, backward)
     assert order == ["F attention", "B head", "F experts", "B rest", "F rest"]
     assert not pass_baton()  # outside a pair
+
+
+def test_the_profile_measures_the_exchanges_and_the_stash_with_the_experts_shared_out(tmp_path):
+    """`links.expert_exchange`: per micro-batch size, the all-to-alls' ms per layer of an F and
+    a B, and the bytes an F stashes on the probed stage (with ep = 2 less than on one rank here:
+    the cost model moves every stage's stash by the difference, `ProfiledCostModel`)."""
+    from pipeloom.profile.links import expert_exchange
+
+    directory = model_dir(tmp_path, "mixtral")
+    measured = expert_exchange((1,), 1, 2, 1, lambda n, mbs: hf_workload(directory, 0, mbs, SEQ, layers=n), "fp32")
+    assert measured["ep"] == 2 and measured["1"]["layers"] == 1
+    assert measured["1"]["F"] >= 0 and measured["1"]["B"] >= 0 and measured["1"]["M_B"] > 0

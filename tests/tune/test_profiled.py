@@ -200,6 +200,27 @@ def test_ops_measured_on_tensor_parallel_ranks_are_priced_as_measured():
         ProfiledCostModel(data, tp=2)
 
 
+def test_sharing_the_experts_out_changes_the_stash_by_what_was_measured():
+    """The profile's ep = 2 probe (one stage of L layers) stashed `M_B` bytes per F; the fits
+    give another figure for that stage. The difference per layer moves every stage's stash with
+    ep > 1, at each micro-batch size (proportional beyond a single measured one)."""
+    import dataclasses
+
+    data = profile()
+    data["model"] = {**MODEL, "num_experts": 4, "num_experts_per_tok": 2}
+    fitted = 1000.0 * 2 * 4 + 4000.0  # M_B at micro-batch 2 on a single stage of 4 layers (the dearer end)
+    data["a2a"] = {"ep": 2, "2": {"F": 0.1, "B": 0.2, "M_B": fitted - 4 * 300.0, "layers": 4}}
+    whole = ProfiledCostModel(data)
+    shared = ProfiledCostModel(data)
+    shared.model = dataclasses.replace(shared.model, expert_parallel=2)
+    plain, spread = whole.stage_costs([3, 5], 2, 2, 2), shared.stage_costs([3, 5], 2, 2, 2)
+    assert spread.M_B == pytest.approx([plain.M_B[0] - 3 * 300.0, plain.M_B[1] - 5 * 300.0])
+    assert shared.stage_costs([3, 5], 1, 2, 2).M_B[0] == pytest.approx(
+        whole.stage_costs([3, 5], 1, 2, 2).M_B[0] - 450.0
+    )
+    assert shared.layer_memory(2, 2)[0] == pytest.approx(whole.layer_memory(2, 2)[0] - 300.0)
+
+
 def test_tensor_parallelism_needs_measured_collectives():
     with pytest.raises(ConfigError, match="no measured collectives"):
         ProfiledCostModel(profile(), tp=2)

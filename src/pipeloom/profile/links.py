@@ -109,7 +109,9 @@ def expert_exchange(micro_batches, layers, steps, threads, workload_for, dtype) 
     """A mixture of experts' dispatch and combine, per MoE layer and micro-batch size: one stage
     of `layers` layers trained by two data-parallel replicas that share out the experts (--ep 2),
     lone ops only, so each exchange's time in flight is its own. ms per layer of an F (a2a_F:
-    the counts, the tokens out and back) and of a B (a2a_B: their gradients)."""
+    the counts, the tokens out and back) and of a B (a2a_B: their gradients); and the bytes an
+    F stashes there (M_B), which sharing the experts out changes (the cost model takes the
+    difference from the tp = 1 fit per layer: `ProfiledCostModel`)."""
     from pipeloom.runtime.local import run_local
     from pipeloom.runtime.training import TrainSpec
     from pipeloom.schedules.registry import build_schedule
@@ -122,8 +124,11 @@ def expert_exchange(micro_batches, layers, steps, threads, workload_for, dtype) 
         spec = TrainSpec(schedule, workload=work, steps=steps, dp=_EP, ep=_EP, threads=threads, dtype=dtype)
         records = [r for result in run_local(spec) for r in result.records[1:] or result.records]
         per_op = m * layers
+        stash = [v for r in records for text, v in r.entry_bytes.items() if "F" in text and not text.endswith("c")]
         out[str(mbs)] = {
             "F": statistics.median(r.a2a_forward_ms for r in records) / per_op,
             "B": statistics.median(r.a2a_ms - r.a2a_forward_ms for r in records) / per_op,
+            "M_B": statistics.median(stash),  # an F's stash on this stage of `layers` layers, experts shared out
+            "layers": layers,
         }
     return out

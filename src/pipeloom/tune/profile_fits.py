@@ -62,18 +62,21 @@ def _nonnegative_slope(by_position: dict[str, list[tuple[int, float]]]) -> float
     return min(candidates, key=residual)
 
 
-def at_size(values: dict[int, float], micro_batch: float) -> float:
+def at_size(values: dict[int, float], micro_batch: float, signed: bool = False) -> float:
     """A per-size measurement at `micro_batch`: linear between the profiled sizes (and beyond,
-    along the last two), proportional to the size when only one was profiled; never below zero."""
+    along the last two), proportional to the size when only one was profiled; never below zero
+    unless `signed` (a difference, not a time or a size)."""
     sizes = sorted(values)
     if len(sizes) == 1:
-        return max(0.0, values[sizes[0]] * micro_batch / sizes[0])
-    low = max([s for s in sizes if s <= micro_batch], default=sizes[0])
-    high = min([s for s in sizes if s > low], default=None)
-    if high is None:
-        low, high = sizes[-2], sizes[-1]
-    a, b = values[low], values[high]
-    return max(0.0, a + (b - a) * (micro_batch - low) / (high - low))
+        value = values[sizes[0]] * micro_batch / sizes[0]
+    else:
+        low = max([s for s in sizes if s <= micro_batch], default=sizes[0])
+        high = min([s for s in sizes if s > low], default=None)
+        if high is None:
+            low, high = sizes[-2], sizes[-1]
+        a, b = values[low], values[high]
+        value = a + (b - a) * (micro_batch - low) / (high - low)
+    return value if signed else max(0.0, value)
 
 
 def tp_key(tp: int, sequence_parallel: bool) -> str:
