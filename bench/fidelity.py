@@ -219,7 +219,7 @@ def hf_groups(directory: Path, steps: int) -> list[Group]:
         model = dataclasses.replace(model_from_config(config, name=name), seq_len=HF_SEQ)
         profiling = {
             "micro_batches": (1, 2),
-            "layer_counts": (1, 2),
+            "layer_counts": (1, 2, 4),  # the plans run 4 layers a stage: read between probes, not beyond
             "steps": 4,
             "max_rounds": 4,
             "workload_for": partial(hf_workload_at, source),

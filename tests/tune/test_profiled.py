@@ -221,6 +221,29 @@ def test_sharing_the_experts_out_changes_the_stash_by_what_was_measured():
     assert shared.layer_memory(2, 2)[0] == pytest.approx(whole.layer_memory(2, 2)[0] - 300.0)
 
 
+def test_experts_shared_out_over_every_replica_sync_no_gradients():
+    """At dp = EP each replica holds its own experts: only the rest of the stage is all-reduced
+    (the runtime sums an expert's gradient over the replicas holding it, none here)."""
+    import dataclasses
+
+    from pipeloom.tune.search import tune
+
+    data = {**profile(), **links()}
+    data["model"] = {**MODEL, "num_experts": 4, "num_experts_per_tok": 2}
+    data["params"] = {**data["params"], "experts": 800}  # of the layer's 1000
+    shared = ProfiledCostModel(data)
+    shared.model = dataclasses.replace(shared.model, expert_parallel=2)
+    assert shared.expert_params([3, 5]) == pytest.approx([3 * 400.0, 5 * 400.0])
+    best = tune(shared, 2, 1e12, 8, schemes=["1f1b"], pp_values=[1], micro_batches=[2], static_measures=False).best
+    dense = shared.stage_params([8])[0] - shared.expert_params([8])[0]  # 8 layers of 200 (+ both ends)
+    assert best.allreduce_time == pytest.approx(shared.allreduce_time(dense, 1, 2))
+    data["replica_skew"] = {"0": 0.1, "1": 0.1}  # the replicas wait inside the all-to-alls instead
+    assert ProfiledCostModel(data).replica_skew(2) == pytest.approx(0.1)
+    skewed = ProfiledCostModel(data)
+    skewed.model = shared.model
+    assert skewed.replica_skew(2) == 0.0
+
+
 def test_tensor_parallelism_needs_measured_collectives():
     with pytest.raises(ConfigError, match="no measured collectives"):
         ProfiledCostModel(profile(), tp=2)

@@ -54,6 +54,11 @@ class CostModel(Protocol):
 
     def stage_params(self, counts: Sequence[int]) -> list[float]: ...
 
+    def expert_params(self, counts: Sequence[int]) -> list[float]:
+        """Of `stage_params`, the routed experts' (a rank's num_experts / EP of them): their
+        gradients are summed over only the replicas that hold the same experts."""
+        ...
+
     def allreduce_time(self, params: float, pp: int, dp: int, zero: int = 0) -> float: ...
 
     def optimizer_time(self, params: float, dp: int, zero: int = 0) -> float: ...
@@ -95,6 +100,9 @@ class AnalyticCostModel:
         """(activation bytes, static bytes) of one layer."""
         layer = layer_figures(self.model, micro_batch, self.tp)
         return layer.activation_bytes, layer.params * static_bytes_per_param(dp, zero)
+
+    def expert_params(self, counts: Sequence[int]) -> list[float]:
+        return [n * self.model.stored_expert_params / self.tp for n in counts]
 
     def stage_params(self, counts: Sequence[int]) -> list[float]:
         layer = self.model.stored_layer_params / self.tp

@@ -59,7 +59,7 @@ def static_options(
                 False,
                 costs,
                 [sum(costs.stage_value("M_static", s) for s in stages_on) for stages_on in placement],
-                cost_model.allreduce_time(on_device, candidate.pp, replicas, zero=zero) - gather,
+                _gradient_sync(cost_model, candidate, partition, replicas, zero) - gather,
                 cost_model.optimizer_time(on_device, candidate.dp, zero=zero) + gather,
                 cost_model.replica_skew(candidate.dp, zero=zero),  # Chimera's twins share a pipeline's clock
             )
@@ -89,3 +89,20 @@ def _stage_costs(
     """Cached: the schemes with as many stages share them, and building (and checking) Costs
     was most of what the tuner spent before simulating anything."""
     return cost_model.stage_costs(list(partition), micro_batch, pp, dp, zero=zero, slices=slices)
+
+
+def _gradient_sync(
+    cost_model: CostModel, candidate: Candidate, partition: list[int], replicas: int, zero: int
+) -> float:
+    """The gradients' collectives of the busiest device: over every replica, but a routed
+    expert's over only the replicas that hold the same experts (replicas / EP; none at dp = EP)."""
+    params, experts = cost_model.stage_params(partition), cost_model.expert_params(partition)
+    ep = cost_model.model.expert_parallel
+    copies = replicas // ep
+    times = []
+    for stages_on in candidate.placement:
+        local = sum(experts[s] for s in stages_on) if ep > 1 else 0.0  # at EP 1 they sync with the rest
+        shared = sum(params[s] for s in stages_on) - local
+        time = cost_model.allreduce_time(shared, candidate.pp, replicas, zero=zero)
+        times.append(time + (cost_model.allreduce_time(local, candidate.pp, copies, zero=zero) if local else 0.0))
+    return max(times)

@@ -99,7 +99,12 @@ class ModelSpec:
         """Weights one GPU holds of a layer: with experts, num_experts / EP of them."""
         if not self.num_experts:
             return self.layer_params
-        return self._attention_params + self._expert_params * self.num_experts // self.expert_parallel
+        return self._attention_params + self.stored_expert_params
+
+    @property
+    def stored_expert_params(self) -> int:
+        """Of `stored_layer_params`, the routed experts' (0 for a dense layer)."""
+        return self._expert_params * self.num_experts // self.expert_parallel if self.num_experts else 0
 
     @property
     def params(self) -> int:
