@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 
 from pipeloom.profile.contention import BUSY, wall_over_cpu
-from pipeloom.profile.speed import steady_steps, step_busy
+from pipeloom.profile.speed import steady_rounds, step_busy
 from pipeloom.sim.replay import replay
 
 PHASES = ("pipeline", "allreduce", "optimizer", "overhead")
@@ -14,14 +14,9 @@ PHASES = ("pipeline", "allreduce", "optimizer", "overhead")
 
 def steady(rounds: list) -> list[list[bool]]:
     """Per round, which of its timed steps (warm-up left out) every rank ran at the machine's own
-    speed (`speed.steady_steps`, over every round): the profile's medians are over such steps,
+    speed (`speed.steady_rounds`): the profile's medians are over such steps,
     so the measured ones are too — which steps fell in a slow spell is luck (`profile.speed`)."""
-    busy = [step_busy(r for results in rounds for r in results[rank].records[1:]) for rank in range(len(rounds[0]))]
-    flags, out = steady_steps(busy), []
-    for results in rounds:
-        out.append(flags[: len(results[0].records) - 1])
-        flags = flags[len(out[-1]) :]
-    return out
+    return steady_rounds([[step_busy(result.records[1:]) for result in results] for results in rounds])
 
 
 def replayed(plan, rounds: list, layout, kept: list[list[bool]]):

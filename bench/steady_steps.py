@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from itertools import compress
 from pathlib import Path
 
 from pipeloom.models.llama import llama_config
-from pipeloom.profile.speed import steady_steps, step_busy
+from pipeloom.profile.speed import steady_rounds, step_busy
 from pipeloom.runtime.local import run_local
 from pipeloom.runtime.training import TrainSpec
 from pipeloom.schedules.registry import build_schedule
@@ -29,14 +30,8 @@ MODEL = Path(__file__).resolve().parent.parent / "examples" / "tiny-llama.json"
 
 def estimate(runs: list[dict], steady: bool) -> float:
     """The median of the runs' median steps, over every step or the steady ones."""
-    busy = [[b for run in runs for b in run["busy"][rank]] for rank in range(len(runs[0]["busy"]))]
-    flags = steady_steps(busy) if steady else [True] * len(busy[0])
-    medians = []
-    for run in runs:
-        kept = [step for step, flag in zip(run["step"], flags) if flag]
-        flags = flags[len(run["step"]) :]
-        if kept:
-            medians.append(statistics.median(kept))
+    kept = steady_rounds([run["busy"] for run in runs]) if steady else [[True] * len(run["step"]) for run in runs]
+    medians = [statistics.median(compress(run["step"], flags)) for run, flags in zip(runs, kept) if any(flags)]
     return statistics.median(medians)
 
 

@@ -15,7 +15,7 @@ from pipeloom.ir.ops import OpKind
 from pipeloom.ir.schedule import Schedule
 from pipeloom.ir.text import parse_op
 from pipeloom.profile.contention import Contention
-from pipeloom.profile.speed import op_ratios, steady_steps, step_busy
+from pipeloom.profile.speed import op_ratios, steady_rounds, step_busy
 from pipeloom.profile.stability import Series
 
 __all__ = ["OP_KINDS", "PHASES", "SETTLED_MS", "Probe", "measure_probes", "samples", "steady_probe"]
@@ -81,12 +81,7 @@ def steady_probe(key: tuple[int, int], schedule: Schedule, rounds: list, series:
     its rounds decided when it had settled, but which of their steps fell in a slow spell of the
     machine is luck, and it would move the medians by up to 30 %."""
     ranks = range(len(rounds[0]))
-    steps = [[_timed(results[rank].records) for results in rounds] for rank in ranks]  # [rank][round][step]
-    flags = steady_steps([step_busy(record for round_ in per_round for record in round_) for per_round in steps])
-    kept_steps, start = [], 0
-    for count in map(len, steps[0]):
-        kept_steps.append(flags[start : start + count])
-        start += count
+    kept_steps = steady_rounds([[step_busy(_timed(results[rank].records)) for rank in ranks] for results in rounds])
     steady = Series(floor=SETTLED_MS)
     busy: list[list[float]] = [[] for _ in ranks]
     for results, kept_flags in zip(rounds, kept_steps):
@@ -97,7 +92,7 @@ def steady_probe(key: tuple[int, int], schedule: Schedule, rounds: list, series:
             busy[rank] += step_busy(kept)
             op_variation.extend(op_ratios(kept))
     measured = {key: replace(m, rounds=series.rounds, stable=series.settled) for key, m in steady.measured().items()}
-    return Probe(key[0], key[1], schedule, measured, busy, sum(flags) / len(flags))
+    return Probe(key[0], key[1], schedule, measured, busy, sum(map(sum, kept_steps)) / sum(map(len, kept_steps)))
 
 
 def _timed(steps: list) -> list:

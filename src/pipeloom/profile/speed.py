@@ -28,7 +28,16 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Sequence
 
-__all__ = ["QUANTILES", "STEADY_BAND", "step_busy", "steady_steps", "speed_quantiles", "op_ratios", "quantiles_of"]
+__all__ = [
+    "QUANTILES",
+    "STEADY_BAND",
+    "step_busy",
+    "steady_steps",
+    "steady_rounds",
+    "speed_quantiles",
+    "op_ratios",
+    "quantiles_of",
+]
 
 QUANTILES = 21
 """Quantiles kept (every 5 %): the tail matters, a rank slow in one step of four."""
@@ -52,6 +61,18 @@ def steady_steps(busy: Sequence[Sequence[float]], band: float = STEADY_BAND) -> 
     limits = [(1 + band) * _lower_quartile(times) for times in busy]
     keep = [all(times[k] <= limit for times, limit in zip(busy, limits)) for k in range(steps)]
     return keep if sum(keep) >= _MIN_STEADY else [True] * steps
+
+
+def steady_rounds(busy: Sequence[Sequence[Sequence[float]]]) -> list[list[bool]]:
+    """`steady_steps` over rounds of the same work: `busy[round][rank][step]` → per round, which
+    of its steps were steady, judged against every round's steps together."""
+    ranks = len(busy[0]) if busy else 0
+    flags = steady_steps([[time for round_ in busy for time in round_[rank]] for rank in range(ranks)])
+    out, start = [], 0
+    for round_ in busy:
+        out.append(flags[start : start + len(round_[0])])
+        start += len(round_[0])
+    return out
 
 
 def _lower_quartile(values: Sequence[float]) -> float:

@@ -42,7 +42,7 @@ def static_options(
     """ZeRO-0, then (if allowed) ZeRO-1 and ZeRO-2 where dp shards something, then every stage's
     optimizer on the host where the cost model prices the host link."""
     placement = candidate.placement
-    params = cost_model.stage_params(partition)
+    params, experts = cost_model.stage_params(partition), cost_model.expert_params(partition)
     on_device = max(sum(params[s] for s in stages_on) for stages_on in placement)
     replicas = candidate.dp * candidate.replicas  # Chimera, DualPipe: two copies per pipeline
     levels = [0] + ([1, 2] if static_measures and candidate.dp > 1 else [])
@@ -59,7 +59,7 @@ def static_options(
                 False,
                 costs,
                 [sum(costs.stage_value("M_static", s) for s in stages_on) for stages_on in placement],
-                _gradient_sync(cost_model, candidate, partition, replicas, zero) - gather,
+                _gradient_sync(cost_model, candidate, params, experts, replicas, zero) - gather,
                 cost_model.optimizer_time(on_device, candidate.dp, zero=zero) + gather,
                 cost_model.replica_skew(candidate.dp, zero=zero),  # Chimera's twins share a pipeline's clock
             )
@@ -92,11 +92,11 @@ def _stage_costs(
 
 
 def _gradient_sync(
-    cost_model: CostModel, candidate: Candidate, partition: list[int], replicas: int, zero: int
+    cost_model: CostModel, candidate: Candidate, params: list[float], experts: list[float], replicas: int, zero: int
 ) -> float:
-    """The gradients' collectives of the busiest device: over every replica, but a routed
-    expert's over only the replicas that hold the same experts (replicas / EP; none at dp = EP)."""
-    params, experts = cost_model.stage_params(partition), cost_model.expert_params(partition)
+    """The gradients' collectives of the busiest device (`params`, `experts`: per stage): over
+    every replica, but a routed expert's over only the replicas that hold the same experts
+    (replicas / EP; none at dp = EP)."""
     ep = cost_model.model.expert_parallel
     copies = replicas // ep
     times = []

@@ -74,6 +74,7 @@ class ProfiledCostModel:
             raise ConfigError(f"profile is incomplete: {error}") from None
         self.profile = profile
         self.source = "profile"
+        self._tp_fits = self._read_tp_fits()
         if tp > 1 and not all(name in self.links for name in _COLLECTIVES):
             raise ConfigError("the profile has no measured collectives to price tensor parallelism: profile again")
 
@@ -117,7 +118,12 @@ class ProfiledCostModel:
     def tp_measured(self) -> dict[str, dict[int, dict]] | None:
         """The profile's measured tensor-parallel fits for this layout (`profile.tp_probes`):
         pass or stash (M_B, M_ckpt) → micro-batch size → {"per_layer", "single"}; None if it
-        measured none."""
+        measured none. Read once: the layout is fixed when the model is made."""
+        return self._tp_fits
+
+    def _read_tp_fits(self) -> dict[str, dict[int, dict]] | None:
+        if self.tp == 1:
+            return None
         by_size = (self.profile.get("tensor_parallel") or {}).get(tp_key(self.tp, self.sequence_parallel))
         if not by_size:
             return None
@@ -125,12 +131,17 @@ class ProfiledCostModel:
         wanted = (*_TIMES, "M_B", "M_ckpt")
         return {kind: {int(size): fits[kind] for size, fits in by_size.items()} for kind in kinds if kind in wanted}
 
-    def _tp_per_stage(self, key: str, fits: dict[int, dict], counts: Sequence[int], size: float) -> list[float]:
+    def _tp_value(self, key: str, field: str, micro_batch: float) -> float:
+        """A measured tensor-parallel fit's `field` of `key` at `micro_batch` (`at_size`)."""
+        assert self._tp_fits is not None, "only read where the layout was measured"
+        return at_size({size: fit[field] for size, fit in self._tp_fits[key].items()}, micro_batch)
+
+    def _tp_per_stage(self, key: str, counts: Sequence[int], size: float) -> list[float]:
         """A stage's op as measured on tp ranks: the measured slope per layer, and the single
         stage's measured intercept — at another position, the tp = 1 intercept there scaled as
         the single stage's was (the embedding's and the head's share of it)."""
-        slope = at_size({s: fit["per_layer"] for s, fit in fits.items()}, size)
-        single = at_size({s: fit["single"] for s, fit in fits.items()}, size)
+        slope = self._tp_value(key, "per_layer", size)
+        single = self._tp_value(key, "single", size)
         alone = self._value(key, "single", size)
         out = []
         for i, n in enumerate(counts):
@@ -222,9 +233,9 @@ class ProfiledCostModel:
             share = self._activation_share()
             per_stage["M_B"] = [m * share for m in per_stage["M_B"]]
             per_stage["M_ckpt"] = [m / self.tp for m in per_stage["M_ckpt"]]
-        if self.tp > 1 and (measured := self.tp_measured()):
-            for key, fits in measured.items():
-                per_stage[key] = self._tp_per_stage(key, fits, counts, size)
+        if self._tp_fits:
+            for key in self._tp_fits:
+                per_stage[key] = self._tp_per_stage(key, counts, size)
         elif self.tp > 1:
             for i, n in enumerate(counts):
                 collectives = self.tp_collectives(i, len(counts), n)
@@ -292,12 +303,8 @@ class ProfiledCostModel:
         return [sum(kinds[op.kind.value][op.stage] for op in ops if op.kind.value in kinds) for ops in schedule.devices]
 
     def layer_time(self, micro_batch: int) -> float:
-        if self.tp > 1 and (measured := self.tp_measured()):
-            return sum(
-                at_size({size: fit["per_layer"] for size, fit in measured[key].items()}, micro_batch)
-                for key in ("F", "B", "W")
-                if key in measured
-            )
+        if self._tp_fits:
+            return sum(self._tp_value(key, "per_layer", micro_batch) for key in ("F", "B", "W") if key in self._tp_fits)
         compute = sum(self._value(key, "per_layer", micro_batch) for key in ("F", "B", "W")) / self.tp
         layer = self._layer_collectives()
         return compute + self._tp_time(layer["F"] + layer["B"], micro_batch)
@@ -312,9 +319,8 @@ class ProfiledCostModel:
         return max(0.0, extra("first")), max(0.0, extra("last"))
 
     def layer_memory(self, micro_batch: int, dp: int, zero: int = 0) -> tuple[float, float]:
-        measured = self.tp_measured() if self.tp > 1 else None
-        if measured and "M_B" in measured:
-            activations = at_size({size: fit["per_layer"] for size, fit in measured["M_B"].items()}, micro_batch)
+        if self._tp_fits and "M_B" in self._tp_fits:
+            activations = self._tp_value("M_B", "per_layer", micro_batch)
         else:
             activations = self._value("M_B", "per_layer", micro_batch) * self._activation_share()
         activations = max(0.0, activations + self._ep_stash_per_layer(micro_batch))
