@@ -9,7 +9,8 @@ Hugging Face models, each profiled and tuned the same way: tensor parallelism (p
 with and without sequence parallelism) of examples/hf-llama-tiny, and a small Mixtral with its
 experts on each stage (pp = 2) and shared out by expert parallelism (dp = 2, ep = 2).
 
-Each model's plans then run `--rounds` times for `--steps` steps (the first left out), taking
+Each model's plans then run `--rounds` times for `--steps` steps (the warm-up left out:
+`speed.timed_steps`), taking
 turns so that a slow spell of the machine falls on one round of several plans. Printed per model
 family (the built-in decoder; the Hugging Face models, whose misses say what their profiles lack):
 step time predicted and measured (the median of the rounds' medians over the steps that ran at
@@ -32,9 +33,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing
 import platform
 import statistics
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import compress
@@ -45,6 +48,7 @@ from fidelity_measures import PHASES, replayed, steady, traffic, why
 from pipeloom.errors import RuntimeFault
 from pipeloom.models.llama import llama_config
 from pipeloom.profile.profiler import profile_model
+from pipeloom.profile.speed import timed_steps
 from pipeloom.profile.stability import Series
 from pipeloom.runtime.layout import RankLayout
 from pipeloom.runtime.local import run_local
@@ -137,14 +141,14 @@ def main() -> None:
     args = parser.parse_args()
     print(f"python {platform.python_version()} on {platform.machine()}; 2 ranks, {args.steps} steps a run")
     groups: list[Group] = []
-    with tempfile.TemporaryDirectory(prefix="pipeloom-fidelity-") as directory:
+    with tempfile.TemporaryDirectory(prefix="pipeloom-fidelity-") as directory, lean_process() as lean:
         try:
             if not args.only_hf:
-                groups.append(dense_group(args.profile, args.steps))
+                groups.append(dense_group(args.profile, args.steps, lean))
             if not args.no_hf:
-                groups += hf_groups(Path(directory), args.steps)
+                groups += hf_groups(Path(directory), args.steps, lean)
             for group in groups:
-                run_by_turns(group, args.rounds)
+                run_by_turns(group, args.rounds, lean)
         except RuntimeFault as error:  # a busy machine: no plan is better than a misleading one
             print(f"profile refused: {error}")
             return
@@ -156,9 +160,21 @@ def main() -> None:
             report(rows, args.explain_above)
 
 
-def first_profile(model: ModelSpec, profiling: dict) -> dict:
+def lean_process() -> ProcessPoolExecutor:
+    """One process, forked before this one holds anything but its imports, that takes every
+    profile and forks every run. Ranks forked from a parent that has built and dropped models
+    run slower, and not alike: a ZeRO-1 step measured 204 ms forked from a lean parent and 239 ms
+    from one holding 3 GB more (its optimizer phase 24 → 45 ms; ZeRO-0's unchanged) — so the
+    bench, which builds the plans' models and keeps their runs, would measure the last plans in
+    a different process than `pipeloom train` runs them in, and than the profile measured."""
+    lean = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"))
+    lean.submit(int).result()  # forked now, while this process is lean
+    return lean
+
+
+def first_profile(model: ModelSpec, profiling: dict, lean: ProcessPoolExecutor) -> dict:
     print(f"profiling {model.name} ...", flush=True)
-    profile = profile_model(model, **profiling)
+    profile = lean.submit(profile_model, model, **profiling).result()
     noise = profile["noise"]
     print(
         f"  op times spread {noise['median_spread']:.1%} (worst {noise['worst_spread']:.1%}), "
@@ -169,14 +185,14 @@ def first_profile(model: ModelSpec, profiling: dict) -> dict:
     return profile
 
 
-def dense_group(reuse: str | None, steps: int) -> Group:
+def dense_group(reuse: str | None, steps: int, lean: ProcessPoolExecutor) -> Group:
     """One tuned plan per row of PLANS, from a profile of examples/tiny-llama.json."""
     model = load_model(MODEL)
-    profiling = {"micro_batches": (1, 2, 4), "layer_counts": (1, 2, 4), "steps": 5, "max_rounds": 6}
+    profiling = {"micro_batches": (1, 2, 4), "layer_counts": (1, 2, 4), "steps": 6, "max_rounds": 6}
     if reuse:
         profile = json.loads(Path(reuse).read_text())
     else:
-        profile = first_profile(model, profiling)
+        profile = first_profile(model, profiling, lean)
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
             json.dump(profile, handle)
             print(f"  profile kept at {handle.name} (--profile to reuse)")
@@ -200,7 +216,7 @@ def dense_group(reuse: str | None, steps: int) -> Group:
     return Group(model, rows)
 
 
-def hf_groups(directory: Path, steps: int) -> list[Group]:
+def hf_groups(directory: Path, steps: int, lean: ProcessPoolExecutor) -> list[Group]:
     """Hugging Face models, each profiled and its plans tuned from its own profile: tensor
     parallelism (pp = 1 × tp = 2, with and without sequence parallelism) of the LLaMA in
     examples/hf-llama-tiny, and a small Mixtral with its experts on each stage (pp = 2) and shared
@@ -220,12 +236,12 @@ def hf_groups(directory: Path, steps: int) -> list[Group]:
         profiling = {
             "micro_batches": (1, 2),
             "layer_counts": (1, 2, 4),  # the plans run 4 layers a stage: read between probes, not beyond
-            "steps": 4,
+            "steps": 5,
             "max_rounds": 4,
             "workload_for": partial(hf_workload_at, source),
             "tensor_parallel": layouts,
         }
-        profile = first_profile(model, profiling) | {"source": f"hf:{source}"}
+        profile = first_profile(model, profiling, lean) | {"source": f"hf:{source}"}
         rows = []
         for tuning in tunings:
             label, plan, band = hf_tuned(model, tuning, profile)
@@ -262,13 +278,13 @@ def hf_tuned(model: ModelSpec, tuning: dict, profile: dict) -> tuple[str, Plan, 
     return label, plan, _band(result)
 
 
-def run_by_turns(group: Group, rounds: int) -> None:
+def run_by_turns(group: Group, rounds: int, lean: ProcessPoolExecutor) -> None:
     """The group's plans `rounds` times, a round of each at a time: a slow spell of the machine
     falls on one round of several plans, which their other rounds outvote (as the profile's probes do)."""
     print(f"{group.model.name}: {len(group.rows)} plans × {rounds} rounds, by turns ...", flush=True)
     for _ in range(rounds):
         for row in group.rows:
-            row.runs.append(run_local(row.spec))
+            row.runs.append(lean.submit(run_local, row.spec).result())
 
 
 def report(rows: list[Row], explain_above: float) -> None:
@@ -285,9 +301,9 @@ def report(rows: list[Row], explain_above: float) -> None:
         kept = steady(rounds)
         shares.append(sum(map(sum, kept)) / sum(map(len, kept)))
         for results, flags in zip(rounds, kept):
-            phases = list(compress(results[0].phase_seconds[1:], flags))
+            phases = list(compress(timed_steps(results[0].phase_seconds), flags))
             series.add(
-                {"step": [1e3 * s for s in compress(results[0].step_seconds[1:], flags)]}
+                {"step": [1e3 * s for s in compress(timed_steps(results[0].step_seconds), flags)]}
                 | {p: [1e3 * step[p] for step in phases] for p in PHASES}
             )
         measured_parts = series.measured()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 
 from pipeloom.profile.contention import BUSY, wall_over_cpu
-from pipeloom.profile.speed import steady_rounds, step_busy
+from pipeloom.profile.speed import steady_rounds, step_busy, timed_steps, warmup_steps
 from pipeloom.sim.replay import replay
 
 PHASES = ("pipeline", "allreduce", "optimizer", "overhead")
@@ -16,7 +16,7 @@ def steady(rounds: list) -> list[list[bool]]:
     """Per round, which of its timed steps (warm-up left out) every rank ran at the machine's own
     speed (`speed.steady_rounds`): the profile's medians are over such steps,
     so the measured ones are too — which steps fell in a slow spell is luck (`profile.speed`)."""
-    return steady_rounds([[step_busy(result.records[1:]) for result in results] for results in rounds])
+    return steady_rounds([[step_busy(timed_steps(result.records)) for result in results] for results in rounds])
 
 
 def replayed(plan, rounds: list, layout, kept: list[list[bool]]):
@@ -25,7 +25,8 @@ def replayed(plan, rounds: list, layout, kept: list[list[bool]]):
     its ranks to begin."""
     steps: list[list] = [[] for _ in range(plan.pp)]
     for results, flags in zip(rounds, kept):
-        for k in [k for k, flag in enumerate(flags, start=1) if flag]:
+        warmup = warmup_steps(len(results[0].records))
+        for k in [k for k, flag in enumerate(flags, start=warmup) if flag]:
             records = [results[layout.rank(0, d)].records[k] for d in range(plan.pp)]
             first = min(record.began for record in records)
             for d, record in enumerate(records):
@@ -55,7 +56,7 @@ def why(plan, rounds: list, measured_parts: dict, measured_step: float, again) -
 
 def traffic(plan, rounds: list) -> str:
     """What a tensor- or expert-parallel plan moves besides the pipeline's messages, predicted/measured."""
-    records = [r for results in rounds for result in results for r in result.records[1:]]
+    records = [r for results in rounds for result in results for r in timed_steps(result.records)]
     if "tp_sent_bytes" in plan.predicted:
         measured = max(r.tp_sent_bytes for r in records)
         return (

@@ -19,7 +19,7 @@ from itertools import compress
 from pathlib import Path
 
 from pipeloom.models.llama import llama_config
-from pipeloom.profile.speed import steady_rounds, step_busy
+from pipeloom.profile.speed import steady_rounds, step_busy, timed_steps
 from pipeloom.runtime.local import run_local
 from pipeloom.runtime.training import TrainSpec
 from pipeloom.schedules.registry import build_schedule
@@ -50,8 +50,8 @@ def main() -> None:
         results = run_local(spec)
         runs.append(
             {
-                "busy": [step_busy(result.records[1:]) for result in results],
-                "step": [1e3 * s for s in results[0].step_seconds[1:]],
+                "busy": [step_busy(timed_steps(result.records)) for result in results],
+                "step": [1e3 * s for s in timed_steps(results[0].step_seconds)],
             }
         )
     print(f"{len(runs)} runs of {args.steps} steps; each run's median step (ms):")

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeloom.profile.speed import QUANTILES, op_ratios, speed_quantiles, steady_steps
+from pipeloom.profile.speed import QUANTILES, op_ratios, speed_quantiles, steady_steps, timed_steps
 from pipeloom.tune.profiled import ProfiledCostModel
 from pipeloom.tune.search import tune
 from pipeloom.tune.speed_noise import noisy_pipeline, winsorized
@@ -82,3 +82,10 @@ def test_steps_in_a_slow_spell_are_left_out_whatever_share_of_the_steps_it_took(
     assert steady_steps([jitter]) == [True] * len(jitter)
     assert steady_steps([[100.0, 300.0]]) == [True, True]  # too few to tell a spell from the work
     assert steady_steps([[100.0, 300.0, 310.0, 320.0, 330.0]]) == [True] * 5  # a lone fast step is not a level
+
+
+def test_a_round_is_timed_after_its_two_warm_up_steps_but_never_left_empty():
+    assert timed_steps([312, 301, 286, 288, 289]) == [286, 288, 289]  # measured: +12 %, +5 %, then level
+    assert timed_steps([312, 301]) == [301]
+    assert timed_steps([312]) == [312]
+    assert timed_steps([]) == []

@@ -54,16 +54,17 @@ def spec_from_plan(args: argparse.Namespace):
 
 def fidelity_report(plan, results) -> str:
     """Measured step time, peak stash and static bytes per device beside the plan's prediction."""
+    from pipeloom.profile.speed import timed_steps
     from pipeloom.runtime.layout import RankLayout
 
     predicted = plan.predicted
-    times = results[0].step_seconds[1:] or results[0].step_seconds
+    times = timed_steps(results[0].step_seconds)  # warm-up left out, as the profile measured
     measured = 1e3 * statistics.median(times)
     expected = predicted.get("step_time_ms")
     lines = ["", "fidelity (predicted by the plan vs measured):"]
     if expected:
         lines.append(f"  step time   {expected:9.1f} ms  vs {measured:9.1f} ms  ({measured / expected - 1:+.1%})")
-        lines += _breakdown(predicted, results[0].phase_seconds[1:] or results[0].phase_seconds)
+        lines += _breakdown(predicted, timed_steps(results[0].phase_seconds))
     peaks = predicted.get("peak_activation_memory") or []
     p, layout = plan.pp, RankLayout(plan.pp, plan.dp, plan.tp)
     for device in range(p):

@@ -17,6 +17,7 @@ import statistics
 from collections.abc import Sequence
 
 from pipeloom.errors import RuntimeFault
+from pipeloom.profile.speed import timed_steps
 
 __all__ = ["BUSY", "Contention", "wall_over_cpu"]
 
@@ -28,10 +29,10 @@ REFUSE_AFTER = 3
 
 
 def wall_over_cpu(results: Sequence) -> float:
-    """Wall over CPU seconds of every op the ranks timed after their first step (1.0 if none)."""
+    """Wall over CPU seconds of every op the ranks timed after their warm-up (1.0 if none)."""
     wall = cpu = 0.0
     for result in results:
-        for record in result.records[1:] or result.records:
+        for record in timed_steps(result.records):
             for (_, start, end), spent in zip(record.ops, record.op_cpu):
                 if not math.isnan(spent):
                     wall, cpu = wall + end - start, cpu + spent

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pipeloom.profile.speed import timed_steps
+
 __all__ = ["ping_seconds", "measure_links", "expert_exchange"]
 
 _SMALL, _LARGE = 16, 4 * 2**20
@@ -122,7 +124,7 @@ def expert_exchange(micro_batches, layers, steps, threads, workload_for, dtype) 
         work = workload_for(layers, mbs)
         schedule = build_schedule("1f1b", 1, m)
         spec = TrainSpec(schedule, workload=work, steps=steps, dp=_EP, ep=_EP, threads=threads, dtype=dtype)
-        records = [r for result in run_local(spec) for r in result.records[1:] or result.records]
+        records = [r for result in run_local(spec) for r in timed_steps(result.records)]
         per_op = m * layers
         stash = [v for r in records for text, v in r.entry_bytes.items() if "F" in text and not text.endswith("c")]
         out[str(mbs)] = {

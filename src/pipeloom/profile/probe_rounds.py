@@ -15,10 +15,18 @@ from pipeloom.ir.ops import OpKind
 from pipeloom.ir.schedule import Schedule
 from pipeloom.ir.text import parse_op
 from pipeloom.profile.contention import Contention
-from pipeloom.profile.speed import op_ratios, steady_rounds, step_busy
+from pipeloom.profile.speed import op_ratios, steady_rounds, step_busy, timed_steps
 from pipeloom.profile.stability import Series
 
-__all__ = ["OP_KINDS", "PHASES", "SETTLED_MS", "Probe", "measure_probes", "samples", "steady_probe"]
+__all__ = [
+    "OP_KINDS",
+    "PHASES",
+    "SETTLED_MS",
+    "Probe",
+    "measure_probes",
+    "samples",
+    "steady_probe",
+]
 
 OP_KINDS = ("F", "B", "W", "R")
 PHASES = ("pipeline", "allreduce", "optimizer", "overhead")
@@ -81,23 +89,20 @@ def steady_probe(key: tuple[int, int], schedule: Schedule, rounds: list, series:
     its rounds decided when it had settled, but which of their steps fell in a slow spell of the
     machine is luck, and it would move the medians by up to 30 %."""
     ranks = range(len(rounds[0]))
-    kept_steps = steady_rounds([[step_busy(_timed(results[rank].records)) for rank in ranks] for results in rounds])
+    kept_steps = steady_rounds(
+        [[step_busy(timed_steps(results[rank].records)) for rank in ranks] for results in rounds]
+    )
     steady = Series(floor=SETTLED_MS)
     busy: list[list[float]] = [[] for _ in ranks]
     for results, kept_flags in zip(rounds, kept_steps):
         if any(kept_flags):
             steady.add(samples(results, kept_flags))
         for rank in ranks:
-            kept = _kept(_timed(results[rank].records), kept_flags)
+            kept = _kept(timed_steps(results[rank].records), kept_flags)
             busy[rank] += step_busy(kept)
             op_variation.extend(op_ratios(kept))
     measured = {key: replace(m, rounds=series.rounds, stable=series.settled) for key, m in steady.measured().items()}
     return Probe(key[0], key[1], schedule, measured, busy, sum(map(sum, kept_steps)) / sum(map(len, kept_steps)))
-
-
-def _timed(steps: list) -> list:
-    """The steps a round times: all but the first (warm-up), unless that is all it ran."""
-    return steps[1:] or steps
 
 
 def _kept(steps: list, kept: Sequence[bool] | None) -> list:
@@ -105,20 +110,20 @@ def _kept(steps: list, kept: Sequence[bool] | None) -> list:
 
 
 def samples(results, kept: Sequence[bool] | None = None) -> dict[str, list[float]]:
-    """One round's samples, the first step left out (and those not `kept`): op times (ms) by
+    """One round's samples, its warm-up left out (and the steps not `kept`): op times (ms) by
     "kind@rank", stashed bytes ("M_B@rank", "M_ckpt@rank") and rank 0's step phases (ms)."""
     out: dict[str, list[float]] = {}
     for rank, result in enumerate(results):
-        for record in _kept(_timed(result.records), kept):
+        for record in _kept(timed_steps(result.records), kept):
             for text, start, end in record.ops:
                 op = parse_op(text)
-                if op.kind is not OpKind.R and op.microbatch % 2:
-                    continue  # a checkpointed micro-batch's backward follows its recompute: time plain ones
+                if op.kind is OpKind.F and op.microbatch % 2:
+                    continue  # a checkpointed F stashes nothing: 8 % cheaper than the F a plan runs
                 out.setdefault(f"{op.kind.value}@{rank}", []).append(1e3 * (end - start))
         entries = result.records[-1].entry_bytes
         out[f"M_B@{rank}"] = [v for text, v in entries.items() if "F" in text and not text.endswith("c")]
         out[f"M_ckpt@{rank}"] = [v for text, v in entries.items() if "F" in text and text.endswith("c")]
-    for phases in _kept(_timed(results[0].phase_seconds), kept):
+    for phases in _kept(timed_steps(results[0].phase_seconds), kept):
         for phase in PHASES:
             out.setdefault(phase, []).append(1e3 * phases[phase])
     return out

@@ -35,6 +35,7 @@ from pipeloom.profile.contention import Contention
 from pipeloom.profile.links import expert_exchange, measure_links, ping_seconds
 from pipeloom.profile.overheads import linear_fit, op_overhead_ms
 from pipeloom.profile.probe_rounds import OP_KINDS, Probe, measure_probes
+from pipeloom.profile.replica_skew import SKEW_ROUNDS, replica_skews
 from pipeloom.profile.speed import quantiles_of, speed_quantiles
 from pipeloom.profile.stability import falling_per_sample
 from pipeloom.profile.tp_probes import tensor_parallel_fits
@@ -113,13 +114,18 @@ def profile_model(
     profile.update(_runtime_overheads(profile, measured))
     if tp_fits:
         profile["tensor_parallel"] = tp_fits
-    layers = max(layer_counts)
-    profile["replica_skew"] = {
-        str(zero): _replica_skew(
-            profile, zero, model, micro_batches[0], layers, steps, threads, workload_for, dtype, busy
-        )
-        for zero in (0, 1)
-    }
+    profile["replica_skew"] = replica_skews(
+        profile,
+        model,
+        max(micro_batches),
+        max(layer_counts),
+        steps,
+        threads,
+        workload_for,
+        dtype,
+        busy,
+        rounds=min(SKEW_ROUNDS, max_rounds),
+    )
     if workload_for is not None and getattr(workload_for(1, 1), "experts", None) is not None:
         profile["a2a"] = expert_exchange(micro_batches, max(layer_counts), steps, threads, workload_for, dtype)
     profile["noise"] = _noise(measured) | busy.summary()
@@ -215,39 +221,6 @@ def _runtime_overheads(profile: dict, measured: dict) -> dict:
         "optimizer": {"base_ms": base, "per_param_ms": per_param},
         "step_overhead": {"base_ms": statistics.median(rest), "per_param_ms": 0.0},
     }
-
-
-def _replica_skew(profile, zero, model, mbs, layers, steps, threads, workload_for, dtype, busy) -> float:
-    """Two data-parallel replicas of one stage (ZeRO-`zero`): the mean time rank 0's gradient
-    collectives and optimizer take beyond what the links and the optimizer fit predict — its
-    wait for the other replica's pipeline — as a share of the pipeline. The mean, not the median:
-    a rank waits only in the steps where it was the faster one."""
-    from pipeloom.runtime.local import run_local
-    from pipeloom.runtime.training import TrainSpec
-
-    cost_model = ProfiledCostModel(profile)
-    params = cost_model.stage_params([layers])[0]
-    expected = cost_model.allreduce_time(params, 1, 2, zero) + cost_model.optimizer_time(params, 2, zero)
-    spec = TrainSpec(
-        build_schedule("1f1b", 1, 4),
-        config=llama_config(model, layers, mbs),
-        steps=steps,
-        layer_counts=(layers,),
-        dp=2,
-        zero=zero,
-        threads=threads,
-        workload=workload_for(layers, mbs) if workload_for else None,
-        dtype=dtype,
-    )
-    waits, pipelines = [], []
-    for _ in range(2):
-        results = run_local(spec)
-        while not busy.clean_round(results):
-            results = run_local(spec)
-        phases = results[0].phase_seconds[1:]
-        waits += [1e3 * (step["allreduce"] + step["optimizer"]) - expected for step in phases]
-        pipelines += [1e3 * step["pipeline"] for step in phases]
-    return max(0.0, statistics.fmean(waits)) / statistics.median(pipelines)
 
 
 def _probe_costs(probe: Probe, p: int, fitted: Costs) -> Costs:

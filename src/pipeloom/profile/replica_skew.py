@@ -1,0 +1,84 @@
+"""How long a data-parallel replica waits for the other at the gradient sync.
+
+Two replicas run the same pipeline, but never at quite the same speed: at the first collective
+after it the faster one waits. The profile trains one stage on two replicas (ZeRO-0 and ZeRO-1,
+by turns) and takes rank 0's gradient collectives and optimizer step beyond what the links and
+the optimizer fit predict, as a share of its pipeline — the mean, not the median: a rank waits
+only in the steps where it was the faster one.
+
+A wait is short and heavy-tailed, so a few steps' mean moves by several times itself: 8 steps
+measured 0.03–0.14 of the pipeline here from one run to the next, which priced a dp = 2 plan's
+step up to 15 % off. A slow spell of the host (`speed.steady_steps`) on one core makes the other
+replica wait for its whole length, and the runs the prediction is judged against leave those
+steps out — so the wait is taken over steady steps only, over several rounds, at the largest
+micro-batch profiled (the plans' size; the least fixed cost per pipeline ms).
+"""
+
+from __future__ import annotations
+
+import statistics
+from itertools import compress
+
+from pipeloom.models.llama import llama_config
+from pipeloom.profile.contention import Contention
+from pipeloom.profile.speed import steady_rounds, step_busy, timed_steps
+from pipeloom.schedules.registry import build_schedule
+from pipeloom.tune.profiled import ProfiledCostModel
+
+__all__ = ["SKEW_ROUNDS", "replica_skews"]
+
+SKEW_ROUNDS = 3
+"""Rounds per ZeRO level, taking turns: a slow spell falls on one round of each."""
+_ZERO_LEVELS = (0, 1)
+
+
+def replica_skews(
+    profile, model, mbs, layers, steps, threads, workload_for, dtype, busy: Contention, rounds: int = SKEW_ROUNDS
+) -> dict[str, float]:
+    """{"0": share, "1": share}: the mean wait of rank 0 at ZeRO-0's and ZeRO-1's gradient sync,
+    over its pipeline, on one stage of `layers` layers at micro-batch size `mbs`, in `rounds`
+    rounds of each."""
+    from pipeloom.runtime.local import run_local
+    from pipeloom.runtime.training import TrainSpec
+
+    specs = {
+        zero: TrainSpec(
+            build_schedule("1f1b", 1, 4),
+            config=llama_config(model, layers, mbs),
+            steps=steps,
+            layer_counts=(layers,),
+            dp=2,
+            zero=zero,
+            threads=threads,
+            workload=workload_for(layers, mbs) if workload_for else None,
+            dtype=dtype,
+        )
+        for zero in _ZERO_LEVELS
+    }
+    measured: dict[int, list] = {zero: [] for zero in _ZERO_LEVELS}
+    for _ in range(rounds):
+        for zero, spec in specs.items():
+            results = run_local(spec)
+            while not busy.clean_round(results):
+                results = run_local(spec)
+            measured[zero].append(results)
+    cost_model = ProfiledCostModel(profile)
+    params = cost_model.stage_params([layers])[0]
+    return {
+        str(zero): _skew(
+            measured[zero],
+            cost_model.allreduce_time(params, 1, 2, zero) + cost_model.optimizer_time(params, 2, zero),
+        )
+        for zero in _ZERO_LEVELS
+    }
+
+
+def _skew(rounds: list, expected_ms: float) -> float:
+    """Rank 0's mean wait beyond `expected_ms` over its median pipeline, steady steps only."""
+    kept = steady_rounds([[step_busy(timed_steps(result.records)) for result in results] for results in rounds])
+    waits, pipelines = [], []
+    for results, flags in zip(rounds, kept):
+        for phases in compress(timed_steps(results[0].phase_seconds), flags):
+            waits.append(1e3 * (phases["allreduce"] + phases["optimizer"]) - expected_ms)
+            pipelines.append(1e3 * phases["pipeline"])
+    return max(0.0, statistics.fmean(waits)) / statistics.median(pipelines)
