@@ -37,6 +37,7 @@ import multiprocessing
 import platform
 import statistics
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -113,7 +114,8 @@ class Row:
 
     label: str
     plan: Plan
-    spec: TrainSpec
+    spec: Callable[[], TrainSpec]
+    """Builds the plan's TrainSpec (`run_built`)."""
     band: float = 0.0
     """The prediction's band (ms, about 95 %) from the profile's confidence (`tune.confidence`)."""
     runs: list = field(default_factory=list)
@@ -203,7 +205,8 @@ def dense_group(reuse: str | None, steps: int, lean: ProcessPoolExecutor) -> Gro
         cost_model = ProfiledCostModel(profile)
         result = tune(cost_model, 2, memory, 8, **{k: v for k, v in options.items() if k not in LIMITS})
         plan = plan_from_evaluation(result.best, result, model, cost_model.to_dict(), 1)
-        spec = TrainSpec(
+        spec = partial(
+            TrainSpec,
             plan.schedule,
             config=llama_config(model, model.layers, plan.micro_batch_size),
             dp=plan.dp,
@@ -245,7 +248,7 @@ def hf_groups(directory: Path, steps: int, lean: ProcessPoolExecutor) -> list[Gr
         rows = []
         for tuning in tunings:
             label, plan, band = hf_tuned(model, tuning, profile)
-            rows.append(Row(label, plan, spec_from_plan(plan, steps=steps), band))
+            rows.append(Row(label, plan, partial(spec_from_plan, plan, steps=steps), band))
         groups.append(Group(model, rows))
     return groups
 
@@ -278,13 +281,19 @@ def hf_tuned(model: ModelSpec, tuning: dict, profile: dict) -> tuple[str, Plan, 
     return label, plan, _band(result)
 
 
+def run_built(spec: Callable[[], TrainSpec]) -> list:
+    """`run_local` of the spec `spec` builds: in the lean process, where a Hugging Face model's
+    spec (its workload holds closures) is built, as it cannot be sent there."""
+    return run_local(spec())
+
+
 def run_by_turns(group: Group, rounds: int, lean: ProcessPoolExecutor) -> None:
     """The group's plans `rounds` times, a round of each at a time: a slow spell of the machine
     falls on one round of several plans, which their other rounds outvote (as the profile's probes do)."""
     print(f"{group.model.name}: {len(group.rows)} plans × {rounds} rounds, by turns ...", flush=True)
     for _ in range(rounds):
         for row in group.rows:
-            row.runs.append(lean.submit(run_local, row.spec).result())
+            row.runs.append(lean.submit(run_built, row.spec).result())
 
 
 def report(rows: list[Row], explain_above: float) -> None:
