@@ -35,7 +35,8 @@ from pipeloom.files import read_json
 from pipeloom.static_memory import collective_bytes, compute_bytes, static_bytes
 from pipeloom.tune.presets import ModelSpec, model_from_config
 from pipeloom.tune.profile_checks import check_profile_numbers
-from pipeloom.tune.profile_fits import at_size, fit_positions, tp_key
+from pipeloom.tune.profile_fits import at_size, fit_positions
+from pipeloom.tune.tp_layout import activation_share, layer_collectives, measured_tp_fits, ring_bytes, stage_collectives
 
 __all__ = ["PROFILE_FORMAT", "ProfiledCostModel", "fit_positions", "profile_costs_keys"]
 
@@ -74,7 +75,7 @@ class ProfiledCostModel:
             raise ConfigError(f"profile is incomplete: {error}") from None
         self.profile = profile
         self.source = "profile"
-        self._tp_fits = self._read_tp_fits()
+        self._tp_fits = measured_tp_fits(profile, tp, self.sequence_parallel)
         if tp > 1 and not all(name in self.links for name in _COLLECTIVES):
             raise ConfigError("the profile has no measured collectives to price tensor parallelism: profile again")
 
@@ -88,48 +89,14 @@ class ProfiledCostModel:
         return self.compute * micro_batch * self.model.seq_len * self.model.hidden
 
     def tp_collectives(self, stage: int, stages: int, layers: int) -> dict[str, list[str]]:
-        """The tensor-parallel collectives of a stage's F and B (R repeats F's; W has none),
-        each on one activation of the micro-batch."""
-        if self.tp == 1:
-            return {"F": [], "B": []}
-        sp = self.sequence_parallel
-        enter, leave = (["all_gather"], ["reduce_scatter"]) if sp else ([], ["allreduce"])
-        back_enter = ["reduce_scatter"] if sp else ["allreduce"]
-        per_layer = self._layer_collectives()
-        forward, backward = per_layer["F"] * layers, per_layer["B"] * layers
-        if stage == 0:
-            forward += leave  # the vocabulary-parallel embedding's partial rows
-        if stage == stages - 1:
-            forward += enter  # into the vocabulary-parallel head
-            backward += back_enter
-        if not sp:  # the sequence shards a stage receives, and its shard of the output gradient
-            forward += ["all_gather"] if stage > 0 else []
-            backward += ["all_gather"] if stage < stages - 1 else []
-        return {"F": forward, "B": backward}
-
-    def _layer_collectives(self) -> dict[str, list[str]]:
-        """A layer's: its attention and its MLP each enter the region and leave it."""
-        if self.tp == 1:
-            return {"F": [], "B": []}
-        if self.sequence_parallel:
-            return {"F": ["all_gather", "reduce_scatter"] * 2, "B": ["reduce_scatter", "all_gather"] * 2}
-        return {"F": ["allreduce"] * 2, "B": ["allreduce"] * 2}
+        """The tensor-parallel collectives of a stage's F and B (`tp_layout.stage_collectives`)."""
+        return stage_collectives(self.tp, self.sequence_parallel, stage, stages, layers)
 
     def tp_measured(self) -> dict[str, dict[int, dict]] | None:
         """The profile's measured tensor-parallel fits for this layout (`profile.tp_probes`):
         pass or stash (M_B, M_ckpt) → micro-batch size → {"per_layer", "single"}; None if it
         measured none. Read once: the layout is fixed when the model is made."""
         return self._tp_fits
-
-    def _read_tp_fits(self) -> dict[str, dict[int, dict]] | None:
-        if self.tp == 1:
-            return None
-        by_size = (self.profile.get("tensor_parallel") or {}).get(tp_key(self.tp, self.sequence_parallel))
-        if not by_size:
-            return None
-        kinds = set.intersection(*(set(fits) for fits in by_size.values()))
-        wanted = (*_TIMES, "M_B", "M_ckpt")
-        return {kind: {int(size): fits[kind] for size, fits in by_size.items()} for kind in kinds if kind in wanted}
 
     def _tp_value(self, key: str, field: str, micro_batch: float) -> float:
         """A measured tensor-parallel fit's `field` of `key` at `micro_batch` (`at_size`)."""
@@ -157,10 +124,8 @@ class ProfiledCostModel:
         return sum(self._collective(name, nbytes, self.tp) for name in names)
 
     def tp_bytes(self, names: list[str], micro_batch: float) -> float:
-        """Bytes one rank sends for `names` by the ring: 2(tp−1)/tp of an all-reduce's, (tp−1)/tp
-        of an all-gather's or reduce-scatter's."""
-        nbytes, t = self._activation_bytes(micro_batch), self.tp
-        return sum(nbytes * (t - 1) / t * (2 if name == "allreduce" else 1) for name in names)
+        """Bytes one rank sends for `names` (`tp_layout.ring_bytes`)."""
+        return ring_bytes(names, self._activation_bytes(micro_batch), self.tp)
 
     def tp_step(self, schedule, partition: Sequence[int], micro_batch: int) -> tuple[list[float], list[float]]:
         """Per device, the (ms, bytes sent) of one step's tensor-parallel collectives."""
@@ -179,13 +144,6 @@ class ProfiledCostModel:
             times.append(self._tp_time(names, size))
             sent.append(self.tp_bytes(names, size))
         return times, sent
-
-    def _activation_share(self) -> float:
-        """A rank's share of a layer's activations (Korthikanti et al.: 34 bytes·sbh of which 24
-        split without sequence parallelism, all of them with it; the attention scores left out)."""
-        if self.tp == 1:
-            return 1.0
-        return 1 / self.tp if self.sequence_parallel else (10 + 24 / self.tp) / 34
 
     def _value(self, key: str, field: str, micro_batch: float) -> float:
         """A fitted coefficient at `micro_batch`, linear between the profiled sizes."""
@@ -230,7 +188,7 @@ class ProfiledCostModel:
             min(self._value("M_ckpt", self._position(i, len(counts)), size), m) for i, m in enumerate(per_stage["M_B"])
         ]
         if self.tp > 1:
-            share = self._activation_share()
+            share = activation_share(self.tp, self.sequence_parallel)
             per_stage["M_B"] = [m * share for m in per_stage["M_B"]]
             per_stage["M_ckpt"] = [m / self.tp for m in per_stage["M_ckpt"]]
         if self._tp_fits:
@@ -306,7 +264,7 @@ class ProfiledCostModel:
         if self._tp_fits:
             return sum(self._tp_value(key, "per_layer", micro_batch) for key in ("F", "B", "W") if key in self._tp_fits)
         compute = sum(self._value(key, "per_layer", micro_batch) for key in ("F", "B", "W")) / self.tp
-        layer = self._layer_collectives()
+        layer = layer_collectives(self.tp, self.sequence_parallel)
         return compute + self._tp_time(layer["F"] + layer["B"], micro_batch)
 
     def end_times(self, micro_batch: int) -> tuple[float, float]:
@@ -322,7 +280,9 @@ class ProfiledCostModel:
         if self._tp_fits and "M_B" in self._tp_fits:
             activations = self._tp_value("M_B", "per_layer", micro_batch)
         else:
-            activations = self._value("M_B", "per_layer", micro_batch) * self._activation_share()
+            activations = self._value("M_B", "per_layer", micro_batch) * activation_share(
+                self.tp, self.sequence_parallel
+            )
         activations = max(0.0, activations + self._ep_stash_per_layer(micro_batch))
         return activations, self._static(self.params["layer"] / self.tp, dp, zero)
 
