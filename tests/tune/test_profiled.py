@@ -287,3 +287,13 @@ def test_the_cli_refuses_a_bad_profile_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "fits[1].F.per_layer is nan" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "plan.json").exists()
+
+
+def test_chimera_s_twin_copies_wait_for_each_other_at_the_gradient_sync_as_replicas_do():
+    from pipeloom.tune.search import tune
+
+    data = {**profile(), **links(), "replica_skew": {"0": 0.1, "1": 0.1}}
+    model = ProfiledCostModel(data)
+    best = tune(model, 2, 1e12, 8, schemes=["chimera"], pp_values=[2], micro_batches=[2], static_measures=False).best
+    whole = sum(model.stage_params(best.partition))  # each device holds a copy of every stage
+    assert best.allreduce_time == pytest.approx(model.allreduce_time(whole, 2, 2) + 0.1 * best.pipeline_time)

@@ -11,12 +11,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from itertools import compress
 
-from pipeloom.ir.ops import OpKind
+from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
 from pipeloom.ir.text import parse_op
+from pipeloom.models.llama import llama_config
+from pipeloom.passes.split_backward import split_backward
 from pipeloom.profile.contention import Contention
 from pipeloom.profile.speed import op_ratios, steady_rounds, step_busy, timed_steps
 from pipeloom.profile.stability import Series
+from pipeloom.schedules.registry import build_schedule
 
 __all__ = [
     "OP_KINDS",
@@ -24,6 +27,8 @@ __all__ = [
     "SETTLED_MS",
     "Probe",
     "measure_probes",
+    "probe_schedule",
+    "probe_train_spec",
     "samples",
     "steady_probe",
 ]
@@ -55,6 +60,41 @@ class Probe:
     @property
     def rounds(self) -> int:
         return max(m.rounds for m in self.values.values())
+
+
+def probe_schedule(p: int) -> Schedule:
+    """1F1B over 4 micro-batches, backward split, odd micro-batches checkpointed (R inside B)."""
+    split = split_backward(build_schedule("1f1b", p, 4), "after")
+    devices = []
+    for ops in split.devices:
+        out = []
+        for op in ops:
+            odd = op.microbatch % 2 == 1
+            if op.kind is OpKind.F and odd:
+                out.append(Op(OpKind.F, op.stage, op.microbatch, ckpt=True))
+                continue
+            if op.kind is OpKind.B and odd:
+                out.append(Op(OpKind.R, op.stage, op.microbatch, after_grad=True))
+            out.append(op)
+        devices.append(out)
+    return split.with_devices(devices, name="probe")
+
+
+def probe_train_spec(model, steps: int, threads: int, workload_for, dtype: str, mbs: int, layers: int):
+    """The probe at micro-batch size `mbs`: two stages of `layers` layers (`probe_schedule`), of
+    `model`'s decoder or of `workload_for(layers, mbs)`'s model."""
+    from pipeloom.runtime.training import TrainSpec
+
+    p = 2
+    return TrainSpec(
+        probe_schedule(p),
+        config=llama_config(model, layers * p, mbs),
+        steps=steps,
+        layer_counts=(layers,) * p,
+        threads=threads,
+        workload=workload_for(layers * p, mbs) if workload_for else None,
+        dtype=dtype,
+    )
 
 
 def measure_probes(

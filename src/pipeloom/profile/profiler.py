@@ -27,19 +27,16 @@ from typing import Any
 
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError, RuntimeFault
-from pipeloom.ir.ops import Op, OpKind
-from pipeloom.ir.schedule import Schedule
 from pipeloom.models.llama import build_stages, llama_config
-from pipeloom.passes.split_backward import split_backward
 from pipeloom.profile.contention import Contention
 from pipeloom.profile.links import expert_exchange, measure_links, ping_seconds
 from pipeloom.profile.overheads import linear_fit, op_overhead_ms
-from pipeloom.profile.probe_rounds import OP_KINDS, Probe, measure_probes
+from pipeloom.profile.probe_rounds import OP_KINDS, Probe, measure_probes, probe_schedule, probe_train_spec
 from pipeloom.profile.replica_skew import SKEW_ROUNDS, replica_skews
 from pipeloom.profile.speed import quantiles_of, speed_quantiles
+from pipeloom.profile.speed_check import PROBE_BUSY, probe_busy
 from pipeloom.profile.stability import falling_per_sample
 from pipeloom.profile.tp_probes import tensor_parallel_fits
-from pipeloom.schedules.registry import build_schedule
 from pipeloom.static_memory import compute_bytes
 from pipeloom.tune.presets import ModelSpec
 from pipeloom.tune.profile_checks import check_profile_numbers
@@ -85,7 +82,7 @@ def profile_model(
             progress(min(done[0], total - 1), total)
 
     op_variation: list[float] = []  # each op's time over its median, its step's speed taken out
-    specs = {key: _probe_spec(*shape, *key) for key in probes}
+    specs = {key: probe_train_spec(*shape, *key) for key in probes}
     measured = measure_probes(specs, max_rounds, busy, tick, op_variation)
     fits = _fits(measured, micro_batches)
     # a size cheaper per sample than a smaller one is what larger GEMMs do, unless a busy spell
@@ -132,6 +129,7 @@ def profile_model(
     profile["confidence"] = _confidence(measured, micro_batches)
     profile["step_speed"] = speed_quantiles(busy for probe in measured.values() for busy in probe.busy)
     profile["op_speed"] = quantiles_of(op_variation)
+    profile[PROBE_BUSY] = probe_busy(measured)
     profile["warnings"] = warnings + [text for text in [busy.warning()] if text]
     try:  # what `tune` will refuse is never written: the fits are constrained, this is the proof
         check_profile_numbers(profile)
@@ -141,21 +139,6 @@ def profile_model(
             "profile again on a quieter machine, or with more --steps"
         ) from None
     return profile
-
-
-def _probe_spec(model, steps, threads, workload_for, dtype, mbs, n):
-    from pipeloom.runtime.training import TrainSpec
-
-    p = 2
-    return TrainSpec(
-        probe_schedule(p),
-        config=llama_config(model, n * p, mbs),
-        steps=steps,
-        layer_counts=(n,) * p,
-        threads=threads,
-        workload=workload_for(n * p, mbs) if workload_for else None,
-        dtype=dtype,
-    )
 
 
 def _fits(measured: dict[tuple[int, int], Probe], micro_batches: Sequence[int]) -> dict:
@@ -245,24 +228,6 @@ def _noise(measured: dict) -> dict:
         "unsettled": sum(1 for probe in measured.values() if not all(m.stable for m in probe.values.values())),
         "remeasured_sizes": [],  # busy rounds are dropped and run again instead (kept for older readers)
     }
-
-
-def probe_schedule(p: int) -> Schedule:
-    """1F1B over 4 micro-batches, backward split, odd micro-batches checkpointed (R inside B)."""
-    split = split_backward(build_schedule("1f1b", p, 4), "after")
-    devices = []
-    for ops in split.devices:
-        out = []
-        for op in ops:
-            odd = op.microbatch % 2 == 1
-            if op.kind is OpKind.F and odd:
-                out.append(Op(OpKind.F, op.stage, op.microbatch, ckpt=True))
-                continue
-            if op.kind is OpKind.B and odd:
-                out.append(Op(OpKind.R, op.stage, op.microbatch, after_grad=True))
-            out.append(op)
-        devices.append(out)
-    return split.with_devices(devices, name="probe")
 
 
 def _params(model: ModelSpec, workload_for=None) -> dict:

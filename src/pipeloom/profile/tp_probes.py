@@ -6,7 +6,7 @@ a 4-layer stage of examples/hf-llama-tiny at micro-batch 2 ran its forward in 7.
 and in 28.9 ms on each of two (36.3 ms with sequence parallelism), its ops at 1.9× their CPU
 time. DTensor dispatches every op of the sharded modules in Python, and each collective waits
 for the slower rank, whose jitter it then carries. Neither follows from the tp = 1 times, so a
-profile asked for tensor parallelism measures it: the probe schedule (`profiler.probe_schedule`)
+profile asked for tensor parallelism measures it: the probe schedule (`probe_rounds.probe_schedule`)
 on one stage of n layers over tp ranks, for each micro-batch size and n, fitted as time = a·n +
 b per pass, and its stashed bytes the same way (`tune.profiled.ProfiledCostModel` prices a
 stage at other positions by the tp = 1 intercepts scaled as the single stage's). The machine's contention is judged on the tp = 1
@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 from pipeloom.errors import ConfigError
 from pipeloom.models.llama import llama_config
-from pipeloom.profile.probe_rounds import OP_KINDS, measure_probes
+from pipeloom.profile.probe_rounds import OP_KINDS, measure_probes, probe_schedule
 from pipeloom.tune.profile_fits import fit_positions, tp_key
 
 __all__ = ["tensor_parallel_fits"]
@@ -43,7 +43,6 @@ def tensor_parallel_fits(
         return {}
     if workload_for is None:
         raise ConfigError("profile: tensor parallelism is measured on Hugging Face models (--model hf:DIR)")
-    from pipeloom.profile.profiler import probe_schedule
     from pipeloom.runtime.training import TrainSpec
 
     out = {}
