@@ -37,7 +37,6 @@ import multiprocessing
 import platform
 import statistics
 import tempfile
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -51,7 +50,6 @@ from pipeloom.errors import RuntimeFault
 from pipeloom.models.llama import llama_config
 from pipeloom.profile.profiler import profile_model
 from pipeloom.profile.speed import timed_steps
-from pipeloom.profile.speed_check import SpeedCheck, speed_check
 from pipeloom.profile.stability import Series
 from pipeloom.runtime.layout import RankLayout
 from pipeloom.runtime.local import run_local
@@ -129,15 +127,6 @@ class Group:
 
     model: ModelSpec
     rows: list[Row]
-    check: Callable[[], SpeedCheck]
-    """The profile's probe at the plans' size, run again (`profile.speed_check`)."""
-    checks: list[SpeedCheck] = field(default_factory=list)
-    """One per round of runs."""
-
-    @property
-    def drift(self) -> float:
-        """The machine's time for the same ops while the plans ran over while profiled."""
-        return statistics.median(check.ratio for check in self.checks) if self.checks else 1.0
 
 
 def main() -> None:
@@ -154,38 +143,32 @@ def main() -> None:
     args = parser.parse_args()
     print(f"python {platform.python_version()} on {platform.machine()}; 2 ranks, {args.steps} steps a run")
     groups: list[Group] = []
-    with (
-        tempfile.TemporaryDirectory(prefix="pipeloom-fidelity-") as directory,
-        lean_process() as profiler,
-        lean_process() as runner,
-    ):
+    with tempfile.TemporaryDirectory(prefix="pipeloom-fidelity-") as directory, lean_process() as lean:
         try:
             if not args.only_hf:
-                groups.append(dense_group(args.profile, args.steps, profiler))
+                groups.append(dense_group(args.profile, args.steps, lean))
             if not args.no_hf:
-                groups += hf_groups(Path(directory), args.steps, profiler)
+                groups += hf_groups(Path(directory), args.steps, lean)
             for group in groups:
-                run_by_turns(group, args.rounds, runner)
+                run_by_turns(group, args.rounds, lean)
         except RuntimeFault as error:  # a busy machine: no plan is better than a misleading one
             print(f"profile refused: {error}")
             return
     split = 0 if args.only_hf else 1  # the first group is the built-in decoder's
     for title, section in (("the built-in decoder", groups[:split]), ("Hugging Face models", groups[split:])):
-        if any(
-            group.rows for group in section
-        ):  # each its own MAPE: the Hugging Face plans' misses say what their profiles lack
+        rows = [row for group in section for row in group.rows]
+        if rows:  # each its own MAPE: the Hugging Face plans' misses say what their profiles lack
             print(f"\n{title}:")
-            report(section, args.explain_above)
+            report(rows, args.explain_above)
 
 
 def lean_process() -> ProcessPoolExecutor:
-    """A process forked before this one holds anything but its imports: one takes every profile,
-    another forks every run. Ranks forked from a parent that has built and dropped models run
-    slower, and not alike: a ZeRO-1 step measured 204 ms forked from a lean parent and 239 ms
-    from one holding 3 GB more (its optimizer phase 24 → 45 ms; ZeRO-0's unchanged), and its
-    gradient phase 29 ms forked from a lean process and 49 ms from one that had profiled — so
-    the bench, which builds the plans' models and keeps their runs, would measure its plans in a
-    different process than `pipeloom train` runs them in."""
+    """One process, forked before this one holds anything but its imports, that takes every
+    profile and forks every run. Ranks forked from a parent that has built and dropped models
+    run slower, and not alike: a ZeRO-1 step measured 204 ms forked from a lean parent and 239 ms
+    from one holding 3 GB more (its optimizer phase 24 → 45 ms; ZeRO-0's unchanged) — so the
+    bench, which builds the plans' models and keeps their runs, would measure the last plans in
+    a different process than `pipeloom train` runs them in, and than the profile measured."""
     lean = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"))
     lean.submit(int).result()  # forked now, while this process is lean
     return lean
@@ -233,7 +216,7 @@ def dense_group(reuse: str | None, steps: int, lean: ProcessPoolExecutor) -> Gro
             offload_stages=plan.offload_stages,
         )
         rows.append(Row(result.best.candidate.label, plan, spec, _band(result)))
-    return Group(model, rows, speed_check_for(profile, model, rows, steps))
+    return Group(model, rows)
 
 
 def hf_groups(directory: Path, steps: int, lean: ProcessPoolExecutor) -> list[Group]:
@@ -266,7 +249,7 @@ def hf_groups(directory: Path, steps: int, lean: ProcessPoolExecutor) -> list[Gr
         for tuning in tunings:
             label, plan, band = hf_tuned(model, tuning, profile)
             rows.append(Row(label, plan, partial(spec_from_plan, plan, steps=steps), band))
-        groups.append(Group(model, rows, speed_check_for(profile, model, rows, steps, profiling["workload_for"])))
+        groups.append(Group(model, rows))
     return groups
 
 
@@ -306,35 +289,22 @@ def run_built(spec: Callable[[], TrainSpec]) -> list:
 
 def run_by_turns(group: Group, rounds: int, lean: ProcessPoolExecutor) -> None:
     """The group's plans `rounds` times, a round of each at a time: a slow spell of the machine
-    falls on one round of several plans, which their other rounds outvote (as the profile's probes do).
-    Each round ends with the speed check, which measures the machine as the round found it."""
+    falls on one round of several plans, which their other rounds outvote (as the profile's probes do)."""
     print(f"{group.model.name}: {len(group.rows)} plans × {rounds} rounds, by turns ...", flush=True)
     for _ in range(rounds):
         for row in group.rows:
             row.runs.append(lean.submit(run_built, row.spec).result())
-        group.checks.append(lean.submit(group.check).result())
-    ratios = ", ".join(f"{check.ratio:.3f}" for check in group.checks)
-    print(f"  the profile's probe {group.checks[0].probe} beside each round: ×{ratios} its profiled time in ops")
 
 
-def speed_check_for(profile: dict, model: ModelSpec, rows: list[Row], steps: int, workload_for=None) -> Callable:
-    """The speed check at the plans' most common micro-batch size and layers per stage."""
-    shapes = Counter((row.plan.micro_batch_size, max(row.plan.partition)) for row in rows)
-    mbs, layers = shapes.most_common(1)[0][0]
-    return partial(speed_check, profile, model, mbs, layers, steps, workload_for=workload_for)
-
-
-def report(groups: list[Group], explain_above: float) -> None:
-    rows = [row for group in groups for row in group.rows]
-    drifts = [group.drift for group in groups for _ in group.rows]
+def report(rows: list[Row], explain_above: float) -> None:
     width = max(len(row.label) for row in rows) + 1
-    header = f"{'plan':<{width}} {'step ms':>8} {'measured':>8} {'bias':>7} {'at speed':>8}  "
+    header = f"{'plan':<{width}} {'step ms':>8} {'measured':>8} {'bias':>7}  "
     print(header + "  ".join(f"{p[:8]:>13}" for p in PHASES) + "   stash MiB (pred/meas) per device")
-    errors: dict[str, list[float]] = {"time": [], "memory": [], "simulator": [], "bias": [], "at_speed": []}
+    errors: dict[str, list[float]] = {"time": [], "memory": [], "simulator": [], "bias": []}
     explained, traffics, shares = [], [], []
     within: list[bool] = []
     noises: list[float] = []
-    for row, drift in zip(rows, drifts):
+    for row in rows:
         plan, rounds = row.plan, row.runs
         series = Series()
         kept = steady(rounds)
@@ -355,8 +325,6 @@ def report(groups: list[Group], explain_above: float) -> None:
         within.append(errors["time"][-1] <= noise)
         noises.append(noise)
         errors["bias"].append((predicted - measured) / measured)
-        at_speed = predicted + (drift - 1) * plan.predicted["pipeline_ms"]  # its ops at the runs' speed
-        errors["at_speed"].append((at_speed - measured) / measured)
         parts = [f"{plan.predicted.get(p + '_ms', 0.0):6.1f}/{measured_parts[p].median:<6.1f}" for p in PHASES]
         cells = []
         for device, expected in enumerate(plan.predicted["peak_activation_memory"]):
@@ -368,8 +336,10 @@ def report(groups: list[Group], explain_above: float) -> None:
             errors["memory"].append(abs(stash - expected) / stash)
             cells.append(f"{expected / 2**20:.1f}/{stash / 2**20:.1f}")
         print(
-            f"{row.label:<{width}} {predicted:>8.1f} {measured:>8.1f} {errors['bias'][-1]:>+7.1%} "
-            f"{errors['at_speed'][-1]:>+8.1%}  " + "  ".join(parts) + "   " + "  ".join(cells)
+            f"{row.label:<{width}} {predicted:>8.1f} {measured:>8.1f} {errors['bias'][-1]:>+7.1%}  "
+            + "  ".join(parts)
+            + "   "
+            + "  ".join(cells)
         )
         again = replayed(plan, rounds, layout, kept)  # the simulator alone: the runs' own op times, the plan's the rest
         errors["simulator"].append(abs(predicted + again.replayed - again.predicted - measured) / measured)
@@ -377,8 +347,7 @@ def report(groups: list[Group], explain_above: float) -> None:
             explained.append(f"{row.label}: {why(plan, rounds, measured_parts, measured, again)}")
         if moved := traffic(plan, rounds):  # collectives' bytes or all-to-all time, read once
             traffics.append(f"{row.label}: {moved}")
-    mape = {key: statistics.fmean(map(abs, values)) for key, values in errors.items()}
-    mape["bias"] = statistics.fmean(errors["bias"])
+    mape = {key: statistics.fmean(values) for key, values in errors.items()}
     print(
         f"breakdown columns: predicted/measured ms (rank 0's medians over its steady steps: "
         f"{statistics.median(shares):.0%} of a plan's, the rest ran in slow spells); {len(rows)} plans"
@@ -393,12 +362,6 @@ def report(groups: list[Group], explain_above: float) -> None:
         f"MAPE: step time {mape['time']:.1%} (goal ≤ 3%: {'met' if mape['time'] <= 0.03 else 'missed'}), "
         f"bias {mape['bias']:+.1%} (predicted over measured, mean), memory {mape['memory']:.2%} "
         f"(goal ≤ 2%: {'met' if mape['memory'] <= 0.02 else 'missed'})"
-    )
-    speeds = ", ".join(f"×{group.drift:.3f} ({group.model.name})" for group in groups)
-    print(
-        f"at the runs' speed (each plan's pipeline scaled by its profile's probe run beside the rounds: "
-        f"{speeds} its profiled time): MAPE {mape['at_speed']:.1%} (goal ≤ 3%: "
-        f"{'met' if mape['at_speed'] <= 0.03 else 'missed'}), bias {statistics.fmean(errors['at_speed']):+.1%}"
     )
     print(
         f"the simulator alone (each plan's runs' own op times replayed, the rest as predicted): MAPE "

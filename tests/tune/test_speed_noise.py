@@ -4,9 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeloom.errors import ConfigError
 from pipeloom.profile.speed import QUANTILES, op_ratios, speed_quantiles, steady_steps, timed_steps
-from pipeloom.profile.speed_check import PROBE_BUSY, SpeedCheck, probe_busy, reference_probe
 from pipeloom.tune.profiled import ProfiledCostModel
 from pipeloom.tune.search import tune
 from pipeloom.tune.speed_noise import noisy_pipeline, winsorized
@@ -91,15 +89,3 @@ def test_a_round_is_timed_after_its_two_warm_up_steps_but_never_left_empty():
     assert timed_steps([312, 301]) == [301]
     assert timed_steps([312]) == [312]
     assert timed_steps([]) == []
-
-
-def test_the_speed_check_compares_the_same_probe_and_says_when_it_cannot():
-    probes = {PROBE_BUSY: {"1x2": [50.0, 60.0], "2x4": [170.0, 180.0], "4x2": [190.0, 200.0]}}
-    assert reference_probe(probes, 2, 4) == (2, 4)  # the plans' own shape where it was profiled
-    assert reference_probe(probes, 2, 8) == (4, 2)  # else the largest micro-batch (then layers)
-    with pytest.raises(ConfigError, match="no probe times"):
-        reference_probe({"fits": {}}, 2, 4)
-    check = SpeedCheck("2x4", (170.0, 180.0), (187.0, 198.0))
-    assert check.ratio == pytest.approx(385 / 350)  # the ranks' time together, now over then
-    measured = {(2, 4): SimpleNamespace(busy=[[170.0, 300.0, 160.0], [180.0, 175.0, 185.0]])}
-    assert probe_busy(measured) == {"2x4": [170.0, 180.0]}  # each rank's median step
