@@ -6,10 +6,9 @@ from __future__ import annotations
 import statistics
 
 from pipeloom.profile.contention import BUSY, wall_over_cpu
+from pipeloom.profile.probe_rounds import PHASES
 from pipeloom.profile.speed import steady_rounds, step_busy, timed_steps, warmup_steps
 from pipeloom.sim.replay import replay
-
-PHASES = ("pipeline", "allreduce", "optimizer", "overhead")
 
 
 def steady(rounds: list) -> list[list[bool]]:

@@ -3,7 +3,8 @@
 import pytest
 
 from pipeloom import ConfigError
-from pipeloom.tune.profiled import PROFILE_FORMAT, ProfiledCostModel, fit_positions
+from pipeloom.tune.profile_fits import fit_positions
+from pipeloom.tune.profiled import PROFILE_FORMAT, ProfiledCostModel
 from pipeloom.tune.search import tune
 
 MODEL = {"name": "toy", "hidden": 64, "layers": 8, "heads": 4, "ffn": 128, "vocab": 100, "seq_len": 32, "gated": True}

@@ -46,7 +46,9 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="compute type (default fp32)")
     parser.add_argument("--mbs", default="1,2", metavar="LIST", help="micro-batch sizes to measure (default 1,2)")
     parser.add_argument("--layers", default="1,2,3", metavar="LIST", help="layers per stage to measure (default 1,2,3)")
-    parser.add_argument("--steps", type=int, default=4, help="steps per probe; the first is left out (default 4)")
+    parser.add_argument(
+        "--steps", type=int, default=4, help="steps per probe; the first two are warm-up, left out (default 4)"
+    )
     parser.add_argument(
         "--max-rounds",
         type=int,

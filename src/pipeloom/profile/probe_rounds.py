@@ -80,20 +80,33 @@ def probe_schedule(p: int) -> Schedule:
     return split.with_devices(devices, name="probe")
 
 
-def probe_train_spec(model, steps: int, threads: int, workload_for, dtype: str, mbs: int, layers: int):
-    """The probe at micro-batch size `mbs`: two stages of `layers` layers (`probe_schedule`), of
-    `model`'s decoder or of `workload_for(layers, mbs)`'s model."""
+def probe_train_spec(
+    model,
+    steps: int,
+    threads: int,
+    workload_for,
+    dtype: str,
+    mbs: int,
+    layers: int,
+    stages: int = 2,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+):
+    """The probe at micro-batch size `mbs`: `stages` stages of `layers` layers (`probe_schedule`),
+    of `model`'s decoder or of `workload_for(layers × stages, mbs)`'s model, each stage on `tp`
+    tensor-parallel ranks (`tp_probes`)."""
     from pipeloom.runtime.training import TrainSpec
 
-    p = 2
     return TrainSpec(
-        probe_schedule(p),
-        config=llama_config(model, layers * p, mbs),
+        probe_schedule(stages),
+        config=llama_config(model, layers * stages, mbs),
         steps=steps,
-        layer_counts=(layers,) * p,
+        layer_counts=(layers,) * stages,
         threads=threads,
-        workload=workload_for(layers * p, mbs) if workload_for else None,
+        workload=workload_for(layers * stages, mbs) if workload_for else None,
         dtype=dtype,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
     )
 
 

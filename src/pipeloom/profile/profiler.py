@@ -65,7 +65,7 @@ def profile_model(
     """The profile (format ``pipeloom.profile/1``) as a dict. `workload_for(layers, micro-batch
     size)` builds another model to probe (a Hugging Face one: `models.hf.hf_workload`); by
     default it is the built-in LLaMA-style decoder of `model`'s shape. Each probe runs `steps`
-    steps a round (the first left out as warm-up), in as many rounds (at most `max_rounds`) as
+    steps a round (its warm-up left out: `speed.timed_steps`), in as many rounds (at most `max_rounds`) as
     its medians take to settle (`stability.Series`), the probes taking turns. RuntimeFault if
     the machine is too busy to measure (`contention.Contention`), unless `allow_busy`.
     `tensor_parallel`: (tp, sequence parallel) layouts whose ops are measured too (`tp_probes`)."""

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from pipeloom.errors import ConfigError
-from pipeloom.models.llama import llama_config
-from pipeloom.profile.probe_rounds import OP_KINDS, measure_probes, probe_schedule
+from pipeloom.profile.probe_rounds import measure_probes, probe_train_spec
+from pipeloom.tune.profile_checks import FIT_KEYS
 from pipeloom.tune.profile_fits import fit_positions, tp_key
 
 __all__ = ["tensor_parallel_fits"]
@@ -43,21 +43,11 @@ def tensor_parallel_fits(
         return {}
     if workload_for is None:
         raise ConfigError("profile: tensor parallelism is measured on Hugging Face models (--model hf:DIR)")
-    from pipeloom.runtime.training import TrainSpec
-
     out = {}
     for tp, sequence_parallel in layouts:
         specs = {
-            (mbs, n): TrainSpec(
-                probe_schedule(1),
-                config=llama_config(model, n, mbs),
-                steps=steps,
-                layer_counts=(n,),
-                threads=threads,
-                workload=workload_for(n, mbs),
-                dtype=dtype,
-                tp=tp,
-                sequence_parallel=sequence_parallel,
+            (mbs, n): probe_train_spec(
+                model, steps, threads, workload_for, dtype, mbs, n, stages=1, tp=tp, sequence_parallel=sequence_parallel
             )
             for mbs in micro_batches
             for n in layer_counts
@@ -66,7 +56,7 @@ def tensor_parallel_fits(
         out[tp_key(tp, sequence_parallel)] = {
             str(mbs): {
                 kind: fit_positions([("single", n, measured[mbs, n].median(f"{kind}@0")) for n in layer_counts])
-                for kind in (*OP_KINDS, "M_B", "M_ckpt")
+                for kind in FIT_KEYS
                 if f"{kind}@0" in measured[mbs, layer_counts[0]].values
             }
             for mbs in micro_batches

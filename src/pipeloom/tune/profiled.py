@@ -35,10 +35,10 @@ from pipeloom.files import read_json
 from pipeloom.static_memory import collective_bytes, compute_bytes, static_bytes
 from pipeloom.tune.presets import ModelSpec, model_from_config
 from pipeloom.tune.profile_checks import check_profile_numbers
-from pipeloom.tune.profile_fits import at_size, fit_positions
+from pipeloom.tune.profile_fits import at_size
 from pipeloom.tune.tp_layout import activation_share, layer_collectives, measured_tp_fits, ring_bytes, stage_collectives
 
-__all__ = ["PROFILE_FORMAT", "ProfiledCostModel", "fit_positions", "profile_costs_keys"]
+__all__ = ["PROFILE_FORMAT", "ProfiledCostModel", "profile_costs_keys"]
 
 PROFILE_FORMAT = "pipeloom.profile/1"
 _TIMES = ("F", "B", "W", "R")

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pipeloom.tune.profile_checks import FIT_KEYS
 from pipeloom.tune.profile_fits import tp_key
 
 __all__ = ["activation_share", "layer_collectives", "measured_tp_fits", "ring_bytes", "stage_collectives"]
-
-_MEASURED = ("F", "B", "W", "R", "M_B", "M_ckpt")
 
 
 def layer_collectives(tp: int, sequence_parallel: bool) -> dict[str, list[str]]:
@@ -69,4 +68,4 @@ def measured_tp_fits(profile: dict, tp: int, sequence_parallel: bool) -> dict[st
     if not by_size:
         return None
     kinds = set.intersection(*(set(fits) for fits in by_size.values()))
-    return {kind: {int(size): fits[kind] for size, fits in by_size.items()} for kind in kinds if kind in _MEASURED}
+    return {kind: {int(size): fits[kind] for size, fits in by_size.items()} for kind in kinds if kind in FIT_KEYS}
