@@ -4,8 +4,8 @@ a mixture of experts' all-to-alls (`expert_exchange`).
 Each is measured between two forked gloo ranks at two sizes — a tiny tensor for the latency and a
 large one for the bandwidth — and fitted as time = latency + bytes / bandwidth, bytes being the
 whole tensor's: p2p (`send`/`recv`), and the collectives the runtime runs over dp replicas — the
-all-reduce of ZeRO-0's gradients, the reduce-scatter of ZeRO-1/2's and the all-gather of their new
-weights. dp = 2 is the most ranks a probe forks; the tuner scales a collective to other dp by the
+all-reduce of ZeRO-0's gradients, the reduce-scatter of ZeRO-1/2's (`zero.sum_into_shard`: over
+gloo an all-reduce) and the all-gather of their new weights. dp = 2 is the most ranks a probe forks; the tuner scales a collective to other dp by the
 ring algorithm: dp − 1 latencies and 2(dp − 1)/dp of the bytes per rank.
 """
 
@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pipeloom.profile.speed import timed_steps
+from pipeloom.runtime.zero import sum_into_shard
 
 __all__ = ["ping_seconds", "measure_links", "expert_exchange"]
 
@@ -52,9 +53,10 @@ def collective_seconds(name: str, elements: int, repeats: int = 5) -> float:
     """Median time of one collective over a whole fp32 tensor of `elements` across the group."""
     whole = torch.zeros(elements)
     share = torch.zeros(elements // dist.get_world_size())
+    own = whole[dist.get_rank() * share.numel() :][: share.numel()]  # in place, as ZeRO's shard is
     run = {
         "allreduce": lambda: dist.all_reduce(whole),
-        "reduce_scatter": lambda: dist.reduce_scatter_single(share, whole),
+        "reduce_scatter": lambda: sum_into_shard(whole, own),
         "all_gather": lambda: dist.all_gather_single(whole, share),
     }[name]
     samples = []

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeloom.runtime.gradients import unique_parameters
+from pipeloom.runtime.gradients import GradientStore, unique_parameters
 from pipeloom.runtime.optimizer_sync import adamw_rollback
-from pipeloom.runtime.zero import GradientStore, adamw_slot, squares_and_bad
+from pipeloom.runtime.zero import adamw_slot, squares_and_bad
 
 __all__ = ["HostOffload"]
 

@@ -158,6 +158,8 @@ class RankRun:
             probe, loss, owned = cut_stages(parallel, work, tensor, stages, buckets, group, probe, owned)
         dp_group = mesh["dp"].get_group() if mesh is not None else None
         host, stepper, parameters = steppers(parallel, optimizer, dp_group, owned, stages, device, tp_index, precision)
+        stores = [part.store for part in (host, stepper) if isinstance(part, HostOffload | ShardedAdamW)]
+        buckets.keep_in_place({id(parameter) for store in stores for parameter in store.parameters})
         mail = mailbox_of(parallel, transport, plan or plan_messages(schedule), device, replica, tp_index, probe, where)
         executor = DeviceExecutor(
             schedule,
@@ -230,6 +232,7 @@ class RankRun:
         if self.sync is not None:
             self.sync.validate()  # the previous step, against the full state the last device sent back
         self.optimizers.zero_grad()
+        self.buckets.zero()
         if self.tensor is not None:
             self.tensor.sent_bytes = 0
         if self.experts is not None:
