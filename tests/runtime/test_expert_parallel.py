@@ -150,6 +150,9 @@ def test_the_profile_measures_the_exchanges_and_the_stash_with_the_experts_share
     from pipeloom.profile.links import expert_exchange
 
     directory = model_dir(tmp_path, "mixtral")
-    measured = expert_exchange((1,), 1, 2, 1, lambda n, mbs: hf_workload(directory, 0, mbs, SEQ, layers=n), "fp32")
+    measured = expert_exchange(
+        (1,), 1, 2, 1, lambda n, mbs: hf_workload(directory, 0, mbs, SEQ, layers=n), "fp32", rounds=1
+    )
     assert measured["ep"] == 2 and measured["1"]["layers"] == 1
     assert measured["1"]["F"] >= 0 and measured["1"]["B"] >= 0 and measured["1"]["M_B"] > 0
+    assert measured["1"]["F_op"] > 0 and measured["1"]["BW_op"] > 0  # whole ops, exchanges inside

@@ -222,6 +222,33 @@ def test_sharing_the_experts_out_changes_the_stash_by_what_was_measured():
     assert shared.layer_memory(2, 2)[0] == pytest.approx(whole.layer_memory(2, 2)[0] - 300.0)
 
 
+def test_sharing_the_experts_out_adds_the_measured_compute_beyond_the_exchanges():
+    """The ep = 2 probe's lone F and BW took `F_op`, `BW_op` ms on its stage of L layers; less
+    their all-to-alls and what the fits give for that stage, the rest per layer is what sharing
+    the experts out adds to every F, R and B. A profile without those times prices none."""
+    import dataclasses
+
+    data = profile()
+    data["model"] = {**MODEL, "num_experts": 4, "num_experts_per_tok": 2}
+    whole = ProfiledCostModel(data)
+    fitted = {kind: whole.stage_costs([4], 2, 1, 1).stage_value(kind, 0) for kind in ("F", "B", "W")}
+    exchange = {"F": 0.1, "B": 0.2, "layers": 4, "M_B": 4 * 1000.0 + 4000.0}
+    data["a2a"] = {"ep": 2, "2": exchange}
+    shared = ProfiledCostModel(data)
+    shared.model = dataclasses.replace(shared.model, expert_parallel=2)
+    before = shared.stage_costs([3, 5], 2, 2, 2)
+    assert before.F == ProfiledCostModel(profile()).stage_costs([3, 5], 2, 2, 2).F  # no op times: no shift
+    exchange |= {"F_op": fitted["F"] + 4 * 0.1 + 4 * 0.5, "BW_op": fitted["B"] + fitted["W"] + 4 * 0.2 + 4 * 0.25}
+    shared = ProfiledCostModel(data)
+    shared.model = dataclasses.replace(shared.model, expert_parallel=2)
+    after = shared.stage_costs([3, 5], 2, 2, 2)
+    assert after.F == pytest.approx([before.F[0] + 3 * 0.5, before.F[1] + 5 * 0.5])
+    assert after.R == pytest.approx([before.R[0] + 3 * 0.5, before.R[1] + 5 * 0.5])
+    assert after.B == pytest.approx([before.B[0] + 3 * 0.25, before.B[1] + 5 * 0.25])
+    assert after.W == before.W
+    assert whole.stage_costs([3, 5], 2, 2, 2).F == before.F  # without --ep the experts stay whole
+
+
 def test_experts_shared_out_over_every_replica_sync_no_gradients():
     """At dp = EP each replica holds its own experts: only the rest of the stage is all-reduced
     (the runtime sums an expert's gradient over the replicas holding it, none here)."""

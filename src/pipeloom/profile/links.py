@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pipeloom.ir.ops import OpKind
+from pipeloom.ir.text import parse_op
 from pipeloom.profile.speed import timed_steps
 from pipeloom.runtime.zero import sum_into_shard
 
@@ -109,30 +111,51 @@ _EP = 2
 """The expert-parallel group `profile` measures: two ranks, one all-to-all partner each."""
 
 
-def expert_exchange(micro_batches, layers, steps, threads, workload_for, dtype) -> dict:
+def expert_exchange(micro_batches, layers, steps, threads, workload_for, dtype, rounds: int = 3) -> dict:
     """A mixture of experts' dispatch and combine, per MoE layer and micro-batch size: one stage
     of `layers` layers trained by two data-parallel replicas that share out the experts (--ep 2),
     lone ops only, so each exchange's time in flight is its own. ms per layer of an F (a2a_F:
-    the counts, the tokens out and back) and of a B (a2a_B: their gradients); and the bytes an
-    F stashes there (M_B), which sharing the experts out changes (the cost model takes the
-    difference from the tp = 1 fit per layer: `ProfiledCostModel`)."""
+    the counts, the tokens out and back) and of a B (a2a_B: their gradients); the bytes an F
+    stashes there (M_B) and an F's and a BW's whole time (F_op, BW_op), which sharing the
+    experts out changes (the cost model takes the difference from the tp = 1 fits per layer:
+    `ProfiledCostModel`). The sizes take turns for `rounds` rounds, pooled: one run's exchanges
+    wait on its partner's pace, and single runs put a step's in flight at 28 to 39 ms here. No
+    round is judged busy by its wall over CPU time: these ops wait inside their exchanges."""
     from pipeloom.runtime.local import run_local
     from pipeloom.runtime.training import TrainSpec
     from pipeloom.schedules.registry import build_schedule
 
     m = 2
+    specs = {
+        mbs: TrainSpec(
+            build_schedule("1f1b", 1, m),
+            workload=workload_for(layers, mbs),
+            steps=steps,
+            dp=_EP,
+            ep=_EP,
+            threads=threads,
+            dtype=dtype,
+        )
+        for mbs in micro_batches
+    }
+    records: dict[int, list] = {mbs: [] for mbs in micro_batches}
+    for _ in range(rounds):
+        for mbs, spec in specs.items():
+            records[mbs] += [r for result in run_local(spec) for r in timed_steps(result.records)]
     out: dict = {"ep": _EP}
-    for mbs in micro_batches:
-        work = workload_for(layers, mbs)
-        schedule = build_schedule("1f1b", 1, m)
-        spec = TrainSpec(schedule, workload=work, steps=steps, dp=_EP, ep=_EP, threads=threads, dtype=dtype)
-        records = [r for result in run_local(spec) for r in timed_steps(result.records)]
-        per_op = m * layers
-        stash = [v for r in records for text, v in r.entry_bytes.items() if "F" in text and not text.endswith("c")]
+    per_op = m * layers
+    for mbs, kept in records.items():
+        stash = [v for r in kept for text, v in r.entry_bytes.items() if "F" in text and not text.endswith("c")]
+        lone = {
+            kind: [1e3 * (end - start) for r in kept for text, start, end in r.ops if parse_op(text).kind is kind]
+            for kind in (OpKind.F, OpKind.BW)
+        }
         out[str(mbs)] = {
-            "F": statistics.median(r.a2a_forward_ms for r in records) / per_op,
-            "B": statistics.median(r.a2a_ms - r.a2a_forward_ms for r in records) / per_op,
+            "F": statistics.median(r.a2a_forward_ms for r in kept) / per_op,
+            "B": statistics.median(r.a2a_ms - r.a2a_forward_ms for r in kept) / per_op,
             "M_B": statistics.median(stash),  # an F's stash on this stage of `layers` layers, experts shared out
+            "F_op": statistics.median(lone[OpKind.F]),  # an F's and a BW's whole time on that stage, ms
+            "BW_op": statistics.median(lone[OpKind.BW]),
             "layers": layers,
         }
     return out

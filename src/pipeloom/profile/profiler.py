@@ -123,7 +123,9 @@ def profile_model(
         rounds=min(SKEW_ROUNDS, max_rounds),
     )
     if workload_for is not None and getattr(workload_for(1, 1), "experts", None) is not None:
-        profile["a2a"] = expert_exchange(micro_batches, max(layer_counts), steps, threads, workload_for, dtype)
+        profile["a2a"] = expert_exchange(
+            micro_batches, max(layer_counts), steps, threads, workload_for, dtype, min(SKEW_ROUNDS, max_rounds)
+        )
     profile["noise"] = _noise(measured) | busy.summary()
     profile["confidence"] = _confidence(measured, micro_batches)
     profile["step_speed"] = speed_quantiles(busy for probe in measured.values() for busy in probe.busy)

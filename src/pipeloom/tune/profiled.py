@@ -202,6 +202,9 @@ class ProfiledCostModel:
                     per_stage[key][i] = per_stage[key][i] / self.tp + extra
         if shift := self._ep_stash_per_layer(size):
             per_stage["M_B"] = [max(0.0, m + n * shift) for m, n in zip(per_stage["M_B"], counts)]
+        if compute := self._ep_compute_per_layer(size):
+            for key, extra in (("F", compute["F"]), ("R", compute["F"]), ("B", compute["BW"])):
+                per_stage[key] = [max(0.0, t + n * extra) for t, n in zip(per_stage[key], counts)]
         # With slices, per-slice entries: Costs would otherwise share a stage's value out evenly.
         value: dict[str, CostValue] = {
             key: [[v] * slices for v in values] if slices > 1 else values for key, values in per_stage.items()
@@ -249,6 +252,30 @@ class ProfiledCostModel:
             if "M_B" in v and v.get("layers")
         }
         return at_size(shifts, micro_batch, signed=True) if shifts else 0.0
+
+    def _ep_compute_per_layer(self, micro_batch: float) -> dict[str, float]:
+        """What sharing the experts out adds to an F's and a backward's compute per layer (ms)
+        beyond their all-to-alls: the ops the profile timed on one stage of L layers at ep = 2
+        (`links.expert_exchange`), less those all-to-alls and what the fits give for that stage,
+        over L — the dispatch's bookkeeping (counting, ordering and splitting the tokens by
+        expert) and each rank's experts over both replicas' tokens. Here 0.6–6 ms an op of 4
+        Mixtral layers, which priced an expert-parallel step 12–19 % short without it. Empty
+        without expert parallelism or that measurement (older profiles)."""
+        if self.model.expert_parallel == 1 or not self.model.num_experts:
+            return {}
+        fitted = {"F": ("F",), "BW": ("B", "W")}
+        shifts: dict[str, dict[int, float]] = {"F": {}, "BW": {}}
+        for size, v in self.exchange.items():
+            if "F_op" not in v or not v.get("layers"):
+                continue
+            layers = v["layers"]
+            for kind, keys in fitted.items():
+                stage = sum(self._value(k, "per_layer", size) * layers + self._value(k, "single", size) for k in keys)
+                exchange = v["F" if kind == "F" else "B"] * layers
+                shifts[kind][size] = (v[f"{kind}_op"] - exchange - stage) / layers
+        if not shifts["F"]:
+            return {}
+        return {kind: at_size(values, micro_batch, signed=True) for kind, values in shifts.items()}
 
     def a2a_step(self, schedule, partition: Sequence[int], micro_batch: int) -> list[float]:
         """Per device, the ms of one step's expert all-to-alls in flight (F and R: a2a_F; B and
