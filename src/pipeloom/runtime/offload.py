@@ -24,7 +24,7 @@ from torch import nn
 
 from pipeloom.runtime.gradients import GradientStore, unique_parameters
 from pipeloom.runtime.optimizer_sync import adamw_rollback
-from pipeloom.runtime.zero import adamw_slot, squares_and_bad
+from pipeloom.runtime.zero import adamw, adamw_slot, squares_and_bad
 
 __all__ = ["HostOffload"]
 
@@ -54,7 +54,7 @@ class HostOffload:
         self.store = GradientStore(unique_parameters([stages[s] for s in offloaded]), torch.float32)
         self.owned = [p for p in self.store.parameters if owned(p)]
         self.dp_group = dp_group
-        self.optimizer = torch.optim.AdamW([m for masters in self.master.values() for m in masters], lr=lr)
+        self.optimizer = adamw([m for masters in self.master.values() for m in masters], lr)
         self.reload_bits = reload_bits
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-step")
         self._step: Future | None = None

@@ -30,6 +30,7 @@ from pipeloom.runtime.rank import RankRun, Transport
 from pipeloom.runtime.spec import RankResult, TrainSpec
 from pipeloom.runtime.spec_checks import check_device, check_spec
 from pipeloom.runtime.stage_call import run_stage
+from pipeloom.runtime.zero import adamw
 
 __all__ = ["TrainSpec", "check_spec", "check_device", "train_rank", "reference_training", "RankResult"]
 
@@ -129,7 +130,7 @@ def _reference(spec: TrainSpec, gradients: list | None):
     schedule, work = spec.schedule, spec.resolved_workload()
     precision, cpu = Precision(spec.dtype), torch.device("cpu")
     stages = work.build(schedule.num_stages)
-    optimizer = torch.optim.AdamW(unique_parameters(stages), lr=spec.lr)
+    optimizer = adamw(unique_parameters(stages), spec.lr)  # the ranks' own AdamW (fused)
     scheduler = build_scheduler(optimizer, spec.optimizer.schedule, spec.steps)
     micro = schedule.num_microbatches * spec.dp
     b = work.microbatch_size
