@@ -5,8 +5,9 @@ Each is measured between two forked gloo ranks at two sizes — a tiny tensor fo
 large one for the bandwidth — and fitted as time = latency + bytes / bandwidth, bytes being the
 whole tensor's: p2p (`send`/`recv`), and the collectives the runtime runs over dp replicas — the
 all-reduce of ZeRO-0's gradients, the reduce-scatter of ZeRO-1/2's (`zero.sum_into_shard`: over
-gloo an all-reduce) and the all-gather of their new weights. dp = 2 is the most ranks a probe forks; the tuner scales a collective to other dp by the
-ring algorithm: dp − 1 latencies and 2(dp − 1)/dp of the bytes per rank.
+gloo an all-reduce) and the all-gather of their new weights. dp = 2 is the most ranks a probe
+forks; the tuner scales a collective to other dp by the ring algorithm: dp − 1 latencies and
+2(dp − 1)/dp of the bytes per rank.
 """
 
 from __future__ import annotations

@@ -5,12 +5,12 @@ A parameter's copies live on the ranks that host any stage using it. Every rank 
 model, so each knows which stages share a parameter object (a tie) and which devices host each
 stage; parameters with the same set of holder ranks form one bucket, all-reduced as one flat fp32
 tensor (their gradients are views of it: `GradientBuckets.keep_in_place`) in a group of exactly
-those ranks — as Megatron sums the embedding's gradient over the
-first and last pipeline ranks before the optimizer. Two stages of one rank that share a parameter
-hold one object, whose gradient autograd already summed; it is reduced once. Under ZeRO the
-buckets sum only the copies within a replica (ties, Chimera's second pipeline) and the optimizer
-does the data-parallel sum itself (`pipeloom.runtime.zero`). Under expert parallelism a routed
-expert's copies are the replicas that hold the same slice of experts.
+those ranks — as Megatron sums the embedding's gradient over the first and last pipeline ranks
+before the optimizer. Two stages of one rank that share a parameter hold one object, whose
+gradient autograd already summed; it is reduced once. Under ZeRO the buckets sum only the copies
+within a replica (ties, Chimera's second pipeline) and the optimizer does the data-parallel sum
+itself (`pipeloom.runtime.zero`). Under expert parallelism a routed expert's copies are the
+replicas that hold the same slice of experts.
 """
 
 from __future__ import annotations
