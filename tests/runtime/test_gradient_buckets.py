@@ -38,6 +38,15 @@ def _summed_by_hand() -> dict[str, torch.Tensor]:
     return total
 
 
+def _reduce_and_check(replicas) -> None:
+    """The replicas' buckets summed as the ranks' all-reduces would: every gradient the sum."""
+    reduce_in_process([buckets for _, buckets in replicas])
+    expected = _summed_by_hand()
+    for stage, _ in replicas:
+        for name, parameter in stage.named_parameters():
+            torch.testing.assert_close(parameter.grad, expected[name], rtol=0, atol=0)
+
+
 def test_bucketed_gradients_are_views_of_one_buffer_and_sum_in_place():
     replicas = [_replica(rank) for rank in range(2)]
     for rank, (stage, buckets) in enumerate(replicas):
@@ -46,11 +55,8 @@ def test_bucketed_gradients_are_views_of_one_buffer_and_sum_in_place():
         for parameter in stage.parameters():
             assert parameter.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
         _backward(stage, rank)
-    reduce_in_process([buckets for _, buckets in replicas])
-    expected = _summed_by_hand()
+    _reduce_and_check(replicas)
     for stage, buckets in replicas:
-        for name, parameter in stage.named_parameters():
-            torch.testing.assert_close(parameter.grad, expected[name], rtol=0, atol=0)
         buckets.zero()  # the next step starts from zeros in the same buffer
         assert all(not parameter.grad.any() for parameter in stage.parameters())
         assert next(iter(buckets.stores.values())).flat.abs().sum() == 0
@@ -61,8 +67,4 @@ def test_a_bucket_holding_a_parameter_another_buffer_holds_keeps_copying():
     for rank, (stage, buckets) in enumerate(replicas):
         assert buckets.stores == {}
         _backward(stage, rank)
-    reduce_in_process([buckets for _, buckets in replicas])
-    expected = _summed_by_hand()
-    for stage, _ in replicas:
-        for name, parameter in stage.named_parameters():
-            torch.testing.assert_close(parameter.grad, expected[name], rtol=0, atol=0)
+    _reduce_and_check(replicas)
