@@ -41,3 +41,16 @@ def test_quantized_reload_trains_close_to_exact():
     losses, _ = reference_training(TrainSpec(schedule, config=CONFIG, steps=3))
     assert results[0].losses == pytest.approx(losses, rel=1e-2)
     assert results[0].losses != losses  # bfloat16 weights on the device: not bit-identical
+
+
+def test_offloaded_stages_of_data_parallel_replicas_end_where_the_device_optimizer_would():
+    """dp = 2 under ZeRO-0: the gradient buckets sum an offloaded stage's gradients out of its host
+    store's buffer (which they leave to it), the rest in their own buffers, in place."""
+    schedule = build_schedule("zb-h1", 2, 2)
+    plain = run_local(TrainSpec(schedule, config=CONFIG, steps=2, dp=2))
+    offloaded = run_local(TrainSpec(schedule, config=CONFIG, steps=2, dp=2, offload_stages=(1,)))
+    assert offloaded[0].losses == plain[0].losses
+    for rank, result in enumerate(offloaded):
+        for stage, parameters in result.parameters.items():
+            for name, value in parameters.items():
+                assert torch.equal(value, plain[rank].parameters[stage][name]), (rank, stage, name)
