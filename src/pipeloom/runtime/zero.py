@@ -10,9 +10,9 @@ checkpoints treat them alike:
 * `ShardedAdamW` level 1 (ZeRO-1): the weights live in one flat buffer of the compute type (2
   bytes in bf16), the gradients accumulate in one flat fp32 buffer (4), reduce-scattered in place
   over the stage's data-parallel group (as DeepSpeed's stage 1 and Megatron's distributed
-  optimizer do: the traffic of ZeRO-0's all-reduce; over gloo an all-reduce, `sum_into_shard`); each replica keeps an fp32 master copy and
-  AdamW's moments of its 1/dp of that buffer (12/dp), steps it, and the new weights are
-  all-gathered in place — 2 + 4 + 12/dp.
+  optimizer do: the traffic of ZeRO-0's all-reduce; over gloo an all-reduce, `sum_into_shard`);
+  each replica keeps an fp32 master copy and AdamW's moments of its 1/dp of that buffer (12/dp),
+  steps it, and the new weights are all-gathered in place — 2 + 4 + 12/dp.
 * level 2 (ZeRO-2): the gradients accumulate in the compute type (2) and are reduce-scattered
   into each replica's fp32 shard (4/dp) — 2 + 2 + 16/dp, the same traffic. In a pipeline a
   stage's gradients build up over every micro-batch of the step, so the full buffer lives through
