@@ -8,6 +8,7 @@ so a dead or stalled peer never leaves processes behind.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import sys
@@ -114,11 +115,12 @@ def _run_local(spec: TrainSpec, timeout_s: float, probe: StageProbe | None) -> l
             for process in processes:
                 process.start()
             deadline = time.monotonic() + timeout_s
-            while any(process.is_alive() for process in processes):
+            while alive := [process for process in processes if process.is_alive()]:
                 failed = next((i for i, process in enumerate(processes) if process.exitcode not in (None, 0)), None)
                 if failed is not None or time.monotonic() > deadline or received:
                     break
-                time.sleep(0.02)
+                # woken by a rank's exit at once; a signal is noted within the timeout
+                multiprocessing.connection.wait([process.sentinel for process in alive], timeout=0.05)
         if received:
             _stop(processes)
             remove_partials(spec.save_dir)
