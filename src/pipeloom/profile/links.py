@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from pipeloom.ir.ops import OpKind
 from pipeloom.ir.text import parse_op
+from pipeloom.profile.probe_rounds import runs_by_turns, stashed_bytes
 from pipeloom.profile.speed import timed_steps
 from pipeloom.runtime.zero import sum_into_shard
 
@@ -122,7 +123,6 @@ def expert_exchange(micro_batches, layers, steps, threads, workload_for, dtype, 
     `ProfiledCostModel`). The sizes take turns for `rounds` rounds, pooled: one run's exchanges
     wait on its partner's pace, and single runs put a step's in flight at 28 to 39 ms here. No
     round is judged busy by its wall over CPU time: these ops wait inside their exchanges."""
-    from pipeloom.runtime.local import run_local
     from pipeloom.runtime.training import TrainSpec
     from pipeloom.schedules.registry import build_schedule
 
@@ -139,14 +139,11 @@ def expert_exchange(micro_batches, layers, steps, threads, workload_for, dtype, 
         )
         for mbs in micro_batches
     }
-    records: dict[int, list] = {mbs: [] for mbs in micro_batches}
-    for _ in range(rounds):
-        for mbs, spec in specs.items():
-            records[mbs] += [r for result in run_local(spec) for r in timed_steps(result.records)]
     out: dict = {"ep": _EP}
     per_op = m * layers
-    for mbs, kept in records.items():
-        stash = [v for r in kept for text, v in r.entry_bytes.items() if "F" in text and not text.endswith("c")]
+    for mbs, runs in runs_by_turns(specs, rounds).items():
+        kept = [r for results in runs for result in results for r in timed_steps(result.records)]
+        stash = [v for r in kept for v in stashed_bytes(r.entry_bytes)]
         lone = {
             kind: [1e3 * (end - start) for r in kept for text, start, end in r.ops if parse_op(text).kind is kind]
             for kind in (OpKind.F, OpKind.BW)

@@ -29,7 +29,9 @@ __all__ = [
     "measure_probes",
     "probe_schedule",
     "probe_train_spec",
+    "runs_by_turns",
     "samples",
+    "stashed_bytes",
     "steady_probe",
 ]
 
@@ -137,6 +139,28 @@ def measure_probes(
     return {key: steady_probe(key, specs[key].schedule, rounds[key], series[key], op_variation) for key in keys}
 
 
+def runs_by_turns(specs: dict, rounds: int, busy: Contention | None = None) -> dict[object, list]:
+    """Each spec's `rounds` runs (key → its rounds' results), a round of each at a time, so a
+    slow spell falls on one round of several; a round `busy` finds contended is run again (None:
+    no check, for ops whose collectives wait inside them)."""
+    from pipeloom.runtime.local import run_local
+
+    out: dict[object, list] = {key: [] for key in specs}
+    for _ in range(rounds):
+        for key, spec in specs.items():
+            results = run_local(spec)
+            while busy is not None and not busy.clean_round(results):
+                results = run_local(spec)
+            out[key].append(results)
+    return out
+
+
+def stashed_bytes(entry_bytes: dict[str, int], checkpointed: bool = False) -> list[float]:
+    """What each F of a step stashed (`StepRecord.entry_bytes`): plain ones, or with
+    `checkpointed` those that kept only their inputs (their text ends in "c")."""
+    return [v for text, v in entry_bytes.items() if "F" in text and text.endswith("c") == checkpointed]
+
+
 def steady_probe(key: tuple[int, int], schedule: Schedule, rounds: list, series: Series, op_variation) -> Probe:
     """The probe measured over its steady steps only (`speed.steady_steps`, over every round):
     its rounds decided when it had settled, but which of their steps fell in a slow spell of the
@@ -174,8 +198,8 @@ def samples(results, kept: Sequence[bool] | None = None) -> dict[str, list[float
                     continue  # a checkpointed F stashes nothing: 8 % cheaper than the F a plan runs
                 out.setdefault(f"{op.kind.value}@{rank}", []).append(1e3 * (end - start))
         entries = result.records[-1].entry_bytes
-        out[f"M_B@{rank}"] = [v for text, v in entries.items() if "F" in text and not text.endswith("c")]
-        out[f"M_ckpt@{rank}"] = [v for text, v in entries.items() if "F" in text and text.endswith("c")]
+        out[f"M_B@{rank}"] = stashed_bytes(entries)
+        out[f"M_ckpt@{rank}"] = stashed_bytes(entries, checkpointed=True)
     for phases in _kept(timed_steps(results[0].phase_seconds), kept):
         for phase in PHASES:
             out.setdefault(phase, []).append(1e3 * phases[phase])

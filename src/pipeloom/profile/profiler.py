@@ -110,6 +110,7 @@ def profile_model(
     profile.update(_runtime_overheads(profile, measured))
     if tp_fits:
         profile["tensor_parallel"] = tp_fits
+    paired_rounds = min(SKEW_ROUNDS, max_rounds)  # the dp = 2 probes' rounds, by turns
     profile["replica_skew"] = replica_skews(
         profile,
         model,
@@ -120,11 +121,11 @@ def profile_model(
         workload_for,
         dtype,
         busy,
-        rounds=min(SKEW_ROUNDS, max_rounds),
+        rounds=paired_rounds,
     )
     if workload_for is not None and getattr(workload_for(1, 1), "experts", None) is not None:
         profile["a2a"] = expert_exchange(
-            micro_batches, max(layer_counts), steps, threads, workload_for, dtype, min(SKEW_ROUNDS, max_rounds)
+            micro_batches, max(layer_counts), steps, threads, workload_for, dtype, paired_rounds
         )
     profile["noise"] = _noise(measured) | busy.summary()
     profile["confidence"] = _confidence(measured, micro_batches)

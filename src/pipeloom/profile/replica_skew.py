@@ -21,6 +21,7 @@ from itertools import compress
 
 from pipeloom.models.llama import llama_config
 from pipeloom.profile.contention import Contention
+from pipeloom.profile.probe_rounds import runs_by_turns
 from pipeloom.profile.speed import steady_rounds, step_busy, timed_steps
 from pipeloom.schedules.registry import build_schedule
 from pipeloom.tune.profiled import ProfiledCostModel
@@ -38,7 +39,6 @@ def replica_skews(
     """{"0": share, "1": share}: the mean wait of rank 0 at ZeRO-0's and ZeRO-1's gradient sync,
     over its pipeline, on one stage of `layers` layers at micro-batch size `mbs`, in `rounds`
     rounds of each."""
-    from pipeloom.runtime.local import run_local
     from pipeloom.runtime.training import TrainSpec
 
     specs = {
@@ -55,13 +55,7 @@ def replica_skews(
         )
         for zero in _ZERO_LEVELS
     }
-    measured: dict[int, list] = {zero: [] for zero in _ZERO_LEVELS}
-    for _ in range(rounds):
-        for zero, spec in specs.items():
-            results = run_local(spec)
-            while not busy.clean_round(results):
-                results = run_local(spec)
-            measured[zero].append(results)
+    measured = runs_by_turns(specs, rounds, busy)
     cost_model = ProfiledCostModel(profile)
     params = cost_model.stage_params([layers])[0]
     return {
