@@ -113,14 +113,22 @@ def probe_train_spec(
 
 
 def measure_probes(
-    specs: dict, max_rounds: int, busy: Contention | None, tick: Callable[[], None], op_variation: list[float]
+    specs: dict,
+    max_rounds: int,
+    busy: Contention | None,
+    tick: Callable[[], None],
+    op_variation: list[float],
+    between_rounds: Callable[[], None] | None = None,
+    min_rounds: int = 1,
 ) -> dict[tuple[int, int], Probe]:
     """The probes (micro-batch size, layers per stage) → their TrainSpec, measured by turns: a
     round of each, then another of each that has not settled, up to `max_rounds` — so a busy
     spell falls on one round of several probes, not every round of one. A round `busy` finds
     contended is dropped and run again (`Contention` refuses once the machine stays busy; None:
     no check, for ops whose collectives wait inside them). Each op's own variation
-    (`speed.op_ratios`) goes into `op_variation`."""
+    (`speed.op_ratios`) goes into `op_variation`. `between_rounds` runs after each round: what
+    takes turns with the probes (a bench's runs) falls in the same spells of the machine; each
+    probe runs at least `min_rounds` rounds (at most `max_rounds`), settled or not."""
     from pipeloom.runtime.local import run_local
     from pipeloom.runtime.probe import probe_spec
 
@@ -128,7 +136,11 @@ def measure_probes(
     probes = {key: probe_spec(spec) for key, spec in specs.items()}  # the same boundaries every round
     series = {key: Series(floor=SETTLED_MS) for key in keys}
     rounds: dict[tuple[int, int], list] = {key: [] for key in keys}
-    while todo := [key for key in keys if not series[key].settled and series[key].rounds < max_rounds]:
+
+    def wanted(key) -> bool:
+        return (not series[key].settled or series[key].rounds < min_rounds) and series[key].rounds < max_rounds
+
+    while todo := [key for key in keys if wanted(key)]:
         for key in todo:
             results = run_local(specs[key], probe=probes[key])
             while busy is not None and not busy.clean_round(results):
@@ -136,6 +148,8 @@ def measure_probes(
             series[key].add(samples(results))
             rounds[key].append(results)
             tick()
+        if between_rounds is not None:
+            between_rounds()
     return {key: steady_probe(key, specs[key].schedule, rounds[key], series[key], op_variation) for key in keys}
 
 

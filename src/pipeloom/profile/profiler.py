@@ -61,6 +61,8 @@ def profile_model(
     max_rounds: int = 4,
     allow_busy: bool = False,
     tensor_parallel: Sequence[tuple[int, bool]] = (),
+    between_rounds: Callable[[], None] | None = None,
+    min_rounds: int = 1,
 ) -> dict:
     """The profile (format ``pipeloom.profile/1``) as a dict. `workload_for(layers, micro-batch
     size)` builds another model to probe (a Hugging Face one: `models.hf.hf_workload`); by
@@ -68,7 +70,10 @@ def profile_model(
     steps a round (its warm-up left out: `speed.timed_steps`), in as many rounds (at most `max_rounds`) as
     its medians take to settle (`stability.Series`), the probes taking turns. RuntimeFault if
     the machine is too busy to measure (`contention.Contention`), unless `allow_busy`.
-    `tensor_parallel`: (tp, sequence parallel) layouts whose ops are measured too (`tp_probes`)."""
+    `tensor_parallel`: (tp, sequence parallel) layouts whose ops are measured too (`tp_probes`).
+    `between_rounds` is called after each round of the probes (the plain ones', then each
+    layout's): runs that take turns with the rounds see the machine at the speed they measured;
+    every probe then runs at least `min_rounds` rounds, so that the turns last as long as the runs."""
     probes = [(mbs, n) for mbs in micro_batches for n in layer_counts]
     total = len(probes) * max_rounds * (1 + len(tensor_parallel)) + 1
     busy = Contention(allow=allow_busy)
@@ -82,13 +87,15 @@ def profile_model(
 
     op_variation: list[float] = []  # each op's time over its median, its step's speed taken out
     specs = {key: probe_train_spec(*shape, *key) for key in probes}
-    measured = measure_probes(specs, max_rounds, busy, tick, op_variation)
+    measured = measure_probes(specs, max_rounds, busy, tick, op_variation, between_rounds, min_rounds)
     fits = _fits(measured, micro_batches)
     # a size cheaper per sample than a smaller one is what larger GEMMs do, unless a busy spell
     # slowed the smaller: busy rounds are dropped, so only where they were kept (allowed) is it suspect
     suspect = busy.allow and busy.contended
     warnings = falling_per_sample(fits, _noise_margin(measured), describe=True) if suspect else []
-    tp_fits = tensor_parallel_fits(tensor_parallel, shape, micro_batches, layer_counts, max_rounds, tick)
+    tp_fits = tensor_parallel_fits(
+        tensor_parallel, shape, micro_batches, layer_counts, max_rounds, tick, between_rounds, min_rounds
+    )
     links = measure_links()
     for mbs in micro_batches:
         activation_bytes = compute_bytes(dtype) * mbs * model.seq_len * model.hidden

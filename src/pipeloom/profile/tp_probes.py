@@ -32,12 +32,14 @@ def tensor_parallel_fits(
     layer_counts: Sequence[int],
     max_rounds: int,
     tick: Callable[[], None],
+    between_rounds: Callable[[], None] | None = None,
+    min_rounds: int = 1,
 ) -> dict:
     """`tp_key` → micro-batch size → pass (ms) or stash (bytes: M_B, M_ckpt) → {"per_layer",
     "single"}, measured on one stage
     over tp ranks for each (tp, sequence parallel) of `layouts`. `shape`: the profiler's
     (model, steps, threads, workload_for, dtype); the workload must be a Hugging Face model's
-    (their tensor-parallel plans are transformers')."""
+    (their tensor-parallel plans are transformers'). `between_rounds`, `min_rounds`: as `measure_probes`'."""
     model, steps, threads, workload_for, dtype = shape
     if not layouts:
         return {}
@@ -52,7 +54,7 @@ def tensor_parallel_fits(
             for mbs in micro_batches
             for n in layer_counts
         }
-        measured = measure_probes(specs, max_rounds, None, tick, [])
+        measured = measure_probes(specs, max_rounds, None, tick, [], between_rounds, min_rounds)
         out[tp_key(tp, sequence_parallel)] = {
             str(mbs): {
                 kind: fit_positions([("single", n, measured[mbs, n].median(f"{kind}@0")) for n in layer_counts])

@@ -12,7 +12,7 @@ from pipeloom.costs import Costs
 from pipeloom.errors import PipeloomError
 from pipeloom.ir.schedule import Schedule
 from pipeloom.passes.mario import mario
-from pipeloom.passes.offload import simulate_offload, t_offload
+from pipeloom.passes.offload import OffloadTimeline, simulate_offload, t_offload
 from pipeloom.passes.trecomp import t_recomp
 from pipeloom.passes.weight_parts import weight_parts
 from pipeloom.schedules.registry import build_schedule, get_generator
@@ -22,7 +22,7 @@ from pipeloom.tune.bounds import ORDER_KEEPING, memory_floor
 from pipeloom.tune.evaluation import Evaluation
 from pipeloom.tune.space import GENERATOR_OF, SCHEMES, Candidate
 
-__all__ = ["simulate_task", "simulate_candidate", "most_room", "gib"]
+__all__ = ["simulate_task", "simulate_candidate", "most_room", "gib", "offload_lanes", "record_timing"]
 
 _EPS = 1e-9
 
@@ -111,36 +111,22 @@ def simulate_candidate(
             except PipeloomError as error:
                 evaluation.reason = f"memory: {error.summary}"
                 continue
-            if "offload" in passes or "offload-all" in passes:
-                stages = range(current.num_stages) if "offload-all" in passes else None
-                offload = simulate_offload(t_offload(current, stages), costs)
-                timeline, pipeline = offload.timeline, offload.step_time
-                host = offload.host_memory
-                if max(host) > host_memory + _EPS:
-                    device = host.index(max(host))
-                    evaluation.reason = (
-                        f"host memory: device {device}'s host holds {gib(host[device])} > {gib(host_memory)}"
-                    )
-                    need = max(host)  # what the limit ruled out, for the message when nothing fits
-                    evaluation.host_short = min(evaluation.host_short, need) if evaluation.host_short else need
-                    continue
-            else:
-                offload, timeline = None, simulate(current, costs)
-                pipeline = timeline.makespan
-            peaks = timeline.peak_memory
+            offload = offload_lanes(current, costs, candidate.passes + passes)
+            host = offload.host_memory if offload else [0.0]
+            if max(host) > host_memory + _EPS:
+                device = host.index(max(host))
+                evaluation.reason = (
+                    f"host memory: device {device}'s host holds {gib(host[device])} > {gib(host_memory)}"
+                )
+                need = max(host)  # what the limit ruled out, for the message when nothing fits
+                evaluation.host_short = min(evaluation.host_short, need) if evaluation.host_short else need
+                continue
+            evaluation.candidate = candidate.with_passes(candidate.passes + passes, zero=option.zero)
+            record_timing(evaluation, option, current, offload)
+            pipeline, peaks = evaluation.pipeline_time, evaluation.peak_memory
             if not simulated and floor is None and not (option.offload_all or candidate.passes + passes):
                 floor = pipeline
             simulated = True
-            evaluation.candidate = candidate.with_passes(candidate.passes + passes, zero=option.zero)
-            evaluation.schedule, evaluation.timeline, evaluation.offload = current, timeline, offload
-            evaluation.pipeline_time, evaluation.peak_memory = pipeline, peaks
-            evaluation.host_memory = list(offload.host_memory) if offload else []
-            # the wait for the slowest replica: at the gradients' all-reduce under ZeRO-0, at the
-            # weights' all-gather (the optimizer phase) under ZeRO-1/2, as the runtime's phases measure
-            wait = option.replica_skew * pipeline
-            evaluation.allreduce_time = option.allreduce_time + (0.0 if option.zero else wait)
-            evaluation.optimizer_time = option.optimizer_time + (wait if option.zero else 0.0)
-            evaluation.static_memory = list(timeline.static_memory)
             if max(peaks) <= memory + _EPS:
                 if best is None or evaluation.step_time < best["step_time"] - _EPS:
                     best = {name: getattr(evaluation, name) for name in _RESULT_FIELDS}
@@ -155,6 +141,32 @@ def simulate_candidate(
         setattr(evaluation, name, best[name])
     evaluation.feasible, evaluation.reason = True, ""
     return True
+
+
+def record_timing(evaluation: Evaluation, option, schedule: Schedule, offload: OffloadTimeline | None) -> None:
+    """`schedule` (with `offload`'s lanes, if any) simulated under `option`'s costs, and its step
+    parts set on `evaluation`."""
+    timeline = offload.timeline if offload else simulate(schedule, option.costs)
+    pipeline = offload.step_time if offload else timeline.makespan
+    evaluation.costs, evaluation.schedule = option.costs, schedule
+    evaluation.timeline, evaluation.offload = timeline, offload
+    evaluation.pipeline_time, evaluation.peak_memory = pipeline, timeline.peak_memory
+    evaluation.host_memory = list(offload.host_memory) if offload else []
+    # the wait for the slowest replica: at the gradients' all-reduce under ZeRO-0, at the
+    # weights' all-gather (the optimizer phase) under ZeRO-1/2, as the runtime's phases measure
+    wait = option.replica_skew * pipeline
+    evaluation.allreduce_time = option.allreduce_time + (0.0 if option.zero else wait)
+    evaluation.optimizer_time = option.optimizer_time + (wait if option.zero else 0.0)
+    evaluation.static_memory = list(timeline.static_memory)
+
+
+def offload_lanes(schedule: Schedule, costs: Costs, passes: Sequence[str]) -> OffloadTimeline | None:
+    """The host's offload lanes beside `schedule` where `passes` offload (T-Offload picks its
+    stages; "offload-all" takes every stage's optimizer), else None."""
+    if "offload" not in passes and "offload-all" not in passes:
+        return None
+    stages = range(schedule.num_stages) if "offload-all" in passes else None
+    return simulate_offload(t_offload(schedule, stages), costs)
 
 
 def _uses_budget(candidate: Candidate) -> bool:

@@ -20,7 +20,7 @@ host steps (`pipeloom.static_memory`); both are absent from older plans and defa
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from os import PathLike
 from typing import Any
 
@@ -28,12 +28,15 @@ from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError
 from pipeloom.files import read_json
 from pipeloom.ir.schedule import Schedule
+from pipeloom.tune.confidence import band, figure_errors, sensitivities
+from pipeloom.tune.cost_model import CostModel
 from pipeloom.tune.partition import layout_string
 from pipeloom.tune.presets import ModelSpec, model_from_config
 from pipeloom.tune.run_inputs import check_inputs
-from pipeloom.tune.search import Evaluation, TuneResult
+from pipeloom.tune.search import Evaluation, TuneResult, evaluate_schedule
+from pipeloom.tune.space import Candidate
 
-__all__ = ["PLAN_FORMAT", "Plan", "plan_from_evaluation"]
+__all__ = ["PLAN_FORMAT", "Plan", "plan_from_evaluation", "repriced"]
 
 PLAN_FORMAT = "pipeloom.plan/1"
 
@@ -209,21 +212,47 @@ def plan_from_evaluation(
         partition=tuple(evaluation.partition),
         schedule=schedule,
         costs=costs,
-        predicted={
-            "step_time_ms": evaluation.step_time,
-            "pipeline_ms": evaluation.pipeline_time,
-            "allreduce_ms": evaluation.allreduce_time,
-            "optimizer_ms": evaluation.optimizer_time,
-            "overhead_ms": evaluation.overhead_time,
-            "speed_noise_ms": evaluation.noise_time,
-            "throughput": result.throughput(evaluation),
-            "bubble_rate": timeline.bubble_rate,
-            "peak_memory": list(evaluation.peak_memory),
-            "static_memory": list(evaluation.static_memory),
-            "peak_activation_memory": list(timeline.peak_activation_memory),
-            "host_memory": list(evaluation.host_memory) or [0.0] * candidate.pp,
-        },
+        predicted=_predicted(evaluation, result.global_batch),
         zero=candidate.zero,
         offload_stages=tuple(evaluation.offload.plan.stages) if evaluation.offload else (),
         sequence_parallel=bool(cost_model.get("sequence_parallel", False)),
     )
+
+
+def repriced(plan: Plan, cost_model: CostModel) -> Plan:
+    """The plan as another cost model (another profile of the machine) prices it: its own
+    schedule, partition and static measure, timed again (`search.evaluate_schedule`), with that
+    model's costs; `predicted` also has "band_ms", ± ms around the step from that profile's
+    confidence (`tune.confidence`)."""
+    candidate = Candidate(
+        plan.scheme, plan.pp, plan.dp, plan.micro_batch_size, plan.num_microbatches,
+        plan.chunks, plan.slices, plan.passes, plan.zero,
+    )  # fmt: skip
+    evaluation = evaluate_schedule(candidate, cost_model, list(plan.partition), plan.schedule)
+    moves = sensitivities(evaluation, figure_errors(cost_model, plan.micro_batch_size))
+    assert evaluation.costs is not None, "evaluate_schedule simulates the schedule"
+    return replace(
+        plan,
+        cost_model=cost_model.to_dict(),
+        costs=evaluation.costs,
+        predicted=_predicted(evaluation, plan.global_batch) | {"band_ms": band(moves)},
+    )
+
+
+def _predicted(evaluation: Evaluation, global_batch: int) -> dict:
+    timeline = evaluation.timeline
+    assert timeline is not None, "a plan is made of a simulated evaluation"
+    return {
+        "step_time_ms": evaluation.step_time,
+        "pipeline_ms": evaluation.pipeline_time,
+        "allreduce_ms": evaluation.allreduce_time,
+        "optimizer_ms": evaluation.optimizer_time,
+        "overhead_ms": evaluation.overhead_time,
+        "speed_noise_ms": evaluation.noise_time,
+        "throughput": global_batch / (evaluation.step_time / 1e3),
+        "bubble_rate": timeline.bubble_rate,
+        "peak_memory": list(evaluation.peak_memory),
+        "static_memory": list(evaluation.static_memory),
+        "peak_activation_memory": list(timeline.peak_activation_memory),
+        "host_memory": list(evaluation.host_memory) or [0.0] * evaluation.candidate.pp,
+    }

@@ -29,9 +29,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
 
-from pipeloom.errors import InfeasibleError
+from pipeloom.errors import ConfigError, InfeasibleError
 from pipeloom.tune.bounds import pipeline_floor, room_floor
-from pipeloom.tune.candidate_run import gib, most_room, simulate_candidate, simulate_task
+from pipeloom.tune.candidate_run import (
+    gib,
+    most_room,
+    offload_lanes,
+    record_timing,
+    simulate_candidate,
+    simulate_task,
+)
 from pipeloom.tune.confidence import settle_near_ties
 from pipeloom.tune.cost_model import CostModel
 from pipeloom.tune.evaluation import Evaluation, TuneResult, packed, restore
@@ -41,9 +48,11 @@ from pipeloom.tune.pool import ROUND, RoundPool, default_jobs, fewer_collections
 from pipeloom.tune.space import DEFAULT_SCHEMES, SCHEMES, Candidate, candidates
 from pipeloom.tune.speed_noise import apply_speed_noise
 
-__all__ = ["Evaluation", "TuneResult", "tune", "evaluate"]
+__all__ = ["Evaluation", "TuneResult", "tune", "evaluate", "evaluate_schedule"]
 
 _EPS = 1e-9
+_UNLIMITED = 2.0**80
+"""Bytes of memory per device where none is set: finite, as budgeted schemes' bounds divide it."""
 SLICED_OPS_LIMIT = 4_000
 """SVPP's list scheduler runs a dozen greedy passes in Python; beyond this many ops it is skipped."""
 REFINED_PLANS = 3
@@ -197,6 +206,21 @@ def evaluate(
     evaluation, _ = _prepare(candidate, cost_model, memory, static_measures, host_memory=host_memory)
     if not evaluation.reason:
         simulate_candidate(evaluation, memory, memory_passes=memory_passes, host_memory=host_memory)
+    return evaluation
+
+
+def evaluate_schedule(candidate: Candidate, cost_model: CostModel, partition: list[int], schedule) -> Evaluation:
+    """A schedule already built for `candidate` on `partition`, timed under `cost_model` with
+    the static measure `candidate.zero` and its passes name (no search, no memory limit): what
+    a plan takes on the machine as another profile found it. ConfigError if the cost model
+    prices no such measure for it."""
+    evaluation, _ = _prepare(candidate, cost_model, _UNLIMITED, partition=partition)
+    option = evaluation.static_option
+    if evaluation.reason or option is None:
+        raise ConfigError(f"plan {candidate.label}: {evaluation.reason or 'its static measure is not priced here'}")
+    record_timing(evaluation, option, schedule, offload_lanes(schedule, option.costs, candidate.passes))
+    evaluation.feasible = True
+    apply_speed_noise([evaluation], cost_model)
     return evaluation
 
 
