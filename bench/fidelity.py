@@ -341,15 +341,17 @@ def profile_by_turns(model: ModelSpec, profiling: dict, specs: list, rounds: int
     expected = rounds * layouts  # calls of between_rounds: each probe runs `rounds` rounds, most of them no more
     calls = [0]
 
-    def plan_rounds() -> None:
-        calls[0] += 1
-        while len(runs[0]) < min(rounds, -(-calls[0] * rounds // expected)):
+    def plan_rounds(due: int) -> None:
+        while len(runs[0]) < due:
             for spec, done in zip(specs, runs):
                 done.append(run_built(spec))
 
-    profile = profile_model(model, **profiling, between_rounds=plan_rounds)
-    calls[0] = expected
-    plan_rounds()  # the rounds the probes, settled sooner, left
+    def between_rounds() -> None:
+        calls[0] += 1
+        plan_rounds(min(rounds, -(-calls[0] * rounds // expected)))
+
+    profile = profile_model(model, **profiling, between_rounds=between_rounds)
+    plan_rounds(rounds)  # those the probes, settled sooner, left
     return profile, runs
 
 

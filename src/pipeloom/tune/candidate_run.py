@@ -12,17 +12,17 @@ from pipeloom.costs import Costs
 from pipeloom.errors import PipeloomError
 from pipeloom.ir.schedule import Schedule
 from pipeloom.passes.mario import mario
-from pipeloom.passes.offload import OffloadTimeline, simulate_offload, t_offload
+from pipeloom.passes.offload import OffloadTimeline
 from pipeloom.passes.trecomp import t_recomp
 from pipeloom.passes.weight_parts import weight_parts
 from pipeloom.schedules.registry import build_schedule, get_generator
 from pipeloom.schedules.svpp import svpp_within, table3_forwards
 from pipeloom.sim.simulate import simulate
 from pipeloom.tune.bounds import ORDER_KEEPING, memory_floor
-from pipeloom.tune.evaluation import Evaluation
+from pipeloom.tune.evaluation import Evaluation, offload_lanes
 from pipeloom.tune.space import GENERATOR_OF, SCHEMES, Candidate
 
-__all__ = ["simulate_task", "simulate_candidate", "most_room", "gib", "offload_lanes", "record_timing"]
+__all__ = ["simulate_task", "simulate_candidate", "most_room", "gib", "record_timing"]
 
 _EPS = 1e-9
 
@@ -158,15 +158,6 @@ def record_timing(evaluation: Evaluation, option, schedule: Schedule, offload: O
     evaluation.allreduce_time = option.allreduce_time + (0.0 if option.zero else wait)
     evaluation.optimizer_time = option.optimizer_time + (wait if option.zero else 0.0)
     evaluation.static_memory = list(timeline.static_memory)
-
-
-def offload_lanes(schedule: Schedule, costs: Costs, passes: Sequence[str]) -> OffloadTimeline | None:
-    """The host's offload lanes beside `schedule` where `passes` offload (T-Offload picks its
-    stages; "offload-all" takes every stage's optimizer), else None."""
-    if "offload" not in passes and "offload-all" not in passes:
-        return None
-    stages = range(schedule.num_stages) if "offload-all" in passes else None
-    return simulate_offload(t_offload(schedule, stages), costs)
 
 
 def _uses_budget(candidate: Candidate) -> bool:

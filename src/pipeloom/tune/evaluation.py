@@ -4,6 +4,7 @@ how an evaluation travels back from a worker process without its bulk."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pipeloom.costs import Costs
@@ -13,7 +14,7 @@ from pipeloom.sim.simulate import Timeline, simulate
 from pipeloom.tune.measures import StaticOption
 from pipeloom.tune.space import Candidate
 
-__all__ = ["Evaluation", "TuneResult", "packed", "restore"]
+__all__ = ["Evaluation", "TuneResult", "offload_lanes", "packed", "restore"]
 
 _EPS = 1e-9
 
@@ -110,9 +111,14 @@ def restore(evaluation: Evaluation) -> None:
         return
     schedule, costs, passes = evaluation.schedule, evaluation.costs, evaluation.candidate.passes
     assert schedule is not None and costs is not None, "only evaluations that were simulated are kept"
-    if "offload" in passes or "offload-all" in passes:
-        stages = range(schedule.num_stages) if "offload-all" in passes else None
-        evaluation.offload = simulate_offload(t_offload(schedule, stages), costs)
-        evaluation.timeline = evaluation.offload.timeline
-    else:
-        evaluation.timeline = simulate(schedule, costs)
+    evaluation.offload = offload_lanes(schedule, costs, passes)
+    evaluation.timeline = evaluation.offload.timeline if evaluation.offload else simulate(schedule, costs)
+
+
+def offload_lanes(schedule: Schedule, costs: Costs, passes: Sequence[str]) -> OffloadTimeline | None:
+    """The host's offload lanes beside `schedule` where `passes` offload (T-Offload picks its
+    stages; "offload-all" takes every stage's optimizer), else None."""
+    if "offload" not in passes and "offload-all" not in passes:
+        return None
+    stages = range(schedule.num_stages) if "offload-all" in passes else None
+    return simulate_offload(t_offload(schedule, stages), costs)

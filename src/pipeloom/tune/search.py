@@ -34,14 +34,13 @@ from pipeloom.tune.bounds import pipeline_floor, room_floor
 from pipeloom.tune.candidate_run import (
     gib,
     most_room,
-    offload_lanes,
     record_timing,
     simulate_candidate,
     simulate_task,
 )
 from pipeloom.tune.confidence import settle_near_ties
 from pipeloom.tune.cost_model import CostModel
-from pipeloom.tune.evaluation import Evaluation, TuneResult, packed, restore
+from pipeloom.tune.evaluation import Evaluation, TuneResult, offload_lanes, packed, restore
 from pipeloom.tune.measures import static_options
 from pipeloom.tune.partition import partition_layers, partition_variants
 from pipeloom.tune.pool import ROUND, RoundPool, default_jobs, fewer_collections
