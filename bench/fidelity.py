@@ -12,7 +12,8 @@ experts on each stage (pp = 2) and shared out by expert parallelism (dp = 2, ep 
 Each model's plans then run `--rounds` times for `--steps` steps (the warm-up left out:
 `speed.timed_steps`), taking turns so that a slow spell of the machine falls on one round of
 several plans — and taking turns with the rounds of a second profile of the model, measured the
-same way: this machine's speed drifts by ±5–10 % over minutes (shared host), so a profile taken
+same way (each plan with the probes that price its ops: a tensor-parallel plan with its layout's):
+this machine's speed drifts by ±5–10 % over minutes (shared host), so a profile taken
 before the runs predicts them only as well as the machine holds still. Each plan's own schedule is
 priced again under that second profile (`tune.plan.repriced`): the prediction the table checks.
 The first profile's (what `tune` chose the plan from) is printed beside it, with its own MAPE.
@@ -93,6 +94,11 @@ PLANS = [  # tune keyword arguments; "activations" / "static": a memory limit of
 only checkpointing meets it; or of `static` × its static memory plus its activations: only
 sharding the optimizer state meets it."""
 LIMITS = ("activations", "static")
+PROBE_STEPS = 8
+"""Steps a probe's round runs: 6 timed after the 2 of warm-up, as many as a plan's round. A
+round's fork and start cost as much as a few steps, so timed steps are cheaper had by the round
+than by more rounds. At 5 steps (3 timed), a tensor-parallel plan's prediction moved by 1.5–8 %
+(once 37 %) between a model's two profiles, minutes apart, in five runs of this bench."""
 EXPLAIN_ABOVE = 0.05
 """Plans whose step missed by more than this share get a line saying where the time went."""
 
@@ -204,7 +210,7 @@ def describe(profile: dict) -> None:
 def dense_group(reuse: str | None, steps: int, lean: ProcessPoolExecutor) -> Group:
     """One tuned plan per row of PLANS, from a profile of examples/tiny-llama.json."""
     model = load_model(MODEL)
-    profiling = {"micro_batches": (1, 2, 4), "layer_counts": (1, 2, 4), "steps": 6, "max_rounds": 6}
+    profiling = {"micro_batches": (1, 2, 4), "layer_counts": (1, 2, 4), "steps": PROBE_STEPS, "max_rounds": 6}
     if reuse:
         profile = json.loads(Path(reuse).read_text())
     else:
@@ -253,7 +259,7 @@ def hf_groups(directory: Path, steps: int, lean: ProcessPoolExecutor) -> list[Gr
         profiling = {
             "micro_batches": (1, 2),
             "layer_counts": (1, 2, 4),  # the plans run 4 layers a stage: read between probes, not beyond
-            "steps": 5,
+            "steps": PROBE_STEPS,
             "max_rounds": 4,
             "workload_for": partial(hf_workload_at, source),
             "tensor_parallel": layouts,
@@ -322,36 +328,42 @@ def measure_by_turns(group: Group, rounds: int, lean: ProcessPoolExecutor) -> No
     is priced again (`Row.again`)."""
     name = group.model.name
     print(f"{name}: {len(group.rows)} plans × {rounds} rounds, by turns with a second profile ...", flush=True)
-    specs = [row.spec for row in group.rows]
-    profile, runs = lean.submit(profile_by_turns, group.model, group.profiling, specs, rounds).result()
+    plans = [(row.spec, layout(row.plan)) for row in group.rows]
+    profile, runs = lean.submit(profile_by_turns, group.model, group.profiling, plans, rounds).result()
     describe(profile)
     for row, row_runs in zip(group.rows, runs):
         row.runs = row_runs
         row.price_again(profile | group.marks)
 
 
-def profile_by_turns(model: ModelSpec, profiling: dict, specs: list, rounds: int) -> tuple[dict, list[list]]:
-    """A profile of `model` (`profiling`: `profile_model`'s arguments, each probe run at least
-    `rounds` rounds) whose rounds take turns with `rounds` rounds of the plans `specs` build,
-    spread over the probes' rounds (the plain ones', then each tensor-parallel layout's); the
-    profile, and per plan its rounds' results."""
-    runs: list[list] = [[] for _ in specs]
-    profiling = profiling | {"max_rounds": max(rounds, profiling["max_rounds"]), "min_rounds": rounds}
-    layouts = 1 + len(profiling.get("tensor_parallel", ()))
-    expected = rounds * layouts  # calls of between_rounds: each probe runs `rounds` rounds, most of them no more
-    calls = [0]
+def layout(plan: Plan) -> tuple[int, bool]:
+    """The probes that price the plan's ops: its (tp, sequence parallel), (1, False) for the plain."""
+    return (plan.tp, plan.sequence_parallel) if plan.tp > 1 else (1, False)
 
-    def plan_rounds(due: int) -> None:
-        while len(runs[0]) < due:
-            for spec, done in zip(specs, runs):
+
+def profile_by_turns(
+    model: ModelSpec, profiling: dict, plans: list[tuple[Callable[[], TrainSpec], tuple[int, bool]]], rounds: int
+) -> tuple[dict, list[list]]:
+    """A profile of `model` (`profiling`: `profile_model`'s arguments, each probe run at least
+    `rounds` rounds) whose rounds take turns with `rounds` rounds of the plans (what builds each
+    one's TrainSpec, and the layout whose probes price its ops: `layout`): after each round of a
+    layout's probes, a round of each of its plans — measured in the same spells of the machine
+    as the op times they are priced by (a tensor-parallel plan's ops by its layout's probes, run
+    minutes after the plain ones). The profile, and per plan its rounds' results."""
+    runs: list[list] = [[] for _ in plans]
+    profiling = profiling | {"max_rounds": max(rounds, profiling["max_rounds"]), "min_rounds": rounds}
+    probed = {(1, False), *profiling.get("tensor_parallel", ())}
+
+    def plan_rounds(of: tuple[int, bool] | None) -> None:
+        """A round of each plan whose probes are `of` (None: each plan) that has rounds left."""
+        for (spec, plan_layout), done in zip(plans, runs):
+            mine = plan_layout if plan_layout in probed else (1, False)
+            if (of is None or mine == of) and len(done) < rounds:
                 done.append(run_built(spec))
 
-    def between_rounds() -> None:
-        calls[0] += 1
-        plan_rounds(min(rounds, -(-calls[0] * rounds // expected)))
-
-    profile = profile_model(model, **profiling, between_rounds=between_rounds)
-    plan_rounds(rounds)  # those the probes, settled sooner, left
+    profile = profile_model(model, **profiling, between_rounds=plan_rounds)
+    while any(len(done) < rounds for done in runs):  # those the probes, settled sooner, left
+        plan_rounds(None)
     return profile, runs
 
 

@@ -3,7 +3,7 @@ refused in one line with exit status 2, or is accepted, and then its exported sc
 and its peak activation memory within --mem-limit. No other outcome — no traceback, no silent
 breach. Costs reach M_W up to 2·M_B; a fifth of the configurations read a schedule file whose rows
 fuse random neighbours into overlapped pairs, forward-first or backward-first. Seeded, so a failure
-reproduces; PIPELOOM_FUZZ=N runs N configurations instead of 200, PIPELOOM_FUZZ_SEED=S another seed."""
+reproduces; PIPELOOM_FUZZ=N runs N configurations instead of 120, PIPELOOM_FUZZ_SEED=S another seed."""
 
 import json
 import os
@@ -19,7 +19,7 @@ from pipeloom.ir.io import load_schedule
 from pipeloom.ir.torch_csv import to_torch_csv
 from pipeloom.schedules import list_generators
 
-CASES = int(os.environ.get("PIPELOOM_FUZZ", "200"))
+CASES = int(os.environ.get("PIPELOOM_FUZZ", "120"))
 SEED = int(os.environ.get("PIPELOOM_FUZZ_SEED", "20261123"))
 _PAIRABLE = re.compile(r"^\d+[FIB]\d+$")
 

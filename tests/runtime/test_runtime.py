@@ -252,7 +252,7 @@ def test_a_stalled_rank_makes_the_others_fail_within_the_timeout():
         return [*mlp_blocks(), _StallOnRankOne()]
 
     work = blocks_workload(blocks, regression_batch, torch.nn.functional.mse_loss, (3, 8), microbatch_size=3)
-    spec = TrainSpec(build_schedule("1f1b", 2, 4), steps=3, workload=work, timeout_s=3)
+    spec = TrainSpec(build_schedule("1f1b", 2, 4), steps=3, workload=work, timeout_s=1.5)
     began = time.monotonic()
     with pytest.raises(RuntimeFault) as failure:
         run_local(spec, timeout_s=120)

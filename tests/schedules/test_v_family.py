@@ -138,14 +138,14 @@ def test_zb_v_never_behind_the_papers_greedy():
 @pytest.mark.parametrize("m_w", [0.5, 1.0])
 def test_zb_v_bubble_does_not_grow_with_more_microbatches(m_w):
     costs = Costs(F=1, B=1, W=1, M_W=m_w)
-    rates = [simulate(build_schedule("zb-v", 8, m, costs=costs), costs).bubble_rate for m in range(8, 50, 4)]
+    rates = [simulate(build_schedule("zb-v", 8, m, costs=costs), costs).bubble_rate for m in range(8, 50, 8)]
     assert all(later <= earlier + 1e-12 for earlier, later in zip(rates, rates[1:])), rates
     assert rates[-1] == pytest.approx(0.0, abs=1e-12)
 
 
 def test_v_auto_keeps_any_budget_and_gets_no_worse_with_more():
     rng = random.Random(4)
-    for case in range(12):
+    for case in range(6):
         p, m = rng.randint(2, 6), rng.randint(2, 20)
         costs = Costs(F=round(rng.uniform(0.5, 2), 2), B=round(rng.uniform(0.5, 2), 2), W=round(rng.uniform(0.2, 1.5), 2),
                       comm=rng.choice([0, 0.2]), M_W=round(rng.uniform(0.1, 0.9), 2))  # fmt: skip

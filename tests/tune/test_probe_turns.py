@@ -3,6 +3,8 @@ hook falls, and that `min_rounds` keeps settled probes going."""
 
 from types import SimpleNamespace
 
+import pytest
+
 from pipeloom.profile import probe_rounds
 
 
@@ -32,3 +34,32 @@ def test_the_hook_runs_after_every_round_of_the_probes(monkeypatch):
 def test_settled_probes_go_on_for_min_rounds_but_never_past_max_rounds(monkeypatch):
     assert _measure(monkeypatch, min_rounds=4, max_rounds=6) == ["a", "b", "|"] * 4
     assert _measure(monkeypatch, min_rounds=9, max_rounds=3) == ["a", "b", "|"] * 3
+
+
+def test_tensor_parallel_probes_tell_the_hook_their_layout_and_keep_their_own_speeds(monkeypatch):
+    """What takes turns with a layout's probes is told which layout ran (a plan is measured
+    beside the probes that price it), and each layout's op variation is its own."""
+    from pipeloom.profile import tp_probes
+
+    turns: list[tuple[int, bool]] = []
+
+    def measure_probes(specs, max_rounds, busy, tick, op_variation, hook, min_rounds):
+        hook()
+        op_variation.extend([1.0 + k / 100 for k in range(40)] if specs[1, 1] else [1.0] * 40)
+        return {
+            key: SimpleNamespace(
+                busy=[[100.0, 110.0, 120.0] * 4], values={"F@0": None}, median=lambda _, n=key[1]: 2.0 * n
+            )
+            for key in specs
+        }
+
+    monkeypatch.setattr(tp_probes, "measure_probes", measure_probes)
+    monkeypatch.setattr(tp_probes, "probe_train_spec", lambda *args, tp, sequence_parallel, **kw: sequence_parallel)
+    shape = (None, 3, 1, lambda layers, mbs: None, "fp32")
+    fits, speeds = tp_probes.tensor_parallel_fits(
+        [(2, False), (2, True)], shape, [1], [1, 2], 3, lambda: None, turns.append
+    )
+    assert turns == [(2, False), (2, True)]
+    assert fits["2"]["1"]["F"]["per_layer"] == 2.0 and set(fits) == set(speeds) == {"2", "2+sp"}
+    assert speeds["2"]["op_speed"][-1] == 1.0 and speeds["2+sp"]["op_speed"][-1] == pytest.approx(1.39)
+    assert speeds["2"]["step_speed"][0] == pytest.approx(100 / 110)

@@ -7,9 +7,9 @@ import pytest
 from pipeloom.profile.speed import QUANTILES, op_ratios, speed_quantiles, steady_steps, timed_steps
 from pipeloom.tune.profiled import ProfiledCostModel
 from pipeloom.tune.search import tune
-from pipeloom.tune.speed_noise import noisy_pipeline, winsorized
+from pipeloom.tune.speed_noise import mean_matched, noisy_pipeline, winsorized
 
-from .test_profiled import profile
+from .test_profiled import links, profile
 
 SPACE = dict(micro_batches=[2], layouts=False, keep=3)
 STEADY = [1.0] * QUANTILES
@@ -56,6 +56,41 @@ def test_skewed_op_times_lengthen_even_one_device_s_median_step():
     # the sum of the ops' median factors is 1: what is added is below the winsorized mean excess
     excess = sum(winsorized(skewed)) / QUANTILES - 1
     assert alone.noise_time < excess * (alone.pipeline_time - alone.noise_time)
+
+
+def test_a_tensor_parallel_plan_draws_from_its_own_layout_s_speeds():
+    """Collective waits inside a tp op vary and skew it: a layout measured on tp ranks keeps its
+    own quantiles (`profile.tp_probes`), and its plans draw from them, not from the plain probes'."""
+    skewed = [1.0] * (QUANTILES - 6) + [1.1, 1.2, 1.3, 1.4, 1.5, 9.0]
+    data = {**profile(), **links(), "step_speed": STEADY, "op_speed": STEADY}
+    data["tensor_parallel_speed"] = {"2": {"step_speed": STEADY, "op_speed": skewed}}
+    plain = ProfiledCostModel(data, tp=2, sequence_parallel=True)  # "2+sp" not measured: the plain probes'
+    assert plain.speed_quantiles() == (STEADY, STEADY, None)
+    assert ProfiledCostModel(data, tp=2).speed_quantiles() == (STEADY, skewed, None)
+    assert ProfiledCostModel(data).speed_quantiles() == (STEADY, STEADY, None)
+    layout = {**SPACE, "schemes": ["1f1b"], "pp_values": [1], "tp": 2}
+    assert tune(plain, 2, 1e9, 8, **layout).best.noise_time == pytest.approx(0.0, abs=1e-9)
+    assert tune(ProfiledCostModel(data, tp=2), 2, 1e9, 8, **layout).best.noise_time > 0
+
+
+def test_one_device_s_ops_draw_the_mean_factor_the_profile_measured():
+    """A step adds up many ops, so it carries their mean factor: the draws are scaled to it."""
+    skewed = [1.0] * (QUANTILES - 6) + [1.1, 1.2, 1.3, 1.4, 1.5, 9.0]
+    data = {**profile(), "step_speed": STEADY, "op_speed": skewed}
+    alone = tune(ProfiledCostModel(data), 2, 1e9, 8, schemes=["1f1b"], pp_values=[1], **SPACE).best
+    drawn = noisy_pipeline(alone, STEADY, op_quantiles=skewed)
+    assert noisy_pipeline(alone, STEADY, op_quantiles=skewed, op_mean=1.05) == pytest.approx(
+        drawn * 1.05 / (sum(winsorized(skewed)) - (1.0 + 1.5) / 2) * (QUANTILES - 1)
+    )  # one device, no messages: the makespan scales with every op
+    even = data | {"op_speed": JUMPY, "op_speed_mean": 1.03}
+    measured = tune(ProfiledCostModel(even), 2, 1e9, 8, schemes=["1f1b"], pp_values=[1], **SPACE).best
+    assert noisy_pipeline(measured, STEADY, op_quantiles=JUMPY, op_mean=1.0) == noisy_pipeline(
+        measured, STEADY, op_quantiles=JUMPY
+    )  # quantiles that already draw the mean are kept
+    assert measured.pipeline_time == pytest.approx(noisy_pipeline(measured, STEADY, op_quantiles=JUMPY) * 1.03)
+    matched = mean_matched([0.9, 1.0, 1.1, 2.0], 1.0)
+    assert sum(matched[1:-1]) + (matched[0] + matched[-1]) / 2 == pytest.approx(3.0)
+    assert mean_matched([0.9, 1.1], None) == [0.9, 1.1]
 
 
 def test_an_op_s_ratio_takes_its_step_s_speed_out():

@@ -23,6 +23,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from pipeloom.costs import Costs
@@ -61,7 +62,7 @@ def profile_model(
     max_rounds: int = 4,
     allow_busy: bool = False,
     tensor_parallel: Sequence[tuple[int, bool]] = (),
-    between_rounds: Callable[[], None] | None = None,
+    between_rounds: Callable[[tuple[int, bool]], None] | None = None,
     min_rounds: int = 1,
 ) -> dict:
     """The profile (format ``pipeloom.profile/1``) as a dict. `workload_for(layers, micro-batch
@@ -71,9 +72,10 @@ def profile_model(
     its medians take to settle (`stability.Series`), the probes taking turns. RuntimeFault if
     the machine is too busy to measure (`contention.Contention`), unless `allow_busy`.
     `tensor_parallel`: (tp, sequence parallel) layouts whose ops are measured too (`tp_probes`).
-    `between_rounds` is called after each round of the probes (the plain ones', then each
-    layout's): runs that take turns with the rounds see the machine at the speed they measured;
-    every probe then runs at least `min_rounds` rounds, so that the turns last as long as the runs."""
+    `between_rounds` is called after each round of the probes with their layout — (1, False) for
+    the plain ones', then each tensor-parallel one's: runs that take turns with the rounds of the
+    probes that price them see the machine at the speed those measured; every probe then runs at
+    least `min_rounds` rounds, so that the turns last as long as the runs."""
     probes = [(mbs, n) for mbs in micro_batches for n in layer_counts]
     total = len(probes) * max_rounds * (1 + len(tensor_parallel)) + 1
     busy = Contention(allow=allow_busy)
@@ -87,13 +89,14 @@ def profile_model(
 
     op_variation: list[float] = []  # each op's time over its median, its step's speed taken out
     specs = {key: probe_train_spec(*shape, *key) for key in probes}
-    measured = measure_probes(specs, max_rounds, busy, tick, op_variation, between_rounds, min_rounds)
+    plain_turns = None if between_rounds is None else partial(between_rounds, (1, False))
+    measured = measure_probes(specs, max_rounds, busy, tick, op_variation, plain_turns, min_rounds)
     fits = _fits(measured, micro_batches)
     # a size cheaper per sample than a smaller one is what larger GEMMs do, unless a busy spell
     # slowed the smaller: busy rounds are dropped, so only where they were kept (allowed) is it suspect
     suspect = busy.allow and busy.contended
     warnings = falling_per_sample(fits, _noise_margin(measured), describe=True) if suspect else []
-    tp_fits = tensor_parallel_fits(
+    tp_fits, tp_speeds = tensor_parallel_fits(
         tensor_parallel, shape, micro_batches, layer_counts, max_rounds, tick, between_rounds, min_rounds
     )
     links = measure_links()
@@ -117,6 +120,7 @@ def profile_model(
     profile.update(_runtime_overheads(profile, measured))
     if tp_fits:
         profile["tensor_parallel"] = tp_fits
+        profile["tensor_parallel_speed"] = tp_speeds
     paired_rounds = min(SKEW_ROUNDS, max_rounds)  # the dp = 2 probes' rounds, by turns
     profile["replica_skew"] = replica_skews(
         profile,
@@ -138,6 +142,8 @@ def profile_model(
     profile["confidence"] = _confidence(measured, micro_batches)
     profile["step_speed"] = speed_quantiles(busy for probe in measured.values() for busy in probe.busy)
     profile["op_speed"] = quantiles_of(op_variation)
+    if op_variation:
+        profile["op_speed_mean"] = statistics.fmean(op_variation)
     profile["warnings"] = warnings + [text for text in [busy.warning()] if text]
     try:  # what `tune` will refuse is never written: the fits are constrained, this is the proof
         check_profile_numbers(profile)

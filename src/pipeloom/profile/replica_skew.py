@@ -1,10 +1,13 @@
 """How long a data-parallel replica waits for the other at the gradient sync.
 
 Two replicas run the same pipeline, but never at quite the same speed: at the first collective
-after it the faster one waits. The profile trains one stage on two replicas (ZeRO-0 and ZeRO-1,
-by turns) and takes rank 0's gradient collectives and optimizer step beyond what the links and
-the optimizer fit predict, as a share of its pipeline — the mean, not the median: a rank waits
-only in the steps where it was the faster one.
+after it the faster one waits, and again at the loss's all-reduce that ends the step. The profile
+trains one stage on two replicas (ZeRO-0 and ZeRO-1, by turns) and takes rank 0's gradient
+collectives, optimizer step and the rest of its step beyond what the links, the optimizer fit and
+the probes' step overhead predict, as a share of its pipeline — the mean, not the median: a rank
+waits only in the steps where it was the faster one. (Without the rest of the step, a dp = 2
+plan ran 4.6–5.0 % longer than predicted in four runs of bench/fidelity.py, and that phase took
+2.6–3.9 ms of its step against the 0.7–0.8 predicted.)
 
 A wait is short and heavy-tailed, so a few steps' mean moves by several times itself: 8 steps
 measured 0.03–0.14 of the pipeline here from one run to the next, which priced a dp = 2 plan's
@@ -36,8 +39,8 @@ _ZERO_LEVELS = (0, 1)
 def replica_skews(
     profile, model, mbs, layers, steps, threads, workload_for, dtype, busy: Contention, rounds: int = SKEW_ROUNDS
 ) -> dict[str, float]:
-    """{"0": share, "1": share}: the mean wait of rank 0 at ZeRO-0's and ZeRO-1's gradient sync,
-    over its pipeline, on one stage of `layers` layers at micro-batch size `mbs`, in `rounds`
+    """{"0": share, "1": share}: the mean wait of rank 0 at ZeRO-0's and ZeRO-1's gradient sync
+    and the loss's all-reduce, over its pipeline, on one stage of `layers` layers at micro-batch size `mbs`, in `rounds`
     rounds of each."""
     from pipeloom.runtime.training import TrainSpec
 
@@ -61,7 +64,9 @@ def replica_skews(
     return {
         str(zero): _skew(
             measured[zero],
-            cost_model.allreduce_time(params, 1, 2, zero) + cost_model.optimizer_time(params, 2, zero),
+            cost_model.allreduce_time(params, 1, 2, zero)
+            + cost_model.optimizer_time(params, 2, zero)
+            + cost_model.step_overhead_time(),
         )
         for zero in _ZERO_LEVELS
     }
@@ -73,6 +78,6 @@ def _skew(rounds: list, expected_ms: float) -> float:
     waits, pipelines = [], []
     for results, flags in zip(rounds, kept):
         for phases in compress(timed_steps(results[0].phase_seconds), flags):
-            waits.append(1e3 * (phases["allreduce"] + phases["optimizer"]) - expected_ms)
+            waits.append(1e3 * (phases["allreduce"] + phases["optimizer"] + phases["overhead"]) - expected_ms)
             pipelines.append(1e3 * phases["pipeline"])
     return max(0.0, statistics.fmean(waits)) / statistics.median(pipelines)

@@ -9,16 +9,24 @@ for the slower rank, whose jitter it then carries. Neither follows from the tp =
 profile asked for tensor parallelism measures it: the probe schedule (`probe_rounds.probe_schedule`)
 on one stage of n layers over tp ranks, for each micro-batch size and n, fitted as time = a·n +
 b per pass, and its stashed bytes the same way (`tune.profiled.ProfiledCostModel` prices a
-stage at other positions by the tp = 1 intercepts scaled as the single stage's). The machine's contention is judged on the tp = 1
-probes: a tensor-parallel op's wall time is its CPU time plus its waits by design.
+stage at other positions by the tp = 1 intercepts scaled as the single stage's). The machine's
+contention is judged on the tp = 1 probes: a tensor-parallel op's wall time is its CPU time plus
+its waits by design. Those waits also make its time vary more from step to step, and skew it (a
+wait is never negative): measured here, a tp = 2 plan's median step ran 1.6–5.8 % longer than its
+median ops replayed, the tp = 1 plans' −0.1–3.7 %, most under 1 %. So each layout keeps its own
+speed quantiles (`speed`: `step_speed`, `op_speed`, `op_speed_mean`), which `tune.speed_noise`
+draws from for that layout's plans.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from pipeloom.errors import ConfigError
 from pipeloom.profile.probe_rounds import measure_probes, probe_train_spec
+from pipeloom.profile.speed import quantiles_of, speed_quantiles
 from pipeloom.tune.profile_checks import FIT_KEYS
 from pipeloom.tune.profile_fits import fit_positions, tp_key
 
@@ -32,20 +40,21 @@ def tensor_parallel_fits(
     layer_counts: Sequence[int],
     max_rounds: int,
     tick: Callable[[], None],
-    between_rounds: Callable[[], None] | None = None,
+    between_rounds: Callable[[tuple[int, bool]], None] | None = None,
     min_rounds: int = 1,
-) -> dict:
-    """`tp_key` → micro-batch size → pass (ms) or stash (bytes: M_B, M_ckpt) → {"per_layer",
-    "single"}, measured on one stage
-    over tp ranks for each (tp, sequence parallel) of `layouts`. `shape`: the profiler's
-    (model, steps, threads, workload_for, dtype); the workload must be a Hugging Face model's
-    (their tensor-parallel plans are transformers'). `between_rounds`, `min_rounds`: as `measure_probes`'."""
+) -> tuple[dict, dict]:
+    """The fits: `tp_key` → micro-batch size → pass (ms) or stash (bytes: M_B, M_ckpt) →
+    {"per_layer", "single"}, measured on one stage over tp ranks for each (tp, sequence parallel)
+    of `layouts`; and the speeds: `tp_key` → {"step_speed", "op_speed"} (`speed`). `shape`: the
+    profiler's (model, steps, threads, workload_for, dtype); the workload must be a Hugging Face
+    model's (their tensor-parallel plans are transformers'). `between_rounds` is called with the
+    layout after each round of its probes; `min_rounds`: as `measure_probes`'."""
     model, steps, threads, workload_for, dtype = shape
     if not layouts:
-        return {}
+        return {}, {}
     if workload_for is None:
         raise ConfigError("profile: tensor parallelism is measured on Hugging Face models (--model hf:DIR)")
-    out = {}
+    out, speeds = {}, {}
     for tp, sequence_parallel in layouts:
         specs = {
             (mbs, n): probe_train_spec(
@@ -54,7 +63,14 @@ def tensor_parallel_fits(
             for mbs in micro_batches
             for n in layer_counts
         }
-        measured = measure_probes(specs, max_rounds, None, tick, [], between_rounds, min_rounds)
+        hook = None if between_rounds is None else partial(between_rounds, (tp, sequence_parallel))
+        op_variation: list[float] = []
+        measured = measure_probes(specs, max_rounds, None, tick, op_variation, hook, min_rounds)
+        speeds[tp_key(tp, sequence_parallel)] = {
+            "step_speed": speed_quantiles(busy for probe in measured.values() for busy in probe.busy),
+            "op_speed": quantiles_of(op_variation),
+            **({"op_speed_mean": statistics.fmean(op_variation)} if op_variation else {}),
+        }
         out[tp_key(tp, sequence_parallel)] = {
             str(mbs): {
                 kind: fit_positions([("single", n, measured[mbs, n].median(f"{kind}@0")) for n in layer_counts])
@@ -63,4 +79,4 @@ def tensor_parallel_fits(
             }
             for mbs in micro_batches
         }
-    return out
+    return out, speeds
