@@ -82,10 +82,10 @@ def assert_trains_like_one_process(spec: TrainSpec, results) -> None:
                 torch.testing.assert_close(value, expected_gradients[stage][name], rtol=1e-5, atol=1e-5 * scale)
 
 
-@pytest.mark.parametrize(  # every schedule, each mode with fused and with split backwards (pairwise, not all 8)
+@pytest.mark.parametrize(  # every schedule once; each mode with fused and with split backwards (not all 8)
     "schedule, sequence_parallel",
-    [("1f1b", False), ("1f1b", True), ("zb-h1", True), ("zb-v", False), ("interleaved", True)],
-    ids=["1f1b-tp", "1f1b-tp+sp", "zb-h1-tp+sp", "zb-v-tp", "interleaved-tp+sp"],
+    [("1f1b", False), ("zb-h1", True), ("zb-v", False), ("interleaved", True)],
+    ids=["1f1b-tp", "zb-h1-tp+sp", "zb-v-tp", "interleaved-tp+sp"],
 )
 def test_pp2_tp2_trains_like_one_process(tmp_path, token_file, schedule, sequence_parallel):
     spec = llama_spec(tmp_path, token_file, schedule, tp=2, sequence_parallel=sequence_parallel, record_gradients=True)
