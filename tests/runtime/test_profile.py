@@ -144,7 +144,7 @@ def test_the_replica_wait_is_a_mean_over_steady_steps_after_the_warm_up():
         [result([120, 110, 100, 100, 100], [30, 30, 4, 0, 60]), result([120, 110, 100, 101, 200], [0] * 5)],
         [
             result([120, 110, 100, 100, 100], [30, 30, 0, 0, 0], (0, 0, 2, 0, 0)),
-            result([120, 110, 100] + [100] * 2, [0] * 5),
+            result([120, 110, 100, 100, 100], [0] * 5),
         ],
     ]
     # expected 16 ms (10 collective + 5 optimizer + 1 the rest); waits 4, 0 and 2, 0, 0 over a 100 ms pipeline

@@ -1,4 +1,5 @@
-"""How long a data-parallel replica waits for the other at the gradient sync.
+"""How long a data-parallel replica waits for the other: at the gradient sync, and at the loss's
+all-reduce.
 
 Two replicas run the same pipeline, but never at quite the same speed: at the first collective
 after it the faster one waits, and again at the loss's all-reduce that ends the step. The profile
@@ -40,8 +41,8 @@ def replica_skews(
     profile, model, mbs, layers, steps, threads, workload_for, dtype, busy: Contention, rounds: int = SKEW_ROUNDS
 ) -> dict[str, float]:
     """{"0": share, "1": share}: the mean wait of rank 0 at ZeRO-0's and ZeRO-1's gradient sync
-    and the loss's all-reduce, over its pipeline, on one stage of `layers` layers at micro-batch size `mbs`, in `rounds`
-    rounds of each."""
+    and the loss's all-reduce, over its pipeline, on one stage of `layers` layers at micro-batch
+    size `mbs`, in `rounds` rounds of each."""
     from pipeloom.runtime.training import TrainSpec
 
     specs = {
