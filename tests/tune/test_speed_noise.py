@@ -8,6 +8,7 @@ from pipeloom.profile.speed import QUANTILES, op_ratios, speed_quantiles, steady
 from pipeloom.tune.profiled import ProfiledCostModel
 from pipeloom.tune.search import tune
 from pipeloom.tune.speed_noise import mean_matched, noisy_pipeline, winsorized
+from pipeloom.tune.tp_layout import layout_speeds
 
 from .test_profiled import links, profile
 
@@ -65,9 +66,9 @@ def test_a_tensor_parallel_plan_draws_from_its_own_layout_s_speeds():
     data = {**profile(), **links(), "step_speed": STEADY, "op_speed": STEADY}
     data["tensor_parallel_speed"] = {"2": {"step_speed": STEADY, "op_speed": skewed}}
     plain = ProfiledCostModel(data, tp=2, sequence_parallel=True)  # "2+sp" not measured: the plain probes'
-    assert plain.speed_quantiles() == (STEADY, STEADY, None)
-    assert ProfiledCostModel(data, tp=2).speed_quantiles() == (STEADY, skewed, None)
-    assert ProfiledCostModel(data).speed_quantiles() == (STEADY, STEADY, None)
+    assert layout_speeds(data, 2, True) == (STEADY, STEADY, None)
+    assert layout_speeds(data, 2, False) == (STEADY, skewed, None)
+    assert layout_speeds(data, 1, False) == (STEADY, STEADY, None)
     layout = {**SPACE, "schemes": ["1f1b"], "pp_values": [1], "tp": 2}
     assert tune(plain, 2, 1e9, 8, **layout).best.noise_time == pytest.approx(0.0, abs=1e-9)
     assert tune(ProfiledCostModel(data, tp=2), 2, 1e9, 8, **layout).best.noise_time > 0

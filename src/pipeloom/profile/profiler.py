@@ -34,7 +34,7 @@ from pipeloom.profile.links import expert_exchange, measure_links, ping_seconds
 from pipeloom.profile.overheads import linear_fit, op_overhead_ms
 from pipeloom.profile.probe_rounds import OP_KINDS, Probe, measure_probes, probe_schedule, probe_train_spec
 from pipeloom.profile.replica_skew import SKEW_ROUNDS, replica_skews
-from pipeloom.profile.speed import quantiles_of, speed_quantiles
+from pipeloom.profile.speed import speed_keys
 from pipeloom.profile.stability import falling_per_sample
 from pipeloom.profile.tp_probes import tensor_parallel_fits
 from pipeloom.static_memory import compute_bytes
@@ -140,10 +140,7 @@ def profile_model(
         )
     profile["noise"] = _noise(measured) | busy.summary()
     profile["confidence"] = _confidence(measured, micro_batches)
-    profile["step_speed"] = speed_quantiles(busy for probe in measured.values() for busy in probe.busy)
-    profile["op_speed"] = quantiles_of(op_variation)
-    if op_variation:
-        profile["op_speed_mean"] = statistics.fmean(op_variation)
+    profile.update(speed_keys((busy for probe in measured.values() for busy in probe.busy), op_variation))
     profile["warnings"] = warnings + [text for text in [busy.warning()] if text]
     try:  # what `tune` will refuse is never written: the fits are constrained, this is the proof
         check_profile_numbers(profile)

@@ -40,6 +40,7 @@ __all__ = [
     "speed_quantiles",
     "op_ratios",
     "quantiles_of",
+    "speed_keys",
 ]
 
 QUANTILES = 21
@@ -140,3 +141,13 @@ def quantiles_of(factors: Sequence[float]) -> list[float]:
         return []
     middle = statistics.quantiles(factors, n=QUANTILES - 1, method="inclusive")
     return [float(q) for q in [min(factors), *middle, max(factors)]]
+
+
+def speed_keys(busy: Iterable[Sequence[float]], op_variation: Sequence[float]) -> dict[str, object]:
+    """A profile's speed keys from its probes' steady steps (`busy`: one series per probe and rank,
+    `step_busy`) and its ops' `op_ratios`: `step_speed`, `op_speed` and, with any ops,
+    `op_speed_mean` (what a step of many ops carries over its median ops: `tune.speed_noise`)."""
+    keys: dict[str, object] = {"step_speed": speed_quantiles(busy), "op_speed": quantiles_of(op_variation)}
+    if op_variation:
+        keys["op_speed_mean"] = statistics.fmean(op_variation)
+    return keys

@@ -20,13 +20,12 @@ draws from for that layout's plans.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Sequence
 from functools import partial
 
 from pipeloom.errors import ConfigError
 from pipeloom.profile.probe_rounds import measure_probes, probe_train_spec
-from pipeloom.profile.speed import quantiles_of, speed_quantiles
+from pipeloom.profile.speed import speed_keys
 from pipeloom.tune.profile_checks import FIT_KEYS
 from pipeloom.tune.profile_fits import fit_positions, tp_key
 
@@ -45,7 +44,7 @@ def tensor_parallel_fits(
 ) -> tuple[dict, dict]:
     """The fits: `tp_key` → micro-batch size → pass (ms) or stash (bytes: M_B, M_ckpt) →
     {"per_layer", "single"}, measured on one stage over tp ranks for each (tp, sequence parallel)
-    of `layouts`; and the speeds: `tp_key` → {"step_speed", "op_speed"} (`speed`). `shape`: the
+    of `layouts`; and the speeds: `tp_key` → its `speed.speed_keys`. `shape`: the
     profiler's (model, steps, threads, workload_for, dtype); the workload must be a Hugging Face
     model's (their tensor-parallel plans are transformers'). `between_rounds` is called with the
     layout after each round of its probes; `min_rounds`: as `measure_probes`'."""
@@ -66,11 +65,9 @@ def tensor_parallel_fits(
         hook = None if between_rounds is None else partial(between_rounds, (tp, sequence_parallel))
         op_variation: list[float] = []
         measured = measure_probes(specs, max_rounds, None, tick, op_variation, hook, min_rounds)
-        speeds[tp_key(tp, sequence_parallel)] = {
-            "step_speed": speed_quantiles(busy for probe in measured.values() for busy in probe.busy),
-            "op_speed": quantiles_of(op_variation),
-            **({"op_speed_mean": statistics.fmean(op_variation)} if op_variation else {}),
-        }
+        speeds[tp_key(tp, sequence_parallel)] = speed_keys(
+            (busy for probe in measured.values() for busy in probe.busy), op_variation
+        )
         out[tp_key(tp, sequence_parallel)] = {
             str(mbs): {
                 kind: fit_positions([("single", n, measured[mbs, n].median(f"{kind}@0")) for n in layer_counts])

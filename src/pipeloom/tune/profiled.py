@@ -35,7 +35,7 @@ from pipeloom.files import read_json
 from pipeloom.static_memory import collective_bytes, compute_bytes, static_bytes
 from pipeloom.tune.presets import ModelSpec, model_from_config
 from pipeloom.tune.profile_checks import check_profile_numbers
-from pipeloom.tune.profile_fits import at_size, tp_key
+from pipeloom.tune.profile_fits import at_size
 from pipeloom.tune.tp_layout import activation_share, layer_collectives, measured_tp_fits, ring_bytes, stage_collectives
 
 __all__ = ["PROFILE_FORMAT", "ProfiledCostModel", "profile_costs_keys"]
@@ -97,17 +97,6 @@ class ProfiledCostModel:
         pass or stash (M_B, M_ckpt) → micro-batch size → {"per_layer", "single"}; None if it
         measured none. Read once: the layout is fixed when the model is made."""
         return self._tp_fits
-
-    def speed_quantiles(self) -> tuple[list[float], list[float], float | None]:
-        """How much a rank's step and an op vary from step to step (`profile.speed`'s
-        `step_speed`, `op_speed` and the ops' mean factor `op_speed_mean`): as measured on this
-        layout's ranks where the profile did (`profile.tp_probes`: collective waits inside the
-        ops vary and skew them), else on the plain probes'; empty where the profile has none."""
-        speeds = self.profile.get("tensor_parallel_speed") or {}
-        layout = speeds.get(tp_key(self.tp, self.sequence_parallel)) if self.tp > 1 else None
-        source = layout if layout and layout.get("step_speed") else self.profile
-        mean = source.get("op_speed_mean")
-        return list(source.get("step_speed") or []), list(source.get("op_speed") or []), mean
 
     def _tp_value(self, key: str, field: str, micro_batch: float) -> float:
         """A measured tensor-parallel fit's `field` of `key` at `micro_batch` (`at_size`)."""

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from pipeloom.ir.walk import run
 from pipeloom.tune.evaluation import Evaluation
+from pipeloom.tune.tp_layout import layout_speeds
 
 __all__ = ["DRAWS", "noisy_pipeline", "apply_speed_noise", "mean_matched", "winsorized"]
 
@@ -63,9 +64,10 @@ def noisy_pipeline(
 def apply_speed_noise(ranked: list[Evaluation], cost_model) -> None:
     """Add each ranked plan's speed-noise cost to its pipeline (`Evaluation.noise_time`) and sort
     the ranking again; plans with offload lanes keep theirs (the lanes are timed on the host).
-    The quantiles are the cost model's layout's (`ProfiledCostModel.speed_quantiles`)."""
-    speeds = getattr(cost_model, "speed_quantiles", None)
-    quantiles, ops, op_mean = speeds() if speeds is not None else ([], [], None)
+    The quantiles are the cost model's layout's (`tp_layout.layout_speeds`)."""
+    profile = getattr(cost_model, "profile", None) or {}
+    tp, sequence_parallel = getattr(cost_model, "tp", 1), getattr(cost_model, "sequence_parallel", False)
+    quantiles, ops, op_mean = layout_speeds(profile, tp, sequence_parallel)
     if not quantiles:
         return
     for evaluation in ranked:

@@ -12,7 +12,14 @@ from collections.abc import Sequence
 from pipeloom.tune.profile_checks import FIT_KEYS
 from pipeloom.tune.profile_fits import tp_key
 
-__all__ = ["activation_share", "layer_collectives", "measured_tp_fits", "ring_bytes", "stage_collectives"]
+__all__ = [
+    "activation_share",
+    "layer_collectives",
+    "layout_speeds",
+    "measured_tp_fits",
+    "ring_bytes",
+    "stage_collectives",
+]
 
 
 def layer_collectives(tp: int, sequence_parallel: bool) -> dict[str, list[str]]:
@@ -57,6 +64,16 @@ def activation_share(tp: int, sequence_parallel: bool) -> float:
     if tp == 1:
         return 1.0
     return 1 / tp if sequence_parallel else (10 + 24 / tp) / 34
+
+
+def layout_speeds(profile: dict, tp: int, sequence_parallel: bool) -> tuple[list[float], list[float], float | None]:
+    """How much a rank's step and an op vary from step to step (`profile.speed.speed_keys`:
+    `step_speed`, `op_speed`, `op_speed_mean`): as measured on this layout's ranks where the
+    profile did (`profile.tp_probes`: collective waits inside the ops vary and skew them), else
+    on the plain probes'; empty where the profile has none."""
+    layout = (profile.get("tensor_parallel_speed") or {}).get(tp_key(tp, sequence_parallel)) if tp > 1 else None
+    source = layout if layout and layout.get("step_speed") else profile
+    return list(source.get("step_speed") or []), list(source.get("op_speed") or []), source.get("op_speed_mean")
 
 
 def measured_tp_fits(profile: dict, tp: int, sequence_parallel: bool) -> dict[str, dict[int, dict]] | None:
