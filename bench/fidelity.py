@@ -9,7 +9,8 @@ Hugging Face models, each profiled and tuned the same way: tensor parallelism (p
 with and without sequence parallelism) of examples/hf-llama-tiny, and a small Mixtral with its
 experts on each stage (pp = 2) and shared out by expert parallelism (dp = 2, ep = 2).
 
-Each model's plans then run `--rounds` times for `--steps` steps (the warm-up left out:
+Each model's plans then run `--rounds` times (the Hugging Face models' `--hf-rounds`: their
+tensor- and expert-parallel ops wait inside collectives, and vary more) for `--steps` steps (the warm-up left out:
 `speed.timed_steps`), taking turns so that a slow spell of the machine falls on one round of
 several plans — and taking turns with the rounds of a second profile of the model, measured the
 same way (each plan with the probes that price its ops: a tensor-parallel plan with its layout's):
@@ -29,7 +30,8 @@ pipeline's error split into the op times' share and the runtime's (the run's own
 replayed through the simulator, `sim.replay`), and each other phase that missed, after how busy
 the machine was (wall over CPU time of the ops, `profile.contention`); tensor- and
 expert-parallel plans also print their collectives' traffic, predicted beside measured.
-Usage: python bench/fidelity.py [--profile profile.json] [--steps 8] [--rounds 5] [--only-hf | --no-hf]
+Usage: python bench/fidelity.py [--profile profile.json] [--steps 8] [--rounds 5] [--hf-rounds 8]
+                                [--only-hf | --no-hf]
                                 [--explain-above 0.05]
 """
 
@@ -51,6 +53,8 @@ from fidelity_report import report
 
 from pipeloom.errors import RuntimeFault
 from pipeloom.models.llama import llama_config
+from pipeloom.profile.ep_probes import EP
+from pipeloom.profile.probe_rounds import ProbeLayout
 from pipeloom.profile.profiler import profile_model
 from pipeloom.runtime.local import run_local
 from pipeloom.runtime.training import TrainSpec
@@ -99,6 +103,13 @@ PROBE_STEPS = 8
 round's fork and start cost as much as a few steps, so timed steps are cheaper had by the round
 than by more rounds. At 5 steps (3 timed), a tensor-parallel plan's prediction moved by 1.5–8 %
 (once 37 %) between a model's two profiles, minutes apart, in five runs of this bench."""
+HF_ROUNDS = 8
+"""Rounds of the Hugging Face plans, and at least as many of the probes that price them. Their
+tensor- and expert-parallel ops wait inside collectives, and a round of them now and then runs
+20–30 % slow throughout (10 rounds of a tp = 2 stage here: F's median 21–23 ms in most, 25–30 ms
+in some, the probe's and the plan's not always in the same turn; steps vary by ±15 %, so 30 steps
+put a median within ±3.4 %, one standard error): at 5 rounds, the tp = 2 plans missed by 0.2–11 %
+(20 misses in 10 runs, a mean of 4.1 %). Rounds, not steps, outvote a slow round."""
 EXPLAIN_ABOVE = 0.05
 """Plans whose step missed by more than this share get a line saying where the time went."""
 
@@ -150,6 +161,9 @@ def main() -> None:
     parser.add_argument("--profile", help="reuse a profile of tiny-llama to tune from instead of measuring one")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5, help="runs of each plan, taking turns (default 5)")
+    parser.add_argument(
+        "--hf-rounds", type=int, default=HF_ROUNDS, help=f"the Hugging Face plans' runs (default {HF_ROUNDS})"
+    )
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--only-hf", action="store_true", help="only the Hugging Face (tensor parallel, MoE) plans")
     which.add_argument("--no-hf", action="store_true", help="only the built-in decoder's plans")
@@ -165,8 +179,9 @@ def main() -> None:
                 groups.append(dense_group(args.profile, args.steps, lean))
             if not args.no_hf:
                 groups += hf_groups(Path(directory), args.steps, lean)
-            for group in groups:
-                measure_by_turns(group, args.rounds, lean)
+            for number, group in enumerate(groups):
+                hugging_face = args.only_hf or number > 0
+                measure_by_turns(group, args.hf_rounds if hugging_face else args.rounds, lean)
         except RuntimeFault as error:  # a busy machine: no plan is better than a misleading one
             print(f"profile refused: {error}")
             return
@@ -336,28 +351,33 @@ def measure_by_turns(group: Group, rounds: int, lean: ProcessPoolExecutor) -> No
         row.price_again(profile | group.marks)
 
 
-def layout(plan: Plan) -> tuple[int, bool]:
-    """The probes that price the plan's ops: its (tp, sequence parallel), (1, False) for the plain."""
-    return (plan.tp, plan.sequence_parallel) if plan.tp > 1 else (1, False)
+def layout(plan: Plan) -> ProbeLayout:
+    """The probes that price the plan's ops: its tp ranks', its replicas' sharing out the experts
+    (expert parallelism: all-to-alls priced, `collective_predictions`), or the plain ones."""
+    if plan.tp > 1:
+        return ProbeLayout(plan.tp, plan.sequence_parallel)
+    return ProbeLayout(ep=EP) if "a2a_ms" in plan.predicted else ProbeLayout()
 
 
 def profile_by_turns(
-    model: ModelSpec, profiling: dict, plans: list[tuple[Callable[[], TrainSpec], tuple[int, bool]]], rounds: int
+    model: ModelSpec, profiling: dict, plans: list[tuple[Callable[[], TrainSpec], ProbeLayout]], rounds: int
 ) -> tuple[dict, list[list]]:
     """A profile of `model` (`profiling`: `profile_model`'s arguments, each probe run at least
     `rounds` rounds) whose rounds take turns with `rounds` rounds of the plans (what builds each
     one's TrainSpec, and the layout whose probes price its ops: `layout`): after each round of a
     layout's probes, a round of each of its plans — measured in the same spells of the machine
-    as the op times they are priced by (a tensor-parallel plan's ops by its layout's probes, run
-    minutes after the plain ones). The profile, and per plan its rounds' results."""
+    as the op times they are priced by (a tensor- or expert-parallel plan's ops by its layout's
+    probes, run minutes after the plain ones). The profile, and per plan its rounds' results."""
     runs: list[list] = [[] for _ in plans]
     profiling = profiling | {"max_rounds": max(rounds, profiling["max_rounds"]), "min_rounds": rounds}
-    probed = {(1, False), *profiling.get("tensor_parallel", ())}
+    probed = {ProbeLayout(), *(ProbeLayout(tp, sp) for tp, sp in profiling.get("tensor_parallel", ()))}
+    if model.num_experts:
+        probed.add(ProbeLayout(ep=EP))  # `profile_model` measures a mixture of experts' exchanges
 
-    def plan_rounds(of: tuple[int, bool] | None) -> None:
+    def plan_rounds(of: ProbeLayout | None) -> None:
         """A round of each plan whose probes are `of` (None: each plan) that has rounds left."""
         for (spec, plan_layout), done in zip(plans, runs):
-            mine = plan_layout if plan_layout in probed else (1, False)
+            mine = plan_layout if plan_layout in probed else ProbeLayout()
             if (of is None or mine == of) and len(done) < rounds:
                 done.append(run_built(spec))
 

@@ -144,15 +144,19 @@ def test_a_pair_switches_only_where_an_exchange_is_in_flight():
 
 
 def test_the_profile_measures_the_exchanges_and_the_stash_with_the_experts_shared_out(tmp_path):
-    """`links.expert_exchange`: per micro-batch size, the all-to-alls' ms per layer of an F and
+    """`ep_probes.expert_exchange`: per micro-batch size, the all-to-alls' ms per layer of an F and
     a B, and the bytes an F stashes on the probed stage (with ep = 2 less than on one rank here:
     the cost model moves every stage's stash by the difference, `ProfiledCostModel`)."""
-    from pipeloom.profile.links import expert_exchange
+    from pipeloom.profile.ep_probes import expert_exchange
 
     directory = model_dir(tmp_path, "mixtral")
-    measured = expert_exchange(
-        (1,), 1, 2, 1, lambda n, mbs: hf_workload(directory, 0, mbs, SEQ, layers=n), "fp32", rounds=1
+    turns: list[int] = []
+    workload_for = lambda n, mbs: hf_workload(directory, 0, mbs, SEQ, layers=n)  # noqa: E731
+    measured, speeds = expert_exchange(
+        (1,), 1, 2, 1, workload_for, "fp32", rounds=1, between_rounds=lambda: turns.append(1)
     )
+    assert turns == [1]  # what takes turns with the probes ran after their round
+    assert {"step_speed", "op_speed"} <= set(speeds)  # the layout's own (too few steps here to fill them)
     assert measured["ep"] == 2 and measured["1"]["layers"] == 1
     assert measured["1"]["F"] >= 0 and measured["1"]["B"] >= 0 and measured["1"]["M_B"] > 0
     assert measured["1"]["F_op"] > 0 and measured["1"]["BW_op"] > 0  # whole ops, exchanges inside

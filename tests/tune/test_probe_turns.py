@@ -40,8 +40,9 @@ def test_tensor_parallel_probes_tell_the_hook_their_layout_and_keep_their_own_sp
     """What takes turns with a layout's probes is told which layout ran (a plan is measured
     beside the probes that price it), and each layout's op variation is its own."""
     from pipeloom.profile import tp_probes
+    from pipeloom.profile.probe_rounds import ProbeLayout
 
-    turns: list[tuple[int, bool]] = []
+    turns: list[ProbeLayout] = []
 
     def measure_probes(specs, max_rounds, busy, tick, op_variation, hook, min_rounds):
         hook()
@@ -59,7 +60,7 @@ def test_tensor_parallel_probes_tell_the_hook_their_layout_and_keep_their_own_sp
     fits, speeds = tp_probes.tensor_parallel_fits(
         [(2, False), (2, True)], shape, [1], [1, 2], 3, lambda: None, turns.append
     )
-    assert turns == [(2, False), (2, True)]
+    assert turns == [ProbeLayout(2, False), ProbeLayout(2, True)]
     assert fits["2"]["1"]["F"]["per_layer"] == 2.0 and set(fits) == set(speeds) == {"2", "2+sp"}
     assert speeds["2"]["op_speed"][-1] == 1.0 and speeds["2+sp"]["op_speed"][-1] == pytest.approx(1.39)
     assert speeds["2"]["step_speed"][0] == pytest.approx(100 / 110)

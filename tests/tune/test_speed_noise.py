@@ -74,6 +74,20 @@ def test_a_tensor_parallel_plan_draws_from_its_own_layout_s_speeds():
     assert tune(ProfiledCostModel(data, tp=2), 2, 1e9, 8, **layout).best.noise_time > 0
 
 
+def test_an_expert_parallel_plan_draws_from_its_own_layout_s_speeds():
+    """All-to-all waits inside the ops of replicas that share out the experts vary and skew them
+    too (`profile.ep_probes`): an ep > 1 plan draws from that layout's quantiles, others do not."""
+    skewed = [1.0] * (QUANTILES - 6) + [1.1, 1.2, 1.3, 1.4, 1.5, 9.0]
+    data = {
+        "step_speed": STEADY,
+        "op_speed": STEADY,
+        "expert_parallel_speed": {"step_speed": STEADY, "op_speed": skewed},
+    }
+    assert layout_speeds(data, 1, False, ep=2) == (STEADY, skewed, None)
+    assert layout_speeds(data, 1, False) == (STEADY, STEADY, None)
+    assert layout_speeds({**data, "expert_parallel_speed": {}}, 1, False, ep=2) == (STEADY, STEADY, None)
+
+
 def test_one_device_s_ops_draw_the_mean_factor_the_profile_measured():
     """A step adds up many ops, so it carries their mean factor: the draws are scaled to it."""
     skewed = [1.0] * (QUANTILES - 6) + [1.1, 1.2, 1.3, 1.4, 1.5, 9.0]

@@ -1,5 +1,5 @@
-"""What moving bytes between ranks costs on this machine: p2p, the data-parallel collectives and
-a mixture of experts' all-to-alls (`expert_exchange`).
+"""What moving bytes between ranks costs on this machine: p2p and the data-parallel collectives
+(a mixture of experts' all-to-alls are timed inside its ops: `ep_probes`).
 
 Each is measured between two forked gloo ranks at two sizes — a tiny tensor for the latency and a
 large one for the bandwidth — and fitted as time = latency + bytes / bandwidth, bytes being the
@@ -21,13 +21,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipeloom.ir.ops import OpKind
-from pipeloom.ir.text import parse_op
-from pipeloom.profile.probe_rounds import runs_by_turns, stashed_bytes
-from pipeloom.profile.speed import timed_steps
 from pipeloom.runtime.zero import sum_into_shard
 
-__all__ = ["ping_seconds", "measure_links", "expert_exchange"]
+__all__ = ["ping_seconds", "measure_links"]
 
 _SMALL, _LARGE = 16, 4 * 2**20
 """fp32 elements of the two sizes measured: 64 bytes (latency), 16 MiB (bandwidth)."""
@@ -107,53 +103,3 @@ def _link_rank(rank: int, directory: str, sizes: tuple[int, ...], repeats: int) 
     if rank == 0:
         Path(directory, "links").write_text(" ".join(str(1e3 * s) for s in seconds))
     dist.destroy_process_group()
-
-
-_EP = 2
-"""The expert-parallel group `profile` measures: two ranks, one all-to-all partner each."""
-
-
-def expert_exchange(micro_batches, layers, steps, threads, workload_for, dtype, rounds: int = 3) -> dict:
-    """A mixture of experts' dispatch and combine, per MoE layer and micro-batch size: one stage
-    of `layers` layers trained by two data-parallel replicas that share out the experts (--ep 2),
-    lone ops only, so each exchange's time in flight is its own. ms per layer of an F (a2a_F:
-    the counts, the tokens out and back) and of a B (a2a_B: their gradients); the bytes an F
-    stashes there (M_B) and an F's and a BW's whole time (F_op, BW_op), which sharing the
-    experts out changes (the cost model takes the difference from the tp = 1 fits per layer:
-    `ProfiledCostModel`). The sizes take turns for `rounds` rounds, pooled: one run's exchanges
-    wait on its partner's pace, and single runs put a step's in flight at 28 to 39 ms here. No
-    round is judged busy by its wall over CPU time: these ops wait inside their exchanges."""
-    from pipeloom.runtime.training import TrainSpec
-    from pipeloom.schedules.registry import build_schedule
-
-    m = 2
-    specs = {
-        mbs: TrainSpec(
-            build_schedule("1f1b", 1, m),
-            workload=workload_for(layers, mbs),
-            steps=steps,
-            dp=_EP,
-            ep=_EP,
-            threads=threads,
-            dtype=dtype,
-        )
-        for mbs in micro_batches
-    }
-    out: dict = {"ep": _EP}
-    per_op = m * layers
-    for mbs, runs in runs_by_turns(specs, rounds).items():
-        kept = [r for results in runs for result in results for r in timed_steps(result.records)]
-        stash = [v for r in kept for v in stashed_bytes(r.entry_bytes)]
-        lone = {
-            kind: [1e3 * (end - start) for r in kept for text, start, end in r.ops if parse_op(text).kind is kind]
-            for kind in (OpKind.F, OpKind.BW)
-        }
-        out[str(mbs)] = {
-            "F": statistics.median(r.a2a_forward_ms for r in kept) / per_op,
-            "B": statistics.median(r.a2a_ms - r.a2a_forward_ms for r in kept) / per_op,
-            "M_B": statistics.median(stash),  # an F's stash on this stage of `layers` layers, experts shared out
-            "F_op": statistics.median(lone[OpKind.F]),  # an F's and a BW's whole time on that stage, ms
-            "BW_op": statistics.median(lone[OpKind.BW]),
-            "layers": layers,
-        }
-    return out

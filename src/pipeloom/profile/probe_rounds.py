@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from itertools import compress
+from typing import NamedTuple
 
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
@@ -26,6 +27,7 @@ __all__ = [
     "PHASES",
     "SETTLED_MS",
     "Probe",
+    "ProbeLayout",
     "measure_probes",
     "probe_schedule",
     "probe_train_spec",
@@ -39,6 +41,16 @@ OP_KINDS = ("F", "B", "W", "R")
 PHASES = ("pipeline", "allreduce", "optimizer", "overhead")
 SETTLED_MS = 0.1
 """A median that moves by less than this (ms) has settled, however small it is."""
+
+
+class ProbeLayout(NamedTuple):
+    """How a probe's ranks share its stage: what the profiler's `between_rounds` hook is told
+    after a round of the probes of that layout — the plain ones (tp = ep = 1), one stage over tp
+    ranks (`tp_probes`), or two replicas sharing out its experts (`ep_probes`)."""
+
+    tp: int = 1
+    sequence_parallel: bool = False
+    ep: int = 1
 
 
 class Probe:
@@ -153,10 +165,13 @@ def measure_probes(
     return {key: steady_probe(key, specs[key].schedule, rounds[key], series[key], op_variation) for key in keys}
 
 
-def runs_by_turns(specs: dict, rounds: int, busy: Contention | None = None) -> dict[object, list]:
+def runs_by_turns(
+    specs: dict, rounds: int, busy: Contention | None = None, between_rounds: Callable[[], None] | None = None
+) -> dict[object, list]:
     """Each spec's `rounds` runs (key → its rounds' results), a round of each at a time, so a
     slow spell falls on one round of several; a round `busy` finds contended is run again (None:
-    no check, for ops whose collectives wait inside them)."""
+    no check, for ops whose collectives wait inside them); `between_rounds` runs after each round
+    (as `measure_probes`')."""
     from pipeloom.runtime.local import run_local
 
     out: dict[object, list] = {key: [] for key in specs}
@@ -166,6 +181,8 @@ def runs_by_turns(specs: dict, rounds: int, busy: Contention | None = None) -> d
             while busy is not None and not busy.clean_round(results):
                 results = run_local(spec)
             out[key].append(results)
+        if between_rounds is not None:
+            between_rounds()
     return out
 
 

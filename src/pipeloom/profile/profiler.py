@@ -30,9 +30,17 @@ from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError, RuntimeFault
 from pipeloom.models.llama import build_stages, llama_config
 from pipeloom.profile.contention import Contention
-from pipeloom.profile.links import expert_exchange, measure_links, ping_seconds
+from pipeloom.profile.ep_probes import EP, expert_exchange
+from pipeloom.profile.links import measure_links, ping_seconds
 from pipeloom.profile.overheads import linear_fit, op_overhead_ms
-from pipeloom.profile.probe_rounds import OP_KINDS, Probe, measure_probes, probe_schedule, probe_train_spec
+from pipeloom.profile.probe_rounds import (
+    OP_KINDS,
+    Probe,
+    ProbeLayout,
+    measure_probes,
+    probe_schedule,
+    probe_train_spec,
+)
 from pipeloom.profile.replica_skew import SKEW_ROUNDS, replica_skews
 from pipeloom.profile.speed import speed_keys
 from pipeloom.profile.stability import falling_per_sample
@@ -62,7 +70,7 @@ def profile_model(
     max_rounds: int = 4,
     allow_busy: bool = False,
     tensor_parallel: Sequence[tuple[int, bool]] = (),
-    between_rounds: Callable[[tuple[int, bool]], None] | None = None,
+    between_rounds: Callable[[ProbeLayout], None] | None = None,
     min_rounds: int = 1,
 ) -> dict:
     """The profile (format ``pipeloom.profile/1``) as a dict. `workload_for(layers, micro-batch
@@ -72,10 +80,11 @@ def profile_model(
     its medians take to settle (`stability.Series`), the probes taking turns. RuntimeFault if
     the machine is too busy to measure (`contention.Contention`), unless `allow_busy`.
     `tensor_parallel`: (tp, sequence parallel) layouts whose ops are measured too (`tp_probes`).
-    `between_rounds` is called after each round of the probes with their layout — (1, False) for
-    the plain ones', then each tensor-parallel one's: runs that take turns with the rounds of the
-    probes that price them see the machine at the speed those measured; every probe then runs at
-    least `min_rounds` rounds, so that the turns last as long as the runs."""
+    `between_rounds` is called after each round of the probes with their layout (`ProbeLayout`):
+    the plain ones', then each tensor-parallel one's, then, for a mixture of experts, the
+    expert-parallel one's (`ep_probes`): runs that take turns with the rounds of the probes that
+    price them see the machine at the speed those measured; every probe then runs at least
+    `min_rounds` rounds, so that the turns last as long as the runs."""
     probes = [(mbs, n) for mbs in micro_batches for n in layer_counts]
     total = len(probes) * max_rounds * (1 + len(tensor_parallel)) + 1
     busy = Contention(allow=allow_busy)
@@ -89,7 +98,7 @@ def profile_model(
 
     op_variation: list[float] = []  # each op's time over its median, its step's speed taken out
     specs = {key: probe_train_spec(*shape, *key) for key in probes}
-    plain_turns = None if between_rounds is None else partial(between_rounds, (1, False))
+    plain_turns = None if between_rounds is None else partial(between_rounds, ProbeLayout())
     measured = measure_probes(specs, max_rounds, busy, tick, op_variation, plain_turns, min_rounds)
     fits = _fits(measured, micro_batches)
     # a size cheaper per sample than a smaller one is what larger GEMMs do, unless a busy spell
@@ -135,8 +144,16 @@ def profile_model(
         rounds=paired_rounds,
     )
     if workload_for is not None and getattr(workload_for(1, 1), "experts", None) is not None:
-        profile["a2a"] = expert_exchange(
-            micro_batches, max(layer_counts), steps, threads, workload_for, dtype, paired_rounds
+        ep_turns = None if between_rounds is None else partial(between_rounds, ProbeLayout(ep=EP))
+        profile["a2a"], profile["expert_parallel_speed"] = expert_exchange(
+            micro_batches,
+            max(layer_counts),
+            steps,
+            threads,
+            workload_for,
+            dtype,
+            rounds=max(paired_rounds, min_rounds),
+            between_rounds=ep_turns,
         )
     profile["noise"] = _noise(measured) | busy.summary()
     profile["confidence"] = _confidence(measured, micro_batches)

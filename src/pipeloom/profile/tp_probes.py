@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 from pipeloom.errors import ConfigError
-from pipeloom.profile.probe_rounds import measure_probes, probe_train_spec
+from pipeloom.profile.probe_rounds import ProbeLayout, measure_probes, probe_train_spec
 from pipeloom.profile.speed import speed_keys
 from pipeloom.tune.profile_checks import FIT_KEYS
 from pipeloom.tune.profile_fits import fit_positions, tp_key
@@ -39,7 +39,7 @@ def tensor_parallel_fits(
     layer_counts: Sequence[int],
     max_rounds: int,
     tick: Callable[[], None],
-    between_rounds: Callable[[tuple[int, bool]], None] | None = None,
+    between_rounds: Callable[[ProbeLayout], None] | None = None,
     min_rounds: int = 1,
 ) -> tuple[dict, dict]:
     """The fits: `tp_key` → micro-batch size → pass (ms) or stash (bytes: M_B, M_ckpt) →
@@ -62,7 +62,7 @@ def tensor_parallel_fits(
             for mbs in micro_batches
             for n in layer_counts
         }
-        hook = None if between_rounds is None else partial(between_rounds, (tp, sequence_parallel))
+        hook = None if between_rounds is None else partial(between_rounds, ProbeLayout(tp, sequence_parallel))
         op_variation: list[float] = []
         measured = measure_probes(specs, max_rounds, None, tick, op_variation, hook, min_rounds)
         speeds[tp_key(tp, sequence_parallel)] = speed_keys(

@@ -67,7 +67,8 @@ def apply_speed_noise(ranked: list[Evaluation], cost_model) -> None:
     The quantiles are the cost model's layout's (`tp_layout.layout_speeds`)."""
     profile = getattr(cost_model, "profile", None) or {}
     tp, sequence_parallel = getattr(cost_model, "tp", 1), getattr(cost_model, "sequence_parallel", False)
-    quantiles, ops, op_mean = layout_speeds(profile, tp, sequence_parallel)
+    ep = getattr(getattr(cost_model, "model", None), "expert_parallel", 1)
+    quantiles, ops, op_mean = layout_speeds(profile, tp, sequence_parallel, ep)
     if not quantiles:
         return
     for evaluation in ranked:

@@ -66,12 +66,18 @@ def activation_share(tp: int, sequence_parallel: bool) -> float:
     return 1 / tp if sequence_parallel else (10 + 24 / tp) / 34
 
 
-def layout_speeds(profile: dict, tp: int, sequence_parallel: bool) -> tuple[list[float], list[float], float | None]:
+def layout_speeds(
+    profile: dict, tp: int, sequence_parallel: bool, ep: int = 1
+) -> tuple[list[float], list[float], float | None]:
     """How much a rank's step and an op vary from step to step (`profile.speed.speed_keys`:
     `step_speed`, `op_speed`, `op_speed_mean`): as measured on this layout's ranks where the
-    profile did (`profile.tp_probes`: collective waits inside the ops vary and skew them), else
-    on the plain probes'; empty where the profile has none."""
-    layout = (profile.get("tensor_parallel_speed") or {}).get(tp_key(tp, sequence_parallel)) if tp > 1 else None
+    profile did — tp ranks (`profile.tp_probes`), replicas sharing out the experts
+    (`profile.ep_probes`): collective waits inside the ops vary and skew them — else on the plain
+    probes'; empty where the profile has none."""
+    if tp > 1:
+        layout = (profile.get("tensor_parallel_speed") or {}).get(tp_key(tp, sequence_parallel))
+    else:
+        layout = profile.get("expert_parallel_speed") if ep > 1 else None
     source = layout if layout and layout.get("step_speed") else profile
     return list(source.get("step_speed") or []), list(source.get("op_speed") or []), source.get("op_speed_mean")
 

@@ -1,0 +1,96 @@
+"""Expert-parallel op times, measured: one stage of a mixture of experts trained by two replicas
+that share out its experts (--ep 2), every MoE layer's dispatch and combine an all-to-all.
+
+The tp = 1 probes time each layer with all its experts on one rank; sharing them out adds the
+exchanges, the dispatch's bookkeeping (counting, ordering and splitting the tokens by expert) and
+each rank's experts over both replicas' tokens, none of which follows from those times. So a
+profile of a mixture of experts measures the layout (`expert_exchange`): the exchanges' time in
+flight, an F's and a BW's whole time and an F's stash, which `tune.profiled.ProfiledCostModel`
+takes as the difference from the tp = 1 fits. As on tp ranks (`tp_probes`), the ops wait inside
+their collectives, which makes them vary more from step to step and skews them, so the layout keeps
+its own speed quantiles (`speed.speed_keys`), which `tune.speed_noise` draws from for its plans;
+and its medians are over steady steps only (`speed.steady_rounds`), as the plans' are measured.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from itertools import compress
+
+from pipeloom.ir.ops import OpKind
+from pipeloom.ir.text import parse_op
+from pipeloom.profile.probe_rounds import runs_by_turns, stashed_bytes
+from pipeloom.profile.speed import op_ratios, speed_keys, steady_rounds, step_busy, timed_steps
+
+__all__ = ["EP", "expert_exchange"]
+
+EP = 2
+"""The expert-parallel group the profile measures: two ranks, one all-to-all partner each."""
+
+
+def expert_exchange(
+    micro_batches,
+    layers,
+    steps,
+    threads,
+    workload_for,
+    dtype,
+    rounds: int = 3,
+    between_rounds: Callable[[], None] | None = None,
+) -> tuple[dict, dict]:
+    """A mixture of experts' dispatch and combine, per MoE layer and micro-batch size, and the
+    layout's speed keys (`speed.speed_keys`). Measured on one stage of `layers` layers trained by
+    two data-parallel replicas that share out the experts (--ep 2). ms per layer of an F (a2a_F:
+    the counts, the tokens out and back) and of a B (a2a_B: their gradients); the bytes an F
+    stashes there (M_B) and an F's and a BW's whole time (F_op, BW_op), which sharing the experts
+    out changes (the cost model takes the difference from the tp = 1 fits per layer:
+    `ProfiledCostModel`). The sizes take turns for `rounds` rounds, pooled, `between_rounds`
+    called after each: one run's exchanges wait on its partner's pace, and single runs put a
+    step's in flight at 28 to 39 ms here. No round is judged busy by its wall over CPU time:
+    these ops wait inside their exchanges."""
+    from pipeloom.runtime.training import TrainSpec
+    from pipeloom.schedules.registry import build_schedule
+
+    m = 2
+    specs = {
+        mbs: TrainSpec(
+            build_schedule("1f1b", 1, m),
+            workload=workload_for(layers, mbs),
+            steps=steps,
+            dp=EP,
+            ep=EP,
+            threads=threads,
+            dtype=dtype,
+        )
+        for mbs in micro_batches
+    }
+    out: dict = {"ep": EP}
+    busy: list[list[float]] = []  # per size and rank, its time in ops each steady step
+    op_variation: list[float] = []
+    per_op = m * layers
+    for mbs, runs in runs_by_turns(specs, rounds, between_rounds=between_rounds).items():
+        ranks = range(len(runs[0]))
+        flags = steady_rounds([[step_busy(timed_steps(results[rank].records)) for rank in ranks] for results in runs])
+        kept_by_rank = [
+            [list(compress(timed_steps(results[rank].records), keep)) for results, keep in zip(runs, flags)]
+            for rank in ranks
+        ]
+        for rounds_kept in kept_by_rank:
+            busy.append([time for kept in rounds_kept for time in step_busy(kept)])
+            op_variation += [ratio for kept in rounds_kept for ratio in op_ratios(kept)]
+        kept = [r for rounds_kept in kept_by_rank for records in rounds_kept for r in records]
+        stash = [v for r in kept for v in stashed_bytes(r.entry_bytes)]
+        lone = {
+            kind: [1e3 * (end - start) for r in kept for text, start, end in r.ops if parse_op(text).kind is kind]
+            for kind in (OpKind.F, OpKind.BW)
+        }
+        out[str(mbs)] = {
+            "F": statistics.median(r.a2a_forward_ms for r in kept) / per_op,
+            "B": statistics.median(r.a2a_ms - r.a2a_forward_ms for r in kept) / per_op,
+            "M_B": statistics.median(stash),  # an F's stash on this stage of `layers` layers, experts shared out
+            "F_op": statistics.median(lone[OpKind.F]),  # an F's and a BW's whole time on that stage, ms
+            "BW_op": statistics.median(lone[OpKind.BW]),
+            "layers": layers,
+        }
+    return out, speed_keys(busy, op_variation)
