@@ -13,7 +13,8 @@ Each model's plans then run `--rounds` times (the Hugging Face models' `--hf-rou
 tensor- and expert-parallel ops wait inside collectives, and vary more) for `--steps` steps (the warm-up left out:
 `speed.timed_steps`), taking turns so that a slow spell of the machine falls on one round of
 several plans — and taking turns with the rounds of a second profile of the model, measured the
-same way (each plan with the probes that price its ops: a tensor-parallel plan with its layout's):
+same way (each plan with the probes that price its ops: a tensor- or expert-parallel plan with
+its layout's, `profile.tp_probes`, `profile.ep_probes`):
 this machine's speed drifts by ±5–10 % over minutes (shared host), so a profile taken
 before the runs predicts them only as well as the machine holds still. Each plan's own schedule is
 priced again under that second profile (`tune.plan.repriced`): the prediction the table checks.
