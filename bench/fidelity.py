@@ -173,21 +173,21 @@ def main() -> None:
     )
     args = parser.parse_args()
     print(f"python {platform.python_version()} on {platform.machine()}; 2 ranks, {args.steps} steps a run")
-    groups: list[Group] = []
+    dense: list[Group] = []  # the built-in decoder's
+    hugging_face: list[Group] = []
     with tempfile.TemporaryDirectory(prefix="pipeloom-fidelity-") as directory, lean_process() as lean:
         try:
             if not args.only_hf:
-                groups.append(dense_group(args.profile, args.steps, lean))
+                dense.append(dense_group(args.profile, args.steps, lean))
             if not args.no_hf:
-                groups += hf_groups(Path(directory), args.steps, lean)
-            for number, group in enumerate(groups):
-                hugging_face = args.only_hf or number > 0
-                measure_by_turns(group, args.hf_rounds if hugging_face else args.rounds, lean)
+                hugging_face = hf_groups(Path(directory), args.steps, lean)
+            for groups, rounds in ((dense, args.rounds), (hugging_face, args.hf_rounds)):
+                for group in groups:
+                    measure_by_turns(group, rounds, lean)
         except RuntimeFault as error:  # a busy machine: no plan is better than a misleading one
             print(f"profile refused: {error}")
             return
-    split = 0 if args.only_hf else 1  # the first group is the built-in decoder's
-    for title, section in (("the built-in decoder", groups[:split]), ("Hugging Face models", groups[split:])):
+    for title, section in (("the built-in decoder", dense), ("Hugging Face models", hugging_face)):
         rows = [row for group in section for row in group.rows]
         if rows:  # each its own MAPE: the Hugging Face plans' misses say what their profiles lack
             print(f"\n{title}:")

@@ -6,16 +6,16 @@ from __future__ import annotations
 import statistics
 
 from pipeloom.profile.contention import BUSY, wall_over_cpu
-from pipeloom.profile.probe_rounds import PHASES
-from pipeloom.profile.speed import steady_rounds, step_busy, timed_steps, warmup_steps
+from pipeloom.profile.probe_rounds import PHASES, steady_records
+from pipeloom.profile.speed import timed_steps, warmup_steps
 from pipeloom.sim.replay import replay
 
 
 def steady(rounds: list) -> list[list[bool]]:
     """Per round, which of its timed steps (warm-up left out) every rank ran at the machine's own
-    speed (`speed.steady_rounds`): the profile's medians are over such steps,
+    speed (`probe_rounds.steady_records`): the profile's medians are over such steps,
     so the measured ones are too — which steps fell in a slow spell is luck (`profile.speed`)."""
-    return steady_rounds([[step_busy(timed_steps(result.records)) for result in results] for results in rounds])
+    return steady_records(rounds)[0]
 
 
 def replayed(plan, rounds: list, layout, kept: list[list[bool]]):

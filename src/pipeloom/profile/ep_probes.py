@@ -9,19 +9,18 @@ flight, an F's and a BW's whole time and an F's stash, which `tune.profiled.Prof
 takes as the difference from the tp = 1 fits. As on tp ranks (`tp_probes`), the ops wait inside
 their collectives, which makes them vary more from step to step and skews them, so the layout keeps
 its own speed quantiles (`speed.speed_keys`), which `tune.speed_noise` draws from for its plans;
-and its medians are over steady steps only (`speed.steady_rounds`), as the plans' are measured.
+and its medians are over steady steps only (`probe_rounds.steady_records`), as the plans' are measured.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from itertools import compress
 
 from pipeloom.ir.ops import OpKind
 from pipeloom.ir.text import parse_op
-from pipeloom.profile.probe_rounds import runs_by_turns, stashed_bytes
-from pipeloom.profile.speed import op_ratios, speed_keys, steady_rounds, step_busy, timed_steps
+from pipeloom.profile.probe_rounds import runs_by_turns, speed_samples, stashed_bytes, steady_records
+from pipeloom.profile.speed import speed_keys
 
 __all__ = ["EP", "expert_exchange"]
 
@@ -70,15 +69,8 @@ def expert_exchange(
     op_variation: list[float] = []
     per_op = m * layers
     for mbs, runs in runs_by_turns(specs, rounds, between_rounds=between_rounds).items():
-        ranks = range(len(runs[0]))
-        flags = steady_rounds([[step_busy(timed_steps(results[rank].records)) for rank in ranks] for results in runs])
-        kept_by_rank = [
-            [list(compress(timed_steps(results[rank].records), keep)) for results, keep in zip(runs, flags)]
-            for rank in ranks
-        ]
-        for rounds_kept in kept_by_rank:
-            busy.append([time for kept in rounds_kept for time in step_busy(kept)])
-            op_variation += [ratio for kept in rounds_kept for ratio in op_ratios(kept)]
+        _, kept_by_rank = steady_records(runs)
+        busy += speed_samples(kept_by_rank, op_variation)
         kept = [r for rounds_kept in kept_by_rank for records in rounds_kept for r in records]
         stash = [v for r in kept for v in stashed_bytes(r.entry_bytes)]
         lone = {

@@ -33,8 +33,10 @@ __all__ = [
     "probe_train_spec",
     "runs_by_turns",
     "samples",
+    "speed_samples",
     "stashed_bytes",
     "steady_probe",
+    "steady_records",
 ]
 
 OP_KINDS = ("F", "B", "W", "R")
@@ -196,21 +198,35 @@ def steady_probe(key: tuple[int, int], schedule: Schedule, rounds: list, series:
     """The probe measured over its steady steps only (`speed.steady_steps`, over every round):
     its rounds decided when it had settled, but which of their steps fell in a slow spell of the
     machine is luck, and it would move the medians by up to 30 %."""
-    ranks = range(len(rounds[0]))
-    kept_steps = steady_rounds(
-        [[step_busy(timed_steps(results[rank].records)) for rank in ranks] for results in rounds]
-    )
+    kept_steps, kept = steady_records(rounds)
     steady = Series(floor=SETTLED_MS)
-    busy: list[list[float]] = [[] for _ in ranks]
     for results, kept_flags in zip(rounds, kept_steps):
         if any(kept_flags):
             steady.add(samples(results, kept_flags))
-        for rank in ranks:
-            kept = _kept(timed_steps(results[rank].records), kept_flags)
-            busy[rank] += step_busy(kept)
-            op_variation.extend(op_ratios(kept))
+    busy = speed_samples(kept, op_variation)
     measured = {key: replace(m, rounds=series.rounds, stable=series.settled) for key, m in steady.measured().items()}
     return Probe(key[0], key[1], schedule, measured, busy, sum(map(sum, kept_steps)) / sum(map(len, kept_steps)))
+
+
+def steady_records(rounds: list) -> tuple[list[list[bool]], list[list[list]]]:
+    """Per round (its ranks' results), which of its timed steps every rank ran at the machine's
+    own speed (`speed.steady_rounds`, judged over every round together); and per rank, per
+    round, those steps' records."""
+    ranks = range(len(rounds[0]))
+    flags = steady_rounds([[step_busy(timed_steps(results[rank].records)) for rank in ranks] for results in rounds])
+    kept = [[_kept(timed_steps(results[rank].records), keep) for results, keep in zip(rounds, flags)] for rank in ranks]
+    return flags, kept
+
+
+def speed_samples(kept: list[list[list]], op_variation: list[float]) -> list[list[float]]:
+    """Per rank, its time in ops (ms) in each of its `kept` steps (`steady_records`), every
+    round's together: one series of `speed.speed_quantiles`; each op's own variation within its
+    round (`speed.op_ratios`) goes into `op_variation`."""
+    busy = []
+    for rounds_kept in kept:
+        busy.append([time for records in rounds_kept for time in step_busy(records)])
+        op_variation.extend(ratio for records in rounds_kept for ratio in op_ratios(records))
+    return busy
 
 
 def _kept(steps: list, kept: Sequence[bool] | None) -> list:

@@ -25,8 +25,8 @@ from itertools import compress
 
 from pipeloom.models.llama import llama_config
 from pipeloom.profile.contention import Contention
-from pipeloom.profile.probe_rounds import runs_by_turns
-from pipeloom.profile.speed import steady_rounds, step_busy, timed_steps
+from pipeloom.profile.probe_rounds import runs_by_turns, steady_records
+from pipeloom.profile.speed import timed_steps
 from pipeloom.schedules.registry import build_schedule
 from pipeloom.tune.profiled import ProfiledCostModel
 
@@ -75,7 +75,7 @@ def replica_skews(
 
 def _skew(rounds: list, expected_ms: float) -> float:
     """Rank 0's mean wait beyond `expected_ms` over its median pipeline, steady steps only."""
-    kept = steady_rounds([[step_busy(timed_steps(result.records)) for result in results] for results in rounds])
+    kept, _ = steady_records(rounds)
     waits, pipelines = [], []
     for results, flags in zip(rounds, kept):
         for phases in compress(timed_steps(results[0].phase_seconds), flags):
