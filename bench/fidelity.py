@@ -31,7 +31,7 @@ pipeline's error split into the op times' share and the runtime's (the run's own
 replayed through the simulator, `sim.replay`), and each other phase that missed, after how busy
 the machine was (wall over CPU time of the ops, `profile.contention`); tensor- and
 expert-parallel plans also print their collectives' traffic, predicted beside measured.
-Usage: python bench/fidelity.py [--profile profile.json] [--steps 8] [--rounds 5] [--hf-rounds 8]
+Usage: python bench/fidelity.py [--profile profile.json] [--steps 8] [--rounds 5] [--hf-rounds 16]
                                 [--only-hf | --no-hf]
                                 [--explain-above 0.05]
 """
@@ -104,13 +104,15 @@ PROBE_STEPS = 8
 round's fork and start cost as much as a few steps, so timed steps are cheaper had by the round
 than by more rounds. At 5 steps (3 timed), a tensor-parallel plan's prediction moved by 1.5–8 %
 (once 37 %) between a model's two profiles, minutes apart, in five runs of this bench."""
-HF_ROUNDS = 8
+HF_ROUNDS = 16
 """Rounds of the Hugging Face plans, and at least as many of the probes that price them. Their
-tensor- and expert-parallel ops wait inside collectives, and a round of them now and then runs
-20–30 % slow throughout (10 rounds of a tp = 2 stage here: F's median 21–23 ms in most, 25–30 ms
-in some, the probe's and the plan's not always in the same turn; steps vary by ±15 %, so 30 steps
-put a median within ±3.4 %, one standard error): at 5 rounds, the tp = 2 plans missed by 0.2–11 %
-(20 misses in 10 runs, a mean of 4.1 %). Rounds, not steps, outvote a slow round."""
+ops wait inside collectives and vary far more than a tp = 1 op: a tp = 2 stage's single F's took
+14–54 ms in one round here, a round's median F carries a standard error of about 8 % (tp = 1:
+2.4 %), and rounds' medians varied by 8–17 % (tp = 1: 7 %). Neither pinning ranks to cores,
+nor renicing their main threads below gloo's, nor turning off Python's GC narrowed it: only more
+samples outvote it. At 5 rounds the tp = 2 plans missed by 0.2–11 % (a mean of 4.1 % in 10
+runs); at 8, by 0.7–11 % (2 runs). The second profile probes only the plans' micro-batch sizes
+(`Group.reprofiling`), which pays for the rounds."""
 EXPLAIN_ABOVE = 0.05
 """Plans whose step missed by more than this share get a line saying where the time went."""
 
@@ -155,6 +157,8 @@ class Group:
     """`profile_model`'s arguments."""
     marks: dict = field(default_factory=dict)
     """What the bench adds to each of its profiles."""
+    reprofiling: dict = field(default_factory=dict)
+    """What the second profile (by turns with the runs) changes of `profiling`."""
 
 
 def main() -> None:
@@ -286,7 +290,10 @@ def hf_groups(directory: Path, steps: int, lean: ProcessPoolExecutor) -> list[Gr
         for tuning in tunings:
             label, plan, cost_model = hf_tuned(model, tuning, profile)
             rows.append(Row(label, plan, partial(spec_from_plan, plan, steps=steps), cost_model))
-        groups.append(Group(model, rows, profiling, marks))
+        # probed again at the plans' micro-batch sizes only: each plan is priced at its own, and
+        # the rounds saved go to more of them (`HF_ROUNDS`)
+        sizes = tuple(sorted({row.plan.micro_batch_size for row in rows}))
+        groups.append(Group(model, rows, profiling, marks, {"micro_batches": sizes}))
     return groups
 
 
@@ -345,7 +352,8 @@ def measure_by_turns(group: Group, rounds: int, lean: ProcessPoolExecutor) -> No
     name = group.model.name
     print(f"{name}: {len(group.rows)} plans × {rounds} rounds, by turns with a second profile ...", flush=True)
     plans = [(row.spec, layout(row.plan)) for row in group.rows]
-    profile, runs = lean.submit(profile_by_turns, group.model, group.profiling, plans, rounds).result()
+    profiling = group.profiling | group.reprofiling
+    profile, runs = lean.submit(profile_by_turns, group.model, profiling, plans, rounds).result()
     describe(profile)
     for row, row_runs in zip(group.rows, runs):
         row.runs = row_runs

@@ -160,3 +160,4 @@ def test_the_profile_measures_the_exchanges_and_the_stash_with_the_experts_share
     assert measured["ep"] == 2 and measured["1"]["layers"] == 1
     assert measured["1"]["F"] >= 0 and measured["1"]["B"] >= 0 and measured["1"]["M_B"] > 0
     assert measured["1"]["F_op"] > 0 and measured["1"]["BW_op"] > 0  # whole ops, exchanges inside
+    assert measured["1"]["tail_ms"] > 0 and measured["1"]["pipeline_ms"] > 0  # the step beyond its pipeline

@@ -211,14 +211,41 @@ def test_data_parallel_times_pipeline_matches_reference(name):
     assert_matches_reference(spec, run_local(spec))
 
 
+class _MarksItsCalls(torch.nn.Module):
+    """Passes its input through; each call on rank 1 leaves a file: training has begun there."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__()
+        self.marker = Path(directory, "rank1-trains")
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank() == 1:
+            self.marker.touch()
+        return x
+
+
 def test_a_killed_rank_makes_the_others_fail_without_hanging():
-    spec = spec_for(build_schedule("1f1b", 2, 4), steps=10_000, timeout_s=30)
-    context = multiprocessing.get_context("fork")
+    from pipeloom.models.workload import blocks_workload
+
     with tempfile.TemporaryDirectory() as directory:
+        work = blocks_workload(
+            lambda: [*mlp_blocks(), _MarksItsCalls(directory)],
+            regression_batch,
+            torch.nn.functional.mse_loss,
+            (3, 8),
+            microbatch_size=3,
+        )
+        spec = TrainSpec(build_schedule("1f1b", 2, 4), steps=10_000, workload=work, timeout_s=30)
+        context = multiprocessing.get_context("fork")
         ranks = [context.Process(target=_worker, args=(spec, rank, 2, directory)) for rank in range(2)]
         for process in ranks:
             process.start()
-        time.sleep(3)  # well inside training
+        deadline = time.monotonic() + 60
+        while not Path(directory, "rank1-trains").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # a few steps in: both ranks past the rendezvous
         assert all(process.is_alive() for process in ranks)
         os.kill(ranks[1].pid, signal.SIGKILL)
         ranks[0].join(45)

@@ -1,5 +1,7 @@
 """The profiled cost model: fits, interpolation in micro-batch size, and what it will not guess."""
 
+import math
+
 import pytest
 
 from pipeloom import ConfigError
@@ -269,7 +271,36 @@ def test_experts_shared_out_over_every_replica_sync_no_gradients():
     assert ProfiledCostModel(data).replica_skew(2) == pytest.approx(0.1)
     skewed = ProfiledCostModel(data)
     skewed.model = shared.model
-    assert skewed.replica_skew(2) == 0.0
+    assert skewed.replica_skew(2) == 0.0  # nor did the expert-parallel probes measure a wait
+
+
+def test_expert_parallel_replicas_wait_as_their_probes_did():
+    """The wait is rank 0's step beyond its pipeline on the ep = 2 probes, less the dense
+    gradients' all-reduce, the AdamW step over what a rank holds and the step overhead."""
+    import dataclasses
+
+    data = {**profile(), **links()}
+    data["model"] = {**MODEL, "num_experts": 4, "num_experts_per_tok": 2}
+    data["params"] = {**data["params"], "experts": 800}
+    shared = ProfiledCostModel(data)
+    shared.model = dataclasses.replace(shared.model, expert_parallel=2)
+    held = shared.stage_params([8])[0]  # 8 layers of 200 dense and 400 of the experts (+ both ends)
+    expected = (
+        shared.allreduce_time(held - shared.expert_params([8])[0], 1, 2)
+        + shared.optimizer_time(held, 2)
+        + shared.step_overhead_time()
+    )
+    probe = {"F": 0.1, "B": 0.2, "layers": 8, "pipeline_ms": 100.0}
+    data["a2a"] = {"ep": 2, "1": probe | {"tail_ms": expected + 9.0}, "2": probe | {"tail_ms": expected + 3.0}}
+    measured = ProfiledCostModel(data)
+    measured.model = shared.model
+    assert measured.replica_skew(2) == pytest.approx(0.03)  # at the largest size measured
+    assert measured.replica_skew(4) == pytest.approx(0.03 * math.sqrt(2))
+    assert ProfiledCostModel(data).replica_skew(2) == 0.0  # without --ep: the dense probes' (none here)
+    data["a2a"]["2"]["tail_ms"] = expected - 1.0  # faster than priced: no negative wait
+    measured = ProfiledCostModel(data)
+    measured.model = shared.model
+    assert measured.replica_skew(2) == 0.0
 
 
 def test_tensor_parallelism_needs_measured_collectives():

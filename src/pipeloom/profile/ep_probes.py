@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pipeloom.ir.ops import OpKind
 from pipeloom.ir.text import parse_op
 from pipeloom.profile.probe_rounds import runs_by_turns, speed_samples, stashed_bytes, steady_records
+from pipeloom.profile.replica_skew import step_tail
 from pipeloom.profile.speed import speed_keys
 
 __all__ = ["EP", "expert_exchange"]
@@ -44,7 +45,9 @@ def expert_exchange(
     the counts, the tokens out and back) and of a B (a2a_B: their gradients); the bytes an F
     stashes there (M_B) and an F's and a BW's whole time (F_op, BW_op), which sharing the experts
     out changes (the cost model takes the difference from the tp = 1 fits per layer:
-    `ProfiledCostModel`). The sizes take turns for `rounds` rounds, pooled, `between_rounds`
+    `ProfiledCostModel`); rank 0's step beyond its pipeline (tail_ms: the mean of its gradient
+    sync, optimizer and the rest, where it waits for its partner) and its pipeline (pipeline_ms,
+    median), from which the cost model takes the replicas' wait (`replica_skew`). The sizes take turns for `rounds` rounds, pooled, `between_rounds`
     called after each: one run's exchanges wait on its partner's pace, and single runs put a
     step's in flight at 28 to 39 ms here. No round is judged busy by its wall over CPU time:
     these ops wait inside their exchanges."""
@@ -70,6 +73,7 @@ def expert_exchange(
     per_op = m * layers
     for mbs, runs in runs_by_turns(specs, rounds, between_rounds=between_rounds).items():
         _, kept_by_rank = steady_records(runs)
+        tail, pipeline = step_tail(runs)
         busy += speed_samples(kept_by_rank, op_variation)
         kept = [r for rounds_kept in kept_by_rank for records in rounds_kept for r in records]
         stash = [v for r in kept for v in stashed_bytes(r.entry_bytes)]
@@ -84,5 +88,7 @@ def expert_exchange(
             "F_op": statistics.median(lone[OpKind.F]),  # an F's and a BW's whole time on that stage, ms
             "BW_op": statistics.median(lone[OpKind.BW]),
             "layers": layers,
+            "tail_ms": tail,
+            "pipeline_ms": pipeline,
         }
     return out, speed_keys(busy, op_variation)

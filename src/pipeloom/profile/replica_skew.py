@@ -30,7 +30,7 @@ from pipeloom.profile.speed import timed_steps
 from pipeloom.schedules.registry import build_schedule
 from pipeloom.tune.profiled import ProfiledCostModel
 
-__all__ = ["SKEW_ROUNDS", "replica_skews"]
+__all__ = ["SKEW_ROUNDS", "replica_skews", "step_tail"]
 
 SKEW_ROUNDS = 3
 """Rounds per ZeRO level, taking turns: a slow spell falls on one round of each."""
@@ -75,10 +75,18 @@ def replica_skews(
 
 def _skew(rounds: list, expected_ms: float) -> float:
     """Rank 0's mean wait beyond `expected_ms` over its median pipeline, steady steps only."""
+    tail, pipeline = step_tail(rounds)
+    return max(0.0, tail - expected_ms) / pipeline
+
+
+def step_tail(rounds: list) -> tuple[float, float]:
+    """Rank 0's step beyond its pipeline — gradient sync, optimizer and the rest, where it waits
+    for the other replica — its mean over the steady steps of `rounds` (ms); and its median
+    pipeline (ms)."""
     kept, _ = steady_records(rounds)
-    waits, pipelines = [], []
+    tails, pipelines = [], []
     for results, flags in zip(rounds, kept):
         for phases in compress(timed_steps(results[0].phase_seconds), flags):
-            waits.append(1e3 * (phases["allreduce"] + phases["optimizer"] + phases["overhead"]) - expected_ms)
+            tails.append(1e3 * (phases["allreduce"] + phases["optimizer"] + phases["overhead"]))
             pipelines.append(1e3 * phases["pipeline"])
-    return max(0.0, statistics.fmean(waits)) / statistics.median(pipelines)
+    return statistics.fmean(tails), statistics.median(pipelines)
