@@ -45,3 +45,23 @@ def test_a_schedule_keeps_its_graph_but_does_not_pickle_it():
     copy = pickle.loads(pickle.dumps(schedule))
     assert copy == schedule and copy._graph is None
     assert simulate(copy, Costs(F=2, B=3)).makespan == simulate(schedule, Costs(F=2, B=3)).makespan
+
+
+def test_a_worker_sends_back_the_schedule_of_any_plan_that_beats_the_threshold():
+    """The search ranks a plan faster than the last one ranked by any margin; a worker that kept
+    only those faster by 1e-9 ms sent one back without its schedule, which it could not restore."""
+    from copy import copy
+
+    from pipeloom.tune.evaluation import packed, restore
+    from pipeloom.tune.search import evaluate
+    from pipeloom.tune.space import Candidate
+
+    simulated = evaluate(Candidate("1f1b", 4, 2, 1, 8), MODEL, 24 * GIB)
+    assert simulated.feasible
+    step = simulated.step_time
+    just_faster, _ = packed((copy(simulated), True), threshold=step * (1 + 1e-15) + 1e-12)
+    assert just_faster.schedule is not None and just_faster.timeline is None
+    restore(just_faster)
+    assert just_faster.timeline is not None and just_faster.timeline.makespan == simulated.timeline.makespan
+    as_slow, _ = packed((copy(simulated), True), threshold=step)
+    assert as_slow.schedule is None  # it cannot enter the ranking

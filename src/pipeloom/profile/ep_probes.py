@@ -47,9 +47,9 @@ def expert_exchange(
     out changes (the cost model takes the difference from the tp = 1 fits per layer:
     `ProfiledCostModel`); rank 0's step beyond its pipeline (tail_ms: the mean of its gradient
     sync, optimizer and the rest, where it waits for its partner) and its pipeline (pipeline_ms,
-    median), from which the cost model takes the replicas' wait (`replica_skew`). The sizes take turns for `rounds` rounds, pooled, `between_rounds`
-    called after each: one run's exchanges wait on its partner's pace, and single runs put a
-    step's in flight at 28 to 39 ms here. No round is judged busy by its wall over CPU time:
+    median), from which the cost model takes the replicas' wait (`replica_skew`). The sizes take
+    turns for `rounds` rounds, pooled, `between_rounds` called after each: one run's exchanges
+    wait on its partner's pace, and single runs put a step's in flight at 28 to 39 ms here. No round is judged busy by its wall over CPU time:
     these ops wait inside their exchanges."""
     from pipeloom.runtime.training import TrainSpec
     from pipeloom.schedules.registry import build_schedule

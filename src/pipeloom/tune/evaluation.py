@@ -16,8 +16,6 @@ from pipeloom.tune.space import Candidate
 
 __all__ = ["Evaluation", "TuneResult", "offload_lanes", "packed", "restore"]
 
-_EPS = 1e-9
-
 
 @dataclass
 class Evaluation:
@@ -97,10 +95,13 @@ class TuneResult:
 def packed(result: tuple[Evaluation, bool], threshold: float) -> tuple[Evaluation, bool]:
     """What a worker sends back: timelines are left out (the search ranks on the step and
     peaks; `restore` rebuilds them for the plans it keeps), and so is the schedule of a plan
-    that cannot enter the ranking."""
+    that cannot enter the ranking: one no faster than `threshold`, the step of the last plan
+    ranked. The search ranks a plan faster by any margin, so none is allowed here: with a 1e-9 ms
+    margin a plan just under the threshold could be ranked without its schedule, and `restore`
+    failed (once, tuning from the README's quick profile on a busy machine)."""
     evaluation, kept = result
     evaluation.timeline = evaluation.offload = None
-    if not (evaluation.feasible and evaluation.step_time < threshold - _EPS):
+    if not (evaluation.feasible and evaluation.step_time < threshold):
         evaluation.schedule = None
     return evaluation, kept
 

@@ -33,6 +33,7 @@ from pipeloom.costs import Costs, CostValue
 from pipeloom.errors import ConfigError
 from pipeloom.files import read_json
 from pipeloom.static_memory import collective_bytes, compute_bytes, static_bytes
+from pipeloom.tune.ep_layout import compute_per_layer, replicas_wait, stash_per_layer
 from pipeloom.tune.presets import ModelSpec, model_from_config
 from pipeloom.tune.profile_checks import check_profile_numbers
 from pipeloom.tune.profile_fits import at_size
@@ -239,43 +240,14 @@ class ProfiledCostModel:
         }
 
     def _ep_stash_per_layer(self, micro_batch: float) -> float:
-        """What sharing the experts out (--ep) changes in a layer's stash (bytes): the stash the
-        profile measured on one stage of L layers with ep = 2 (`links.expert_exchange`), less
-        what the fits give for that stage, over L (here: 2.5 MiB less on 4 Mixtral layers); 0
-        without expert parallelism or that measurement."""
         if self.model.expert_parallel == 1 or not self.model.num_experts:
             return 0.0
-        shifts = {
-            size: (v["M_B"] - self._value("M_B", "per_layer", size) * v["layers"] - self._value("M_B", "single", size))
-            / v["layers"]
-            for size, v in self.exchange.items()
-            if "M_B" in v and v.get("layers")
-        }
-        return at_size(shifts, micro_batch, signed=True) if shifts else 0.0
+        return stash_per_layer(self.exchange, self._value, micro_batch)
 
     def _ep_compute_per_layer(self, micro_batch: float) -> dict[str, float]:
-        """What sharing the experts out adds to an F's and a backward's compute per layer (ms)
-        beyond their all-to-alls: the ops the profile timed on one stage of L layers at ep = 2
-        (`links.expert_exchange`), less those all-to-alls and what the fits give for that stage,
-        over L — the dispatch's bookkeeping (counting, ordering and splitting the tokens by
-        expert) and each rank's experts over both replicas' tokens. Here 0.6–6 ms an op of 4
-        Mixtral layers, which priced an expert-parallel step 12–19 % short without it. Empty
-        without expert parallelism or that measurement (older profiles)."""
         if self.model.expert_parallel == 1 or not self.model.num_experts:
             return {}
-        fitted = {"F": ("F",), "BW": ("B", "W")}
-        shifts: dict[str, dict[int, float]] = {"F": {}, "BW": {}}
-        for size, v in self.exchange.items():
-            if "F_op" not in v or not v.get("layers"):
-                continue
-            layers = v["layers"]
-            for kind, keys in fitted.items():
-                stage = sum(self._value(k, "per_layer", size) * layers + self._value(k, "single", size) for k in keys)
-                exchange = v["F" if kind == "F" else "B"] * layers
-                shifts[kind][size] = (v[f"{kind}_op"] - exchange - stage) / layers
-        if not shifts["F"]:
-            return {}
-        return {kind: at_size(values, micro_batch, signed=True) for kind, values in shifts.items()}
+        return compute_per_layer(self.exchange, self._value, micro_batch)
 
     def a2a_step(self, schedule, partition: Sequence[int], micro_batch: int) -> list[float]:
         """Per device, the ms of one step's expert all-to-alls in flight (F and R: a2a_F; B and
@@ -366,34 +338,15 @@ class ProfiledCostModel:
         layer and wait for each other there, inside the all-to-alls, so the dense probes' skew
         (15–26 ms added to a Mixtral's gradient sync at dp = EP = 2, against 3.5–6.2 ms
         measured) is not theirs: theirs is measured on the expert-parallel probes
-        (`_expert_parallel_skew`)."""
+        (`ep_layout.replicas_wait`)."""
         if dp == 1:
             return 0.0
         if self.model.expert_parallel > 1:
-            measured = self._expert_parallel_skew()
+            measured = replicas_wait(self, int(self.profile["a2a"].get("ep", 2))) if self.exchange else 0.0
         else:
             skew = self.profile.get("replica_skew")
             measured = float(skew["0" if zero == 0 else "1"]) if skew else 0.0
         return measured * math.sqrt(math.log(dp) / math.log(2))
-
-    def _expert_parallel_skew(self) -> float:
-        """The expert-parallel replicas' wait, as a share of the pipeline: rank 0's step beyond
-        its pipeline on the probes (`a2a`: `tail_ms` over `pipeline_ms`, at the largest size
-        measured), less what the links, the optimizer fit and the step overhead price there —
-        the dense gradients' all-reduce (a routed expert's gradients stay on the one replica
-        of the two that holds it) and the AdamW step over what a rank holds. Without it, an
-        expert-parallel plan's gradient sync ran 3.3–4.1 ms against 1.8–1.9 ms predicted in
-        bench/fidelity.py. 0 for profiles that measured none."""
-        sizes = [size for size, v in self.exchange.items() if "tail_ms" in v and v.get("layers")]
-        if not sizes:
-            return 0.0
-        probe = self.exchange[max(sizes)]
-        ep, layers = int(self.profile["a2a"].get("ep", 2)), probe["layers"]
-        experts = self.params.get("experts", 0)
-        dense = layers * (self.params["layer"] - experts) + self.params["first"] + self.params["last"]
-        held = dense + layers * experts / ep
-        expected = self.allreduce_time(dense, 1, ep) + self.optimizer_time(held, ep) + self.step_overhead_time()
-        return max(0.0, probe["tail_ms"] - expected) / probe["pipeline_ms"]
 
     def step_overhead_time(self) -> float:
         """The rest of a step as measured: the batch, zeroing gradients, the loss all-reduce."""
