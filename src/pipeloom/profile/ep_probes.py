@@ -49,8 +49,8 @@ def expert_exchange(
     sync, optimizer and the rest, where it waits for its partner) and its pipeline (pipeline_ms,
     median), from which the cost model takes the replicas' wait (`replica_skew`). The sizes take
     turns for `rounds` rounds, pooled, `between_rounds` called after each: one run's exchanges
-    wait on its partner's pace, and single runs put a step's in flight at 28 to 39 ms here. No round is judged busy by its wall over CPU time:
-    these ops wait inside their exchanges."""
+    wait on its partner's pace, and single runs put a step's in flight at 28 to 39 ms here. No
+    round is judged busy by its wall over CPU time: these ops wait inside their exchanges."""
     from pipeloom.runtime.training import TrainSpec
     from pipeloom.schedules.registry import build_schedule
 
@@ -72,8 +72,8 @@ def expert_exchange(
     op_variation: list[float] = []
     per_op = m * layers
     for mbs, runs in runs_by_turns(specs, rounds, between_rounds=between_rounds).items():
-        _, kept_by_rank = steady_records(runs)
-        tail, pipeline = step_tail(runs)
+        flags, kept_by_rank = steady_records(runs)
+        tail, pipeline = step_tail(runs, flags)
         busy += speed_samples(kept_by_rank, op_variation)
         kept = [r for rounds_kept in kept_by_rank for records in rounds_kept for r in records]
         stash = [v for r in kept for v in stashed_bytes(r.entry_bytes)]

@@ -75,15 +75,14 @@ def replica_skews(
 
 def _skew(rounds: list, expected_ms: float) -> float:
     """Rank 0's mean wait beyond `expected_ms` over its median pipeline, steady steps only."""
-    tail, pipeline = step_tail(rounds)
+    tail, pipeline = step_tail(rounds, steady_records(rounds)[0])
     return max(0.0, tail - expected_ms) / pipeline
 
 
-def step_tail(rounds: list) -> tuple[float, float]:
+def step_tail(rounds: list, kept: list[list[bool]]) -> tuple[float, float]:
     """Rank 0's step beyond its pipeline — gradient sync, optimizer and the rest, where it waits
-    for the other replica — its mean over the steady steps of `rounds` (ms); and its median
-    pipeline (ms)."""
-    kept, _ = steady_records(rounds)
+    for the other replica — its mean over the steps `kept` of `rounds` (per round, its steady
+    steps: `probe_rounds.steady_records`), in ms; and its median pipeline (ms)."""
     tails, pipelines = [], []
     for results, flags in zip(rounds, kept):
         for phases in compress(timed_steps(results[0].phase_seconds), flags):

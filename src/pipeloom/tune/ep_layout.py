@@ -53,11 +53,11 @@ def compute_per_layer(exchange: Mapping[int, dict], value: Fitted, micro_batch: 
     return {kind: at_size(values, micro_batch, signed=True) for kind, values in shifts.items()}
 
 
-def replicas_wait(cost_model, ep: int) -> float:
+def replicas_wait(cost_model) -> float:
     """The expert-parallel replicas' wait at the gradient sync, as a share of the pipeline: rank
     0's step beyond its pipeline on the probes (`tail_ms` over `pipeline_ms`, at the largest size
     measured), less what `cost_model` prices there — the dense gradients' all-reduce over the
-    `ep` replicas (a routed expert's gradients stay on the one that holds it), the AdamW step
+    probes' ep replicas (a routed expert's gradients stay on the one that holds it), the AdamW step
     over what a rank holds and the step overhead. Without it, an expert-parallel plan's gradient
     sync ran 3.3–4.1 ms against 1.8–1.9 ms predicted in bench/fidelity.py. 0 for profiles that
     measured none."""
@@ -65,6 +65,7 @@ def replicas_wait(cost_model, ep: int) -> float:
     if not sizes:
         return 0.0
     probe = cost_model.exchange[max(sizes)]
+    ep = int(cost_model.profile["a2a"].get("ep", 2))  # every profile with a2a writes it: 2
     params, layers = cost_model.params, probe["layers"]
     experts = params.get("experts", 0)
     dense = layers * (params["layer"] - experts) + params["first"] + params["last"]

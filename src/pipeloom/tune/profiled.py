@@ -342,7 +342,7 @@ class ProfiledCostModel:
         if dp == 1:
             return 0.0
         if self.model.expert_parallel > 1:
-            measured = replicas_wait(self, int(self.profile["a2a"].get("ep", 2))) if self.exchange else 0.0
+            measured = replicas_wait(self)
         else:
             skew = self.profile.get("replica_skew")
             measured = float(skew["0" if zero == 0 else "1"]) if skew else 0.0
