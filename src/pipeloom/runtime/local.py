@@ -2,7 +2,8 @@
 
 Used by `pipeloom train --nproc N` and the tests. Each rank writes its `RankResult` to a file;
 the parent collects them. A rank that fails reports one line; the parent then stops the others,
-so a dead or stalled peer never leaves processes behind.
+so a dead or stalled peer never leaves processes behind. A run past its deadline names where each
+live rank waits (`stuck_ranks`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from pipeloom.errors import ConfigError, PipeloomError, RuntimeFault, Stopped
+from pipeloom.runtime import stuck_ranks
 from pipeloom.runtime.boundary import StageProbe
 from pipeloom.runtime.probe import check_probe_fits, probe_spec
 from pipeloom.runtime.save_lock import remove_partials
@@ -37,6 +39,7 @@ def _worker(spec: TrainSpec, rank: int, world_size: int, directory: str, probe: 
     # otherwise each print a traceback. SIGTERM (the launcher's) ends a rank at once.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the launcher's handler, inherited by the fork
+    stuck_ranks.arm(stuck_ranks.stack_file(directory, rank))
     init_method = f"file://{directory}/store"
     try:
         result = train_rank(spec, rank, world_size, init_method, probe=probe)
@@ -130,8 +133,10 @@ def _run_local(spec: TrainSpec, timeout_s: float, probe: StageProbe | None) -> l
             failed = next((i for i, process in enumerate(processes) if process.exitcode not in (None, 0)), None)
         if failed is not None or any(process.is_alive() for process in processes):
             if failed is None:
+                hung = {i: process.pid for i, process in enumerate(processes) if process.is_alive() and process.pid}
+                where = stuck_ranks.where_stuck(hung, directory, entry=train_rank.__name__)
                 _stop(processes)
-                raise RuntimeFault(f"training did not finish within {timeout_s:g} s")
+                raise RuntimeFault(f"training did not finish within {timeout_s:g} s: {where}")
             failed = _root_cause(processes, failed)
             _stop(processes)
             reason_file = Path(f"{directory}/rank{failed}.error")

@@ -1,0 +1,90 @@
+"""Where a rank that outlived the launcher's deadline is stuck, read off its own stacks.
+
+A run that hangs — a collective one rank never joins, a lock a fork inherited mid-use — would
+otherwise end in "did not finish within 300 s" with nothing to go on, and a hang that shows
+once in a hundred runs cannot be rerun under a debugger. So each forked rank arms faulthandler
+(`arm`): on SIGUSR1 it writes every thread's Python stack to a file, from the signal handler,
+so even a rank blocked inside a C call answers. Before stopping the ranks still alive, the
+launcher signals them (`where_stuck`) and names, per rank, the innermost frame of the thread
+that trains and the innermost pipeloom frame on the way to it: enough to tell a collective
+from a receive from a rank that never began training.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+__all__ = ["arm", "where_stuck"]
+
+_FRAME = re.compile(r'^\s+File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<function>\S+)')
+_PACKAGE = str(Path(__file__).parent.parent)
+_ANSWER_S = 2.0
+"""How long the ranks have to write their stacks: a signal handler's write, on a busy machine."""
+
+
+def stack_file(directory: str | os.PathLike, rank: int) -> Path:
+    return Path(directory) / f"rank{rank}.stacks"
+
+
+def arm(path: Path) -> None:
+    """Have this process write its threads' stacks to `path` on SIGUSR1 (appending, so that the
+    launcher can empty the file before it asks)."""
+    handle = path.open("a")  # noqa: SIM115 - open for the rank's life: the handler writes to it
+    faulthandler.register(signal.SIGUSR1, file=handle, all_threads=True)
+
+
+def where_stuck(pids: dict[int, int], directory: str | os.PathLike, entry: str) -> str:
+    """One clause per rank (rank → pid of a live, armed process): where its thread that runs the
+    function `entry` waits."""
+    for rank, pid in pids.items():
+        stack_file(directory, rank).write_text("")
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    texts: dict[int, str] = {}
+    deadline = time.monotonic() + _ANSWER_S
+    while time.monotonic() < deadline:
+        texts = {rank: _read(stack_file(directory, rank)) for rank in pids}
+        if all("most recent call first" in text for text in texts.values()):
+            time.sleep(0.05)  # the handlers may still be writing the outer frames
+            texts = {rank: _read(stack_file(directory, rank)) for rank in pids}
+            break
+        time.sleep(0.02)
+    return "; ".join(f"rank {rank} {_summary(texts.get(rank, ''), entry)}" for rank in sorted(pids))
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _summary(text: str, entry: str) -> str:
+    threads: list[list[re.Match]] = []
+    for line in text.splitlines():
+        if "most recent call first" in line:
+            threads.append([])
+        elif threads and (frame := _FRAME.match(line)):
+            threads[-1].append(frame)
+    if not any(threads):
+        return f"gave no stack within {_ANSWER_S:g} s"
+    training = next((frames for frames in threads if any(f["function"] == entry for f in frames)), None)
+    if training is None:
+        return f"is not in {entry} (stuck before or after it)"
+    innermost = training[0]
+    clause = f"waits in {_where(innermost)}"
+    own = next((f for f in training if f["path"].startswith(_PACKAGE)), None)
+    if own is not None and own is not innermost:
+        clause += f" from {_where(own)}"
+    return clause
+
+
+def _where(frame: re.Match) -> str:
+    return f"{frame['function']} ({Path(frame['path']).name}:{frame['line']})"
