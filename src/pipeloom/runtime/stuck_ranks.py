@@ -41,29 +41,18 @@ def arm(path: Path) -> None:
 def where_stuck(pids: dict[int, int], directory: str | os.PathLike, entry: str) -> str:
     """One clause per rank (rank → pid of a live, armed process): where its thread that runs the
     function `entry` waits."""
+    files = {rank: stack_file(directory, rank) for rank in pids}
     for rank, pid in pids.items():
-        stack_file(directory, rank).write_text("")
+        files[rank].write_text("")
         try:
             os.kill(pid, signal.SIGUSR1)
         except ProcessLookupError:
             pass
-    texts: dict[int, str] = {}
     deadline = time.monotonic() + _ANSWER_S
-    while time.monotonic() < deadline:
-        texts = {rank: _read(stack_file(directory, rank)) for rank in pids}
-        if all("most recent call first" in text for text in texts.values()):
-            time.sleep(0.05)  # the handlers may still be writing the outer frames
-            texts = {rank: _read(stack_file(directory, rank)) for rank in pids}
-            break
+    while time.monotonic() < deadline and not all("most recent call first" in f.read_text() for f in files.values()):
         time.sleep(0.02)
-    return "; ".join(f"rank {rank} {_summary(texts.get(rank, ''), entry)}" for rank in sorted(pids))
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
+    time.sleep(0.05)  # the handlers may still be writing the outer frames
+    return "; ".join(f"rank {rank} {_summary(files[rank].read_text(), entry)}" for rank in sorted(pids))
 
 
 def _summary(text: str, entry: str) -> str:
