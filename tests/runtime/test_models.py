@@ -67,7 +67,7 @@ def test_mixture_of_experts_models_train_like_one_process(tmp_path, family, sche
 
 
 def test_the_load_balancing_loss_is_the_librarys(tmp_path):
-    from pipeloom.models.hf import _build, load_hf_config
+    from pipeloom.models.hf import hf_model, load_hf_config
     from pipeloom.models.workload import token_loss
 
     directory = model_dir(tmp_path, "mixtral")
@@ -77,7 +77,7 @@ def test_the_load_balancing_loss_is_the_librarys(tmp_path):
     handed = first(tokens)
     assert handed[1].shape == (2 * 2 * 16, 4)  # two layers' router logits per token
     output = last(*handed)
-    library = _build(directory, load_hf_config(directory), 2)(tokens, output_router_logits=True)
+    library = hf_model(directory, load_hf_config(directory), 2)(tokens, output_router_logits=True)
     aux = (work.loss(output, targets) - token_loss(output[0], targets)) / 0.01
     assert float(aux.detach()) == pytest.approx(
         float(library.aux_loss.detach()), rel=1e-4

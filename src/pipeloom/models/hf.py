@@ -81,34 +81,41 @@ def has_weights(path: str | Path) -> bool:
     return path.is_dir() and any(path.glob("*.safetensors"))
 
 
-def _build(path: str | Path, config, seed: int) -> nn.Module:
+def _meta_model(config) -> nn.Module:
+    """The transformers model of `config` on the meta device (shapes only), in training mode."""
     transformers = import_transformers()
     auto = transformers.AutoModelForMaskedLM if config.model_type == "bert" else transformers.AutoModelForCausalLM
     options = {} if config.model_type == "mamba" else {"attn_implementation": "sdpa"}
     if config.model_type in MIXTURES:  # the library's dense expert loop: any dtype, and FLOP-countable
         options["experts_implementation"] = "eager"
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        if has_weights(path):
-            model = _from_pretrained(auto, path, config, options)
-        else:
-            model = auto.from_config(config, dtype=torch.float32, **options)
-    finally:
-        torch.random.set_rng_state(state)
+    with torch.device("meta"):
+        model = auto.from_config(config, dtype=torch.float32, **options)
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
     return model.train()
 
 
-def _from_pretrained(auto, path: str | Path, config, options: dict) -> nn.Module:
-    """The model with its saved weights; a file the library cannot read (truncated, corrupt, from
-    another config) is refused naming the directory and its weight files, not as a library trace."""
+def _weights_of(path: str | Path, config, names: set[str]):
+    """The directory's saved weights as a source of values (`materialise`): read tensor by tensor
+    (and slice by slice) from its safetensors files when they name every parameter as the model
+    does; else loaded whole by the library (a base model's file, other prefixes). A file the
+    library cannot read (truncated, corrupt, from another config) is refused naming the directory
+    and its weight files, not as a library trace."""
+    from pipeloom.models.materialise import LoadedWeights, WeightFiles
+
+    files = ", ".join(sorted(p.name for p in Path(path).glob("*.safetensors")))
     try:
-        return auto.from_pretrained(str(path), config=config, local_files_only=True, dtype=torch.float32, **options)
+        weights = WeightFiles(Path(path))
+        if names <= set(weights.files):
+            return weights
+        transformers = import_transformers()
+        auto = transformers.AutoModelForMaskedLM if config.model_type == "bert" else transformers.AutoModelForCausalLM
+        options = {"experts_implementation": "eager"} if config.model_type in MIXTURES else {}
+        model = auto.from_pretrained(str(path), config=config, local_files_only=True, dtype=torch.float32, **options)
+        return LoadedWeights({name: t.detach() for name, t in model.named_parameters()})
     except Exception as error:  # noqa: BLE001 - safetensors, OSError, size mismatches: all one cause
-        files, reason = ", ".join(sorted(p.name for p in Path(path).glob("*.safetensors"))), str(error).strip()
+        reason = str(error).strip()
         why = f"{type(error).__name__}: {reason.splitlines()[0] if reason else ''}"
         raise ConfigError(f"hf: cannot load the weights in {str(path)!r} ({files}): {why}") from None
 
@@ -334,8 +341,22 @@ def layer_counts_for(num_layers: int, num_stages: int, counts: Sequence[int] | N
     return counts_per_stage(num_layers, num_stages, counts, "layers", "hf: ")
 
 
-def build_hf_stages(path, config, seed: int, num_stages: int, counts: Sequence[int] | None = None) -> list[HFStage]:
-    model = _build(path, config, seed)
+def hf_model(path, config, seed: int) -> nn.Module:
+    """The whole transformers model with the weights pipeloom's stages start from."""
+    model = _meta_model(config)
+    _skeleton_of(model, path, config, seed, 1, None).whole()
+    return model
+
+
+def hf_skeleton(path, config, seed: int, num_stages: int, counts: Sequence[int] | None = None):
+    """The model's stages on the meta device (`pipeloom.models.materialise`): values from the
+    directory's weights when it has them, else the library's initialisation from `seed`."""
+    return _skeleton_of(_meta_model(config), path, config, seed, num_stages, counts)
+
+
+def _skeleton_of(model: nn.Module, path, config, seed: int, num_stages: int, counts: Sequence[int] | None):
+    from pipeloom.models.materialise import Skeleton
+
     family = config.model_type
     parts = _parts(model, family)
     sizes = layer_counts_for(len(parts["layers"]), num_stages, counts)
@@ -349,7 +370,13 @@ def build_hf_stages(path, config, seed: int, num_stages: int, counts: Sequence[i
         stage.model_names = {name: model_names[id(p)] for name, p in stage.named_parameters()}
         stages.append(stage)
         first += size
-    return stages
+    names = [stage.model_names for stage in stages]
+    weights = _weights_of(path, config, set(model_names.values())) if has_weights(path) else None
+    return Skeleton(stages, model._init_weights, seed, names, weights)
+
+
+def build_hf_stages(path, config, seed: int, num_stages: int, counts: Sequence[int] | None = None) -> list[HFStage]:
+    return hf_skeleton(path, config, seed, num_stages, counts).whole()
 
 
 def hf_workload(
@@ -385,6 +412,7 @@ def hf_workload(
     prepare = (lambda tokens: masked_lm(tokens, config.vocab_size, seed)) if family == "bert" else None
     return Workload(
         build=lambda num_stages: build_hf_stages(path, config, seed, num_stages, layer_counts),
+        skeleton=lambda num_stages: hf_skeleton(path, config, seed, num_stages, layer_counts),
         batch=prepare(source) if prepare is not None else source.batch,
         loss=router_loss(config, token_loss) if family in MIXTURES else token_loss,
         microbatch_size=microbatch_size,

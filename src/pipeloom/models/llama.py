@@ -2,9 +2,9 @@
 
 RMSNorm, rotary position embedding, SwiGLU and causal attention, as in LLaMA; sizes small enough
 to train in seconds on two CPU cores. `build_stages` cuts the model into S stages — embedding on
-the first, final norm and head on the last, decoder layers balanced or as given — and every rank
-builds the same full model from the seed and keeps its own stages, so pipeline and reference
-start from identical weights.
+the first, final norm and head on the last, decoder layers balanced or as given — each layer
+initialised from its own seed (`stage_skeleton`), so that pipeline and reference start from
+identical weights however the model is cut, and a rank makes only its own stages real.
 """
 
 from __future__ import annotations
@@ -160,19 +160,30 @@ def stage_layer_counts(config: LlamaConfig, num_stages: int, counts: Sequence[in
 
 
 def build_stages(config: LlamaConfig, num_stages: int, seed: int, counts: Sequence[int] | None = None) -> list[Stage]:
-    """All S stages, initialised from `seed` identically wherever this runs."""
+    """All S stages, initialised from `seed` identically wherever this runs, whatever the cut."""
+    return stage_skeleton(config, num_stages, seed, counts).whole()
+
+
+def stage_skeleton(config: LlamaConfig, num_stages: int, seed: int, counts: Sequence[int] | None = None):
+    """The S stages on the meta device (`pipeloom.models.materialise`), initialised from `seed`
+    layer by layer when made real: linears normal with std 1/√fan-in, the embedding N(0, 1),
+    the norms' scales one."""
+    from pipeloom.models.materialise import Skeleton
+    from pipeloom.models.workload import global_names
+
     layer_counts = stage_layer_counts(config, num_stages, counts)
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
+    with torch.device("meta"):
         stages = [Stage(config, layer_counts[s], first=s == 0, last=s == num_stages - 1) for s in range(num_stages)]
-        for stage in stages:
-            for module in stage.modules():
-                if isinstance(module, nn.Linear):
-                    nn.init.normal_(module.weight, std=1 / math.sqrt(module.in_features))
-    finally:
-        torch.random.set_rng_state(generator_state)
-    return stages
+    return Skeleton(stages, _initialise, seed, global_names(stages))
+
+
+def _initialise(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=1 / math.sqrt(module.in_features))
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight)
+    elif isinstance(module, RMSNorm):
+        nn.init.ones_(module.weight)
 
 
 def synthetic_batch(config: LlamaConfig, num_sequences: int, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,8 +3,9 @@
 `llama_workload` is the default (the small LLaMA-style decoder on synthetic tokens);
 `blocks_workload` cuts any list of nn.Module blocks into stages; `pipeloom.models.hf` and
 `pipeloom.models.vision` build Hugging Face and torchvision models the same way. Every rank calls
-`build` and must get identical stages (seed inside it), so that all copies start from the same
-weights. Parameters shared between stages (tied input and output embeddings) are found by
+`build` (or, where a workload has one, `skeleton`: the stages on the meta device, made real only
+in the part a rank holds) and must get identical stages (seed inside it), so that all copies start
+from the same weights. Parameters shared between stages (tied input and output embeddings) are found by
 identity, so nothing needs declaring. What crosses each stage boundary is inferred from one
 example micro-batch (`runtime.boundary`), so boundaries may differ in shape and carry tuples.
 """
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from pipeloom.models.cut import counts_per_stage
-from pipeloom.models.llama import LlamaConfig, build_stages, synthetic_batch
+from pipeloom.models.llama import LlamaConfig, build_stages, stage_skeleton, synthetic_batch
 from pipeloom.provenance import synthetic
 
 __all__ = [
@@ -94,6 +95,10 @@ class Workload:
     description: dict | None = None
     """What the model is, as JSON, for checkpoints and `pipeloom export`: a Hugging Face model's
     {"kind": "hf", "family", "config" (its config.json), "source"}; None: nothing to export from."""
+    skeleton: Callable[[int], Any] | None = None
+    """Number of stages → the stages on the meta device with the source of their values
+    (`pipeloom.models.materialise.Skeleton`), so a rank makes real only what it holds; None: the
+    runtime builds the whole model (`build`) and keeps its part."""
     data: dict | None = None
     """What it trains on (`pipeloom.provenance`), for headers, plans and checkpoints' resume
     checks; None: batches the caller made, unnamed."""
@@ -126,6 +131,7 @@ def llama_workload(config: LlamaConfig, seed: int, layer_counts: Sequence[int] |
     batch = data.batch if data is not None else (lambda rows, step: synthetic_batch(config, rows, seed, step))
     return Workload(
         build=lambda num_stages: build_stages(config, num_stages, seed, layer_counts),
+        skeleton=lambda num_stages: stage_skeleton(config, num_stages, seed, layer_counts),
         batch=batch,
         loss=token_loss,
         microbatch_size=config.microbatch_size,

@@ -60,18 +60,28 @@ def probe_stages(
     stages: Sequence[nn.Module],
     example: tuple[torch.Tensor, ...],
     run: Callable[[nn.Module, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]],
+    rebuild: Callable[[], Sequence[nn.Module]] | None = None,
 ) -> StageProbe:
     """Run one example micro-batch through every stage. `run(stage, inputs)` is how the executor
     calls a stage (slices, precision), returning its outputs as handed on. The pass runs on fake
     tensors (shapes and dtypes only), so it costs nothing even for a model far larger than this
     host's CPU could run; a small model (`_cheap`), or one whose control flow reads tensor
-    values, is run for real."""
+    values, is run for real. Stages on the meta device (`pipeloom.models.materialise`) run with
+    fake weights in place of their meta ones; when that fails (control flow on values: a
+    mixture of experts' routing) `rebuild()` gives real stages to run."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     modes = [module.training for stage in stages for module in stage.modules()]
     try:
         for stage in stages:
             stage.eval()
+        if any(t.is_meta for stage in stages for t in stage.parameters()):
+            try:
+                return _walk_meta(stages, example, run)
+            except Exception:  # noqa: BLE001 - data-dependent control flow: real weights needed
+                if rebuild is None:
+                    raise
+                return probe_stages(rebuild(), example, run)
         if _cheap(stages, example):
             return _walk(stages, example, run)
         try:
@@ -84,6 +94,33 @@ def probe_stages(
         for stage in stages:
             for module in stage.modules():
                 module.training = next(flags)
+
+
+def _walk_meta(stages, example, run) -> StageProbe:
+    """`_walk` on fake tensors, every meta parameter and buffer standing in as a fake host one.
+    It walks a copy: fake tensor conversion keeps weak references to the tensors it meets, and a
+    tensor with one cannot later be swapped for its real value (`materialise`)."""
+    import copy
+    from contextlib import ExitStack
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    cpu = torch.device("cpu")
+    stages = copy.deepcopy(list(stages))
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake, ExitStack() as stack:
+        made: dict[int, torch.Tensor] = {}
+        for stage in stages:
+            named = [*stage.named_parameters(remove_duplicate=False), *stage.named_buffers(remove_duplicate=False)]
+            swapped = {}
+            for name, tensor in named:
+                if tensor.is_meta:
+                    if id(tensor) not in made:
+                        twin = fake.fake_tensor_converter.from_meta_and_device(fake, tensor, cpu)
+                        made[id(tensor)] = twin.requires_grad_(tensor.requires_grad)
+                    swapped[name] = made[id(tensor)]
+            stack.enter_context(_reparametrize_module(stage, swapped))
+        return _walk(stages, tuple(fake.from_tensor(t) for t in example), run)
 
 
 _REAL_PASS_MACS = 1e8

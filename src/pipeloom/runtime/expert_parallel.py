@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeloom.models.materialise import Cut
 from pipeloom.runtime.pair_baton import pass_baton
 
 __all__ = ["ExpertExchange", "ExpertTraffic", "expert_parameter_ids", "shard_experts"]
@@ -71,8 +72,11 @@ class ExpertExchange:
         self.group, self.size, self.index = group, size, index
         self.num_experts, self.local = num_experts, num_experts // size
         self.traffic = ExpertTraffic(tokens=[0] * num_experts)
-        self.full_of: dict[int, nn.Parameter] = {}
-        """Shard id → the full parameter it was cut from."""
+        self.sharded: set[int] = set()
+        """Ids of the expert shards this rank holds."""
+        self.cuts: dict[int, tuple[torch.Tensor, Cut]] = {}
+        """During set-up: a shard cut on the meta device (by id) → (the meta parameter it was cut
+        from, how), for `materialise`."""
 
     def all_to_all(
         self, rows: torch.Tensor, send: list[int], receive: list[int], backward: bool = False
@@ -103,9 +107,13 @@ class ExpertExchange:
         traffic.exposed_s += max(0.0, finished - issued - max(0.0, min(waiting, finished) - handed))  # ≥ 0 in fp too
         return out
 
+    def set_up_done(self) -> None:
+        """Forget the full parameters the shards were cut from."""
+        self.cuts.clear()
+
     def full(self, shard: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """`value` of an expert shard as the whole layer's (gathered over the group; a collective)."""
-        if id(shard) not in self.full_of:
+        if id(shard) not in self.sharded:
             return value
         parts = [torch.empty_like(value) for _ in range(self.size)]
         dist.all_gather(parts, value.contiguous(), group=self.group)
@@ -184,16 +192,20 @@ def expert_parameter_ids(stages, pattern: str) -> set[int]:
 def shard_experts(stages: dict[int, nn.Module], pattern: str, exchange: ExpertExchange) -> dict[int, nn.Parameter]:
     """Keep this rank's experts of every module matching `pattern` (the library's stacked expert
     weights, experts first) and route around them; returns full parameter id → its slice."""
-    low, high = exchange.index * exchange.local, (exchange.index + 1) * exchange.local
+    cut = Cut(0, exchange.index, exchange.size)
     shards: dict[int, nn.Parameter] = {}
     for stage in stages.values():
         for module in _experts_modules(stage, pattern):
             for name, full in list(module.named_parameters(recurse=False)):
                 if full.shape[0] != exchange.num_experts:
                     raise RuntimeError(f"{type(module).__name__}.{name} is not stacked by expert: {tuple(full.shape)}")
-                shard = nn.Parameter(full.detach()[low:high].clone(), requires_grad=full.requires_grad)
+                local = cut.of(full.detach())
+                shard = nn.Parameter(torch.empty_like(local) if full.is_meta else local.clone(), requires_grad=full.requires_grad)
                 setattr(module, name, shard)
-                shards[id(full)], exchange.full_of[id(shard)] = shard, full
+                shards[id(full)] = shard
+                exchange.sharded.add(id(shard))
+                if full.is_meta:
+                    exchange.cuts[id(shard)] = (full, cut)
             module.num_experts = exchange.local  # type: ignore[assignment]  # the library loop counts local experts
             routed = _RoutedExperts(exchange)
             module.register_forward_pre_hook(routed.dispatch)

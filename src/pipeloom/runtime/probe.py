@@ -1,7 +1,7 @@
 """Probing a run's stages once: what crosses each boundary and the FLOPs of each forward.
 
-The answer is the same on every rank (every rank builds the whole model from the seed), so a
-launcher that starts several ranks probes once and hands the result to all (`run_local`,
+The answer is the same on every rank (every rank builds the same model, on the meta device
+where the workload can), so a launcher that starts several ranks probes once and hands the result to all (`run_local`,
 `run_in_process`); a rank started alone (torchrun) probes for itself.
 """
 
@@ -20,9 +20,11 @@ __all__ = ["check_probe_fits", "probe_boundaries", "probe_spec"]
 
 
 def probe_spec(spec: TrainSpec) -> StageProbe:
-    """The boundaries and FLOPs of `spec`'s stages, from a model built for the purpose."""
-    work = spec.resolved_workload()
-    return probe_boundaries(spec.schedule, work, work.build(spec.schedule.num_stages), Precision(spec.dtype))
+    """The boundaries and FLOPs of `spec`'s stages, from a model built for the purpose (on the
+    meta device when the workload can)."""
+    work, stages = spec.resolved_workload(), spec.schedule.num_stages
+    model = work.skeleton(stages).stages if work.skeleton is not None else work.build(stages)
+    return probe_boundaries(spec.schedule, work, model, Precision(spec.dtype))
 
 
 def check_probe_fits(spec: TrainSpec, probe: StageProbe) -> None:
@@ -46,4 +48,9 @@ def probe_boundaries(schedule: Schedule, work: Workload, all_stages, precision: 
         example = tuple(t[:, : t.shape[1] // slices] for t in example)
     past: list | None = [] if slices > 1 else None
     cpu = torch.device("cpu")
-    return probe_stages(all_stages, example, lambda module, x: run_stage(module, x, past, precision, cpu, True)[0])
+    return probe_stages(
+        all_stages,
+        example,
+        lambda module, x: run_stage(module, x, past, precision, cpu, True)[0],
+        rebuild=lambda: work.build(schedule.num_stages),
+    )

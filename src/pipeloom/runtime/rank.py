@@ -10,8 +10,11 @@ with messages in memory. The two differ only in the transport they hand in (`Tra
 the in-process tier tests the very code the ranks run.
 
 Ranks sit on a pp × dp × tp grid (`layout.RankLayout`, tensor parallelism innermost). Every rank
-builds the full model from the seed and keeps the stages its device hosts — under tensor
-parallelism its shard of them (`tensor_parallel`) — so all replicas start identical. A step feeds
+builds the whole model on the meta device, keeps the stages its device hosts, cuts them (its
+tensor- and expert-parallel shards) and only then makes them real (`models.materialise`: from
+the weight files, or each unit's seeded initialisation), so all replicas start identical and no
+rank ever holds more than its part. A workload without a meta build (`Workload.skeleton`) is
+built whole and its other stages dropped. A step feeds
 replica k the micro-batches k·m .. k·m+m−1 of the step's batch; the ranks of a tensor-parallel
 group all see the same ones.
 """
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeloom.errors import ConfigError
+from pipeloom.models.materialise import materialise
 from pipeloom.models.workload import Workload, global_names, replica_microbatches
 from pipeloom.runtime.boundary import StageProbe
 from pipeloom.runtime.comm import MessagePlan, plan_messages
@@ -41,12 +45,11 @@ from pipeloom.runtime.probe import probe_boundaries
 from pipeloom.runtime.rank_checkpoints import resume_rank, save_rank
 from pipeloom.runtime.rank_setup import (
     Transport,
-    by_full,
+    Owners,
     cut_stages,
     hosted_stages,
     mailbox_of,
     optimizer_sync,
-    owner_test,
     progress_of,
     steppers,
     torch_device_of,
@@ -125,10 +128,11 @@ class RankRun:
         tensor = (
             TensorParallel(mesh["tp"], parallel.sequence_parallel) if mesh is not None and parallel.tp > 1 else None
         )
-        all_stages = work.build(schedule.num_stages)
+        skeleton = work.skeleton(schedule.num_stages) if work.skeleton is not None else None
+        all_stages = skeleton.stages if skeleton is not None else work.build(schedule.num_stages)
         names = dict(enumerate(global_names(all_stages)))
         probe = probe or probe_boundaries(schedule, work, all_stages, precision)
-        owned = owner_test(schedule, all_stages, device)  # by the full parameters, before any is cut
+        owners = Owners(schedule, all_stages, names, device)
         routed = work.experts if parallel.ep > 1 else None
         buckets = GradientBuckets(
             schedule,
@@ -151,11 +155,18 @@ class RankRun:
             group = layout.expert_mesh(where.type, parallel.ep)["ep"].get_group()
             experts = ExpertExchange(group, parallel.ep, replica % parallel.ep, routed.num_experts)
             buckets.rebind(shard_experts(stages, routed.modules, experts))
-            owned = by_full(owned, experts.full_of)
         loss = work.loss
         if tensor is not None:
             group = [layout.rank(replica, device, t) for t in range(parallel.tp)]
-            probe, loss, owned = cut_stages(parallel, work, tensor, stages, buckets, group, probe, owned)
+            probe, loss = cut_stages(parallel, work, tensor, stages, buckets, group, probe)
+        if skeleton is not None:  # only now, cut, do this rank's tensors become real
+            cuts = {**(experts.cuts if experts else {}), **(tensor.cuts if tensor else {})}
+            materialise(skeleton, stages.values(), cuts, where)
+            del skeleton, cuts
+        for part in (experts, tensor):
+            if part is not None:
+                part.set_up_done()
+        owned = owners.test(stages, names)
         dp_group = mesh["dp"].get_group() if mesh is not None else None
         host, stepper, parameters = steppers(parallel, optimizer, dp_group, owned, stages, device, tp_index, precision)
         stores = [part.store for part in (host, stepper) if isinstance(part, HostOffload | ShardedAdamW)]

@@ -37,8 +37,7 @@ __all__ = [
     "mailbox_of",
     "progress_of",
     "optimizer_sync",
-    "owner_test",
-    "by_full",
+    "Owners",
 ]
 
 
@@ -65,34 +64,32 @@ def torch_device_of(spec: TrainSpec) -> torch.device:
 
 
 def hosted_stages(schedule, all_stages, device: int, where: torch.device) -> tuple[dict, WeightGradQueue]:
-    """This device's stages on its torch device, their linears split for W when its ops have W
-    (fused backwards keep plain linears)."""
+    """This device's stages, their linears split for W when its ops have W (fused backwards keep
+    plain linears): on its torch device, or still on the meta device for `materialise` to place
+    once they are cut."""
     queue = WeightGradQueue()
-    stages = {s: all_stages[s].to(where) for s in schedule.stages_on(device)}
+    stages = {
+        s: all_stages[s] if any(t.is_meta for t in all_stages[s].parameters()) else all_stages[s].to(where)
+        for s in schedule.stages_on(device)
+    }
     if any(op.kind is OpKind.W for op in schedule.devices[device]):
         for module in stages.values():
             split_linears(module, queue)
     return stages, queue
 
 
-def cut_stages(parallel: ParallelPart, work: Workload, tensor: TensorParallel, stages, buckets, group, probe, owned):
+def cut_stages(parallel: ParallelPart, work: Workload, tensor: TensorParallel, stages, buckets, group, probe):
     """This rank's stages cut over its tensor-parallel group (`group`, the ranks of the mesh's tp
     dimension): the buckets then sum shards (and, under sequence parallelism, the replicated
     weights' partial gradients over the group); what crosses a boundary is a sequence shard; the
-    loss runs over the vocabulary shards; a shard counts in the global norm as its full weight
-    would. Returns (the probe as this rank sees it, the loss, the ownership test)."""
+    loss runs over the vocabulary shards. Returns (the probe as this rank sees it, the loss)."""
     assert work.tensor_parallel is not None, "check_spec refuses a model without a plan"
     plan = work.tensor_parallel(parallel.tp, parallel.sequence_parallel)
     partial = shard_stages(stages, plan, tensor, parallel.schedule.num_stages)
     buckets.rebind(tensor.shards)
     buckets.sum_over(tensor.mesh.get_group(), group, partial)
     wire = StageProbe(wire_boundaries(probe.boundaries, parallel.tp), [f / parallel.tp for f in probe.forward_flops])
-    return wire, parallel_loss(work.loss), by_full(owned, tensor.full_of)
-
-
-def by_full(owned: Callable[[torch.nn.Parameter], bool], full_of: dict) -> Callable[[torch.nn.Parameter], bool]:
-    """An ownership test of full parameters, asked of their shards (tensor- or expert-parallel)."""
-    return lambda parameter: owned(full_of.get(id(parameter), parameter))
+    return wire, parallel_loss(work.loss)
 
 
 def steppers(
@@ -188,14 +185,29 @@ def optimizer_sync(optimizer: OptimizerPart, parallel: ParallelPart, stepper, de
     )
 
 
-def owner_test(schedule, all_stages, device: int):
-    """Whether this device counts a parameter in the global gradient norm: each counts once, on
-    the lowest device hosting its first stage."""
-    owners = {
-        s: min(d for d in range(schedule.num_devices) if s in schedule.stages_on(d)) for s in range(schedule.num_stages)
-    }
-    first_stage: dict[int, int] = {}
-    for s, module in enumerate(all_stages):
-        for parameter in module.parameters():
-            first_stage.setdefault(id(parameter), s)
-    return lambda parameter: owners[first_stage[id(parameter)]] == device
+class Owners:
+    """Which device counts a parameter in the global gradient norm: each counts once, on the
+    lowest device hosting its first stage. Kept by the parameters' names in the whole model, so
+    it holds no tensor and answers for shards (tensor- or expert-parallel) as for whole ones."""
+
+    def __init__(self, schedule, all_stages, names: dict[int, dict[str, str]], device: int) -> None:
+        owners = {
+            s: min(d for d in range(schedule.num_devices) if s in schedule.stages_on(d))
+            for s in range(schedule.num_stages)
+        }
+        self.device = device
+        self.first_name: dict[str, str] = {}
+        """A parameter's name in a stage → its name where it first appears (ties share one)."""
+        self.owner: dict[str, int] = {}
+        first: dict[int, str] = {}
+        for s, module in enumerate(all_stages):
+            for local, parameter in module.named_parameters():
+                name = names[s][local]
+                canonical = first.setdefault(id(parameter), name)
+                self.first_name[name] = canonical
+                self.owner.setdefault(canonical, owners[s])
+
+    def test(self, stages: dict[int, torch.nn.Module], names: dict[int, dict[str, str]]):
+        """The test, asked of the parameters `stages` hold now (cut or not)."""
+        name_of = {id(t): names[s][local] for s, module in stages.items() for local, t in module.named_parameters()}
+        return lambda parameter: self.owner[self.first_name[name_of[id(parameter)]]] == self.device

@@ -22,8 +22,8 @@ and only the activations pass through DTensor at the region boundaries, because 
 the forward works on plain local tensors: the B/W split (`split_linear`: the weight-gradient GEMM
 of a row- or column-parallel linear is local to the shard, so W needs no communication and must
 not pay DTensor's dispatch per GEMM), the flat gradient buckets, ZeRO's flat weight and
-gradient buffers, host offload. Shards are cut with `distribute_tensor` (the library's cut), and a
-checkpoint wraps them back as DTensors (`runtime.checkpoint`), which torch.distributed.checkpoint
+gradient buffers, host offload. Shards are cut as `Shard(dim)` places them (torch.chunk), on the
+meta device before any weight is real (`pipeloom.models.materialise`), and a checkpoint wraps them back as DTensors (`runtime.checkpoint`), which torch.distributed.checkpoint
 saves as shards.
 """
 
@@ -35,10 +35,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
 from pipeloom.errors import ConfigError
+from pipeloom.models.materialise import Cut
 from pipeloom.runtime.boundary import TensorSpec
 
 __all__ = [
@@ -62,12 +63,14 @@ class TensorParallel:
     mesh: DeviceMesh
     sequence_parallel: bool = False
     shards: dict[int, nn.Parameter] = field(default_factory=dict)
-    """Full parameter (by id) → its shard on this rank, so a tied weight stays one object."""
+    """During set-up: full parameter (by id) → its shard on this rank, so a tied weight stays one
+    object."""
     sharded: dict[int, tuple[int, int]] = field(default_factory=dict)
     """Shard parameter (by id) → (the dimension it is cut along, packed blocks); the rest are
     replicated."""
-    full_of: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Shard parameter (by id) → the full parameter it was cut from."""
+    cuts: dict[int, tuple[torch.Tensor, Cut]] = field(default_factory=dict)
+    """During set-up: a shard cut on the meta device (by id) → (the meta parameter it was cut
+    from, how), for `materialise` to read or initialise its values."""
     sent_bytes: int = 0
     """Bytes this rank sent in the group's collectives since the step began, as a ring moves
     them: 2(tp−1)/tp of an all-reduced tensor, (tp−1)/tp of an all-gathered or reduce-scattered
@@ -100,15 +103,19 @@ class TensorParallel:
                 f"--tp {self.size}: a weight of shape {tuple(full.shape)} cannot be cut into {self.size} along "
                 f"dimension {dim}" + (f" ({parts} packed blocks)" if parts > 1 else "")
             )
-        blocks = full.chunk(parts, dim)
-        local = torch.cat(
-            [distribute_tensor(b, self.mesh, [Shard(dim)], src_data_rank=None).to_local() for b in blocks], dim
-        )
-        shard = nn.Parameter(local.clone(), requires_grad=parameter.requires_grad)
+        cut = Cut(dim, self.index, self.size, parts)
+        local = cut.of(full)
+        shard = nn.Parameter(torch.empty_like(local) if full.is_meta else local.clone(), requires_grad=parameter.requires_grad)
         self.shards[id(parameter)] = shard
         self.sharded[id(shard)] = (dim, parts)
-        self.full_of[id(shard)] = parameter
+        if full.is_meta:
+            self.cuts[id(shard)] = (parameter, cut)
         return shard
+
+    def set_up_done(self) -> None:
+        """Forget the full parameters the shards were cut from."""
+        self.shards.clear()
+        self.cuts.clear()
 
     def full(self, parameter: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Collective over the group: `value` (the parameter itself, its gradient, an optimizer
