@@ -75,6 +75,8 @@ def test_pp2_dp2_ep2_trains_like_one_process(tmp_path, token_file, family, sched
         # every (token, choice) of this replica's micro-batches routed once per MoE layer it hosts
         assert sum(record.expert_tokens) == 4 * 2 * SEQ * 2 * layers * stages
         assert record.a2a_sent_bytes > 0 and 0.0 <= record.a2a_exposed_ms <= record.a2a_ms
+        # what the rank's objects hold is its slice of the experts and the plan's bytes for it, no full copy
+        assert result.held_bytes["parameters"] == sum(result.planned_static_bytes.values()) > 0
     if schedule == "dualpipev":  # the pairs ran by turns: both ops of a pair start together
         paired = [op for op in spec.schedule.devices[0] if op.overlap_next]
         assert paired, "the priced all-to-alls kept DualPipeV's pairs"

@@ -91,6 +91,8 @@ def test_pp2_tp2_trains_like_one_process(tmp_path, token_file, schedule, sequenc
     spec = llama_spec(tmp_path, token_file, schedule, tp=2, sequence_parallel=sequence_parallel, record_gradients=True)
     results = run_local(spec)
     assert_trains_like_one_process(spec, results)
+    for result in results:  # the rank's objects hold its shards and nothing more: the plan's static bytes
+        assert result.held_bytes["parameters"] == sum(result.planned_static_bytes.values()) > 0
     # each tensor-parallel rank sends its sequence shard: the group sends what one rank did without tp
     layout = spec.parallelism.layout
     alone = run_in_process(llama_spec(tmp_path, token_file, schedule, steps=1)) if schedule == "1f1b" else None

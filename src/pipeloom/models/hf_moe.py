@@ -69,7 +69,7 @@ class RouterLogits:
         """(hidden states, every router's logits so far: the received ones, then this stage's)."""
         if len(carried) > 1:
             raise ConfigError(f"hf: a stage received {len(carried)} tensors beside the hidden states; expected 1")
-        parts = [*carried, *self._captured]
+        parts, self._captured = [*carried, *self._captured], []  # handed on: no longer this stage's to keep
         if not parts:
             return hidden, hidden.new_zeros((0, self.experts))
         return hidden, torch.cat([p.to(parts[-1].dtype) for p in parts])

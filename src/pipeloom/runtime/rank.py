@@ -31,6 +31,7 @@ from pipeloom.errors import ConfigError
 from pipeloom.models.materialise import materialise
 from pipeloom.models.workload import Workload, global_names, replica_microbatches
 from pipeloom.runtime.boundary import StageProbe
+from pipeloom.runtime.census import census, peak_resident_bytes
 from pipeloom.runtime.comm import MessagePlan, plan_messages
 from pipeloom.runtime.evaluation import Evaluation, perplexity
 from pipeloom.runtime.executor import DeviceExecutor
@@ -342,6 +343,8 @@ class RankRun:
         result.static_bytes, result.planned_static_bytes = rank_static_bytes(
             self.spec.parallelism, self.stepper, self.host, self.parameters, self.precision
         )
+        result.held_bytes = census(self).to_dict()
+        result.peak_host_bytes = peak_resident_bytes()
         result.parameters = {
             s: {n: self._whole(t, t.detach()).cpu().clone() for n, t in module.named_parameters()}
             for s, module in self.stages.items()

@@ -254,6 +254,11 @@ class RankResult:
     """Measured on this rank: weights, gradients, optimizer (device) and host bytes."""
     planned_static_bytes: dict[str, float] = field(default_factory=dict)
     """The same, as `pipeloom.static_memory` plans them for this rank's weights."""
+    held_bytes: dict[str, int] = field(default_factory=dict)
+    """Every tensor this rank's objects hold at the end, by what holds it (`census.HeldBytes`):
+    its `parameters` are the static bytes as counted from the objects, stray copies included."""
+    peak_host_bytes: int = 0
+    """The rank process's peak resident memory (the kernel's high-water mark), bytes."""
     offload_events: list[tuple[str, float, float]] = field(default_factory=list)
     """T-Offload's OFFLOAD, HOST_STEP and RELOAD on this rank (perf_counter seconds)."""
     learning_rates: list[float | None] = field(default_factory=list)
