@@ -69,7 +69,16 @@ def main() -> None:
         return
     figures = {}
     for label in LAYOUTS:
-        command = [sys.executable, __file__, "--layout", label, "--steps", str(args.steps), "--seq-len", str(args.seq_len)]
+        command = [
+            sys.executable,
+            __file__,
+            "--layout",
+            label,
+            "--steps",
+            str(args.steps),
+            "--seq-len",
+            str(args.seq_len),
+        ]
         done = subprocess.run(command, capture_output=True, text=True, check=True)
         figures[label] = json.loads(done.stdout.strip().splitlines()[-1])
     parameters = figures["pp 1"]["parameters"]

@@ -8,8 +8,9 @@ from pipeloom import ConfigError, build_schedule  # noqa: E402
 from pipeloom.models.llama import LlamaConfig  # noqa: E402
 from pipeloom.runtime.layout import RankLayout  # noqa: E402
 from pipeloom.runtime.local import run_local  # noqa: E402
-from pipeloom.runtime.optimizer_sync import adamw_rollback, decide  # noqa: E402
+from pipeloom.runtime.optimizer_sync import adamw_rollback, decide, step_under  # noqa: E402
 from pipeloom.runtime.training import TrainSpec, check_spec  # noqa: E402
+from pipeloom.runtime.zero import adamw  # noqa: E402
 
 CONFIG = LlamaConfig(layers=4, hidden=32, heads=2, ffn=64, vocab=64, seq_len=16)
 FAULTS = ((2, 1, "nan", 0.0), (3, 0, "scale", 1000.0))  # a NaN on the last stage, a huge first stage
@@ -33,11 +34,31 @@ def test_adamw_rollback_undoes_a_step_in_place():
     assert float(optimizer.state[parameter]["step"]) == 3
 
 
-def test_decisions():
-    assert decide(16.0, True, 5.0) == (True, 1.0)
-    stepped, coefficient = decide(100.0, True, 5.0)
-    assert stepped and coefficient == pytest.approx(0.5)
-    assert decide(1.0, False, None) == (False, 1.0)
+def state(squares: float, bad: float) -> torch.Tensor:
+    return torch.tensor([squares, bad], dtype=torch.float64)
+
+
+def test_decisions_are_made_on_the_device():
+    assert decide(state(16.0, 0), 5.0).tolist() == [1.0, 1.0]
+    stepped, coefficient = decide(state(100.0, 0), 5.0).tolist()
+    assert stepped == 1.0 and coefficient == pytest.approx(0.5)
+    assert decide(state(1.0, 1), None).tolist() == [0.0, 1.0]
+    assert decide(state(float("inf"), 0), 5.0).tolist() == [0.0, 1.0]  # an overflowing sum of squares
+
+
+def test_a_skipped_step_leaves_weights_moments_and_count_alone():
+    parameter = torch.nn.Parameter(torch.randn(64, generator=torch.Generator().manual_seed(0)))
+    optimizer = adamw([parameter], lr=1e-2)
+    parameter.grad = torch.ones(64)
+    optimizer.step()
+    before = [parameter.detach().clone(), *(v.clone() for v in optimizer.state[parameter].values())]
+    parameter.grad = torch.full((64,), float("nan"))
+    step_under(optimizer, decide(state(float("nan"), 1), None))
+    after = [parameter.detach(), *optimizer.state[parameter].values()]
+    assert all(torch.equal(a, b) for a, b in zip(after, before)) and not hasattr(optimizer, "found_inf")
+    parameter.grad = torch.ones(64)
+    step_under(optimizer, decide(state(64.0, 0), None))
+    assert float(optimizer.state[parameter]["step"]) == 2 and not torch.equal(parameter.detach(), before[0])
 
 
 @pytest.mark.slow

@@ -57,7 +57,10 @@ class Cut:
         block = shape[self.dim] // self.parts
         width = block // self.count
         lead = (slice(None),) * self.dim
-        return [lead + (slice(b * block + self.index * width, b * block + (self.index + 1) * width),) for b in range(self.parts)]
+        return [
+            lead + (slice(b * block + self.index * width, b * block + (self.index + 1) * width),)
+            for b in range(self.parts)
+        ]
 
 
 class WeightFiles:
@@ -199,10 +202,7 @@ class Skeleton:
                 torch.manual_seed(int.from_bytes(digest[:8], "little"))
                 for sub in members:
                     self._initialise(sub)
-            values = {
-                id(original): real[id(self._twin_of[id(original)])].detach()
-                for original in tensors
-            }
+            values = {id(original): real[id(self._twin_of[id(original)])].detach() for original in tensors}
         finally:
             for store, slot, tensor in saved:
                 store[slot] = tensor

@@ -240,7 +240,7 @@ class DeviceExecutor:
             )
         if stage == self.last_stage:
             loss = out[0] if entry.output is not None else self._loss(out, target)
-            step.record.loss += float(loss.detach()) / self.grad_scale
+            step.record.add_loss(loss, self.grad_scale)
         else:
             self.mail.give(False, stage + 1, mb, slice_, out)
         step.stash[op.key] = entry
@@ -254,7 +254,7 @@ class DeviceExecutor:
             if past is not None:
                 step.kv[op.key] = (new_kv, new_kv)
             if op.stage == self.last_stage:
-                step.record.loss += float(self._loss(out, target)) / self.grad_scale
+                step.record.add_loss(self._loss(out, target), self.grad_scale)
             else:
                 self.mail.give(False, op.stage + 1, op.microbatch, op.slice, out)
 

@@ -8,8 +8,10 @@ replicas. Around the library's experts module, two hooks (as torchtitan's) do th
 * before it — dispatch: the (token, choice) pairs the library's router picked are sorted by
   expert; the counts per expert cross first (so each rank knows what it will receive), then the
   token rows, with `all_to_all_single` over uneven splits — dropless, no capacity;
-* the library's own expert loop then runs on the rows received, with local expert ids and unit
-  weights, so the experts' arithmetic stays the library's;
+* the library's own experts then run on the rows received, with local expert ids and unit
+  weights, so the experts' arithmetic stays the library's — its grouped GEMM (`grouped_mm`), since
+  its eager loop reads each expert's rows on the host; the counts of a layer are the one thing the
+  host reads (an uneven all-to-all's split sizes), once per call, with the counts sent;
 * after it — combine: the rows return by the reverse all-to-all, are weighted by the router's
   top-k weights and summed into their tokens in expert order, as the library's dense loop sums.
 
@@ -25,6 +27,7 @@ local slices, like the tensor-parallel shards, and `full` gathers them for repor
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import threading
 import time
@@ -159,16 +162,21 @@ class _RoutedExperts:
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=exchange.num_experts)
-        if torch.is_grad_enabled():
-            for expert, count in enumerate(counts.tolist()):
-                exchange.traffic.tokens[expert] += count
         even = [exchange.local] * exchange.size
         arriving = exchange.all_to_all(counts, even, even)  # per source rank, per local expert
-        send = counts.view(exchange.size, exchange.local).sum(1).tolist()
-        receive = arriving.view(exchange.size, exchange.local).sum(1).tolist()
+        # The layer's one read of the device: how many rows go to and come from each rank, which
+        # an uneven all-to-all needs on the host (and the tokens per expert, for the record).
+        known = torch.cat((counts, arriving)).tolist()
+        sent, came = known[: exchange.num_experts], known[exchange.num_experts :]
+        if torch.is_grad_enabled():
+            for expert, count in enumerate(sent):
+                exchange.traffic.tokens[expert] += count
+        local = exchange.local
+        send = [sum(sent[r * local : (r + 1) * local]) for r in range(exchange.size)]
+        receive = [sum(came[r * local : (r + 1) * local]) for r in range(exchange.size)]
         rows = _Exchange.apply(hidden[order // top_k], exchange, send, receive)
-        local = torch.arange(exchange.local, device=hidden.device).repeat(exchange.size)
-        experts = torch.repeat_interleave(local, arriving).unsqueeze(-1)
+        ids = torch.arange(local, device=hidden.device).repeat(exchange.size)
+        experts = torch.repeat_interleave(ids, arriving, output_size=sum(receive)).unsqueeze(-1)
         self.routes[threading.get_ident()] = _Route(order, top_k, top_k_weights, send, receive, hidden)
         return rows, experts, torch.ones(len(rows), 1, dtype=top_k_weights.dtype, device=hidden.device)
 
@@ -200,13 +208,19 @@ def shard_experts(stages: dict[int, nn.Module], pattern: str, exchange: ExpertEx
                 if full.shape[0] != exchange.num_experts:
                     raise RuntimeError(f"{type(module).__name__}.{name} is not stacked by expert: {tuple(full.shape)}")
                 local = cut.of(full.detach())
-                shard = nn.Parameter(torch.empty_like(local) if full.is_meta else local.clone(), requires_grad=full.requires_grad)
+                shard = nn.Parameter(
+                    torch.empty_like(local) if full.is_meta else local.clone(), requires_grad=full.requires_grad
+                )
                 setattr(module, name, shard)
                 shards[id(full)] = shard
                 exchange.sharded.add(id(shard))
                 if full.is_meta:
                     exchange.cuts[id(shard)] = (full, cut)
             module.num_experts = exchange.local  # type: ignore[assignment]  # the library loop counts local experts
+            # the library's grouped GEMM over the rows received (its eager loop reads every
+            # expert's rows on the host); the module's own copy of the config says so
+            module.config = copy.copy(module.config)
+            module.config._experts_implementation = "grouped_mm"
             routed = _RoutedExperts(exchange)
             module.register_forward_pre_hook(routed.dispatch)
             module.register_forward_hook(routed.combine)

@@ -31,7 +31,6 @@ from pipeloom.runtime.probe import check_probe_fits, probe_spec
 from pipeloom.runtime.rank import RankRun, Transport
 from pipeloom.runtime.spec import RankResult, TrainSpec
 from pipeloom.runtime.spec_checks import check_spec
-from pipeloom.runtime.step_state import StepRecord
 
 __all__ = ["run_in_process"]
 
@@ -70,9 +69,12 @@ def _train_all(spec: TrainSpec, world_size: int) -> list[RankResult]:
         reduce_in_process([run.buckets for run in runs])
         for run in runs:
             run.step_optimizer(step, lambda _, call: call())
-        loss = _sum_losses(records)
-        for run, record in zip(runs, records):
-            run.end_step(step, record, loss)
+        shares = [run.loss_shares(record) for run, record in zip(runs, records)]
+        total = _sum_losses(shares)
+        for share in shares:
+            share[0] = total
+        for run, record, share in zip(runs, records, shares):
+            run.end_step(step, record, run.settle_step(record, share))
         if runs[0].evaluation is not None and runs[0].evaluation.due(step):
             began = time.perf_counter()
             held_out = _evaluate(runs, spec)
@@ -92,7 +94,7 @@ def _evaluate(runs: list[RankRun], spec: TrainSpec) -> float:
         for replica in range(spec.dp):
             ranks = [layout.rank(replica, d) for d in range(spec.schedule.num_devices)]
             _drive([executors[r] for r in ranks], [data[r] for r in ranks])
-        total += _sum_losses([executor.finish() for executor in executors])
+        total += float(_sum_losses([run.loss_shares(executor.finish()) for run, executor in zip(runs, executors)]))
     return total / spec.eval_batches
 
 
@@ -115,12 +117,12 @@ def _drive(executors: list[DeviceExecutor], data: list[tuple[list, list]]) -> No
             raise ScheduleError(f"deadlock: every device waits for a message ({', '.join(waiting)})")
 
 
-def _sum_losses(records: list[StepRecord]) -> float:
-    """The step's loss as the ranks' float64 all-reduce gives it: every device's share, summed."""
+def _sum_losses(shares: list[torch.Tensor]) -> torch.Tensor:
+    """The step's loss as the ranks' float64 all-reduce gives it: every rank's share, summed."""
     total = torch.zeros((), dtype=torch.float64)
-    for record in records:
-        total += record.loss
-    return float(total)
+    for share in shares:
+        total += share[0]
+    return total
 
 
 def _check_in_process(spec: TrainSpec) -> None:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeloom.runtime.gradients import GradientStore, unique_parameters
-from pipeloom.runtime.optimizer_sync import adamw_rollback
+from pipeloom.runtime.optimizer_sync import adamw_rollback, step_under
 from pipeloom.runtime.zero import adamw, adamw_slot, squares_and_bad
 
 __all__ = ["HostOffload"]
@@ -78,11 +78,11 @@ class HostOffload:
     def local_state(self) -> torch.Tensor:
         return squares_and_bad([self.store.grad_of(p) for p in self.owned], self.store.flat.device)
 
-    def scale(self, factor: float) -> None:
+    def scale(self, factor: float | torch.Tensor) -> None:
         self.store.flat.mul_(factor)
 
-    def step(self) -> None:
-        self.offload_and_step()
+    def step(self, decision: torch.Tensor | None = None) -> None:
+        self.offload_and_step(decision)
 
     def rollback(self) -> None:
         """Undo the last host step (its gradients are still in the masters' .grad); every stage
@@ -100,8 +100,10 @@ class HostOffload:
         ]
         return sum(t.numel() * t.element_size() for t in held)
 
-    def offload_and_step(self) -> None:
-        """OFFLOAD every offloaded stage's gradients, then start HOST_STEP in the worker."""
+    def offload_and_step(self, decision: torch.Tensor | None = None) -> None:
+        """OFFLOAD every offloaded stage's gradients, then start HOST_STEP in the worker (skipped
+        where `decision` says so: the host's optimizer needs it on the host, so a GPU run reads
+        these two numbers here, as it copies the gradients)."""
         for stage, params in self.device_params.items():
             began = time.perf_counter()
             for parameter, master in zip(params, self.master[stage]):
@@ -109,11 +111,12 @@ class HostOffload:
                 master.grad.copy_(self.store.grad_of(parameter))
             self.events.append((f"{stage}OFFLOAD", began, time.perf_counter()))
         self._stale = set(self.device_params)
-        self._step = self._worker.submit(self._host_step)
+        on_host = decision.to("cpu") if decision is not None else None
+        self._step = self._worker.submit(self._host_step, on_host)
 
-    def _host_step(self) -> None:
+    def _host_step(self, decision: torch.Tensor | None = None) -> None:
         began = time.perf_counter()
-        self.optimizer.step()
+        step_under(self.optimizer, decision)
         self.events.append(("HOST_STEP", began, time.perf_counter()))
 
     def after_pending(self, call) -> None:

@@ -1,15 +1,24 @@
-"""Global gradient clipping and non-finite skipping: synchronous, or post-validated (Zero Bubble §4).
+"""Global clipping / skipping (also fp16's overflow skip): synchronous, or post-validated (Zero
+Bubble §4).
 
 Clipping by the global gradient norm and skipping a step with NaN/Inf gradients need a state
 reduced over every stage. The synchronous way all-reduces it across the pipeline before any stage
 steps — a barrier at the end of every step. Post-validation instead passes a partial state down
 the pipeline (device d receives the sum of devices < d, adds its own, passes it on) and steps at
 once under that partial state; the last device holds the full state and sends it back up the
-pipeline while the next step starts. Each device then checks its step: if the full state asks for
-another clipping coefficient or a skip, the step is rolled back in place — AdamW is arithmetically
-reversible (appendix C) — and redone. Each stage counts once: on the lowest device hosting it
-(Chimera's two copies) and within one data-parallel replica (the replicas' gradients are equal
-after the all-reduce, so every replica reaches the same decision on its own).
+pipeline. Each device then checks its step: if the full state asks for another clipping
+coefficient or a skip, the step is rolled back in place — AdamW is arithmetically reversible
+(appendix C) — and redone. Each stage counts once: on the lowest device hosting it (Chimera's
+two copies) and within one data-parallel replica (the replicas' gradients are equal after the
+all-reduce, so every replica reaches the same decision on its own).
+
+Nothing here reads the device on the host while the step runs: the state is [sum of squares,
+non-finite gradients] as one device tensor (`torch._foreach_norm` per rank), the decision
+[stepped, coefficient] is computed from it on the device (`decide`), the gradients are scaled by
+that tensor and a skip is AdamW's own `found_inf` (its fused kernel leaves weights, moments and
+step count alone). The host learns the decisions once, at the step's end, together with the
+loss (`to_read`, `settle`); only a post-validated step the full state overturns then takes the
+host's path (the rollback, the redo).
 """
 
 from __future__ import annotations
@@ -23,19 +32,36 @@ import torch.distributed as dist
 
 from pipeloom.runtime.mailbox import posted
 
-__all__ = ["OptimizerSync", "decide", "adamw_rollback"]
+__all__ = ["OptimizerSync", "decide", "adamw_rollback", "step_under"]
 
 _TAG = 1 << 24  # above every activation tag
 
 
-def decide(squares: float, finite: bool, clip_norm: float | None) -> tuple[bool, float]:
-    """(step or skip, clipping coefficient) for a reduced state."""
-    if not finite:
-        return False, 1.0
-    norm = math.sqrt(squares)
-    if clip_norm is not None and norm > clip_norm:
-        return True, clip_norm / (norm + 1e-6)
-    return True, 1.0
+def decide(state: torch.Tensor, clip_norm: float | None) -> torch.Tensor:
+    """[stepped (1 or 0), clipping coefficient] of a reduced [squares, non-finite count], on the
+    state's device: skip a step with any non-finite gradient; clip when the norm exceeds
+    `clip_norm`."""
+    squares, bad = state[0], state[1]
+    finite = (bad == 0) & torch.isfinite(squares)
+    coefficient = torch.ones_like(squares)
+    if clip_norm is not None:
+        norm = squares.sqrt()
+        coefficient = torch.where(finite & (norm > clip_norm), clip_norm / (norm + 1e-6), coefficient)
+    return torch.stack((finite.to(squares.dtype), coefficient))
+
+
+def step_under(optimizer: torch.optim.Optimizer, decision: torch.Tensor | None) -> None:
+    """`optimizer.step()`, skipped on the device when `decision` says so (fused AdamW reads
+    `found_inf`, as under torch's GradScaler)."""
+    if decision is None:
+        optimizer.step()
+        return
+    device = optimizer.param_groups[0]["params"][0].device
+    optimizer.found_inf = (1 - decision[0]).to(device=device, dtype=torch.float32)  # type: ignore[attr-defined]
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf  # type: ignore[attr-defined]
 
 
 def adamw_rollback(optimizer: torch.optim.AdamW) -> None:
@@ -58,8 +84,8 @@ def adamw_rollback(optimizer: torch.optim.AdamW) -> None:
 
 @dataclass
 class _Pending:
-    stepped: bool
-    coefficient: float
+    decision: torch.Tensor
+    """What this rank stepped under: [stepped, coefficient] of the partial state."""
     full: torch.Tensor
     work: dist.Work | None
     """The receive of the full state from the next device (None on the last)."""
@@ -88,22 +114,19 @@ class OptimizerSync:
         self.group = pipeline_group
         self.timeout = timedelta(seconds=timeout_s)
         self.pending: _Pending | None = None
+        self.decision: torch.Tensor | None = None
+        """The synchronous step's decision, for the host to learn at the step's end."""
         self.rollbacks = 0
         self.skipped = 0
         self.on_decision = on_decision
         """Called once per step with its final decision (stepped or skipped): fp16's loss scale."""
 
-    def _apply(self, stepped: bool, coefficient: float) -> None:
-        if not stepped:
-            self.skipped += 1
-            return
-        if coefficient != 1.0:
-            self.stepper.scale(coefficient)
-        self.stepper.step()
-
-    def _decided(self, stepped: bool) -> None:
-        if self.on_decision is not None:
-            self.on_decision(stepped)
+    def _apply(self, decision: torch.Tensor) -> None:
+        """Scale by the decision's coefficient (when clipping) and step, skipped where it says so —
+        on the device."""
+        if self.clip_norm is not None:
+            self.stepper.scale(decision[1])
+        self.stepper.step(decision)
 
     def step(self, step: int) -> None:
         """Instead of optimizer.step(), once this rank's gradients are final."""
@@ -111,9 +134,8 @@ class OptimizerSync:
         device = local.device
         if not self.post_validation:
             dist.all_reduce(local, group=self.group)
-            stepped, coefficient = decide(float(local[0]), float(local[1]) == 0, self.clip_norm)
-            self._apply(stepped, coefficient)
-            self._decided(stepped)
+            self.decision = decide(local, self.clip_norm)
+            self._apply(self.decision)
             return
         tag = _TAG + 4 * step
         partial = local.clone()
@@ -123,8 +145,8 @@ class OptimizerSync:
             partial += received
         if self.device < self.p - 1:
             posted(dist.isend(partial.clone(), dst=self.rank_of(self.device + 1), tag=tag)).wait(self.timeout)
-        stepped, coefficient = decide(float(partial[0]), float(partial[1]) == 0, self.clip_norm)
-        self._apply(stepped, coefficient)
+        decision = decide(partial, self.clip_norm)
+        self._apply(decision)
         full, work = partial, None
         work_tag = tag + 1
         if self.device == self.p - 1:  # the full state starts back up the pipeline
@@ -133,30 +155,44 @@ class OptimizerSync:
         else:
             full = torch.zeros(2, dtype=torch.float64, device=device)
             work = posted(dist.irecv(full, src=self.rank_of(self.device + 1), tag=work_tag))
-        self.pending = _Pending(stepped, coefficient, full, work, work_tag)
+        self.pending = _Pending(decision, full, work, work_tag)
 
-    def validate(self) -> None:
-        """At the next step's start (and after the last step): check the optimistic step against
-        the full state; roll back and redo it if they disagree."""
-        pending, self.pending = self.pending, None
-        if pending is None:
-            return
-        work, tag = pending.work, pending.tag
-        if work is not None:
-            work.wait(self.timeout)
+    def to_read(self) -> list[torch.Tensor]:
+        """The decisions the host learns at the step's end, as device tensors: the step's, or
+        (post-validated) the one it stepped under and the full state's — received from the next
+        device and passed on up the pipeline first."""
+        if not self.post_validation:
+            assert self.decision is not None, "step() ran"
+            return [self.decision]
+        pending = self.pending
+        assert pending is not None, "step() ran"
+        if pending.work is not None:
+            pending.work.wait(self.timeout)
             if self.device > 0:
-                posted(dist.isend(pending.full.clone(), dst=self.rank_of(self.device - 1), tag=tag)).wait(self.timeout)
-        stepped, coefficient = decide(float(pending.full[0]), float(pending.full[1]) == 0, self.clip_norm)
-        self._decided(stepped)
-        if (stepped, coefficient) == (pending.stepped, pending.coefficient):
+                full = pending.full.clone()
+                posted(dist.isend(full, dst=self.rank_of(self.device - 1), tag=pending.tag)).wait(self.timeout)
+        return [pending.decision, decide(pending.full, self.clip_norm)]
+
+    def settle(self, values: list[float]) -> None:
+        """Given `to_read`'s values on the host: book the step's decision, and redo a
+        post-validated step the full state decided otherwise."""
+        if not self.post_validation:
+            self._book(values[0] == 1.0)
+            return
+        (stepped_partial, coefficient_partial, stepped, coefficient), self.pending = values, None
+        self._book(stepped == 1.0)
+        if (stepped_partial, coefficient_partial) == (stepped, coefficient):
             return
         self.rollbacks += 1
-        if pending.stepped:
+        scale = 1.0
+        if stepped_partial == 1.0:
             self.stepper.rollback()
-            scale = 1.0 / pending.coefficient  # back to the unclipped gradients
-        else:
-            self.skipped -= 1
-            scale = 1.0
-        if stepped and scale != 1.0:
-            self.stepper.scale(scale)
-        self._apply(stepped, coefficient)
+            scale = 1.0 / coefficient_partial  # back to the unclipped gradients
+        if stepped == 1.0:
+            self.stepper.scale(scale * coefficient)
+            self.stepper.step()
+
+    def _book(self, stepped: bool) -> None:
+        self.skipped += not stepped
+        if self.on_decision is not None:
+            self.on_decision(stepped)

@@ -45,8 +45,8 @@ from pipeloom.runtime.precision import LossScaler, Precision
 from pipeloom.runtime.probe import probe_boundaries
 from pipeloom.runtime.rank_checkpoints import resume_rank, save_rank
 from pipeloom.runtime.rank_setup import (
-    Transport,
     Owners,
+    Transport,
     cut_stages,
     hosted_stages,
     mailbox_of,
@@ -241,8 +241,6 @@ class RankRun:
         micro_inputs, micro_targets = replica_microbatches(
             self.work.batch, step, self.spec.dp, self.replica, m, b, self.where
         )
-        if self.sync is not None:
-            self.sync.validate()  # the previous step, against the full state the last device sent back
         self.optimizers.zero_grad()
         self.buckets.zero()
         if self.tensor is not None:
@@ -329,7 +327,6 @@ class RankRun:
     def tear_down(self) -> RankResult:
         result = self.result
         if self.sync is not None:
-            self.sync.validate()
             result.rollbacks, result.skipped_steps = self.sync.rollbacks, self.sync.skipped
         if self.progress is not None:
             self.progress(None)
@@ -351,10 +348,25 @@ class RankRun:
         }
         return result
 
-    def loss_share(self, record: StepRecord) -> float:
-        """What this rank adds to the step's loss, summed over every rank: the last stage's loss,
-        counted by one rank of its tensor-parallel group (all of them computed it)."""
-        return record.loss if self.tensor is None or self.tensor.index == 0 else 0.0
+    def loss_shares(self, record: StepRecord) -> torch.Tensor:
+        """[what this rank adds to the step's loss summed over every rank, this device's own
+        loss], float64 on the device: the last stage's loss, counted by one rank of its tensor-
+        parallel group (all of them computed it). The caller sums the first over the ranks."""
+        own = record.loss_sum if record.loss_sum is not None else torch.zeros((), dtype=torch.float64)
+        own = own.to(self.where)
+        counted = own if self.tensor is None or self.tensor.index == 0 else torch.zeros_like(own)
+        return torch.stack((counted, own))
+
+    def settle_step(self, record: StepRecord, shares: torch.Tensor) -> float:
+        """The step's one read of the device, after the pipeline and the optimizer: the loss
+        (`shares` from `loss_shares`, its first summed over the ranks) and the optimizer sync's
+        decisions, in one transfer. Returns the step's loss."""
+        parts = [shares, *(self.sync.to_read() if self.sync is not None else [])]
+        values = torch.cat([part.reshape(-1).to(torch.float64) for part in parts]).tolist()
+        record.loss = values[1]
+        if self.sync is not None:
+            self.sync.settle(values[2:])
+        return values[0]
 
     def _whole(self, parameter: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """`value` as one process would hold it: gathered over the tensor-parallel (or expert-

@@ -13,8 +13,6 @@ __all__ = ["save_rank", "resume_rank"]
 
 def save_rank(run, directory: str, steps_done: int) -> None:
     """Collective: every rank of `run` (a `RankRun`) writes its part of ``directory/step-n``."""
-    if run.sync is not None:
-        run.sync.validate()
     if run.host is not None:
         run.host.settle()  # its learning-rate step too
     spec, parallel = run.spec, run.spec.parallelism

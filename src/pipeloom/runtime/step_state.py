@@ -21,7 +21,10 @@ Tensors = tuple[torch.Tensor, ...]
 @dataclass
 class StepRecord:
     loss: float = 0.0
-    """Sum of this device's scaled micro-batch losses (last stage only)."""
+    """Sum of this device's scaled micro-batch losses (last stage only), as the host learned it
+    at the step's end (`loss_sum` read once)."""
+    loss_sum: torch.Tensor | None = None
+    """The same on the device, summed as the micro-batches end (None: no loss on this device)."""
     ops: list[tuple[str, float, float]] = field(default_factory=list)
     """(op text, start, end) in seconds from the step's start; an op starts once its inputs are here."""
     began: float = 0.0
@@ -55,6 +58,11 @@ class StepRecord:
     """(token, choice) pairs this rank routed to each expert, over its MoE layers."""
     sent_dtypes: tuple[str, ...] = ()
     """The dtypes of what it sent, e.g. ("bfloat16",)."""
+
+    def add_loss(self, loss: torch.Tensor, grad_scale: float) -> None:
+        """One micro-batch's loss, summed on the device in float64 (no host read)."""
+        value = loss.detach().double() / grad_scale
+        self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
 
 
 @dataclass

@@ -105,7 +105,9 @@ class TensorParallel:
             )
         cut = Cut(dim, self.index, self.size, parts)
         local = cut.of(full)
-        shard = nn.Parameter(torch.empty_like(local) if full.is_meta else local.clone(), requires_grad=parameter.requires_grad)
+        shard = nn.Parameter(
+            torch.empty_like(local) if full.is_meta else local.clone(), requires_grad=parameter.requires_grad
+        )
         self.shards[id(parameter)] = shard
         self.sharded[id(shard)] = (dim, parts)
         if full.is_meta:

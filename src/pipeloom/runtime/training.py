@@ -82,9 +82,9 @@ def _train(spec: TrainSpec, rank: int, probe: StageProbe | None) -> RankResult:
         run.pipeline_done()
         _collective(rank, f"the all-reduce of gradients with ranks {run.buckets.describe()}", run.buckets.reduce)
         run.step_optimizer(step, lambda what, call: _collective(rank, what, call))
-        loss = torch.tensor([run.loss_share(record)], dtype=torch.float64, device=run.where)
-        _collective(rank, f"the all-reduce of the loss with ranks {world}", dist.all_reduce, loss)
-        run.end_step(step, record, float(loss))
+        shares = run.loss_shares(record)
+        _collective(rank, f"the all-reduce of the loss with ranks {world}", dist.all_reduce, shares[:1])
+        run.end_step(step, record, run.settle_step(record, shares))
         if run.evaluation is not None and run.evaluation.due(step):
             began = time.perf_counter()
             held_out = _evaluate(run, rank, world)
@@ -96,13 +96,12 @@ def _evaluate(run: RankRun, rank: int, world: list[int]) -> float:
     """The held-out loss: each batch's forward-only step, summed over the ranks; their mean."""
     evaluation = run.evaluation
     assert evaluation is not None
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=run.where)
     for index in range(evaluation.batches):
         record = evaluation.executor.run_step(*evaluation.data(index))
-        loss = torch.tensor([run.loss_share(record)], dtype=torch.float64, device=run.where)
-        _collective(rank, f"the all-reduce of the evaluation loss with ranks {world}", dist.all_reduce, loss)
-        total += float(loss)
-    return total / evaluation.batches
+        total += run.loss_shares(record)[0]
+    _collective(rank, f"the all-reduce of the evaluation loss with ranks {world}", dist.all_reduce, total)
+    return float(total) / evaluation.batches
 
 
 def _collective(rank: int, what: str, call, *args, **kwargs) -> None:

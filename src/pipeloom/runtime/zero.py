@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeloom.runtime.gradients import GradientStore
-from pipeloom.runtime.optimizer_sync import adamw_rollback
+from pipeloom.runtime.optimizer_sync import adamw_rollback, step_under
 
 __all__ = [
     "JointSteppers",
@@ -69,14 +69,15 @@ class ReplicatedAdamW:
     def local_state(self) -> torch.Tensor:
         return squares_and_bad([p.grad for p in self.owned if p.grad is not None], self._device)
 
-    def scale(self, factor: float) -> None:
-        for parameter in self.parameters:
-            if parameter.grad is not None:
-                parameter.grad.mul_(factor)
+    def scale(self, factor: float | torch.Tensor) -> None:
+        grads = [parameter.grad for parameter in self.parameters if parameter.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor)
 
-    def step(self) -> None:
+    def step(self, decision: torch.Tensor | None = None) -> None:
+        """AdamW's step; skipped on the device where `decision` ([stepped, coefficient]) says so."""
         if self.optimizer is not None:
-            self.optimizer.step()
+            step_under(self.optimizer, decision)
 
     def rollback(self) -> None:
         if self.optimizer is not None:
@@ -190,11 +191,11 @@ class ShardedAdamW:
         dist.all_reduce(state, group=self.group)
         return state
 
-    def scale(self, factor: float) -> None:
+    def scale(self, factor: float | torch.Tensor) -> None:
         self.master_grad.mul_(factor)
 
-    def step(self) -> None:
-        self.optimizer.step()
+    def step(self, decision: torch.Tensor | None = None) -> None:
+        step_under(self.optimizer, decision)
         self._gather_weights()
 
     def rollback(self) -> None:
@@ -256,13 +257,13 @@ class JointSteppers:
     def local_state(self) -> torch.Tensor:
         return sum(part.local_state() for part in self.parts)
 
-    def scale(self, factor: float) -> None:
+    def scale(self, factor: float | torch.Tensor) -> None:
         for part in self.parts:
             part.scale(factor)
 
-    def step(self) -> None:
+    def step(self, decision: torch.Tensor | None = None) -> None:
         for part in self.parts:
-            part.step()
+            part.step(decision)
 
     def rollback(self) -> None:
         for part in self.parts:
@@ -315,11 +316,12 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def squares_and_bad(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    squares = torch.zeros((), dtype=torch.float64)
-    bad = torch.zeros((), dtype=torch.float64)
-    for grad in grads:
-        grad = grad.detach().double()
-        finite = torch.isfinite(grad)
-        bad += (~finite).sum().cpu()
-        squares += torch.where(finite, grad, torch.zeros_like(grad)).pow(2).sum().cpu()
-    return torch.stack((squares, bad)).to(device)
+    """[sum of squares of the finite gradients, how many are not finite], on `device`, from one
+    norm per tensor (`torch._foreach_norm`): nothing is read on the host, nothing copied."""
+    grads = [grad.detach() for grad in grads]
+    if not grads:
+        return torch.zeros(2, dtype=torch.float64, device=device)
+    norms = torch.stack(torch._foreach_norm(grads)).double()
+    finite = torch.isfinite(norms)
+    squares = torch.where(finite, norms, torch.zeros_like(norms)).pow(2).sum()
+    return torch.stack((squares, (~finite).sum().double())).to(device)
