@@ -23,7 +23,6 @@ host's path (the rollback, the redo).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -65,7 +64,8 @@ def step_under(optimizer: torch.optim.Optimizer, decision: torch.Tensor | None) 
 
 
 def adamw_rollback(optimizer: torch.optim.AdamW) -> None:
-    """Undo the last AdamW step in place, given the gradients it used (Zero Bubble Algorithm 1)."""
+    """Undo the last AdamW step in place, given the gradients it used (Zero Bubble Algorithm 1),
+    on the device: the step count stays a tensor (its bias corrections too)."""
     with torch.no_grad():
         for group in optimizer.param_groups:
             lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
@@ -73,10 +73,10 @@ def adamw_rollback(optimizer: torch.optim.AdamW) -> None:
                 state = optimizer.state.get(parameter)
                 if not state or parameter.grad is None:
                     continue
-                t = float(state["step"])
+                t = state["step"].to(device=parameter.device, dtype=torch.float64)
                 m, v, g = state["exp_avg"], state["exp_avg_sq"], parameter.grad
-                denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
-                parameter.addcdiv_(m, denom, value=lr / (1 - beta1**t)).div_(1 - lr * decay)
+                denom = (v.sqrt() / (1 - beta2**t).sqrt()).add_(eps)
+                parameter.add_(m / denom * (lr / (1 - beta1**t))).div_(1 - lr * decay)
                 m.sub_(g, alpha=1 - beta1).div_(beta1)
                 v.addcmul_(g, g, value=-(1 - beta2)).div_(beta2)
                 state["step"] -= 1
