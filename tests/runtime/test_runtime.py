@@ -92,7 +92,15 @@ def test_forked_ranks_give_the_in_process_bits(name, options, dp):
     ranks gives bit-identical parameters and the same losses (Chimera's cross-device sums, a
     V-shape's hand-over in memory, overlapped pairs, slices, data-parallel replicas)."""
     spec = spec_for(build_schedule(name, 2, 4, **options), steps=2, dp=dp)
-    assert_same_results(run_local(spec), run_in_process(spec))
+    forked = run_local(spec)
+    assert_same_results(forked, run_in_process(spec))
+    if dp > 1:  # each stage's all-reduce started as its last backward ended, the other stage still to run
+        for result in forked:
+            record, device = result.records[-1], spec.parallelism.layout.coords(result.rank)[1]
+            last_end = max(end for _, _, end in record.ops)
+            starts = dict(record.grad_sync_starts)
+            assert sorted(starts) == sorted((s,) for s in spec.schedule.stages_on(device))
+            assert min(starts.values()) < last_end
 
 
 def test_in_process_refuses_what_needs_ranks():

@@ -354,5 +354,10 @@ def test_chimera_s_twin_copies_wait_for_each_other_at_the_gradient_sync_as_repli
     data = {**profile(), **links(), "replica_skew": {"0": 0.1, "1": 0.1}}
     model = ProfiledCostModel(data)
     best = tune(model, 2, 1e12, 8, schemes=["chimera"], pp_values=[2], micro_batches=[2], static_measures=False).best
-    whole = sum(model.stage_params(best.partition))  # each device holds a copy of every stage
-    assert best.allreduce_time == pytest.approx(model.allreduce_time(whole, 2, 2) + 0.1 * best.pipeline_time)
+    from pipeloom.sim import exposed_sync
+
+    params = model.stage_params(best.partition)  # each device holds a copy of every stage
+    per_stage = [model.allreduce_time(count, 2, 2) for count in params]  # each starts after its last backward
+    exposed = exposed_sync(best.timeline, per_stage)
+    assert 0 < exposed <= model.allreduce_time(sum(params), 2, 2)  # some of it under the pipeline, never more
+    assert best.allreduce_time == pytest.approx(exposed + 0.1 * best.pipeline_time)

@@ -114,6 +114,9 @@ class DeviceExecutor:
         self._side = torch.cuda.Stream(self.torch_device) if self.torch_device.type == "cuda" else None  # pairs' F
         self.interleave_pairs = interleave_pairs
         """Run an overlapped pair's two ops by turns, switching at each expert all-to-all (`pair_baton`)."""
+        self.after_ops: Callable[[Sequence[Op]], None] | None = None
+        """Called with the ops of each unit once it has run (the gradient buckets start a stage's
+        all-reduce after its last backward: `GradientBuckets.watch`)."""
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -149,7 +152,7 @@ class DeviceExecutor:
 
     def advance(self) -> None:
         """Run the next unit: one op, an overlapped pair, or a run of W concatenated into one GEMM."""
-        step, op = self._step, self.ops[self._index]
+        step, op, first = self._step, self.ops[self._index], self._index
         step.start = step.now()
         if op.kind is _W:
             self._index += self._weight_op(step, self._index)
@@ -160,6 +163,8 @@ class DeviceExecutor:
             self._handler(op.kind)(step, op)
             step.end_op(op.text)
             self._index += 1
+        if self.after_ops is not None:
+            self.after_ops(self.ops[first : self._index])
 
     def finish(self) -> StepRecord:
         step = self._step

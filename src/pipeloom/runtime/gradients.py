@@ -2,10 +2,11 @@
 pipeline, and parameters shared between stages (tied input and output embeddings).
 
 A parameter's copies live on the ranks that host any stage using it. Every rank builds the whole
-model, so each knows which stages share a parameter object (a tie) and which devices host each
-stage; parameters with the same set of holder ranks form one bucket, all-reduced as one flat fp32
-tensor (their gradients are views of it: `GradientBuckets.keep_in_place`) in a group of exactly
-those ranks — as Megatron sums the embedding's gradient over the first and last pipeline ranks
+model (on the meta device), so each knows which stages share a parameter object (a tie) and which
+devices host each stage; parameters with the same set of holder ranks and the same stages using
+them form one bucket, all-reduced as one flat fp32 tensor (their gradients are views of it:
+`GradientBuckets.keep_in_place`) in a group of exactly those ranks, started as soon as those
+stages' last backward of the step has run on the rank (`GradientBuckets.watch`) — as Megatron sums the embedding's gradient over the first and last pipeline ranks
 before the optimizer. Two stages of one rank that share a parameter hold one object, whose
 gradient autograd already summed; it is reduced once. Under ZeRO the buckets sum only the copies
 within a replica (ties, Chimera's second pipeline) and the optimizer does the data-parallel sum
@@ -16,16 +17,27 @@ replicas that hold the same slice of experts.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
 from pipeloom.runtime.layout import RankLayout
 
-__all__ = ["GradientBuckets", "GradientStore", "grad_of", "reduce_in_process", "tie_groups", "unique_parameters"]
+__all__ = [
+    "Bucket",
+    "GradientBuckets",
+    "GradientStore",
+    "grad_of",
+    "reduce_in_process",
+    "tie_groups",
+    "unique_parameters",
+]
 
 
 def grad_of(parameter: nn.Parameter) -> torch.Tensor | None:
@@ -105,8 +117,35 @@ def _fold_into_main_grad(parameter: nn.Parameter) -> None:
         parameter.grad = None
 
 
+@dataclass
+class Bucket:
+    """Parameters summed over one group of ranks as one flat fp32 tensor."""
+
+    group: dist.ProcessGroup | None
+    ranks: list[int]
+    parameters: list[nn.Parameter]
+    stages: frozenset[int] = frozenset()
+    """The stages (of the whole model) that use its parameters: their gradients are final once
+    each of those this rank hosts has run its last backward of the step. Empty: summed after
+    the pipeline (sequence parallelism's second sum, which needs the first)."""
+    work: dist.Work | None = None
+    """Its all-reduce in flight, started under the pipeline."""
+    summed: torch.Tensor | None = None
+    """What that all-reduce sums into, when it is a copy (not the store's buffer)."""
+
+    @property
+    def key(self) -> tuple:
+        return tuple(self.ranks), tuple(sorted(self.stages))
+
+
 class GradientBuckets:
-    """This rank's part of the plan; built identically (same group order) on every rank."""
+    """This rank's part of the plan; built identically (same group order) on every rank.
+
+    A bucket holds the parameters with the same holders and the same stages using them, so that
+    it can start its all-reduce (asynchronously) as soon as the rank has run the last backward
+    of each of those stages it hosts (`watch`), under the later stages' work — as DDP's buckets
+    and Megatron's overlapped grad reduce do; `reduce` then waits for what is in flight and sums
+    the rest."""
 
     def __init__(
         self,
@@ -125,7 +164,11 @@ class GradientBuckets:
         layout = layout or RankLayout(schedule.num_devices, dp)
         p = schedule.num_devices
         spans = [range(dp)] if across_replicas else [[replica] for replica in range(dp)]
-        by_ranks: dict[tuple[int, ...], list[tuple[int, str]]] = {}
+        users: dict[int, set[int]] = {}
+        for stage, module in enumerate(all_stages):
+            for parameter in module.parameters():
+                users.setdefault(id(parameter), set()).add(stage)
+        by_key: dict[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[int, str]]] = {}
         # The buckets of tensor-parallel index t hold ranks of index t: each sums copies of one shard.
         for replicas, t in ((replicas, t) for t in range(layout.tp) for replicas in spans):
             stage_ranks = {
@@ -143,32 +186,40 @@ class GradientBuckets:
                 if ep > 1 and identity in experts:  # EP index j holds experts j·E/ep..: its copies
                     copies = [{r for r in holders if layout.coords(r)[0] % ep == j} for j in range(ep)]
                 for ranks in copies:
-                    by_ranks.setdefault(tuple(sorted(ranks)), []).append(key)
-        self.buckets: list[tuple[dist.ProcessGroup | None, list[int], list[nn.Parameter]]] = []
+                    by_key.setdefault((tuple(sorted(ranks)), tuple(sorted(users[identity]))), []).append(key)
+        self.buckets: list[Bucket] = []
         self.stores: dict[int, GradientStore] = {}
         """By bucket index: the buckets whose gradients are views of one buffer (`keep_in_place`)."""
         lookup = {
             (s, n): prm for s, m in enumerate(all_stages) for n, prm in m.named_parameters(remove_duplicate=False)
         }
-        for members, keys in sorted(by_ranks.items()):
+        for (members, stages), keys in sorted(by_key.items()):
             if len(members) < 2:
                 continue
             group = new_group(list(members))  # every rank creates every group, in this order
             if rank in members:
-                self.buckets.append((group, list(members), [lookup[key] for key in sorted(keys)]))
+                self.buckets.append(
+                    Bucket(group, list(members), [lookup[key] for key in sorted(keys)], frozenset(stages))
+                )
+        self._last_backward: dict[Op, int] = {}
+        self._hosted: set[int] = set()
+        self._finished: set[int] = set()
+        self.started: list[tuple[tuple[int, ...], float]] = []
+        """This step's all-reduces started under the pipeline: (the bucket's stages, when:
+        `time.perf_counter`)."""
 
     def rebind(self, shards: dict[int, nn.Parameter]) -> None:
         """After this rank's stages were cut over their tensor-parallel group: each bucket sums
         this rank's shard (`shards`: full parameter by id → shard) of the parameters it holds."""
-        self.buckets = [
-            (group, members, [shards.get(id(p), p) for p in parameters]) for group, members, parameters in self.buckets
-        ]
+        for bucket in self.buckets:
+            bucket.parameters = [shards.get(id(p), p) for p in bucket.parameters]
 
     def sum_over(self, group: dist.ProcessGroup | None, members: list[int], parameters: list[nn.Parameter]) -> None:
         """One more bucket: `parameters` summed over `group` (sequence parallelism's replicated
-        weights, whose gradient each tensor-parallel rank took from its sequence shard only)."""
+        weights, whose gradient each tensor-parallel rank took from its sequence shard only),
+        after the pipeline and the buckets before it."""
         if parameters and len(members) > 1:
-            self.buckets.append((group, members, parameters))
+            self.buckets.append(Bucket(group, members, parameters))
 
     def keep_in_place(self, held: Collection[int] = ()) -> None:
         """Once the buckets are final (after `rebind` and `sum_over`): each bucket whose parameters
@@ -180,23 +231,55 @@ class GradientBuckets:
         sharded store) or in an earlier bucket (sequence parallelism's replicated weights, summed
         over the replicas and then over the tensor-parallel group) keeps the copying path."""
         taken = set(held)
-        for index, (_, _, parameters) in enumerate(self.buckets):
-            ids = {id(parameter) for parameter in parameters}
+        for index, bucket in enumerate(self.buckets):
+            ids = {id(parameter) for parameter in bucket.parameters}
             if ids & taken:
                 continue
-            self.stores[index] = GradientStore(parameters, torch.float32)
+            self.stores[index] = GradientStore(bucket.parameters, torch.float32)
             taken |= ids
+
+    def watch(self, schedule: Schedule, device: int) -> Callable[[Sequence[Op]], None]:
+        """What the executor calls after each op it ran (`DeviceExecutor.after_ops`): a stage's
+        last backward op of the step (its last B, W or BW on this device) starts the all-reduce
+        of every bucket all of whose hosted stages are then done."""
+        self._hosted = set(schedule.stages_on(device))
+        last: dict[int, Op] = {}
+        for op in schedule.devices[device]:
+            if op.kind in (OpKind.B, OpKind.W, OpKind.BW):
+                last[op.stage] = op
+        self._last_backward = {op: stage for stage, op in last.items()}
+        return self._after_ops
+
+    def _after_ops(self, ops: Sequence[Op]) -> None:
+        stages = [self._last_backward[op] for op in ops if op in self._last_backward]
+        if not stages:
+            return
+        self._finished.update(stages)
+        for index, bucket in enumerate(self.buckets):
+            hosted = bucket.stages & self._hosted
+            if bucket.work is None and hosted and hosted <= self._finished:
+                flat = self.flat(index)
+                bucket.work = dist.all_reduce(flat, group=bucket.group, async_op=True)
+                bucket.summed = flat if index not in self.stores else None
+                self.started.append((tuple(sorted(bucket.stages)), time.perf_counter()))
 
     def zero(self) -> None:
         """A step's start, after the optimizer let go of the gradients: the views, zeroed."""
+        self._finished.clear()
+        self.started = []
         for store in self.stores.values():
             store.zero()
 
     def reduce(self) -> None:
-        for index, (group, _, _) in enumerate(self.buckets):
-            flat = self.flat(index)
-            dist.all_reduce(flat, group=group)
-            if index not in self.stores:
+        """After the pipeline: wait for the all-reduces in flight and run the others, in order."""
+        for index, bucket in enumerate(self.buckets):
+            if bucket.work is not None:
+                bucket.work.wait()
+                flat, bucket.work, bucket.summed = bucket.summed, None, None
+            else:
+                flat = self.flat(index)
+                dist.all_reduce(flat, group=bucket.group)
+            if flat is not None and index not in self.stores:
                 self.assign(index, flat)
 
     def flat(self, index: int) -> torch.Tensor:
@@ -204,7 +287,7 @@ class GradientBuckets:
         store's buffer itself when it has one, else a concatenated copy."""
         if index in self.stores:
             return self.stores[index].flat
-        parameters = self.buckets[index][2]
+        parameters = self.buckets[index].parameters
         for parameter in parameters:
             if grad_of(parameter) is None:
                 parameter.grad = torch.zeros_like(parameter)
@@ -216,13 +299,13 @@ class GradientBuckets:
             self.stores[index].flat.copy_(flat)
             return
         offset = 0
-        for parameter in self.buckets[index][2]:
+        for parameter in self.buckets[index].parameters:
             size = parameter.numel()
             _grad(parameter).copy_(flat[offset : offset + size].view_as(parameter))
             offset += size
 
     def describe(self) -> list[list[int]]:
-        return [ranks for _, ranks, _ in self.buckets]
+        return [bucket.ranks for bucket in self.buckets]
 
 
 def _grad(parameter: nn.Parameter) -> torch.Tensor:
@@ -234,11 +317,11 @@ def _grad(parameter: nn.Parameter) -> torch.Tensor:
 def reduce_in_process(per_rank: Sequence[GradientBuckets]) -> None:
     """Every rank's buckets summed in this process, as the all-reduces of the ranks would: a
     bucket's holders built it identically, so its flats line up; the sum runs in rank order."""
-    by_ranks: dict[tuple[int, ...], list[tuple[GradientBuckets, int]]] = {}
+    by_key: dict[tuple, list[tuple[GradientBuckets, int]]] = {}
     for buckets in per_rank:
-        for index, (_, ranks, _) in enumerate(buckets.buckets):
-            by_ranks.setdefault(tuple(ranks), []).append((buckets, index))
-    for holders in by_ranks.values():
+        for index, bucket in enumerate(buckets.buckets):
+            by_key.setdefault(bucket.key, []).append((buckets, index))
+    for holders in by_key.values():
         flats = [buckets.flat(index) for buckets, index in holders]
         total = flats[0].clone()
         for flat in flats[1:]:

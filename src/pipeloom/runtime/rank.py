@@ -189,6 +189,8 @@ class RankRun:
             recompute_layers=spec.model.recompute_layers,
             interleave_pairs=experts is not None,
         )
+        if transport.distributed and parallel.overlap_grad_sync:
+            executor.after_ops = buckets.watch(schedule, device)
         scaler = (
             LossScaler(optimizer.initial_loss_scale, optimizer.loss_scale_growth_interval)
             if optimizer.dtype == "fp16"
@@ -284,6 +286,7 @@ class RankRun:
     def end_step(self, step: int, record: StepRecord, loss: float) -> None:
         """Book the step (its loss summed over every rank) and save a checkpoint when one is due."""
         times, result = self._times, self.result
+        record.grad_sync_starts = tuple((stages, when - record.began) for stages, when in self.buckets.started)
         if self.tensor is not None:
             record.tp_sent_bytes = self.tensor.sent_bytes
         if self.experts is not None:

@@ -59,6 +59,7 @@ class ParallelPart:
     tp: int = 1
     sequence_parallel: bool = False
     ep: int = 1
+    overlap_grad_sync: bool = True
 
     @property
     def layout(self) -> RankLayout:
@@ -158,6 +159,10 @@ class TrainSpec:
     ep: int = 1
     """Expert-parallel ranks (`runtime.expert_parallel`): each MoE layer's routed experts shared
     out over groups of `ep` data-parallel replicas of a stage; ep divides dp."""
+    overlap_grad_sync: bool = True
+    """Start a stage's gradient all-reduce as soon as its last backward of the step on the rank
+    ends, under the later stages' work (`runtime.gradients`); False: every bucket after the
+    pipeline."""
 
     lr_schedule: str = "constant"
     """The learning rate over the run (`runtime.lr_schedule`): constant, linear or cosine decay
@@ -197,6 +202,7 @@ class TrainSpec:
             self.tp,
             self.sequence_parallel,
             self.ep,
+            self.overlap_grad_sync,
         )
 
     @property

@@ -58,6 +58,9 @@ class StepRecord:
     """(token, choice) pairs this rank routed to each expert, over its MoE layers."""
     sent_dtypes: tuple[str, ...] = ()
     """The dtypes of what it sent, e.g. ("bfloat16",)."""
+    grad_sync_starts: tuple[tuple[tuple[int, ...], float], ...] = ()
+    """(a gradient bucket's stages, seconds from the step's start) of each all-reduce this rank
+    started under the pipeline, as soon as those stages' last backward ended."""
 
     def add_loss(self, loss: torch.Tensor, grad_scale: float) -> None:
         """One micro-batch's loss, summed on the device in float64 (no host read)."""

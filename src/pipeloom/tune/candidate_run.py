@@ -17,6 +17,7 @@ from pipeloom.passes.trecomp import t_recomp
 from pipeloom.passes.weight_parts import weight_parts
 from pipeloom.schedules.registry import build_schedule, get_generator
 from pipeloom.schedules.svpp import svpp_within, table3_forwards
+from pipeloom.sim.grad_sync import exposed_sync
 from pipeloom.sim.simulate import simulate
 from pipeloom.tune.bounds import ORDER_KEEPING, memory_floor
 from pipeloom.tune.evaluation import Evaluation, offload_lanes
@@ -67,14 +68,14 @@ def simulate_candidate(
     for option in fitting:
         bar = min(threshold, best["step_time"] if best else math.inf)
         if floor is not None and not spec.budgeted:
-            if floor + option.allreduce_time + option.optimizer_time >= bar - _EPS:
+            if floor + option.sync_floor + option.optimizer_time >= bar - _EPS:
                 cut.append(True)
                 continue
         if best is not None:
             plainly = best["candidate"].passes == candidate.passes  # fits without a memory-saving pass
             if option.offload_all or (option.zero == 2 and plainly):
                 break  # ZeRO-2 only when memory is short, offload only when nothing else fits
-            extra = option.allreduce_time + option.optimizer_time
+            extra = option.sync_floor + option.optimizer_time
             if extra >= best["allreduce_time"] + best["optimizer_time"] - _EPS and not spec.budgeted and plainly:
                 continue  # the same schedule, with a dearer step around it
         costs = evaluation.costs = option.costs
@@ -155,7 +156,10 @@ def record_timing(evaluation: Evaluation, option, schedule: Schedule, offload: O
     # the wait for the slowest replica: at the gradients' all-reduce under ZeRO-0, at the
     # weights' all-gather (the optimizer phase) under ZeRO-1/2, as the runtime's phases measure
     wait = option.replica_skew * pipeline
-    evaluation.allreduce_time = option.allreduce_time + (0.0 if option.zero else wait)
+    sync = option.allreduce_time
+    if option.stage_sync and offload is None:  # each stage's all-reduce under the later ops
+        sync = exposed_sync(timeline, option.stage_sync)
+    evaluation.allreduce_time = sync + (0.0 if option.zero else wait)
     evaluation.optimizer_time = option.optimizer_time + (wait if option.zero else 0.0)
     evaluation.static_memory = list(timeline.static_memory)
 

@@ -30,6 +30,16 @@ class StaticOption:
     replicas (the cost model's, measured; 0 where it has none)."""
     host_memory: tuple[float, ...] = ()
     """Per device, the host memory its offloaded stages take (empty: nothing on the host)."""
+    stage_sync: tuple[float, ...] = ()
+    """Per stage, its gradients' all-reduce, which the runtime starts as the stage's last backward
+    ends (`pipeloom.sim.grad_sync`): the step pays only what the pipeline does not hide. Empty:
+    the sync runs after the pipeline (`allreduce_time`; ZeRO-1/2's reduce-scatter)."""
+
+    @property
+    def sync_floor(self) -> float:
+        """The least the gradient sync can add to the step: a training schedule's last op is a
+        backward, whose stage's all-reduce starts only then (the sequential time, unoverlapped)."""
+        return min(self.stage_sync) if self.stage_sync else self.allreduce_time
 
     @property
     def label(self) -> str:
@@ -53,17 +63,19 @@ def static_options(
         )
         # the runtime all-gathers ZeRO-1/2's new weights after the optimizer step: priced in that phase
         gather = cost_model.gather_time(on_device, candidate.pp, replicas) if zero else 0.0
+        sequential, per_stage = _gradient_sync(cost_model, candidate, params, experts, replicas, zero)
         options.append(
             StaticOption(
                 zero,
                 False,
                 costs,
                 [sum(costs.stage_value("M_static", s) for s in stages_on) for stages_on in placement],
-                _gradient_sync(cost_model, candidate, params, experts, replicas, zero) - gather,
+                sequential - gather,
                 cost_model.optimizer_time(on_device, candidate.dp, zero=zero) + gather,
                 # Chimera's twin copies wait for each other at the gradient sync as replicas do:
                 # its sync phase measured 23–25.5 ms against the link's 13–17 ms in three runs
                 cost_model.replica_skew(replicas, zero=zero),
+                stage_sync=per_stage if zero == 0 and replicas > 1 else (),
             )
         )
     plain = options[0]
@@ -79,6 +91,7 @@ def static_options(
                 0.0,  # the host steps every stage, in the offload lanes
                 plain.replica_skew,
                 tuple(sum(plain.costs.stage_value("M_host", s) for s in stages_on) for stages_on in placement),
+                plain.stage_sync,
             )
         )
     return options
@@ -95,16 +108,18 @@ def _stage_costs(
 
 def _gradient_sync(
     cost_model: CostModel, candidate: Candidate, params: list[float], experts: list[float], replicas: int, zero: int
-) -> float:
-    """The gradients' collectives of the busiest device (`params`, `experts`: per stage): over
-    every replica, but a routed expert's over only the replicas that hold the same experts
-    (replicas / EP; none at dp = EP)."""
+) -> tuple[float, tuple[float, ...]]:
+    """The gradients' collectives: (the busiest device's, all after the pipeline; each stage's
+    own, as the runtime overlaps them). Over every replica, but a routed expert's over only the
+    replicas that hold the same experts (replicas / EP; none at dp = EP)."""
     ep = cost_model.model.expert_parallel
     copies = replicas // ep
-    times = []
-    for stages_on in candidate.placement:
-        local = sum(experts[s] for s in stages_on) if ep > 1 else 0.0  # at EP 1 they sync with the rest
-        shared = sum(params[s] for s in stages_on) - local
+
+    def sync(stages: list[int]) -> float:
+        local = sum(experts[s] for s in stages) if ep > 1 else 0.0  # at EP 1 they sync with the rest
+        shared = sum(params[s] for s in stages) - local
         time = cost_model.allreduce_time(shared, candidate.pp, replicas, zero=zero)
-        times.append(time + (cost_model.allreduce_time(local, candidate.pp, copies, zero=zero) if local else 0.0))
-    return max(times)
+        return time + (cost_model.allreduce_time(local, candidate.pp, copies, zero=zero) if local else 0.0)
+
+    per_stage = tuple(sync([s]) for s in range(len(params)))
+    return max(sync(list(stages_on)) for stages_on in candidate.placement), per_stage

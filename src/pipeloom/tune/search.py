@@ -270,7 +270,7 @@ def _prepare(
             + (f", even with {least.label}" if len(options) > 1 else "")
         )
         return evaluation, math.inf
-    extra = min(option.allreduce_time + option.optimizer_time for option in fitting)
+    extra = min(option.sync_floor + option.optimizer_time for option in fitting)
     floor = pipeline_floor(candidate, plain.costs)
     if SCHEMES[candidate.scheme].budgeted:  # no pass trades its activations for time
         floor = max(floor, room_floor(candidate, plain.costs, most_room(fitting, memory)))
