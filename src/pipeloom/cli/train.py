@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
+from functools import partial
 
 from pipeloom.cli.args import costs_from_args, schedule_from_args
 from pipeloom.cli.model import workload_from_args
@@ -13,7 +14,7 @@ from pipeloom.cli.passes import checkpointed, passes_use_budget
 from pipeloom.cli.train_args import add_train_arguments, check_train_flags, run_options
 from pipeloom.errors import ConfigError
 
-__all__ = ["register", "train_spec_from_args", "write_train_outputs"]
+__all__ = ["register", "rank_spec", "train_spec_from_args", "write_train_outputs"]
 
 
 def register(commands) -> None:
@@ -36,22 +37,29 @@ def register(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train locally with `--nproc` forked ranks (torch imported here only)."""
+    """Train locally with `--nproc` ranks: forked on CPU, spawned one per GPU with --device cuda
+    (torch imported here only; CUDA only in the ranks)."""
     check_train_flags(args)
     spec = train_spec_from_args(args, report=not args.quiet)
     expected = spec.parallelism.layout.world_size
     if args.nproc is None and not args.plan:
         raise ConfigError("train needs --nproc (= p × dp × tp ranks) or --plan")
-    if spec.torch_device_type == "cuda":  # CUDA cannot be shared with forked children
-        raise ConfigError(
-            "--device cuda runs one process per GPU: "
-            f"torchrun --nproc-per-node {expected} -m pipeloom.train <same flags>"
-        )
     if args.nproc is not None and args.nproc != expected:
         raise ConfigError(
             f"--nproc {args.nproc} does not match p × dp × tp = {spec.schedule.num_devices} × {spec.dp} × {spec.tp} "
             f"= {expected}"
         )
+    recipe = None
+    if spec.torch_device_type == "cuda":  # one spawned process per GPU, each rebuilding the spec from the flags
+        import torch
+
+        gpus = torch.cuda.device_count()  # asks the driver; starts no CUDA context here
+        if expected > gpus:
+            raise ConfigError(
+                f"--device cuda: {expected} ranks need {expected} GPUs, this machine has {gpus}; "
+                f"on several machines: torchrun --nnodes N --nproc-per-node G -m pipeloom.train <same flags>"
+            )
+        recipe = partial(rank_spec, _flags_of(args), spec.run_config, spec.report)
     from pipeloom.cli.config_file import config_line
     from pipeloom.runtime.local import run_local
     from pipeloom.runtime.probe import check_probe_fits, probe_spec
@@ -63,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     with save_lock(spec.save_dir):
         print(config_line(args, args.train_parser), flush=True)
         print(data_line(spec), flush=True)
-        results = run_local(spec, timeout_s=args.timeout * max(1, spec.steps), probe=probe)
+        results = run_local(spec, timeout_s=args.timeout * max(1, spec.steps), probe=probe, recipe=recipe)
     write_train_outputs(results, spec, args)
     if args.plan:
         from pipeloom.cli.plan import fidelity_report
@@ -71,6 +79,17 @@ def run(args: argparse.Namespace) -> int:
 
         print(fidelity_report(Plan.load(args.plan), results))
     return 0
+
+
+def _flags_of(args: argparse.Namespace) -> dict:
+    """The parsed flags as plain values (what a spawned rank can receive)."""
+    return {key: value for key, value in vars(args).items() if key not in ("handler", "train_parser")}
+
+
+def rank_spec(flags: dict, run_config: dict | None, report: bool):
+    """The spec a spawned rank rebuilds from the launcher's flags (its workload holds closures,
+    which do not cross a spawn), with the configuration the launcher printed and checkpoints keep."""
+    return replace(train_spec_from_args(argparse.Namespace(**flags), report=report), run_config=run_config)
 
 
 def train_spec_from_args(args: argparse.Namespace, report: bool = False):
@@ -81,7 +100,7 @@ def train_spec_from_args(args: argparse.Namespace, report: bool = False):
     if args.plan:
         from pipeloom.cli.plan import spec_from_plan
 
-        spec = _with_run(replace(spec_from_plan(args), report=report), args)
+        spec = _with_run(replace(spec_from_plan(args), report=report, return_parameters=False), args)
         check_spec(spec)
         return spec
     costs = costs_from_args(args)
@@ -106,6 +125,7 @@ def train_spec_from_args(args: argparse.Namespace, report: bool = False):
         layer_counts=counts,
         concat_w=args.concat_w,
         report=report,
+        return_parameters=False,
         **run_options(args),
     )
     spec = _with_run(spec, args)

@@ -64,6 +64,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--layer-counts", metavar="N,N,..", help="decoder layers per stage (default: balanced)")
     add_costs(parser)
     parser.add_argument("--concat-w", action="store_true", help="run consecutive W of a stage as one GEMM (2BP)")
+    parser.add_argument(
+        "--no-overlap-grad-sync",
+        dest="overlap_grad_sync",
+        action="store_false",
+        help="all-reduce the gradients after the pipeline instead of each stage's as its last backward ends",
+    )
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a peer before failing")
     add_model_arguments(parser)
     run = parser.add_argument_group("precision, devices, reporting")
@@ -73,7 +79,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="compute and p2p type (bf16/fp16 halve the p2p bytes); master weights and AdamW stay fp32; "
         "fp16 adds a dynamic loss scale (default fp32, or the type a --plan was profiled in)",
     )
-    run.add_argument("--device", choices=("cpu", "cuda"), help="cpu (default) or cuda: rank → LOCAL_RANK's GPU")
+    run.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        help="cpu (default) or cuda: rank r drives GPU LOCAL_RANK (--nproc spawns one rank per GPU)",
+    )
     run.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with --device cuda, gloo on CPU")
     run.add_argument(
         "--peak-tflops", type=float, metavar="X", help="per-rank peak TFLOP/s of the compute type, for MFU"
@@ -247,6 +257,7 @@ def run_options(args: argparse.Namespace) -> dict:
         "eval_batches": args.eval_batches,
         "log_dir": args.log_dir,
         "wandb": args.wandb,
+        "overlap_grad_sync": getattr(args, "overlap_grad_sync", True),
     }
     if args.ep is not None:
         fields["ep"] = args.ep

@@ -1,4 +1,5 @@
-"""Start the ranks of a training run on this machine: forked processes, a FileStore rendezvous.
+"""Start the ranks of a training run on this machine: forked processes on CPU, spawned ones on GPUs
+(one per GPU, as torchrun would), a FileStore rendezvous.
 
 Used by `pipeloom train --nproc N` and the tests. Each rank writes its `RankResult` to a file;
 the parent collects them. A rank that fails reports one line; the parent then stops the others,
@@ -17,7 +18,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -34,14 +35,24 @@ from pipeloom.runtime.training import RankResult, TrainSpec, check_spec, train_r
 __all__ = ["run_local"]
 
 
-def _worker(spec: TrainSpec, rank: int, world_size: int, directory: str, probe: StageProbe | None = None) -> None:
+def _worker(
+    spec: TrainSpec | Callable[[], TrainSpec],
+    rank: int,
+    world_size: int,
+    directory: str,
+    probe: StageProbe | None = None,
+) -> None:
+    """One rank: `spec` itself (forked), or (spawned) the picklable recipe that rebuilds it here."""
     # Ctrl-C reaches the whole foreground group: the launcher stops the ranks, which would
     # otherwise each print a traceback. SIGTERM (the launcher's) ends a rank at once.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the launcher's handler, inherited by the fork
     stuck_ranks.arm(stuck_ranks.stack_file(directory, rank))
     init_method = f"file://{directory}/store"
+    os.environ["LOCAL_RANK"] = str(rank)  # one machine: rank r drives GPU r, as torchrun's would
     try:
+        if not isinstance(spec, TrainSpec):
+            spec = spec()
         result = train_rank(spec, rank, world_size, init_method, probe=probe)
         torch.save(result, f"{directory}/rank{rank}.pt")
     except ConfigError as error:  # bad input: the root cause, whatever its peers then report
@@ -84,16 +95,31 @@ def _import_before_forking() -> None:
 
 
 def run_local(
-    spec: TrainSpec, timeout_s: float = 300.0, probe: StageProbe | None = None, progress: bool = False
+    spec: TrainSpec,
+    timeout_s: float = 300.0,
+    probe: StageProbe | None = None,
+    progress: bool = False,
+    recipe: Callable[[], TrainSpec] | None = None,
 ) -> list[RankResult]:
-    """Run all p × dp × tp ranks of `spec` as forked processes; return their results by rank.
+    """Run all p × dp × tp ranks of `spec` as processes of this machine; return their results by
+    rank.
 
+    On CPU the ranks are forked (they inherit the spec and what the parent imported). With
+    `--device cuda` — or whenever `recipe` is given — they are spawned, as torchrun starts them:
+    CUDA cannot be used in a forked child, so this process never touches CUDA, and each rank
+    rebuilds the spec from `recipe` (a picklable function; a spec's workload holds closures),
+    drives GPU `rank` (LOCAL_RANK) and checks that it can.
     What crosses the stage boundaries is the same for every rank, so it is probed once here
-    (or given: `probe_spec(spec)`, for a caller that runs one spec many times) and inherited.
+    (or given: `probe_spec(spec)`, for a caller that runs one spec many times) and handed on.
     `progress`: print as `pipeloom train` does — each step's line, then the per-rank table."""
     if progress:
         spec = replace(spec, report=True)
-    results = _run_local(spec, timeout_s, probe)
+    if spec.torch_device_type == "cuda" and recipe is None:
+        raise ConfigError(
+            "run_local: CUDA ranks are spawned and rebuild the spec from a recipe (a picklable function "
+            "returning it); pass recipe=, or start the ranks with torchrun"
+        )
+    results = _run_local(spec, timeout_s, probe, recipe)
     if progress:
         from pipeloom.runtime.report import run_report
 
@@ -101,16 +127,21 @@ def run_local(
     return results
 
 
-def _run_local(spec: TrainSpec, timeout_s: float, probe: StageProbe | None) -> list[RankResult]:
+def _run_local(
+    spec: TrainSpec, timeout_s: float, probe: StageProbe | None, recipe: Callable[[], TrainSpec] | None
+) -> list[RankResult]:
     world_size = spec.parallelism.layout.world_size
-    check_spec(spec, world_size)
-    _import_before_forking()
+    check_spec(spec, world_size, on_this_device=spec.torch_device_type == "cpu")  # a GPU's checks: its rank's
     probe = probe or probe_spec(spec)
     check_probe_fits(spec, probe)
-    context = multiprocessing.get_context("fork")
+    if recipe is None:
+        _import_before_forking()
+        context, handed = multiprocessing.get_context("fork"), spec
+    else:
+        context, handed = multiprocessing.get_context("spawn"), recipe
     with tempfile.TemporaryDirectory(prefix="pipeloom-") as directory:
         processes = [
-            context.Process(target=_worker, args=(spec, rank, world_size, directory, probe), daemon=True)
+            context.Process(target=_worker, args=(handed, rank, world_size, directory, probe), daemon=True)
             for rank in range(world_size)
         ]
         failed = None
@@ -144,7 +175,11 @@ def _run_local(spec: TrainSpec, timeout_s: float, probe: StageProbe | None) -> l
             raise RuntimeFault(f"rank {failed} failed: {reason}")
         for process in processes:
             process.join()
-        return [torch.load(f"{directory}/rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+        # map_location: a stray device tensor in a result must not bring CUDA into this process
+        return [
+            torch.load(f"{directory}/rank{rank}.pt", weights_only=False, map_location="cpu")
+            for rank in range(world_size)
+        ]
 
 
 def _stop(processes) -> None:

@@ -345,10 +345,11 @@ class RankRun:
         )
         result.held_bytes = census(self).to_dict()
         result.peak_host_bytes = peak_resident_bytes()
-        result.parameters = {
-            s: {n: self._whole(t, t.detach()).cpu().clone() for n, t in module.named_parameters()}
-            for s, module in self.stages.items()
-        }
+        if self.spec.return_parameters:
+            result.parameters = {
+                s: {n: self._whole(t, t.detach()).cpu().clone() for n, t in module.named_parameters()}
+                for s, module in self.stages.items()
+            }
         return result
 
     def loss_shares(self, record: StepRecord) -> torch.Tensor:
@@ -366,7 +367,7 @@ class RankRun:
         decisions, in one transfer. Returns the step's loss."""
         parts = [shares, *(self.sync.to_read() if self.sync is not None else [])]
         values = torch.cat([part.reshape(-1).to(torch.float64) for part in parts]).tolist()
-        record.loss = values[1]
+        record.loss, record.loss_sum = values[1], None  # the record goes to the report: no device tensor
         if self.sync is not None:
             self.sync.settle(values[2:])
         return values[0]

@@ -121,6 +121,10 @@ class TrainSpec:
     """Per-rank peak of the compute type, for MFU; None leaves MFU out."""
     record_gradients: bool = False
     """Keep the last step's reduced gradients in the result (for tests against the reference)."""
+    return_parameters: bool = True
+    """Hand the final weights back in each rank's result, gathered whole over tensor- and expert-
+    parallel groups (for tests and library callers); the CLI, which saves checkpoints instead,
+    leaves them where they are."""
     workload: Workload | None = None
     """Any model, data and loss; None: the LLaMA-style decoder of `config`."""
     zero: int = 0

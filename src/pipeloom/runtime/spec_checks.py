@@ -17,14 +17,16 @@ from pipeloom.runtime.spec import CheckpointPart, ModelPart, OptimizerPart, Para
 __all__ = ["check_device", "check_spec"]
 
 
-def check_spec(spec: TrainSpec, world_size: int | None = None) -> None:
-    """Refuse before any compute: invalid schedule, wrong world size, uncuttable layers — part by part."""
+def check_spec(spec: TrainSpec, world_size: int | None = None, on_this_device: bool = True) -> None:
+    """Refuse before any compute: invalid schedule, wrong world size, uncuttable layers — part by
+    part. `on_this_device=False`: leave what only a GPU itself can answer (whether it computes in
+    bf16) to the ranks — a launcher that spawns GPU ranks must not start CUDA in its own process."""
     parallel = spec.parallelism
     validate(parallel.schedule)
     _check_parallelism(parallel, world_size)
     if parallel.zero and spec.record_gradients:
         raise ConfigError("train: ZeRO keeps only a shard of the reduced gradients; record them with --zero 0")
-    check_device(spec)
+    check_device(spec, on_this_device)
     _check_optimizer(spec.optimizer, parallel)
     spec.optimizer.schedule.check(spec.lr, spec.steps)
     if spec.optimizer.schedule.varies and spec.post_validation:
@@ -204,8 +206,10 @@ def _check_recompute_layers(k: int | None, schedule: Schedule) -> None:
         raise ConfigError("train: --recompute-layers checkpoints whole micro-batches; it does not run slice by slice")
 
 
-def check_device(spec: TrainSpec) -> None:
-    """Backend, device and dtype that this machine can run."""
+def check_device(spec: TrainSpec, on_this_device: bool = True) -> None:
+    """Backend, device and dtype that this machine can run (`on_this_device`: also what only the
+    device can say, which for a GPU starts CUDA in this process; whether torch sees a GPU at all
+    it answers without)."""
     device, backend = spec.torch_device_type, spec.resolved_backend
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"train: device must be cpu or cuda, got {device!r}")
@@ -217,7 +221,7 @@ def check_device(spec: TrainSpec) -> None:
         )
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train: --device cuda, but this machine has no CUDA GPU (torch sees none); use --device cpu")
-    if device == "cuda" and spec.dtype == "bf16" and not torch.cuda.is_bf16_supported():
+    if device == "cuda" and spec.dtype == "bf16" and on_this_device and not torch.cuda.is_bf16_supported():
         raise ConfigError("train: this GPU does not support bf16; use --dtype fp16 or fp32")
     if device == "cpu" and spec.dtype != "fp32":
         probe = torch.ones(2, 2)
