@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 
 from pipeloom.cli import build_parser, main  # noqa: E402
 from pipeloom.cli.train import _flags_of, rank_spec, train_spec_from_args  # noqa: E402
+from pipeloom.runtime.in_process import run_in_process  # noqa: E402
 from pipeloom.runtime.local import run_local  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -24,9 +25,9 @@ def test_spawned_ranks_rebuild_the_spec_from_the_flags_and_train_as_forked_ones(
     args = build_parser().parse_args(FLAGS)
     spec = train_spec_from_args(args)
     spawned = run_local(spec, recipe=partial(rank_spec, _flags_of(args), None, False))
-    forked = run_local(spec)
-    assert [r.losses for r in spawned] == [r.losses for r in forked] and len(spawned[0].losses) == 2
-    assert [r.held_bytes for r in spawned] == [r.held_bytes for r in forked]
+    here = run_in_process(spec)  # the forked ranks' bits (test_runtime's test_forked_ranks_give_the_in_process_bits)
+    assert [r.losses for r in spawned] == [r.losses for r in here] and len(spawned[0].losses) == 2
+    assert [r.static_bytes for r in spawned] == [r.static_bytes for r in here]
 
 
 def test_cuda_without_a_gpu_is_refused_in_one_line_without_starting_cuda(capsys):
