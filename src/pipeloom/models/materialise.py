@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,16 +155,15 @@ class Skeleton:
         materialise(self, self.stages, {}, torch.device(where))
         return self.stages
 
-    def values(self, wanted: Iterable[tuple[torch.Tensor, Cut | None]]) -> list[torch.Tensor]:
-        """The real value (on the host) of each (skeleton tensor, cut), a unit's initialisation
-        run once for all the tensors asked of it and dropped after."""
-        wanted = list(wanted)
-        out: list[torch.Tensor | None] = [None] * len(wanted)
+    def values(self, wanted: Sequence[tuple[torch.Tensor, Cut | None]]) -> Iterator[tuple[int, torch.Tensor]]:
+        """(position in `wanted`, real value on the host) of each (skeleton tensor, cut), as they
+        are made: read from the weights, or a unit's initialisation run once for all the tensors
+        asked of it — so the host holds one unit's full tensors at a time, not the rank's part."""
         by_unit: dict[int, list[int]] = {}
         for index, (tensor, cut) in enumerate(wanted):
             name = self._name_of.get(id(tensor))
             if self._weights is not None and name in self._weights.files:
-                out[index] = self._weights.read(name, cut, tensor.dtype)
+                yield index, self._weights.read(name, cut, tensor.dtype)
             else:
                 by_unit.setdefault(self._unit_of[id(tensor)], []).append(index)
         for unit, indices in by_unit.items():
@@ -172,9 +171,8 @@ class Skeleton:
             for index in indices:
                 tensor, cut = wanted[index]
                 full = initial[id(tensor)]
-                out[index] = (cut.of(full) if cut is not None else full).clone()
+                yield index, (cut.of(full) if cut is not None else full).clone()
             del initial
-        return [t for t in out if t is not None]
 
     def _initialised(self, unit: int) -> dict[int, torch.Tensor]:
         """Unit `unit`'s tensors (by the skeleton tensor's id) after its initialisation."""
@@ -225,8 +223,8 @@ def materialise(
                 seen.add(id(tensor))
                 held.append(tensor)
     origins = [cuts.get(id(t), (t, None)) for t in held]
-    for tensor, value in zip(held, skeleton.values(origins)):
-        value = value.to(where)
+    for index, value in skeleton.values(origins):
+        tensor, value = held[index], value.to(where)
         if isinstance(tensor, nn.Parameter):
             value = nn.Parameter(value, requires_grad=tensor.requires_grad)
         torch.utils.swap_tensors(tensor, value)

@@ -59,7 +59,8 @@ def summary(results: Sequence[RankResult], peak_tflops: float | None = None, **c
     """Losses per step, median step time (first step left out when there are more), tokens/s,
     per rank: achieved TFLOP/s and MFU, peak stash bytes, GPU peak memory, bytes sent per step
     (and, with expert parallelism, the all-to-alls' bytes, time, hidden time and expert load),
-    static bytes (weights, gradients, optimizer, host) measured and as planned, recomputes over
+    static bytes (weights, gradients, optimizer, host) measured and as planned, every tensor the
+    rank held by what held it (`census`) and its process's peak resident memory, recomputes over
     the run."""
     from pipeloom.runtime.metrics import median_step, throughput
 
@@ -82,6 +83,8 @@ def summary(results: Sequence[RankResult], peak_tflops: float | None = None, **c
                 **_expert_traffic(result.records[1:] or result.records),
                 "static_bytes": result.static_bytes,
                 "planned_static_bytes": result.planned_static_bytes,
+                "held_bytes": result.held_bytes,
+                "peak_host_bytes": result.peak_host_bytes,
             }
         )
     return {
