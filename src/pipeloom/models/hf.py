@@ -19,9 +19,9 @@ and values of the earlier slices through a `DynamicCache` seeded with them, unde
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -372,7 +372,7 @@ def _skeleton_of(model: nn.Module, path, config, seed: int, num_stages: int, cou
         first += size
     names = [stage.model_names for stage in stages]
     weights = _weights_of(path, config, set(model_names.values())) if has_weights(path) else None
-    return Skeleton(stages, model._init_weights, seed, names, weights)
+    return Skeleton(stages, cast(Callable[[nn.Module], None], model._init_weights), seed, names, weights)
 
 
 def build_hf_stages(path, config, seed: int, num_stages: int, counts: Sequence[int] | None = None) -> list[HFStage]:

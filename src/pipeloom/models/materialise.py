@@ -162,7 +162,7 @@ class Skeleton:
         by_unit: dict[int, list[int]] = {}
         for index, (tensor, cut) in enumerate(wanted):
             name = self._name_of.get(id(tensor))
-            if self._weights is not None and name in self._weights.files:
+            if self._weights is not None and name is not None and name in self._weights.files:
                 yield index, self._weights.read(name, cut, tensor.dtype)
             else:
                 by_unit.setdefault(self._unit_of[id(tensor)], []).append(index)
@@ -182,7 +182,8 @@ class Skeleton:
         real: dict[int, torch.Tensor] = {}
         saved: list[tuple[dict, str, torch.Tensor]] = []
         for sub in members:
-            for store in (sub._parameters, sub._buffers):
+            stores: tuple[dict, dict] = (sub._parameters, sub._buffers)
+            for store in stores:
                 for slot, tensor in store.items():
                     if tensor is None:
                         continue

@@ -20,8 +20,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import types
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -94,7 +95,7 @@ def _tensors(root: object, visited: dict[int, object]) -> Iterator[torch.Tensor]
             stack.extend(item.keys())
             stack.extend(item.values())
         elif isinstance(item, (list, tuple, set, frozenset)) or type(item).__name__ == "deque":
-            stack.extend(item)
+            stack.extend(cast(Iterable, item))
         elif isinstance(item, types.FunctionType):
             stack.extend(cell.cell_contents for cell in item.__closure__ or () if _filled(cell))
             stack.extend(item.__defaults__ or ())

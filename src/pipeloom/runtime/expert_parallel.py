@@ -32,6 +32,7 @@ import fnmatch
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -219,8 +220,9 @@ def shard_experts(stages: dict[int, nn.Module], pattern: str, exchange: ExpertEx
             module.num_experts = exchange.local  # type: ignore[assignment]  # the library loop counts local experts
             # the library's grouped GEMM over the rows received (its eager loop reads every
             # expert's rows on the host); the module's own copy of the config says so
-            module.config = copy.copy(module.config)
-            module.config._experts_implementation = "grouped_mm"
+            config: Any = copy.copy(module.config)
+            config._experts_implementation = "grouped_mm"
+            module.config = config
             routed = _RoutedExperts(exchange)
             module.register_forward_pre_hook(routed.dispatch)
             module.register_forward_hook(routed.combine)

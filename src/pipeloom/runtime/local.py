@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -134,11 +135,10 @@ def _run_local(
     check_spec(spec, world_size, on_this_device=spec.torch_device_type == "cpu")  # a GPU's checks: its rank's
     probe = probe or probe_spec(spec)
     check_probe_fits(spec, probe)
+    handed: TrainSpec | Callable[[], TrainSpec] = spec if recipe is None else recipe
     if recipe is None:
         _import_before_forking()
-        context, handed = multiprocessing.get_context("fork"), spec
-    else:
-        context, handed = multiprocessing.get_context("spawn"), recipe
+    context: Any = multiprocessing.get_context("fork" if recipe is None else "spawn")
     with tempfile.TemporaryDirectory(prefix="pipeloom-") as directory:
         processes = [
             context.Process(target=_worker, args=(handed, rank, world_size, directory, probe), daemon=True)
