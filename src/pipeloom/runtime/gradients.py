@@ -202,11 +202,12 @@ class GradientBuckets:
                     Bucket(group, list(members), [lookup[key] for key in sorted(keys)], frozenset(stages))
                 )
         self._last_backward: dict[Op, int] = {}
+        self._then: Callable[[Sequence[int]], list[int]] | None = None
         self._hosted: set[int] = set()
         self._finished: set[int] = set()
         self.started: list[tuple[tuple[int, ...], float]] = []
-        """This step's all-reduces started under the pipeline: (the bucket's stages, when:
-        `time.perf_counter`)."""
+        """This step's sums started under the pipeline: (a bucket's stages, or the stage whose
+        ZeRO sum it is; when: `time.perf_counter`)."""
 
     def rebind(self, shards: dict[int, nn.Parameter]) -> None:
         """After this rank's stages were cut over their tensor-parallel group: each bucket sums
@@ -238,10 +239,14 @@ class GradientBuckets:
             self.stores[index] = GradientStore(bucket.parameters, torch.float32)
             taken |= ids
 
-    def watch(self, schedule: Schedule, device: int) -> Callable[[Sequence[Op]], None]:
+    def watch(
+        self, schedule: Schedule, device: int, then: Callable[[Sequence[int]], list[int]] | None = None
+    ) -> Callable[[Sequence[Op]], None]:
         """What the executor calls after each op it ran (`DeviceExecutor.after_ops`): a stage's
         last backward op of the step (its last B, W or BW on this device) starts the all-reduce
-        of every bucket all of whose hosted stages are then done."""
+        of every bucket all of whose hosted stages are then done, and `then` (ZeRO's sum over
+        the replicas) is told which stages have just finished, and says which it started."""
+        self._then = then
         self._hosted = set(schedule.stages_on(device))
         last: dict[int, Op] = {}
         for op in schedule.devices[device]:
@@ -262,6 +267,9 @@ class GradientBuckets:
                 bucket.work = dist.all_reduce(flat, group=bucket.group, async_op=True)
                 bucket.summed = flat if index not in self.stores else None
                 self.started.append((tuple(sorted(bucket.stages)), time.perf_counter()))
+        if self._then is not None:
+            now = time.perf_counter()
+            self.started.extend(((stage,), now) for stage in self._then(stages))
 
     def zero(self) -> None:
         """A step's start, after the optimizer let go of the gradients: the views, zeroed."""

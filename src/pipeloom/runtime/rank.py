@@ -54,6 +54,7 @@ from pipeloom.runtime.rank_setup import (
     progress_of,
     steppers,
     torch_device_of,
+    zero_overlap,
 )
 from pipeloom.runtime.run_log import RunLog
 from pipeloom.runtime.run_services import evaluation_of, learning_rate_of, run_log_of, step_facts
@@ -190,7 +191,8 @@ class RankRun:
             interleave_pairs=experts is not None,
         )
         if transport.distributed and parallel.overlap_grad_sync:
-            executor.after_ops = buckets.watch(schedule, device)
+            zero_sums = zero_overlap(stepper, stages, buckets)
+            executor.after_ops = buckets.watch(schedule, device, zero_sums)
         scaler = (
             LossScaler(optimizer.initial_loss_scale, optimizer.loss_scale_growth_interval)
             if optimizer.dtype == "fp16"

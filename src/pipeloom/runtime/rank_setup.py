@@ -5,7 +5,7 @@ Every rank calls them in the same order, since several make process groups."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -38,6 +38,7 @@ __all__ = [
     "progress_of",
     "optimizer_sync",
     "Owners",
+    "zero_overlap",
 ]
 
 
@@ -121,6 +122,29 @@ def steppers(
         ShardedAdamW(parameters, owned, optimizer.lr, parallel.zero, dp_group, precision.dtype, label),
         parameters,
     )
+
+
+def zero_overlap(stepper, stages: dict, buckets) -> Callable[[Sequence[int]], list[int]] | None:
+    """ZeRO-1's sums over the replicas, each stage's started as its last backward ends (None:
+    not ZeRO-1). A stage holding a weight that a bucket also sums (a tie across the pipeline)
+    waits for the pipeline, since that bucket's sum must come first."""
+    if not isinstance(stepper, ShardedAdamW) or stepper.level != 1:
+        return None
+    bucketed = {id(p) for bucket in buckets.buckets for p in bucket.parameters}
+    stage_of: dict[int, int] = {}
+    for stage, module in stages.items():
+        for parameter in module.parameters():
+            stage_of.setdefault(id(parameter), stage)
+    ranges: dict[int, tuple[int, int]] = {}
+    offset = 0
+    for parameter in stepper.parameters:
+        stage = stage_of[id(parameter)]
+        low, _ = ranges.get(stage, (offset, offset))
+        ranges[stage] = (low, offset + parameter.numel())
+        offset += parameter.numel()
+    tied = {stage_of[id(p)] for p in stepper.parameters if id(p) in bucketed}
+    stepper.overlap(ranges, set(ranges) - tied)
+    return stepper.start
 
 
 def mailbox_of(

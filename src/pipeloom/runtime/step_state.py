@@ -59,8 +59,9 @@ class StepRecord:
     sent_dtypes: tuple[str, ...] = ()
     """The dtypes of what it sent, e.g. ("bfloat16",)."""
     grad_sync_starts: tuple[tuple[tuple[int, ...], float], ...] = ()
-    """(a gradient bucket's stages, seconds from the step's start) of each all-reduce this rank
-    started under the pipeline, as soon as those stages' last backward ended."""
+    """(a gradient bucket's stages — or, under ZeRO-1, the stage of a sum over the replicas —,
+    seconds from the step's start) of each gradient sum this rank started under the pipeline, as
+    soon as those stages' last backward ended."""
 
     def add_loss(self, loss: torch.Tensor, grad_scale: float) -> None:
         """One micro-batch's loss, summed on the device in float64 (no host read)."""

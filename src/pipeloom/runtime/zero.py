@@ -162,14 +162,59 @@ class ShardedAdamW:
         own = self.store.flat[begin:end]
         self.master_grad = own if level == 1 else torch.zeros_like(master)
         self.master.grad = self.master_grad  # AdamW reads it there
+        self.ranges: dict[int, tuple[int, int]] = {}
+        """Stage → its elements of the flat buffer, for the sums started under the pipeline."""
+        self.early: set[int] = set()
+        self._started: dict[int, list] = {}
 
     def zero_grad(self) -> None:
         self.store.zero()
+        self._started.clear()
+
+    def overlap(self, ranges: dict[int, tuple[int, int]], early: set[int]) -> None:
+        """Let ZeRO-1's sum of each stage's gradients (`ranges`: stage → its elements of the flat
+        buffer) start as soon as the stage's last backward has run (`start`), under the pipeline —
+        the `early` ones: a stage whose weights other ranks of the replica also hold (a tie)
+        waits for that sum first, after the pipeline."""
+        if self.level == 1:
+            self.ranges, self.early = dict(ranges), set(early)
+
+    def start(self, stages: Sequence[int]) -> list[int]:
+        """Start summing these stages' gradients over the replicas, asynchronously; returns the
+        stages it started."""
+        started = [stage for stage in stages if stage in self.early and stage not in self._started]
+        for stage in started:
+            self._started[stage] = self._sum_range(*self.ranges[stage], wait=False)
+        return started
+
+    def _sum_range(self, low: int, high: int, wait: bool) -> list:
+        """ZeRO-1's sum of elements low..high of the buffer into the shards that hold them: over
+        gloo an all-reduce of them (as `sum_into_shard`), else a reduce of each shard's part to
+        the replica that owns it (a reduce-scatter in pieces)."""
+        flat, works = self.store.flat, []
+        if dist.get_backend(self.group) == "gloo":
+            works.append(dist.all_reduce(flat[low:high], group=self.group, async_op=not wait))
+        else:
+            for owner in range(self.size):
+                begin, end = max(low, owner * self.shard), min(high, (owner + 1) * self.shard)
+                if begin < end:
+                    destination = dist.get_global_rank(self.group, owner)
+                    works.append(dist.reduce(flat[begin:end], destination, group=self.group, async_op=not wait))
+        return [work for work in works if work is not None]
 
     def reduce(self) -> None:
         """The data-parallel sum, into this replica's shard of the gradient."""
         flat, begin = self.store.flat, self.index * self.shard
         if not self.shard:
+            return
+        if self.level == 1 and self._started:  # some stages' sums are in flight: the rest by range
+            for stage, (low, high) in self.ranges.items():
+                if stage not in self._started:
+                    self._sum_range(low, high, wait=True)
+            for works in self._started.values():
+                for work in works:
+                    work.wait()
+            self._started.clear()
             return
         if self.level == 1:
             sum_into_shard(flat, flat[begin : begin + self.shard], self.group)

@@ -31,9 +31,10 @@ class StaticOption:
     host_memory: tuple[float, ...] = ()
     """Per device, the host memory its offloaded stages take (empty: nothing on the host)."""
     stage_sync: tuple[float, ...] = ()
-    """Per stage, its gradients' all-reduce, which the runtime starts as the stage's last backward
-    ends (`pipeloom.sim.grad_sync`): the step pays only what the pipeline does not hide. Empty:
-    the sync runs after the pipeline (`allreduce_time`; ZeRO-1/2's reduce-scatter)."""
+    """Per stage, its gradients' sum over the replicas (ZeRO-0's all-reduce, ZeRO-1's reduce-
+    scatter), which the runtime starts as the stage's last backward ends
+    (`pipeloom.sim.grad_sync`): the step pays only what the pipeline does not hide. Empty: the
+    sync runs after the pipeline (`allreduce_time`; ZeRO-2's)."""
 
     @property
     def sync_floor(self) -> float:
@@ -75,7 +76,14 @@ def static_options(
                 # Chimera's twin copies wait for each other at the gradient sync as replicas do:
                 # its sync phase measured 23–25.5 ms against the link's 13–17 ms in three runs
                 cost_model.replica_skew(replicas, zero=zero),
-                stage_sync=per_stage if zero == 0 and replicas > 1 else (),
+                # ZeRO-0's all-reduce and ZeRO-1's reduce-scatter start as a stage's last backward
+                # ends; ZeRO-2's (bf16 into the fp32 shard, in pieces) after the pipeline
+                stage_sync=tuple(
+                    time - (cost_model.gather_time(params[s], candidate.pp, replicas) if zero else 0.0)
+                    for s, time in enumerate(per_stage)
+                )
+                if zero < 2 and replicas > 1
+                else (),
             )
         )
     plain = options[0]
