@@ -67,8 +67,8 @@ def probe_stages(
     tensors (shapes and dtypes only), so it costs nothing even for a model far larger than this
     host's CPU could run; a small model (`_cheap`), or one whose control flow reads tensor
     values, is run for real. Stages on the meta device (`pipeloom.models.materialise`) run with
-    fake weights in place of their meta ones; when that fails (control flow on values: a
-    mixture of experts' routing) `rebuild()` gives real stages to run."""
+    fake weights in place of their meta ones; a small model, or one where that fails (control
+    flow on values: a mixture of experts' routing), runs on the real stages `rebuild()` gives."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     modes = [module.training for stage in stages for module in stage.modules()]
@@ -76,6 +76,8 @@ def probe_stages(
         for stage in stages:
             stage.eval()
         if any(t.is_meta for stage in stages for t in stage.parameters()):
+            if rebuild is not None and _cheap(stages, example):  # a small model: real is quicker
+                return probe_stages(rebuild(), example, run)
             try:
                 return _walk_meta(stages, example, run)
             except Exception:  # noqa: BLE001 - data-dependent control flow: real weights needed
