@@ -8,10 +8,9 @@ replicas. Around the library's experts module, two hooks (as torchtitan's) do th
 * before it — dispatch: the (token, choice) pairs the library's router picked are sorted by
   expert; the counts per expert cross first (so each rank knows what it will receive), then the
   token rows, with `all_to_all_single` over uneven splits — dropless, no capacity;
-* the library's own experts then run on the rows received, with local expert ids and unit
-  weights, so the experts' arithmetic stays the library's — its grouped GEMM (`grouped_mm`), since
-  its eager loop reads each expert's rows on the host; the counts of a layer are the one thing the
-  host reads (an uneven all-to-all's split sizes), once per call, with the counts sent;
+* the library's experts then run on the rows received: its weights and its gate, expert by
+  expert, each expert's rows found by the counts the host read (`_RoutedExperts.experts`) — the
+  one read of a layer's call, an uneven all-to-all's split sizes, taken with the counts sent;
 * after it — combine: the rows return by the reverse all-to-all, are weighted by the router's
   top-k weights and summed into their tokens in expert order, as the library's dense loop sums.
 
@@ -27,11 +26,11 @@ local slices, like the tensor-parallel shards, and `full` gathers them for repor
 
 from __future__ import annotations
 
-import copy
 import fnmatch
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -147,6 +146,9 @@ class _Route:
     receive: list[int]
     hidden: torch.Tensor
     """The tokens' hidden states as the experts module received them (the combine's shape)."""
+    segments: list[tuple[int, int, int]] = field(default_factory=list)
+    """(local expert, first row, end row) of the rows received, in their order (by source rank,
+    then expert): host numbers, so the experts run without reading the device."""
 
 
 class _RoutedExperts:
@@ -176,10 +178,34 @@ class _RoutedExperts:
         send = [sum(sent[r * local : (r + 1) * local]) for r in range(exchange.size)]
         receive = [sum(came[r * local : (r + 1) * local]) for r in range(exchange.size)]
         rows = _Exchange.apply(hidden[order // top_k], exchange, send, receive)
-        ids = torch.arange(local, device=hidden.device).repeat(exchange.size)
-        experts = torch.repeat_interleave(ids, arriving, output_size=sum(receive)).unsqueeze(-1)
-        self.routes[threading.get_ident()] = _Route(order, top_k, top_k_weights, send, receive, hidden)
-        return rows, experts, torch.ones(len(rows), 1, dtype=top_k_weights.dtype, device=hidden.device)
+        segments, first = [], 0
+        for index, count in enumerate(came):
+            segments.append((index % local, first, first + count))
+            first += count
+        route = _Route(order, top_k, top_k_weights, send, receive, hidden, segments)
+        self.routes[threading.get_ident()] = route
+        return rows, None, None
+
+    def experts(self, module: nn.Module, rows: torch.Tensor, *_unused) -> torch.Tensor:
+        """The module's forward on the rows received: each local expert's rows gathered by the
+        host's counts and run through the library's weights and gate (`_apply_gate`) as its
+        eager loop runs them — which itself finds each expert's rows on the device and reads
+        them on the host, expert by expert, while the library's sync-free kernel (grouped_mm)
+        takes bfloat16 on CUDA only."""
+        route = self.routes[threading.get_ident()]
+        pieces: list[torch.Tensor | None] = [None] * len(route.segments)
+        for expert in range(self.exchange.local):
+            mine = [(i, low, high) for i, (e, low, high) in enumerate(route.segments) if e == expert and high > low]
+            if not mine:
+                continue
+            x = torch.cat([rows[low:high] for _, low, high in mine])
+            y = _expert(module, expert, x).to(rows.dtype)
+            offset = 0
+            for i, low, high in mine:
+                pieces[i] = y[offset : offset + high - low]
+                offset += high - low
+        made = [piece for piece in pieces if piece is not None]
+        return torch.cat(made) if made else rows.new_zeros(rows.shape)
 
     def combine(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         route = self.routes.pop(threading.get_ident())
@@ -187,6 +213,25 @@ class _RoutedExperts:
         weighted = back * route.weights.reshape(-1)[route.order].unsqueeze(-1)
         hidden = route.hidden
         return torch.zeros_like(hidden).index_add(0, route.order // route.top_k, weighted.to(hidden.dtype))
+
+
+def _expert(module: Any, expert: int, x: torch.Tensor) -> torch.Tensor:
+    """One expert of the library's stacked experts module on its rows, as the module's own
+    attributes say (`use_experts_implementation`: gated or not, biased, transposed weights)."""
+    gated, biased = getattr(module, "has_gate", True), getattr(module, "has_bias", False)
+    transposed = getattr(module, "is_transposed", False)
+    up = module.gate_up_proj if gated else module.up_proj
+    up_bias = (module.gate_up_proj_bias if gated else module.up_proj_bias)[expert] if biased else None
+    h = _linear(x, up[expert], up_bias, transposed)
+    h = module._apply_gate(h) if gated else module.act_fn(h)
+    y = _linear(h, module.down_proj[expert], module.down_proj_bias[expert] if biased else None, transposed)
+    return module.post_expert_norm(y) if getattr(module, "has_post_expert_norm", False) else y
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    if transposed:
+        return x @ weight + bias if bias is not None else x @ weight
+    return nn.functional.linear(x, weight, bias)
 
 
 def _experts_modules(stage: nn.Module, pattern: str) -> list[nn.Module]:
@@ -217,13 +262,9 @@ def shard_experts(stages: dict[int, nn.Module], pattern: str, exchange: ExpertEx
                 exchange.sharded.add(id(shard))
                 if full.is_meta:
                     exchange.cuts[id(shard)] = (full, cut)
-            module.num_experts = exchange.local  # type: ignore[assignment]  # the library loop counts local experts
-            # the library's grouped GEMM over the rows received (its eager loop reads every
-            # expert's rows on the host); the module's own copy of the config says so
-            config: Any = copy.copy(module.config)
-            config._experts_implementation = "grouped_mm"
-            module.config = config
+            module.num_experts = exchange.local  # type: ignore[assignment]  # the library counts local experts
             routed = _RoutedExperts(exchange)
+            module.forward = partial(routed.experts, module)  # type: ignore[method-assign]
             module.register_forward_pre_hook(routed.dispatch)
             module.register_forward_hook(routed.combine)
     return shards
