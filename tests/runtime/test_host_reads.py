@@ -64,6 +64,8 @@ def test_a_clipped_step_reads_the_device_once(host_reads, schedule, post_validat
     spec = TrainSpec(build, config=CONFIG, steps=2, clip_norm=0.5, post_validation=post_validation)
     for result in run_local(spec):
         assert [record.host_reads for record in result.records] == [1, 1]
+        # and the decisions left nothing behind on the device beside the weights' static bytes
+        assert result.held_bytes["parameters"] == sum(result.planned_static_bytes.values())
 
 
 def test_expert_parallelism_adds_one_read_per_moe_layer_call(host_reads, tmp_path):

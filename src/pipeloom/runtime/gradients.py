@@ -6,8 +6,8 @@ model (on the meta device), so each knows which stages share a parameter object 
 devices host each stage; parameters with the same set of holder ranks and the same stages using
 them form one bucket, all-reduced as one flat fp32 tensor (their gradients are views of it:
 `GradientBuckets.keep_in_place`) in a group of exactly those ranks, started as soon as those
-stages' last backward of the step has run on the rank (`GradientBuckets.watch`) — as Megatron sums the embedding's gradient over the first and last pipeline ranks
-before the optimizer. Two stages of one rank that share a parameter hold one object, whose
+stages' last backward of the step has run on the rank (`GradientBuckets.watch`) — as Megatron
+sums the embedding's gradient over the first and last pipeline ranks before the optimizer. Two stages of one rank that share a parameter hold one object, whose
 gradient autograd already summed; it is reduced once. Under ZeRO the buckets sum only the copies
 within a replica (ties, Chimera's second pipeline) and the optimizer does the data-parallel sum
 itself (`pipeloom.runtime.zero`). Under expert parallelism a routed expert's copies are the

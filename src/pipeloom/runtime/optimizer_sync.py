@@ -178,6 +178,7 @@ class OptimizerSync:
         post-validated step the full state decided otherwise."""
         if not self.post_validation:
             self._book(values[0] == 1.0)
+            self.decision = None
             return
         (stepped_partial, coefficient_partial, stepped, coefficient), self.pending = values, None
         self._book(stepped == 1.0)
