@@ -122,17 +122,13 @@ class VocabEmbedding(_Style):
         module.weight = tp.shard(module.weight, 0)
         rows = module.weight.shape[0]
         padding = None if module.padding_idx is None else module.padding_idx - tp.index * rows
-        masks: list[torch.Tensor] = []  # made at the first call, where the weight is real by then
 
         def forward(ids: torch.Tensor) -> torch.Tensor:
             weight = module.weight
             if padding is not None and 0 <= padding < rows:
                 # the padding row's gradient stays zero, as nn.Embedding's (not the tied head's)
-                if not masks:
-                    masks.append(torch.ones(rows, 1, dtype=weight.dtype, device=weight.device))
-                    masks[0][padding] = 0
-                keep = masks[0]
-                weight = weight * keep + (weight * (1 - keep)).detach()
+                row = weight[padding : padding + 1].detach()
+                weight = torch.cat((weight[:padding], row, weight[padding + 1 :]))
             table = DTensor.from_local(weight, tp.mesh, [Shard(0)], run_check=False)
             found = nn.functional.embedding(DTensor.from_local(ids, tp.mesh, [Replicate()], run_check=False), table)
             tp.count(found, "reduce_scatter" if self.scatter else "allreduce")
