@@ -60,3 +60,25 @@ def test_a_shard_is_read_from_the_weight_files_as_that_slice(tmp_path):
     materialise(skeleton, [stage], {}, torch.device("cpu"))
     assert torch.equal(stage.norm.weight.detach(), tensors["model.norm.weight"])
     assert torch.equal(stage.head.weight.detach(), tensors["model.embed_tokens.weight"])  # tied: one tensor
+
+
+def test_a_mixture_saved_expert_by_expert_is_read_expert_by_expert(tmp_path):
+    """Mixtral's save_pretrained writes each expert apart; the library's conversion mapping stacks
+    them — an expert-parallel rank reads only its experts' tensors."""
+    from pipeloom.models.hf_weights import ConvertedWeights
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY["mixtral"]))
+    saved = hf_model(tmp_path, load_hf_config(tmp_path), seed=9)
+    saved.save_pretrained(tmp_path)
+    expected = {name: t.detach().clone() for name, t in saved.named_parameters()}
+    skeleton = hf_workload(tmp_path, seed=0, seq_len=16).skeleton(1)
+    assert isinstance(skeleton._weights, ConvertedWeights)
+    assert not any("gate_up_proj" in key for key in skeleton._weights.raw.files)  # saved apart
+    stage = skeleton.stages[0]
+    experts = stage.layers[1].mlp.experts
+    full = experts.gate_up_proj
+    shard = torch.nn.Parameter(torch.empty_like(Cut(0, 1, 2).of(full)))
+    materialise(skeleton, [torch.nn.ParameterList([shard])], {id(shard): (full, Cut(0, 1, 2))}, torch.device("cpu"))
+    assert torch.equal(shard.detach(), expected["model.layers.1.mlp.experts.gate_up_proj"][2:])
+    materialise(skeleton, [stage], {}, torch.device("cpu"))
+    assert all(torch.equal(t.detach(), expected[stage.model_names[n]]) for n, t in stage.named_parameters())

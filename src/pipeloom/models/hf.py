@@ -96,30 +96,6 @@ def _meta_model(config) -> nn.Module:
     return model.train()
 
 
-def _weights_of(path: str | Path, config, names: set[str]):
-    """The directory's saved weights as a source of values (`materialise`): read tensor by tensor
-    (and slice by slice) from its safetensors files when they name every parameter as the model
-    does; else loaded whole by the library (a base model's file, other prefixes). A file the
-    library cannot read (truncated, corrupt, from another config) is refused naming the directory
-    and its weight files, not as a library trace."""
-    from pipeloom.models.materialise import LoadedWeights, WeightFiles
-
-    files = ", ".join(sorted(p.name for p in Path(path).glob("*.safetensors")))
-    try:
-        weights = WeightFiles(Path(path))
-        if names <= set(weights.files):
-            return weights
-        transformers = import_transformers()
-        auto = transformers.AutoModelForMaskedLM if config.model_type == "bert" else transformers.AutoModelForCausalLM
-        options = {"experts_implementation": "eager"} if config.model_type in MIXTURES else {}
-        model = auto.from_pretrained(str(path), config=config, local_files_only=True, dtype=torch.float32, **options)
-        return LoadedWeights({name: t.detach() for name, t in model.named_parameters()})
-    except Exception as error:  # noqa: BLE001 - safetensors, OSError, size mismatches: all one cause
-        reason = str(error).strip()
-        why = f"{type(error).__name__}: {reason.splitlines()[0] if reason else ''}"
-        raise ConfigError(f"hf: cannot load the weights in {str(path)!r} ({files}): {why}") from None
-
-
 def _parts(model: Any, family: str) -> dict:
     """The library's modules by role: embed, (positions), layers, norm, head, (rotary). `model`
     is a transformers model of `family`, whose attribute names differ by family."""
@@ -371,7 +347,12 @@ def _skeleton_of(model: nn.Module, path, config, seed: int, num_stages: int, cou
         stages.append(stage)
         first += size
     names = [stage.model_names for stage in stages]
-    weights = _weights_of(path, config, set(model_names.values())) if has_weights(path) else None
+    weights = None
+    if has_weights(path):
+        from pipeloom.models.hf_weights import weights_of
+
+        options = {"experts_implementation": "eager"} if config.model_type in MIXTURES else {}
+        weights = weights_of(path, config, set(model_names.values()), config.model_type, options)
     return Skeleton(stages, cast(Callable[[nn.Module], None], model._init_weights), seed, names, weights)
 
 
