@@ -48,7 +48,7 @@ class HeldBytes:
 def census(run) -> HeldBytes:
     """The bytes a `RankRun` holds, by what holds them (see the module docstring)."""
     held = HeldBytes()
-    counted: set[int] = set()
+    counted: set[tuple[str, int]] = set()
     visited: dict[int, object] = {}  # the objects themselves: a freed one's id could be reused
 
     def add(category: str, root: object) -> None:
@@ -56,7 +56,7 @@ def census(run) -> HeldBytes:
             if tensor.is_meta or not hasattr(tensor, "untyped_storage"):
                 continue
             storage = tensor.untyped_storage()
-            key = storage.data_ptr()
+            key = (str(tensor.device), storage.data_ptr())  # a host and a device address may coincide
             if key in counted or storage.nbytes() == 0:
                 continue
             counted.add(key)
