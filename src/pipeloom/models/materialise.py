@@ -28,6 +28,7 @@ import hashlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -72,22 +73,21 @@ class WeightFiles:
 
         self.files: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self._handles: dict[Path, Any] = {}
+        """Each file opened once (memory-mapped), for every tensor read from it."""
         for path in sorted(Path(directory).glob("*.safetensors")):
-            with safe_open(str(path), framework="pt") as handle:
-                for key in handle.keys():
-                    self.files[key] = path
-                    self.shapes[key] = tuple(handle.get_slice(key).get_shape())
+            handle = self._handles[path] = safe_open(str(path), framework="pt")
+            for key in handle.keys():
+                self.files[key] = path
+                self.shapes[key] = tuple(handle.get_slice(key).get_shape())
 
     def read(self, name: str, cut: Cut | None, dtype: torch.dtype) -> torch.Tensor:
-        from safetensors import safe_open
-
-        with safe_open(str(self.files[name]), framework="pt") as handle:
-            piece = handle.get_slice(name)
-            if cut is None:
-                value = piece[:]
-            else:
-                blocks = [piece[ranges] for ranges in cut.ranges(self.shapes[name])]
-                value = blocks[0] if len(blocks) == 1 else torch.cat(blocks, cut.dim)
+        piece = self._handles[self.files[name]].get_slice(name)
+        if cut is None:
+            value = piece[:]
+        else:
+            blocks = [piece[ranges] for ranges in cut.ranges(self.shapes[name])]
+            value = blocks[0] if len(blocks) == 1 else torch.cat(blocks, cut.dim)
         return value.to(dtype)
 
 

@@ -347,7 +347,7 @@ class RankRun:
         )
         result.held_bytes = census(self).to_dict()
         result.peak_host_bytes = peak_resident_bytes()
-        if self.spec.return_parameters:
+        if self.spec.return_parameters:  # once, after the last step: the final weights, on the host
             result.parameters = {
                 s: {n: self._whole(t, t.detach()).cpu().clone() for n, t in module.named_parameters()}
                 for s, module in self.stages.items()
@@ -358,8 +358,9 @@ class RankRun:
         """[what this rank adds to the step's loss summed over every rank, this device's own
         loss], float64 on the device: the last stage's loss, counted by one rank of its tensor-
         parallel group (all of them computed it). The caller sums the first over the ranks."""
-        own = record.loss_sum if record.loss_sum is not None else torch.zeros((), dtype=torch.float64)
-        own = own.to(self.where)
+        own = record.loss_sum
+        if own is None:  # no last stage here
+            own = torch.zeros((), dtype=torch.float64, device=self.where)
         counted = own if self.tensor is None or self.tensor.index == 0 else torch.zeros_like(own)
         return torch.stack((counted, own))
 
@@ -368,6 +369,7 @@ class RankRun:
         (`shares` from `loss_shares`, its first summed over the ranks) and the optimizer sync's
         decisions, in one transfer. Returns the step's loss."""
         parts = [shares, *(self.sync.to_read() if self.sync is not None else [])]
+        # the step's only read of the device (once a step, after the optimizer: no op waits on it)
         values = torch.cat([part.reshape(-1).to(torch.float64) for part in parts]).tolist()
         record.loss, record.loss_sum = values[1], None  # the record goes to the report: no device tensor
         if self.sync is not None:
