@@ -65,6 +65,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add_costs(parser)
     parser.add_argument("--concat-w", action="store_true", help="run consecutive W of a stage as one GEMM (2BP)")
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="run each stage and the loss under torch.compile (every schedule, W split included)",
+    )
+    parser.add_argument(
         "--no-overlap-grad-sync",
         dest="overlap_grad_sync",
         action="store_false",
@@ -258,6 +263,7 @@ def run_options(args: argparse.Namespace) -> dict:
         "log_dir": args.log_dir,
         "wandb": args.wandb,
         "overlap_grad_sync": getattr(args, "overlap_grad_sync", True),
+        "compile": getattr(args, "compile", False),
     }
     if args.ep is not None:
         fields["ep"] = args.ep

@@ -123,6 +123,7 @@ def probe_train_spec(
         dtype=dtype,
         tp=tp,
         sequence_parallel=sequence_parallel,
+        separate_w=True,  # each W right after its B: timed apart, not folded into the B
     )
 
 

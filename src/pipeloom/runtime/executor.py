@@ -39,6 +39,7 @@ from torch import nn
 from pipeloom.errors import ConfigError, RuntimeFault
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
+from pipeloom.runtime.compiled import compile_stages
 from pipeloom.runtime.mailbox import Mail, MessageKey, peer_failure
 from pipeloom.runtime.pair_baton import run_pair
 from pipeloom.runtime.precision import Precision
@@ -70,6 +71,8 @@ class DeviceExecutor:
         recompute_layers: int | None = None,
         loss_context: Callable[[], contextlib.AbstractContextManager] | None = None,
         interleave_pairs: bool = False,
+        compiled: bool = False,
+        separate_w: bool = False,
     ) -> None:
         self.schedule, self.device = schedule, device
         self.ops = schedule.devices[device]
@@ -111,6 +114,12 @@ class DeviceExecutor:
             {s: split_stage(module, recompute_layers) for s, module in stages.items()} if recompute_layers else {}
         )
         """Per stage (head, tail) under a partial checkpoint; empty: checkpoints take whole stages."""
+        self._w_at_once = set() if separate_w else _w_right_after_b(self.ops, schedule.num_devices == 1)
+        """Keys whose W would run right after their B (or a BW): nothing fills the gap, so their
+        forwards leave the linears ordinary and B computes the weight gradients as autograd does.
+        `separate_w` keeps every W its own op (the profiler times W apart)."""
+        if compiled:
+            self.loss_fn = compile_stages(stages, self.halves, loss)
         self._side = torch.cuda.Stream(self.torch_device) if self.torch_device.type == "cuda" else None  # pairs' F
         self.interleave_pairs = interleave_pairs
         """Run an overlapped pair's two ops by turns, switching at each expert all-to-all (`pair_baton`)."""
@@ -314,12 +323,14 @@ class DeviceExecutor:
                     if leaf.grad is not None:
                         outputs.append(tensor)
                         out_grads.append(leaf.grad)
+        self.queue.backward_key = op.key  # read by the split linears' backward, on whatever thread runs it
         if outputs:
             with self.loss_context() if stage == self.last_stage else contextlib.nullcontext():
                 torch.autograd.backward(outputs, out_grads)
         boundary = [(h, leaf.grad) for h, leaf in zip(entry.recomputed, entry.middle) if leaf.grad is not None]
         if boundary:  # partial checkpoint: on through the recomputed head
             torch.autograd.backward([h for h, _ in boundary], [g for _, g in boundary])
+        self.queue.backward_key = None
         step.note(-entry.bytes)
         if stage > 0:
             input_grads = [
@@ -328,7 +339,7 @@ class DeviceExecutor:
             self.mail.give(True, stage - 1, mb, slice_, input_grads)
         if op.kind is _BW:
             self.queue.run(op.key)  # with plain linears autograd did it already: nothing queued
-        elif len(self.queue) == before and stage in self._split_stages:
+        elif len(self.queue) == before and stage in self._split_stages and op.key not in self._w_at_once:
             raise RuntimeFault(f"{op.text}: no weight gradients were queued")
 
     def _pair_op(self, step: StepState, first: Op, second: Op) -> None:
@@ -373,8 +384,8 @@ class DeviceExecutor:
             x = tuple(t.detach().requires_grad_(True) if t.is_floating_point() else t for t in x)
         hand_on = False if part == "head" else None
         known = self._saved_bytes.get((op.kind, op.stage, op.slice, part))
+        self.queue.deferring = op.key not in self._w_at_once
         if known is not None:  # shapes repeat: the saved bytes of a stage's pass do too
-            self.queue.current = op.key
             out, new_kv = self._run(module, op.stage, x, past, hand_on)
             return (self._loss(out, targets),) if targets is not None else out, x, known, new_kv
         saved = [sum(_nbytes(t) for t in x) if op.kind is _F else 0]
@@ -387,7 +398,6 @@ class DeviceExecutor:
                 saved[0] += _nbytes(tensor)
             return tensor
 
-        self.queue.current = op.key
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             out, new_kv = self._run(module, op.stage, x, past, hand_on)
             if targets is not None:
@@ -399,6 +409,19 @@ class DeviceExecutor:
         value = output[0] if len(output) == 1 else output
         with self.loss_context():
             return self.loss_fn(value, targets).float() * (self.loss_scale * self.grad_scale)
+
+
+def _w_right_after_b(ops: Sequence[Op], alone: bool) -> set[tuple[int, int, int]]:
+    """The keys of a device's BW, of each B whose own whole W is the very next op, and — on a
+    device `alone` in its pipeline, where no other device waits for a B's result — of every B
+    whose W is whole."""
+    keys = {op.key for op in ops if op.kind is _BW}
+    if alone:
+        return keys | {op.key for op in ops if op.kind is _W and op.parts == 1}
+    for op, following in zip(ops, ops[1:]):
+        if op.kind is _B and following.kind is _W and following.key == op.key and following.parts == 1:
+            keys.add(op.key)
+    return keys
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -189,6 +189,8 @@ class RankRun:
             precision=precision,
             recompute_layers=spec.model.recompute_layers,
             interleave_pairs=experts is not None,
+            compiled=spec.compile,
+            separate_w=spec.separate_w,
         )
         if transport.distributed and parallel.overlap_grad_sync:
             zero_sums = zero_overlap(stepper, stages, buckets)

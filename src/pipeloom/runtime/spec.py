@@ -163,6 +163,11 @@ class TrainSpec:
     ep: int = 1
     """Expert-parallel ranks (`runtime.expert_parallel`): each MoE layer's routed experts shared
     out over groups of `ep` data-parallel replicas of a stage; ep divides dp."""
+    compile: bool = False
+    """Run each stage, and the loss, under `torch.compile` (`runtime.compiled`)."""
+    separate_w: bool = False
+    """Run every W as its own GEMMs, also one right after its B (which otherwise folds into the
+    B: nothing to fill there); the profiler sets it to time W apart."""
     overlap_grad_sync: bool = True
     """Start a stage's gradient all-reduce as soon as its last backward of the step on the rank
     ends, under the later stages' work (`runtime.gradients`); False: every bucket after the

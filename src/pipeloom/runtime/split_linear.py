@@ -1,14 +1,27 @@
 """Backward split into B and W for linear layers (Zero Bubble §2, 2BP §3), with autograd.
 
 A `SplitLinear` computes only the input gradient in its backward and hands the weight-gradient
-GEMM — its input and the output gradient — to a `WeightGradQueue` under the key of the op that
-ran its forward. The executor's W op then runs the queued GEMMs of its key. Other parameters
-(norms, embeddings) get their gradients during B as usual. Each executor owns its queue, so there
-is no global state.
+GEMM — its input and the output gradient — to a `WeightGradQueue` under the key of the backward
+that runs it (`backward_key`, set by the executor's B: whichever thread autograd runs the
+backward on). The executor's W op then runs the queued GEMMs of its key. Other parameters
+(norms, embeddings) get their gradients during B as usual. Each executor owns its queue.
+
+Compiled (`torch.compile`), the split linear is a custom op with its own autograd
+(`pipeloom::deferred_linear`), so a stage stays one graph and the deferred GEMMs survive
+compilation: its backward computes the input gradient and calls `pipeloom::defer_weight_grad`,
+an op marked as having a side effect so the compiler keeps it even where no input gradient is
+wanted. That op copies the two tensors it queues, because inductor reuses the buffers of a
+graph's intermediates (the output gradient, an input it chose to recompute) once their last use
+in the graph has passed — and a queued tensor is used later, by W. The alternative, a graph break
+at every linear (compiled regions between eager linears), costs a guard check and a return to
+Python per linear, seven per decoder layer, and loses every fusion across them. A queue that is
+not `deferring` (a micro-batch whose W follows its B at once: nothing to fill) leaves its linears
+ordinary, so their weight gradients come out of the backward as they would without a split.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from typing import cast
 
@@ -21,15 +34,22 @@ __all__ = ["WeightGradQueue", "SplitLinear", "split_linears"]
 
 
 class WeightGradQueue:
-    """Pending weight-gradient GEMMs, by op key. `current` is the key forwards run under."""
+    """Pending weight-gradient GEMMs, by op key."""
 
     def __init__(self) -> None:
-        self.current: tuple | None = None
-        self._pending: dict[tuple, list[tuple[nn.Linear, torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        self.backward_key: tuple | None = None
+        """The key of the backward running now: what its linears' GEMMs wait under."""
+        self.deferring = True
+        """Whether the forward running now defers its weight gradients (False: the linears are
+        ordinary, for a micro-batch whose W would follow its B at once)."""
+        self._pending: dict[tuple, list[tuple[nn.Module, torch.Tensor, torch.Tensor]]] = defaultdict(list)
         self._split: dict[tuple, list] = {}  # a key whose W runs in parts: all its GEMMs
         self._parts_done: dict[tuple, set[int]] = {}
 
-    def push(self, key: tuple, layer: nn.Linear, inputs: torch.Tensor, grad_output: torch.Tensor) -> None:
+    def push(self, layer: nn.Module, inputs: torch.Tensor, grad_output: torch.Tensor) -> None:
+        key = self.backward_key
+        if key is None:
+            raise RuntimeError("a split linear's backward ran outside an executor's B: its weight gradient has no W")
         self._pending[key].append((layer, inputs, grad_output))
 
     def run(self, *keys: tuple) -> None:
@@ -84,11 +104,14 @@ class WeightGradQueue:
 
 def _accumulate_product(parameter: nn.Parameter, a: torch.Tensor, b: torch.Tensor) -> None:
     """parameter.grad += a @ b, in place when the types agree; under mixed precision the product
-    runs in the compute type and is added to the fp32 gradient (`.grad` of fp32 weights, or the
-    `main_grad` of weights kept in the compute type)."""
+    runs in the compute type and accumulates into the fp32 gradient (`.grad` of fp32 weights, or
+    the `main_grad` of weights kept in the compute type) — in one GEMM where the device has
+    one with a wider output (`out_dtype`, CUDA), else as a product, a cast and an add."""
     grad = grad_of(parameter)
     if grad is not None and a.dtype == grad.dtype:
         grad.addmm_(a, b)
+    elif grad is not None and grad.is_cuda and grad.dtype == torch.float32 and grad.is_contiguous():
+        torch.addmm(grad, a, b, out_dtype=torch.float32, out=grad)
     else:
         _accumulate(parameter, a @ b)
 
@@ -109,15 +132,75 @@ class _InputGradOnly(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, queue):  # noqa: D401 - autograd signature
         ctx.save_for_backward(x, weight)
-        ctx.layer, ctx.queue, ctx.key = layer, queue, queue.current
+        ctx.layer, ctx.queue = layer, queue
         return nn.functional.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
-        ctx.queue.push(ctx.key, ctx.layer, x.detach(), grad_output.detach())
+        ctx.queue.push(ctx.layer, x.detach(), grad_output.detach())
         grad_input = grad_output @ weight.to(grad_output.dtype) if ctx.needs_input_grad[0] else None
         return grad_input, None, None, None, None
+
+
+# The compiled split linear. A custom op takes tensors and numbers only, so a layer travels as its
+# weight (`owner`: the parameter, before any cast) and is found again by where that weight lives:
+# graphs stay free of per-layer constants, and stages of one shape share one compiled graph.
+_DEFERRING: weakref.WeakSet[SplitLinear] = weakref.WeakSet()
+_by_address: dict[int, weakref.ref[SplitLinear]] = {}
+
+
+def _layer_of(owner: torch.Tensor) -> SplitLinear:
+    found = _by_address.get(owner.data_ptr())
+    layer = found() if found is not None else None
+    if layer is None or layer.weight.data_ptr() != owner.data_ptr():  # weights placed or moved since
+        _by_address.clear()
+        _by_address.update((layer.weight.data_ptr(), weakref.ref(layer)) for layer in _DEFERRING)
+        layer = _by_address[owner.data_ptr()]()
+    assert layer is not None and layer.queue is not None
+    return layer
+
+
+@torch.library.custom_op("pipeloom::deferred_linear", mutates_args=())
+def _deferred_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, owner: torch.Tensor
+) -> torch.Tensor:
+    return nn.functional.linear(x, weight, bias)
+
+
+@_deferred_linear.register_fake
+def _(x, weight, bias, owner):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("pipeloom::defer_weight_grad", mutates_args=())
+def _defer_weight_grad(x: torch.Tensor, grad_output: torch.Tensor, owner: torch.Tensor) -> None:
+    layer = _layer_of(owner)
+    assert layer.queue is not None
+    layer.queue.push(layer, x.detach().clone(), grad_output.detach().clone())  # copies: see the module's note
+
+
+@_defer_weight_grad.register_fake
+def _(x, grad_output, owner):
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.pipeloom.defer_weight_grad.default)
+
+
+def _save_deferred(ctx, inputs, output) -> None:
+    x, weight, _, owner = inputs
+    ctx.save_for_backward(x, weight, owner)
+
+
+def _deferred_backward(ctx, grad_output):
+    x, weight, owner = ctx.saved_tensors
+    torch.ops.pipeloom.defer_weight_grad(x, grad_output, owner)
+    grad_input = grad_output @ weight if ctx.needs_input_grad[0] else None
+    return grad_input, None, None, None
+
+
+_deferred_linear.register_autograd(_deferred_backward, setup_context=_save_deferred)
 
 
 class SplitLinear(nn.Module):
@@ -137,6 +220,8 @@ class SplitLinear(nn.Module):
         self.add_bias = True
         """False for a row-parallel linear: its bias is added once, after the partial sums are
         reduced (`tensor_parallel.Rowwise`)."""
+        if queue is not None:
+            _DEFERRING.add(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight.t() if self.transposed else self.weight
@@ -145,8 +230,10 @@ class SplitLinear(nn.Module):
             dtype = torch.get_autocast_dtype(x.device.type)
             x, weight = x.to(dtype), weight.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
-        if self.queue is None or not torch.is_grad_enabled():
+        if self.queue is None or not self.queue.deferring or not torch.is_grad_enabled():
             return nn.functional.linear(x, weight, bias)
+        if torch.compiler.is_compiling():
+            return _deferred_linear(x, weight, bias, self.weight)
         return _InputGradOnly.apply(x, weight, bias, self, self.queue)
 
 
