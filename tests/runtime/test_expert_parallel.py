@@ -11,6 +11,7 @@ rounding difference in a near-zero gradient into up to lr·δ/1e-8).
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -143,6 +144,57 @@ def test_a_pair_switches_only_where_an_exchange_is_in_flight():
     PairBaton().run(forward, backward)
     assert order == ["F attention", "B head", "F experts", "B rest", "F rest"]
     assert not pass_baton()  # outside a pair
+
+
+def test_the_baton_passes_from_a_backward_that_autograd_runs_on_another_thread():
+    """On CUDA autograd runs a custom Function's backward on its device thread, not the caller's:
+    an exchange there passes the baton as one on the op's own thread does."""
+    order: list[str] = []
+
+    class Exchange(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            order.append(f"B exchange on {threading.current_thread().name}")
+            assert pass_baton() is not None  # the forward computes while it is in flight
+            order.append("B rest")
+            return grad * 2
+
+    x = torch.ones(3, requires_grad=True)
+    loss = Exchange.apply(x).sum()
+
+    def backward():  # autograd's own thread, forced
+        worker = threading.Thread(target=loss.backward, name="autograd-device")
+        worker.start()
+        worker.join()
+
+    def forward():
+        order.append("F attention")
+        assert pass_baton() is not None
+        order.append("F rest")
+
+    PairBaton().run(forward, backward)
+    assert order == ["F attention", "B exchange on autograd-device", "F rest", "B rest"]
+    assert x.grad.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_an_exchange_counts_as_hidden_only_what_the_paired_op_ran_while_it_was_in_flight():
+    from pipeloom.runtime.clocks import HostClock
+    from pipeloom.runtime.expert_parallel import ExpertTraffic, _Flight
+    from pipeloom.runtime.pair_baton import Turn
+
+    traffic = ExpertTraffic()
+    traffic.flights = [
+        _Flight(0.0, 10.0, Turn(2.0, 6.0), backward=False),  # the partner ran 4 s of the 10
+        _Flight(20.0, 30.0, Turn(28.0, 35.0), backward=True),  # it ran on after the exchange ended
+        _Flight(40.0, 45.0, None, backward=True),  # no partner: all waited for
+    ]
+    traffic.settle(HostClock())
+    assert traffic.flight_s == 25.0 and traffic.forward_flight_s == 10.0 and traffic.overlapped_flight_s == 20.0
+    assert traffic.exposed_s == (10 - 4) + (10 - 2) + 5 and traffic.flights == []
 
 
 def test_the_profile_measures_the_exchanges_and_the_stash_with_the_experts_shared_out(tmp_path):

@@ -108,6 +108,31 @@ def test_in_process_refuses_what_needs_ranks():
         run_in_process(spec_for(build_schedule("1f1b", 2, 4), dp=2, zero=1, clip_norm=1.0))
 
 
+def test_in_process_takes_a_cuda_spec_with_every_device_on_one_gpu(monkeypatch):
+    """As far as a CPU can follow it: the spec is accepted (no GPU: refused for that reason only),
+    and with the GPU stood in for by the CPU, every rank of a DualPipeV schedule — pairs, W, two
+    stages a device — runs on the one device the spec names and trains like one process."""
+    schedule = build_schedule("dualpipev", 2, 4)
+    spec = spec_for(schedule, steps=2, device="cuda", backend="nccl")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA GPU"):
+            run_in_process(spec)
+    import pipeloom.runtime.rank as rank_module
+    import pipeloom.runtime.spec_checks as checks
+
+    placed: list[str] = []
+
+    def one_gpu(spec):
+        placed.append(spec.torch_device_type)
+        return torch.device("cpu")
+
+    monkeypatch.setattr(checks.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(rank_module, "torch_device_of", one_gpu)
+    results = run_in_process(spec)
+    assert placed == ["cuda"] * 2
+    assert_matches_reference(spec_for(schedule, steps=2), results)
+
+
 def test_checkpointed_overlapped_pairs_train_like_one_process():
     """Each R runs just before the pair whose backward needs it; the pair's forward is checkpointed."""
     schedule = apply_checkpoint(build_schedule("dualpipev", 2, 4))

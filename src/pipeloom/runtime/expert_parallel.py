@@ -17,7 +17,9 @@ replicas. Around the library's experts module, two hooks (as torchtitan's) do th
 Each all-to-all is an autograd Function whose backward is the reverse exchange. It is issued
 asynchronously and passes the baton of an overlapped F&B pair (`pair_baton`) before waiting, so
 the paired op computes while it is in flight. `ExpertTraffic` counts what a rank sent, how long
-its exchanges were in flight, how much of that it waited for, and the tokens routed per expert.
+its exchanges were in flight, how much of that it waited for, and the tokens routed per expert:
+on a GPU from CUDA events on the exchange's stream and the paired op's (`clocks`), read at the
+step's end — host clocks there would read the time to issue an exchange, not its flight.
 
 Why not DTensor here, as for tensor parallelism: token routing is an all-to-all with splits that
 change every call, which DTensor's placements do not express; the expert weights are plain
@@ -38,7 +40,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeloom.models.materialise import Cut
-from pipeloom.runtime.pair_baton import pass_baton
+from pipeloom.runtime.clocks import Clock, HostClock
+from pipeloom.runtime.pair_baton import Turn, pass_baton
 
 __all__ = ["ExpertExchange", "ExpertTraffic", "expert_parameter_ids", "shard_experts"]
 
@@ -61,18 +64,50 @@ class ExpertTraffic:
     tokens: list[int] = field(default_factory=list)
     """(token, choice) pairs this rank routed to each expert, forwards with autograd only — so a
     checkpointed micro-batch counts once, at its recompute."""
+    flights: list[_Flight] = field(default_factory=list)
+    """The step's exchanges as marked, until `settle` reads their times."""
 
     def reset(self, num_experts: int) -> None:
         self.sent_bytes, self.flight_s, self.exposed_s = 0, 0.0, 0.0
         self.overlapped_flight_s, self.forward_flight_s = 0.0, 0.0
         self.tokens = [0] * num_experts
+        self.flights = []
+
+    def settle(self, clock: Clock) -> None:
+        """Read the step's exchange times off `clock` (on a GPU: once the device has passed them)."""
+        for flight in self.flights:
+            seconds = clock.seconds(flight.issued, flight.finished)
+            self.flight_s += seconds
+            if not flight.backward:
+                self.forward_flight_s += seconds
+            hidden = 0.0
+            if flight.turn is not None:  # the partner ran from its turn's start to its end
+                self.overlapped_flight_s += seconds
+                began = max(0.0, clock.seconds(flight.issued, flight.turn.began))
+                ended = min(seconds, clock.seconds(flight.issued, flight.turn.ended))
+                hidden = max(0.0, ended - began)
+            self.exposed_s += seconds - hidden
+        self.flights = []
+
+
+@dataclass(frozen=True)
+class _Flight:
+    """One exchange: when it was issued and finished, and the paired op's turn meanwhile."""
+
+    issued: Any
+    finished: Any
+    turn: Turn | None
+    backward: bool
 
 
 class ExpertExchange:
     """This rank's EP group: `size` ranks, this one `index`, over `num_experts` experts a layer."""
 
-    def __init__(self, group: dist.ProcessGroup, size: int, index: int, num_experts: int) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, size: int, index: int, num_experts: int, clock: Clock | None = None
+    ) -> None:
         self.group, self.size, self.index = group, size, index
+        self.clock = clock or HostClock()
         self.num_experts, self.local = num_experts, num_experts // size
         self.traffic = ExpertTraffic(tokens=[0] * num_experts)
         self.sharded: set[int] = set()
@@ -87,27 +122,24 @@ class ExpertExchange:
         """`rows` split `send` to the group's ranks; what arrives, `receive` rows from each."""
         rows = rows.contiguous()
         out = rows.new_empty((sum(receive), *rows.shape[1:]))
-        issued = time.perf_counter()
+        on_host = isinstance(self.clock, HostClock)
+        issued = self.clock.mark()
         done = [0.0]
         work = dist.all_to_all_single(out, rows, receive, send, group=self.group, async_op=True)
         assert work is not None
-        future = work.get_future()
-        future.then(lambda _: done.__setitem__(0, time.perf_counter()))
-        handed = time.perf_counter()  # issuing is this rank's own time: exposed, never hidden
-        overlapped = pass_baton()
-        waiting = time.perf_counter()
+        if on_host:  # a CPU exchange is done when its future is; a GPU's, when its stream passes the wait
+            future = work.get_future()
+            future.then(lambda _: done.__setitem__(0, time.perf_counter()))
+        turn = pass_baton()  # issuing is this rank's own time: exposed, never hidden
         work.wait()
-        future.wait()
-        finished = min(done[0] or time.perf_counter(), time.perf_counter())
+        if on_host:
+            future.wait()
+            finished = min(done[0] or time.perf_counter(), time.perf_counter())
+        else:
+            finished = self.clock.mark()
         row_bytes = rows[0].numel() * rows.element_size() if len(rows) else 0
-        traffic = self.traffic
-        traffic.sent_bytes += (sum(send) - send[self.index]) * row_bytes
-        traffic.flight_s += finished - issued
-        if not backward:
-            traffic.forward_flight_s += finished - issued
-        if overlapped:
-            traffic.overlapped_flight_s += finished - issued
-        traffic.exposed_s += max(0.0, finished - issued - max(0.0, min(waiting, finished) - handed))  # ≥ 0 in fp too
+        self.traffic.sent_bytes += (sum(send) - send[self.index]) * row_bytes
+        self.traffic.flights.append(_Flight(issued, finished, turn, backward))
         return out
 
     def set_up_done(self) -> None:

@@ -9,8 +9,12 @@ order. Any order that respects the dependencies gives the same numbers, since ea
 arithmetic follows its own op list, and the buckets are summed in rank order as gloo's two-rank
 all-reduce would. A step in which no device can go on is a deadlock, named by the ops waiting.
 
-It covers the pipeline, its data-parallel replicas and the gradient sums between copies of a
-stage (Chimera, tied embeddings), in every precision; clipping, post-validation, fp16 loss
+On a GPU every device of the schedule is the one GPU (`torch_device_of`): p stages and their
+replicas in one process on one device, messages handed over without a copy — so a machine with
+one GPU runs the executor with many stages, recompute, W parts and overlapped pairs (each rank's
+`peak_memory_bytes` is then the GPU's, every stage's). It covers the pipeline, its data-parallel
+replicas and the gradient sums between copies of a stage (Chimera, tied embeddings), in every
+precision; clipping, post-validation, fp16 loss
 scaling, ZeRO, host offload, checkpoints and timeouts talk to other ranks through
 torch.distributed and are run by `local.run_local`.
 """
@@ -119,7 +123,7 @@ def _drive(executors: list[DeviceExecutor], data: list[tuple[list, list]]) -> No
 
 def _sum_losses(shares: list[torch.Tensor]) -> torch.Tensor:
     """The step's loss as the ranks' float64 all-reduce gives it: every rank's share, summed."""
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=shares[0].device)
     for share in shares:
         total += share[0]
     return total
@@ -133,7 +137,6 @@ def _check_in_process(spec: TrainSpec) -> None:
         "post-validation": spec.post_validation,
         "fp16 loss scaling": spec.dtype == "fp16",
         "checkpoints": spec.save_every > 0 or spec.resume_dir is not None,
-        "CUDA devices": spec.torch_device_type != "cpu",
         "tensor parallelism (DTensor collectives over a process group)": spec.tp > 1,
     }
     named = [what for what, used in needs_ranks.items() if used]

@@ -53,9 +53,12 @@ class MemoryMailbox:
         specs = message_specs(self.boundaries, grad, stage)
         received = []
         for spec, tensor in zip(specs, tensors, strict=True):
-            buffer = spec.empty(tensor.device)
-            buffer.copy_(tensor.detach())
-            received.append(buffer)
+            if tensor.is_cuda and tensor.dtype == spec.dtype and tuple(tensor.shape) == spec.shape:
+                received.append(tensor.detach())  # every device is the one GPU: nothing to carry
+            else:
+                buffer = spec.empty(tensor.device)
+                buffer.copy_(tensor.detach())
+                received.append(buffer)
             self.sent_bytes += tensor.numel() * tensor.element_size()
             self.sent_dtypes.add(str(tensor.dtype).removeprefix("torch."))
         self.postbox[(grad, stage, microbatch, slice_)] = tuple(received)

@@ -32,6 +32,7 @@ from pipeloom.models.materialise import materialise
 from pipeloom.models.workload import Workload, global_names, replica_microbatches
 from pipeloom.runtime.boundary import StageProbe
 from pipeloom.runtime.census import census, peak_resident_bytes
+from pipeloom.runtime.clocks import clock_for
 from pipeloom.runtime.comm import MessagePlan, plan_messages
 from pipeloom.runtime.evaluation import Evaluation, perplexity
 from pipeloom.runtime.executor import DeviceExecutor
@@ -155,7 +156,7 @@ class RankRun:
                     "train: --ep exchanges tokens over torch.distributed; run ranks (--nproc), not in process"
                 )
             group = layout.expert_mesh(where.type, parallel.ep)["ep"].get_group()
-            experts = ExpertExchange(group, parallel.ep, replica % parallel.ep, routed.num_experts)
+            experts = ExpertExchange(group, parallel.ep, replica % parallel.ep, routed.num_experts, clock_for(where))
             buckets.rebind(shard_experts(stages, routed.modules, experts))
         loss = work.loss
         if tensor is not None:
@@ -295,6 +296,7 @@ class RankRun:
             record.tp_sent_bytes = self.tensor.sent_bytes
         if self.experts is not None:
             traffic = self.experts.traffic
+            traffic.settle(self.experts.clock)  # after the step's read of the device: its events are passed
             record.a2a_sent_bytes, record.expert_tokens = traffic.sent_bytes, tuple(traffic.tokens)
             record.a2a_ms, record.a2a_exposed_ms = 1e3 * traffic.flight_s, 1e3 * traffic.exposed_s
             record.a2a_forward_ms = 1e3 * traffic.forward_flight_s
