@@ -97,3 +97,23 @@ def test_a_w_with_nothing_to_fill_folds_into_its_b():
     zb_v = build_schedule("zb-v", 1, 4)
     assert _w_right_after_b(zb_v.devices[0], alone=True) == {(s, mb, 0) for s in (0, 1) for mb in range(4)}
     assert _w_right_after_b(zb_v.devices[0], alone=False) == set()
+
+
+def test_the_compiled_loss_keeps_no_fp32_logits_for_its_backward():
+    """Eager cross-entropy over bf16 logits upcasts them and saves two fp32 copies for its backward
+    (the upcast and the log-softmax); the compiled loss saves the bf16 logits and a number a row."""
+    from pipeloom.models.workload import token_loss
+    from pipeloom.runtime.compiled import compile_stages
+
+    logits = torch.randn(2, 64, 512, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    saved_bytes = []
+    for loss in (token_loss, compile_stages({}, {}, token_loss)):
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t) or t, lambda t: t):
+            value = loss(logits, targets)
+        value.backward()
+        saved_bytes.append(sum(t.numel() * t.element_size() for t in saved))
+    fp32_logits = logits.numel() * 4
+    assert saved_bytes[0] >= 2 * fp32_logits
+    assert saved_bytes[1] < logits.numel() * 2 + fp32_logits // 8  # the bf16 logits, a few numbers a row

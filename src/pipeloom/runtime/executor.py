@@ -7,8 +7,11 @@ With `recompute_layers` = k a checkpointed F runs only the stage's first k layer
 through the tail, then through the head with the gradient the tail left at their boundary;
 B back-propagates to the stage input only (split linears queue their weight GEMMs); W runs the
 queued GEMMs of its key (a run of consecutive W of one stage as one GEMM if `concat_w`; a W in
-parts its share); BW is B then its W at once; an overlapped F&B pair runs its two handlers, the
-forward on a side stream on CUDA. The last stage turns its output into the loss,
+parts its share); BW is B then its W at once — as is a B whose W follows at once, or any B on a
+device alone in its pipeline: nothing fills the gap, so its forward leaves the linears ordinary
+and autograd computes the weight gradients in the B; an overlapped F&B pair runs its two
+handlers, the forward on a side stream on CUDA. With `compiled` the stages and the loss run
+under `torch.compile` (`compiled`). The last stage turns its output into the loss,
 scaled by 1 / (micro-batches × data-parallel replicas × slices) — and by fp16's loss scale — so
 gradients accumulate to the mean. A stage takes and returns a tensor or a tuple of tensors; what
 crosses each boundary was inferred once (`boundary.infer_boundaries`) and travels through the

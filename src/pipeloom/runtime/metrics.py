@@ -1,8 +1,11 @@
 """What a trainer prints: per step loss, step time, tokens/s, achieved TFLOP/s and MFU; a table at
 the end. FLOPs are model FLOPs — three times the forward's matrix products, convolutions and
 attention, counted once by torch's FlopCounterMode on an example micro-batch — so recomputation
-does not inflate them (MFU, as PaLM and Megatron report it). MFU needs a peak: `--peak-tflops`
-or a `--hardware` preset's 16-bit peak; without one it is left out rather than guessed.
+does not inflate them. That is not quite PaLM's count (6N + 12·L·H·Q·T a token): the input
+embedding is a lookup and counts nothing, and attention counts only where the counter sees its
+kernel (not on a CPU's fused attention), so the table says which count it gives
+(`FLOP_COUNT`); `bench/gpu.py` prints both. MFU needs a peak: `--peak-tflops` or a `--hardware`
+preset's 16-bit peak; without one it is left out rather than guessed.
 """
 
 from __future__ import annotations
@@ -11,7 +14,13 @@ import statistics
 import sys
 from collections.abc import Sequence
 
-__all__ = ["StepReporter", "throughput", "final_table"]
+__all__ = ["FLOP_COUNT", "StepReporter", "throughput", "final_table"]
+
+FLOP_COUNT = (
+    "TFLOP/s and MFU count model FLOPs: 3 × the forward's matrix products as torch's FlopCounterMode sees them "
+    "(no input-embedding lookup; attention only where the counter sees its kernel) — PaLM's 6N + 12·L·H·Q·T is "
+    "higher by the embedding's 6·V·H and any attention left out"
+)
 
 
 def throughput(result, seconds: float, peak_tflops: float | None) -> dict:
@@ -87,6 +96,7 @@ def final_table(results: Sequence, facts: dict) -> str:
             + (_expert_cells(rank) if experts else "")
         )
     unit = "tokens/s" if facts["sample_tokens"] > 1 else "samples/s"
+    lines.append(FLOP_COUNT)
     lines.append(
         f"median step {facts['median_step_seconds'] * 1e3:.1f} ms, {facts['tokens_per_second']:,.0f} {unit}, "
         f"final loss {facts['losses'][-1]:.4f}"
