@@ -22,8 +22,10 @@ Step times are medians over the steps after the warm-up (compilation happens in 
 Goals on an H100/H200: p = 1 --compile ≤ 1.0 × the compiled loop; zb-h1 at p = 1 ≤ 1.02 × 1f1b;
 p = 4 in process ≤ 1.05 × p = 1; peak memory within 5 % of the plan; MFU (PaLM) ≥ 45 %.
 
-Usage: python bench/gpu.py [--quick] [--json PATH] [--peak-tflops T]
+Usage: python bench/gpu.py [--quick] [--split-compile] [--json PATH] [--peak-tflops T]
        (--quick: the 2-minute subset on a ~130M model, eager only;
+        --split-compile: also p = 4 zb-v compiled both ways a split backward survives compilation —
+        pipeloom's custom op (one graph a stage) and a graph break at each linear — a few minutes more;
         --smoke: a tiny model on whatever device there is — checks this script, measures nothing)
 Never in CI.
 """
@@ -40,6 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from compiled_stages import graph_breaks_at_split_linears  # bench/ is on the path
 
 from pipeloom import Costs, build_schedule, simulate
 from pipeloom.models.hf import hf_workload
@@ -136,7 +139,7 @@ class Bench:
         config = transformers.AutoConfig.for_model(**self.config)
         torch.manual_seed(0)
         with torch.device(self.device):
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = transformers.AutoModelForCausalLM.from_config(config)  # fp32, torch's default
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=self.device == "cuda")
         forward = torch.compile(model) if compiled else model
         tokens = torch.randint(0, self.config["vocab_size"], (self.m, self.b, self.seq), device=self.device)
@@ -196,6 +199,8 @@ def _planned_bytes(spec: TrainSpec, results) -> float:
 
 
 def _release() -> None:
+    """Let the next run start from an empty GPU: compiled graphs (dynamo's caches) go too."""
+    torch._dynamo.reset()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -222,6 +227,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the 2-minute subset: a ~130M model, eager only")
     parser.add_argument("--smoke", action="store_true", help="a tiny model on any device: checks the script")
+    parser.add_argument(
+        "--split-compile", action="store_true", help="also p=4 zb-v compiled as one graph a stage and with breaks"
+    )
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak (default: by its name)")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
@@ -253,6 +261,11 @@ def main() -> None:
     bench.pipeloom("c", "p=1 zb-h1, every W apart", "zb-h1", 1, baseline="p=1 1f1b", separate_w=True)
     for schedule in ("1f1b", "zb-h1", "zb-v", "interleaved") if not args.quick else ("1f1b", "zb-v"):
         bench.pipeloom("b", f"p=4 {schedule} in process", schedule, 4, baseline="p=1 1f1b")
+    if args.split_compile:
+        bench.pipeloom("b", "p=4 zb-v --compile", "zb-v", 4, baseline="p=4 zb-v in process", compile=True)
+        with graph_breaks_at_split_linears():
+            what = "p=4 zb-v --compile, breaks at linears"
+            bench.pipeloom("b", what, "zb-v", 4, baseline="p=4 zb-v in process", compile=True)
     print(f"\n{time.perf_counter() - began:.0f} s in all")
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(row) for row in bench.rows], indent=1))
