@@ -64,6 +64,8 @@ bench: $(STAMP)
 	$(PY) bench/fidelity.py
 	$(PY) bench/slices.py
 	$(PY) bench/runtime_vs_torch.py
+	$(PY) bench/split_backward.py
+	$(PY) bench/compiled_stages.py
 	$(PY) bench/real_model.py
 	$(PY) bench/real_model.py --model resnet152 --microbatch-size 2
 

@@ -102,6 +102,10 @@ class WeightGradQueue:
         return pending + sum(len(entries) for entries in self._split.values())
 
 
+_WIDE_ADDMM = "dtype_out" in torch.ops.aten.addmm.overloads()
+"""Whether this torch has addmm with a wider output type (bf16 × bf16 accumulated into fp32)."""
+
+
 def _accumulate_product(parameter: nn.Parameter, a: torch.Tensor, b: torch.Tensor) -> None:
     """parameter.grad += a @ b, in place when the types agree; under mixed precision the product
     runs in the compute type and accumulates into the fp32 gradient (`.grad` of fp32 weights, or
@@ -110,7 +114,7 @@ def _accumulate_product(parameter: nn.Parameter, a: torch.Tensor, b: torch.Tenso
     grad = grad_of(parameter)
     if grad is not None and a.dtype == grad.dtype:
         grad.addmm_(a, b)
-    elif grad is not None and grad.is_cuda and grad.dtype == torch.float32 and grad.is_contiguous():
+    elif _WIDE_ADDMM and grad is not None and grad.is_cuda and grad.dtype == torch.float32 and grad.is_contiguous():
         torch.addmm(grad, a, b, out_dtype=torch.float32, out=grad)
     else:
         _accumulate(parameter, a @ b)
