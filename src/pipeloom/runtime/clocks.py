@@ -36,9 +36,13 @@ class HostClock:
 
 
 class DeviceClock:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        """Named, not taken from the thread: a helper thread's current device is the first GPU."""
+
     def mark(self) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def seconds(self, began: torch.cuda.Event, ended: torch.cuda.Event) -> float:
@@ -46,4 +50,4 @@ class DeviceClock:
 
 
 def clock_for(device: torch.device) -> Clock:
-    return DeviceClock() if device.type == "cuda" else HostClock()
+    return DeviceClock(device) if device.type == "cuda" else HostClock()
