@@ -237,7 +237,12 @@ class _RoutedExperts:
                 pieces[i] = y[offset : offset + high - low]
                 offset += high - low
         made = [piece for piece in pieces if piece is not None]
-        return torch.cat(made) if made else rows.new_zeros(rows.shape)
+        if not made:  # skewed routing sent every token elsewhere: an expert on no rows, so that
+            # the graph still runs through the exchanges (this rank's backward runs both reverse
+            # all-to-alls as its peers do) and through the weights (their gradient is zero, not
+            # missing: AdamW's moments move as they do for the whole stacked weight in one process)
+            return _expert(module, 0, rows).to(rows.dtype)
+        return torch.cat(made)
 
     def combine(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         route = self.routes.pop(threading.get_ident())
