@@ -58,13 +58,13 @@ def token_file(tmp_path_factory):
     return write_token_file(tmp_path_factory.mktemp("tokens") / "tokens.bin", ids.numpy(), "uint16")
 
 
-def llama_spec(tmp_path, token_file, schedule: str, **changes) -> TrainSpec:
+def llama_spec(tmp_path, token_file, schedule: str, lr: float = LR, **changes) -> TrainSpec:
     from pipeloom.data import TokenFile
 
     work = hf_workload(
         model_dir(tmp_path, LLAMA), seed=1, microbatch_size=2, seq_len=SEQ, data=TokenFile(token_file, SEQ, seed=2)
     )
-    return TrainSpec(build_schedule(schedule, 2, 4, **SCHEDULES.get(schedule, {})), workload=work, lr=LR, **changes)
+    return TrainSpec(build_schedule(schedule, 2, 4, **SCHEDULES.get(schedule, {})), workload=work, lr=lr, **changes)
 
 
 def assert_trains_like_one_process(spec: TrainSpec, results) -> None:
@@ -135,6 +135,31 @@ def test_pp2_dp2_tp2_with_zero1_trains_like_one_process(tmp_path, token_file):
     results = run_local(spec)
     assert len(results) == 8
     assert_matches_reference(spec, results, rtol=1e-5, atol=1e-6)
+
+
+def test_the_global_norm_under_tp_counts_every_shard_once(tmp_path, token_file):
+    """Clipping, post-validation and the non-finite skip under pp2 × tp2: each rank counts its
+    shards, the group's first rank the replicated weights (norms), so the global norm is the
+    pipeline's without tensor parallelism — a doubled or missing sum over the group would move
+    it by up to √2 — and a NaN on one stage skips the step on every rank."""
+    faults = ((1, 1, "nan", 0.0),)
+    changes = dict(steps=3, clip_norm=0.05, lr=1e-3, gradient_faults=faults)
+    plain = run_local(llama_spec(tmp_path, token_file, "1f1b", **changes))
+    norms = plain[0].grad_norms
+    assert len(norms) == 3 and norms[0] > 0.05 and norms[2] > 0.05  # clipping acts
+    tensor = run_local(llama_spec(tmp_path, token_file, "1f1b", tp=2, **changes))
+    post = llama_spec(tmp_path, token_file, "1f1b", tp=2, sequence_parallel=True, post_validation=True, **changes)
+    validated = run_local(post)
+    for run in (tensor, validated):
+        assert run[0].losses == pytest.approx(plain[0].losses, rel=1e-5)
+        for result in run:
+            assert result.grad_norms == pytest.approx(norms, rel=1e-5, nan_ok=True)
+            assert result.skipped_steps == 1
+    # device 0 stepped under its partial state (its own stage, both shards) and was overturned
+    # every step: by the full norm's coefficient, and by the NaN downstream
+    layout = RankLayout(2, 1, 2)
+    assert [validated[layout.rank(0, 0, t)].rollbacks for t in range(2)] == [3, 3]
+    assert [validated[layout.rank(0, 1, t)].rollbacks for t in range(2)] == [0, 0]
 
 
 @pytest.mark.parametrize("family", sorted(OTHERS))

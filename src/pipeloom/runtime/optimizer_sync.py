@@ -23,6 +23,7 @@ host's path (the rollback, the redo).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -107,6 +108,7 @@ class OptimizerSync:
         pipeline_group,
         timeout_s: float,
         on_decision=None,
+        tensor_group=None,
     ) -> None:
         self.stepper, self.clip_norm = stepper, clip_norm
         self.post_validation = post_validation
@@ -120,6 +122,12 @@ class OptimizerSync:
         self.skipped = 0
         self.on_decision = on_decision
         """Called once per step with its final decision (stepped or skipped): fp16's loss scale."""
+        self.tensor_group = tensor_group
+        """This rank's tensor-parallel group: post-validation sums a device's shards there first."""
+        self.state: torch.Tensor | None = None
+        """The synchronous step's reduced state, for the host to learn the norm at the step's end."""
+        self.norms: list[float] = []
+        """Each step's global gradient norm (before clipping; NaN or Inf where a gradient was)."""
 
     def _apply(self, decision: torch.Tensor) -> None:
         """Scale by the decision's coefficient (when clipping) and step, skipped where it says so —
@@ -134,9 +142,11 @@ class OptimizerSync:
         device = local.device
         if not self.post_validation:
             dist.all_reduce(local, group=self.group)
-            self.decision = decide(local, self.clip_norm)
+            self.state, self.decision = local, decide(local, self.clip_norm)
             self._apply(self.decision)
             return
+        if self.tensor_group is not None:  # the device's state: its shards summed over the group
+            dist.all_reduce(local, group=self.tensor_group)
         tag = _TAG + 4 * step
         partial = local.clone()
         if self.device > 0:
@@ -162,8 +172,8 @@ class OptimizerSync:
         (post-validated) the one it stepped under and the full state's — received from the next
         device and passed on up the pipeline first."""
         if not self.post_validation:
-            assert self.decision is not None, "step() ran"
-            return [self.decision]
+            assert self.decision is not None and self.state is not None, "step() ran"
+            return [self.decision, self.state]
         pending = self.pending
         assert pending is not None, "step() ran"
         if pending.work is not None:
@@ -171,16 +181,17 @@ class OptimizerSync:
             if self.device > 0:
                 full = pending.full.clone()
                 posted(dist.isend(full, dst=self.rank_of(self.device - 1), tag=pending.tag)).wait(self.timeout)
-        return [pending.decision, decide(pending.full, self.clip_norm)]
+        return [pending.decision, decide(pending.full, self.clip_norm), pending.full]
 
     def settle(self, values: list[float]) -> None:
         """Given `to_read`'s values on the host: book the step's decision, and redo a
         post-validated step the full state decided otherwise."""
+        self.norms.append(math.sqrt(values[-2]) if values[-1] == 0 else math.nan)  # the full state's
         if not self.post_validation:
             self._book(values[0] == 1.0)
-            self.decision = None
+            self.decision = self.state = None
             return
-        (stepped_partial, coefficient_partial, stepped, coefficient), self.pending = values, None
+        (stepped_partial, coefficient_partial, stepped, coefficient, _, _), self.pending = values, None
         self._book(stepped == 1.0)
         if (stepped_partial, coefficient_partial) == (stepped, coefficient):
             return

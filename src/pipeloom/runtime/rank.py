@@ -169,7 +169,7 @@ class RankRun:
         for part in (experts, tensor):
             if part is not None:
                 part.set_up_done()
-        owned = owners.test(stages, names)
+        owned = owners.test(stages, names, tensor)
         dp_group = mesh["dp"].get_group() if mesh is not None else None
         host, stepper, parameters = steppers(parallel, optimizer, dp_group, owned, stages, device, tp_index, precision)
         stores = [part.store for part in (host, stepper) if isinstance(part, HostOffload | ShardedAdamW)]
@@ -202,7 +202,7 @@ class RankRun:
             else None
         )
         optimizers = JointSteppers(host, stepper) if host is not None else stepper  # the host's starts first
-        sync = optimizer_sync(optimizer, parallel, optimizers, device, replica, scaler)  # refused with tp > 1
+        sync = optimizer_sync(optimizer, parallel, optimizers, device, replica, scaler, tensor)
         m, b = schedule.num_microbatches, work.microbatch_size
         result = RankResult(rank, sample_tokens=work.sample_tokens, samples_per_step=parallel.dp * m * b)
         result.forward_flops = m * sum(probe.forward_flops[s] for s in stages)
@@ -337,6 +337,7 @@ class RankRun:
         result = self.result
         if self.sync is not None:
             result.rollbacks, result.skipped_steps = self.sync.rollbacks, self.sync.skipped
+            result.grad_norms = self.sync.norms
         if self.progress is not None:
             self.progress(None)
         if self.log is not None:

@@ -189,29 +189,40 @@ def progress_of(spec: TrainSpec, rank: int, result: RankResult):
     return StepReporter(result, spec.steps, spec.peak_tflops)
 
 
-def optimizer_sync(optimizer: OptimizerPart, parallel: ParallelPart, stepper, device: int, replica: int, scaler):
-    """Global clipping / skipping (also fp16's overflow skip), if asked for; its process groups
-    are made on every rank alike."""
+def optimizer_sync(
+    optimizer: OptimizerPart,
+    parallel: ParallelPart,
+    stepper,
+    device: int,
+    replica: int,
+    scaler,
+    tensor: TensorParallel | None = None,
+):
+    """Global clipping / skipping (also fp16's overflow skip), if asked for, over every rank of
+    this replica — its pipeline devices and their tensor-parallel groups; its process groups are
+    made on every rank alike."""
     if not optimizer.needs_global_state:
         return None
-    p, layout = parallel.schedule.num_devices, parallel.layout
-    groups = [dist.new_group([layout.rank(r, d) for d in range(p)]) for r in range(parallel.dp)]
+    p, tp, layout = parallel.schedule.num_devices, parallel.tp, parallel.layout
+    groups = [dist.new_group([layout.rank(r, d, t) for d in range(p) for t in range(tp)]) for r in range(parallel.dp)]
+    tp_index = tensor.index if tensor is not None else 0
     return OptimizerSync(
         stepper,
         optimizer.clip_norm,
         optimizer.post_validation,
         device,
         p,
-        lambda d: layout.rank(replica, d),
+        lambda d: layout.rank(replica, d, tp_index),
         groups[replica],
         parallel.timeout_s,
         on_decision=scaler.update if scaler is not None else None,
+        tensor_group=tensor.mesh.get_group() if tensor is not None else None,
     )
 
 
 class Owners:
-    """Which device counts a parameter in the global gradient norm: each counts once, on the
-    lowest device hosting its first stage. Kept by the parameters' names in the whole model, so
+    """Which rank counts a parameter in the global gradient norm: each counts once, on the
+    lowest device hosting its first stage (and, under tensor parallelism, shard by shard). Kept by the parameters' names in the whole model, so
     it holds no tensor and answers for shards (tensor- or expert-parallel) as for whole ones."""
 
     def __init__(self, schedule, all_stages, names: dict[int, dict[str, str]], device: int) -> None:
@@ -231,7 +242,18 @@ class Owners:
                 self.first_name[name] = canonical
                 self.owner.setdefault(canonical, owners[s])
 
-    def test(self, stages: dict[int, torch.nn.Module], names: dict[int, dict[str, str]]):
-        """The test, asked of the parameters `stages` hold now (cut or not)."""
+    def test(
+        self, stages: dict[int, torch.nn.Module], names: dict[int, dict[str, str]], tensor: TensorParallel | None = None
+    ):
+        """The test, asked of the parameters `stages` hold now (cut or not). Under tensor
+        parallelism (`tensor`, this rank's group) each rank counts its shards — the group's
+        ranks hold disjoint parts — and only the group's first rank a replicated weight."""
         name_of = {id(t): names[s][local] for s, module in stages.items() for local, t in module.named_parameters()}
-        return lambda parameter: self.owner[self.first_name[name_of[id(parameter)]]] == self.device
+        sharded = set(tensor.sharded) if tensor is not None else set()
+        first_of_group = tensor is None or tensor.index == 0
+
+        def owned(parameter) -> bool:
+            here = self.owner[self.first_name[name_of[id(parameter)]]] == self.device
+            return here and (first_of_group or id(parameter) in sharded)
+
+        return owned

@@ -255,6 +255,9 @@ class RankResult:
     """Stage → the gradients the last step's optimizer used, with `record_gradients`."""
     rollbacks: int = 0
     """Optimizer steps post-validation rolled back and redone."""
+    grad_norms: list[float] = field(default_factory=list)
+    """Each step's global gradient norm over every stage and shard, before clipping (NaN where a
+    gradient was not finite) — where clipping, post-validation or fp16 reduce it; else empty."""
     skipped_steps: int = 0
     loss_scales: list[float] = field(default_factory=list)
     """fp16: the loss scale each step ran under."""

@@ -73,11 +73,6 @@ def _check_parallelism(parallel: ParallelPart, world_size: int | None) -> None:
 
 def _check_optimizer(optimizer: OptimizerPart, parallel: ParallelPart) -> None:
     Precision(optimizer.dtype)
-    if parallel.tp > 1 and optimizer.needs_global_state:
-        raise ConfigError(
-            "train: --tp does not yet combine with --clip-norm, --post-validation or fp16's overflow skip "
-            "(their global norm would have to sum the tensor-parallel shards); use bf16 without them"
-        )
     if optimizer.dtype == "fp16" and parallel.offload_stages:
         raise ConfigError("train: fp16's loss scale does not cover host-stepped (offloaded) stages; use bf16")
     if optimizer.clip_norm is not None and optimizer.clip_norm <= 0:
