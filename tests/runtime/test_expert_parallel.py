@@ -51,14 +51,14 @@ def token_file(tmp_path_factory):
     return write_token_file(tmp_path_factory.mktemp("tokens") / "tokens.bin", ids.numpy(), "uint16")
 
 
-def moe_spec(tmp_path, token_file, family: str, schedule: str, **changes) -> TrainSpec:
+def moe_spec(tmp_path, token_file, family: str, schedule: str, lr: float = 1e-5, **changes) -> TrainSpec:
     from pipeloom.data import TokenFile
 
     work = hf_workload(
         model_dir(tmp_path, family), seed=1, microbatch_size=2, seq_len=SEQ, data=TokenFile(token_file, SEQ, seed=2)
     )
     options = {"costs": PRICED_A2A} if schedule == "dualpipev" else {}
-    return TrainSpec(build_schedule(schedule, 2, 4, **options), workload=work, lr=1e-5, dp=2, ep=2, **changes)
+    return TrainSpec(build_schedule(schedule, 2, 4, **options), workload=work, lr=lr, **{"dp": 2, "ep": 2, **changes})
 
 
 @pytest.mark.parametrize(
@@ -111,6 +111,26 @@ def test_expert_parallelism_survives_the_skewed_routing_of_real_text(tmp_path):
                 torch.testing.assert_close(
                     value, expected, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
                 )
+
+
+def test_the_global_norm_under_ep_counts_every_expert_once(tmp_path, token_file):
+    """Clipping, post-validation and the non-finite skip under pp2 × dp2 with ep 2: each rank's
+    dense weights count within its replica (equal on both), its experts over its expert-parallel
+    group (which holds the layer's experts between them), so the global norm is the same run's
+    without expert parallelism; a NaN on one stage skips the step on every rank."""
+    faults = ((1, 1, "nan", 0.0),)
+    changes = dict(steps=3, clip_norm=0.05, lr=1e-3, gradient_faults=faults)
+    whole = run_local(moe_spec(tmp_path, token_file, "mixtral", "1f1b", **{**changes, "ep": 1}))
+    norms = whole[0].grad_norms
+    assert len(norms) == 3 and norms[0] > 0.05 and norms[2] > 0.05  # clipping acts
+    for post_validation in (False, True):
+        shared = run_local(
+            moe_spec(tmp_path, token_file, "mixtral", "1f1b", post_validation=post_validation, **changes)
+        )
+        assert shared[0].losses == pytest.approx(whole[0].losses, rel=1e-5)
+        for result in shared:
+            assert result.grad_norms == pytest.approx(norms, rel=1e-5, nan_ok=True)
+            assert result.skipped_steps == 1
 
 
 def test_the_cli_trains_dualpipev_with_expert_parallelism(tmp_path, token_file, capsys):

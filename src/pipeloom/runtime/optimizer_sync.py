@@ -109,6 +109,7 @@ class OptimizerSync:
         timeout_s: float,
         on_decision=None,
         tensor_group=None,
+        local_state=None,
     ) -> None:
         self.stepper, self.clip_norm = stepper, clip_norm
         self.post_validation = post_validation
@@ -124,6 +125,8 @@ class OptimizerSync:
         """Called once per step with its final decision (stepped or skipped): fp16's loss scale."""
         self.tensor_group = tensor_group
         """This rank's tensor-parallel group: post-validation sums a device's shards there first."""
+        self.local_state = local_state or stepper.local_state
+        """This rank's [squares, non-finite count] (expert parallelism adds its group's experts)."""
         self.state: torch.Tensor | None = None
         """The synchronous step's reduced state, for the host to learn the norm at the step's end."""
         self.norms: list[float] = []
@@ -138,7 +141,7 @@ class OptimizerSync:
 
     def step(self, step: int) -> None:
         """Instead of optimizer.step(), once this rank's gradients are final."""
-        local = self.stepper.local_state()
+        local = self.local_state()
         device = local.device
         if not self.post_validation:
             dist.all_reduce(local, group=self.group)

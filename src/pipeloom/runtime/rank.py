@@ -202,7 +202,7 @@ class RankRun:
             else None
         )
         optimizers = JointSteppers(host, stepper) if host is not None else stepper  # the host's starts first
-        sync = optimizer_sync(optimizer, parallel, optimizers, device, replica, scaler, tensor)
+        sync = optimizer_sync(optimizer, parallel, optimizers, device, replica, scaler, tensor, experts)
         m, b = schedule.num_microbatches, work.microbatch_size
         result = RankResult(rank, sample_tokens=work.sample_tokens, samples_per_step=parallel.dp * m * b)
         result.forward_flops = m * sum(probe.forward_flops[s] for s in stages)

@@ -16,6 +16,7 @@ from pipeloom.ir.ops import OpKind
 from pipeloom.models.workload import Workload
 from pipeloom.runtime.boundary import StageProbe
 from pipeloom.runtime.comm import MessagePlan
+from pipeloom.runtime.expert_parallel import ExpertExchange
 from pipeloom.runtime.gradients import unique_parameters
 from pipeloom.runtime.mailbox import Mail, Mailbox
 from pipeloom.runtime.memory_mailbox import MemoryMailbox, Postbox
@@ -26,7 +27,7 @@ from pipeloom.runtime.spec import OptimizerPart, ParallelPart, RankResult, Train
 from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
 from pipeloom.runtime.tensor_parallel import TensorParallel, parallel_loss, wire_boundaries
 from pipeloom.runtime.tensor_parallel_styles import shard_stages
-from pipeloom.runtime.zero import ReplicatedAdamW, ShardedAdamW
+from pipeloom.runtime.zero import ReplicatedAdamW, ShardedAdamW, squares_and_bad
 
 __all__ = [
     "Transport",
@@ -197,6 +198,7 @@ def optimizer_sync(
     replica: int,
     scaler,
     tensor: TensorParallel | None = None,
+    experts: ExpertExchange | None = None,
 ):
     """Global clipping / skipping (also fp16's overflow skip), if asked for, over every rank of
     this replica — its pipeline devices and their tensor-parallel groups; its process groups are
@@ -206,6 +208,7 @@ def optimizer_sync(
     p, tp, layout = parallel.schedule.num_devices, parallel.tp, parallel.layout
     groups = [dist.new_group([layout.rank(r, d, t) for d in range(p) for t in range(tp)]) for r in range(parallel.dp)]
     tp_index = tensor.index if tensor is not None else 0
+    local_state = _with_experts(stepper, experts) if experts is not None else None
     return OptimizerSync(
         stepper,
         optimizer.clip_norm,
@@ -217,7 +220,25 @@ def optimizer_sync(
         parallel.timeout_s,
         on_decision=scaler.update if scaler is not None else None,
         tensor_group=tensor.mesh.get_group() if tensor is not None else None,
+        local_state=local_state,
     )
+
+
+def _with_experts(stepper, experts: ExpertExchange) -> Callable[[], torch.Tensor]:
+    """A rank's state under expert parallelism: its dense weights as any rank's (equal on every
+    replica, so counted within one), plus its experts' summed over the expert-parallel group —
+    whose ranks hold the layer's experts between them, each once."""
+    assert isinstance(stepper, ReplicatedAdamW), "check_spec refuses --ep with ZeRO and offload"
+    routed = [p for p in stepper.owned if id(p) in experts.sharded]
+    dense = [p for p in stepper.owned if id(p) not in experts.sharded]
+
+    def local_state() -> torch.Tensor:
+        device = stepper.parameters[0].device
+        shared = squares_and_bad([p.grad for p in routed if p.grad is not None], device)
+        dist.all_reduce(shared, group=experts.group)
+        return squares_and_bad([p.grad for p in dense if p.grad is not None], device) + shared
+
+    return local_state
 
 
 class Owners:
