@@ -38,6 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from pipeloom.models.materialise import Cut
 from pipeloom.runtime.clocks import Clock, HostClock
@@ -104,9 +106,17 @@ class ExpertExchange:
     """This rank's EP group: `size` ranks, this one `index`, over `num_experts` experts a layer."""
 
     def __init__(
-        self, group: dist.ProcessGroup, size: int, index: int, num_experts: int, clock: Clock | None = None
+        self,
+        group: dist.ProcessGroup,
+        size: int,
+        index: int,
+        num_experts: int,
+        clock: Clock | None = None,
+        mesh: DeviceMesh | None = None,
     ) -> None:
         self.group, self.size, self.index = group, size, index
+        self.mesh = mesh
+        """The group as a one-dimensional DeviceMesh: what a checkpoint's expert shards live on."""
         self.clock = clock or HostClock()
         self.num_experts, self.local = num_experts, num_experts // size
         self.traffic = ExpertTraffic(tokens=[0] * num_experts)
@@ -145,6 +155,14 @@ class ExpertExchange:
     def set_up_done(self) -> None:
         """Forget the full parameters the shards were cut from."""
         self.cuts.clear()
+
+    def as_shard(self, parameter: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """`value` (an expert shard's data or optimizer moment) as this rank's part of one DTensor
+        sharded by expert over the group, sharing its storage — what torch.distributed.checkpoint
+        saves under the whole layer's name and shape, and reads back into any expert split."""
+        if id(parameter) not in self.sharded or self.mesh is None:
+            return value
+        return DTensor.from_local(value, self.mesh, [Shard(0)], run_check=False)
 
     def full(self, shard: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """`value` of an expert shard as the whole layer's (gathered over the group; a collective)."""

@@ -155,8 +155,10 @@ class RankRun:
                 raise ConfigError(
                     "train: --ep exchanges tokens over torch.distributed; run ranks (--nproc), not in process"
                 )
-            group = layout.expert_mesh(where.type, parallel.ep)["ep"].get_group()
-            experts = ExpertExchange(group, parallel.ep, replica % parallel.ep, routed.num_experts, clock_for(where))
+            ep_mesh = layout.expert_mesh(where.type, parallel.ep)["ep"]
+            experts = ExpertExchange(
+                ep_mesh.get_group(), parallel.ep, replica % parallel.ep, routed.num_experts, clock_for(where), ep_mesh
+            )
             buckets.rebind(shard_experts(stages, routed.modules, experts))
         loss = work.loss
         if tensor is not None:

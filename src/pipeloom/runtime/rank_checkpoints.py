@@ -21,13 +21,14 @@ def save_rank(run, directory: str, steps_done: int) -> None:
         "zero": parallel.zero,
         "offload_stages": sorted(parallel.offload_stages),
         "tp": parallel.tp,
+        "ep": parallel.ep,
         "layout_free": layout_free(list(run.names.values())),
         "lr_schedule": run.learning.state_dict(),
         "config": spec.run_config,
         "data": run.work.data,
         "dtype": spec.dtype,
     }
-    shards = run.tensor.as_shard if run.tensor is not None else None
+    shards = _shards_of(run)
     saved = save_checkpoint(
         directory, steps_done, run.stages, run.holders, facts, shards, run.names, run.work.description
     )
@@ -49,10 +50,25 @@ def resume_rank(run) -> None:
         layout_free(list(run.names.values())),
     )
     by_name = run.names if "layout_free" in facts else None  # older checkpoints: by stage
-    shards = run.tensor.as_shard if run.tensor else None
+    shards = _shards_of(run)
     run.first_step = load_checkpoint(found, run.stages, run.holders, shards, by_name)
     run.learning.load_state_dict(facts.get("lr_schedule"))
     if spec.report and run.rank == 0:
         changes = input_changes(facts, run.work.data, spec.dtype)
         note = f"; it was trained on {'; and '.join(changes)}" if changes else ""
         print(f"resumed from {found}: {run.first_step} of {spec.steps} steps done{note}", flush=True)
+
+
+def _shards_of(run):
+    """(parameter, tensor) → the tensor as a DTensor of this rank's part, for a weight cut over a
+    tensor- or expert-parallel group (a weight is cut over one of them at most); None: nothing cut."""
+    parts = [part for part in (run.tensor, run.experts) if part is not None]
+    if not parts:
+        return None
+
+    def shards(parameter, value):
+        for part in parts:
+            value = part.as_shard(parameter, value)
+        return value
+
+    return shards

@@ -143,7 +143,6 @@ def _check_expert_parallel(spec: TrainSpec, parallel: ParallelPart) -> None:
         "--tp": parallel.tp > 1,
         "--zero": parallel.zero > 0,
         "--offload": bool(parallel.offload_stages),
-        "--save or --resume": spec.checkpoints.directory is not None or spec.checkpoints.resume_from is not None,
     }
     for flag, asked in refused.items():
         if asked:
