@@ -159,6 +159,21 @@ def test_an_expert_parallel_run_saves_and_resumes_under_another_expert_split(tmp
     assert unshared[0].losses == pytest.approx(whole[0].losses[2:], rel=1e-6)
 
 
+def test_evaluation_with_the_experts_shared_out_equals_it_with_every_expert_here(tmp_path, token_file):
+    """The held-out forward runs the same exchanges as training's forwards (every replica's, in
+    step), so its loss is the one the same weights give with every expert on every replica."""
+    from pipeloom.data import TokenFile
+
+    held_out = TokenFile(token_file, SEQ, seed=9).batch
+    changes = dict(steps=2, lr=1e-3, eval_data=held_out, eval_every=1, eval_batches=2)
+    shared = run_local(moe_spec(tmp_path, token_file, "mixtral", "1f1b", **changes))
+    whole = run_local(moe_spec(tmp_path, token_file, "mixtral", "1f1b", **changes, ep=1))
+    assert [step for step, _ in shared[0].eval_losses] == [1, 2]
+    assert [loss for _, loss in shared[0].eval_losses] == pytest.approx(
+        [loss for _, loss in whole[0].eval_losses], rel=1e-6
+    )
+
+
 def test_the_cli_trains_dualpipev_with_expert_parallelism(tmp_path, token_file, capsys):
     from pipeloom.cli import main
 

@@ -85,8 +85,6 @@ def _check_evaluation(spec: TrainSpec) -> None:
             raise ConfigError(f"train: {name} must be an integer of at least {least}, got {value!r}")
     if spec.eval_every and spec.eval_data is None:
         raise ConfigError("train: --eval-every needs held-out data: add --eval-data PATH")
-    if spec.eval_every and spec.ep > 1:
-        raise ConfigError("train: --eval-data does not combine with --ep yet (the experts' exchange is per step)")
 
 
 def _check_model(model: ModelPart, schedule: Schedule) -> None:
