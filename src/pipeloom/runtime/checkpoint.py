@@ -9,7 +9,8 @@ pipeline size: DCP reads each name wherever it now lives. Under ZeRO each replic
 shard of the fp32 master weights and moments, keyed by device and shard, and the host's offloaded
 optimizer by stage, so resuming those needs the same layout; under tensor parallelism each cut
 weight and its optimizer state go in as a DTensor of this rank's shard, which DCP saves as shards
-of one tensor, and resuming needs the same tp. The step and its RNG state go into
+of one tensor — the whole weight under its name, so a resume under another tp (or none) reads its
+own slices, unless the model packs several projections into one weight. The step and its RNG state go into
 ``DIR/step-n.partial``; after a barrier rank 0 writes ``model.json`` (what the model is, for
 `pipeloom export`), renames it to ``DIR/step-n`` and only then writes the ``COMPLETE`` marker
 (JSON: step, world size, schedule, layout facts, the learning-rate scheduler's state, the run's
@@ -50,6 +51,7 @@ def find_checkpoint(
     offload_stages=(),
     tp: int = 1,
     layout_free: bool = False,
+    tp_packed: bool = False,
 ) -> tuple[Path, dict]:
     """(directory, the facts of its marker — ``step`` is the steps done) of the checkpoint at `path` — a ``step-n`` directory, or the newest
     one inside `path` — or ConfigError if it is missing, torn, or from another run's shape. A
@@ -57,11 +59,23 @@ def find_checkpoint(
     sides) resumes under another schedule, pipeline size or data-parallel size, as long as the
     optimizer state is whole (no ZeRO shards, nothing on the host)."""
     chosen, facts = read_checkpoint(path)
-    if facts.get("tp", 1) != tp:
-        raise ConfigError(
-            f"checkpoint {str(chosen)!r} holds weights cut over tp = {facts.get('tp', 1)} ranks, not {tp}: resume "
-            f"with --tp {facts.get('tp', 1)} (resharding to another tp is not supported)"
-        )
+    saved_tp = facts.get("tp", 1)
+    if saved_tp != tp:
+        packed = tp_packed or facts.get("tp_packed", saved_tp > 1)  # older checkpoints: assume so
+        fixed = zero or offload_stages or not (layout_free and facts.get("layout_free", False))
+        if packed or fixed:
+            why = (
+                "the model packs several projections in one weight (GPT-2's q, k, v), whose shards are not "
+                "slices of the whole"
+                if packed
+                else "its optimizer state is sharded by rank (ZeRO or host offload)"
+                if zero or offload_stages
+                else "its weights are keyed by stage, not by their names in the model"
+            )
+            raise ConfigError(
+                f"checkpoint {str(chosen)!r} holds weights cut over tp = {saved_tp} ranks, not {tp}, and {why}: "
+                f"resume with --tp {saved_tp}"
+            )
     if facts.get("zero", 0) != zero:
         raise ConfigError(
             f"checkpoint {str(chosen)!r} holds ZeRO-{facts.get('zero', 0)} optimizer state, not ZeRO-{zero}: "

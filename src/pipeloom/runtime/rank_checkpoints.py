@@ -7,6 +7,7 @@ from __future__ import annotations
 from pipeloom.models.workload import layout_free
 from pipeloom.runtime.checkpoint import after_save, find_checkpoint, load_checkpoint, save_checkpoint
 from pipeloom.runtime.spec_checks import input_changes
+from pipeloom.runtime.tensor_parallel_styles import packs_projections
 
 __all__ = ["save_rank", "resume_rank"]
 
@@ -21,6 +22,7 @@ def save_rank(run, directory: str, steps_done: int) -> None:
         "zero": parallel.zero,
         "offload_stages": sorted(parallel.offload_stages),
         "tp": parallel.tp,
+        "tp_packed": packs_projections(run.work, run.spec.parallelism.tp, run.spec.parallelism.sequence_parallel),
         "ep": parallel.ep,
         "layout_free": layout_free(list(run.names.values())),
         "lr_schedule": run.learning.state_dict(),
@@ -48,6 +50,7 @@ def resume_rank(run) -> None:
         parallel.offload_stages,
         parallel.tp,
         layout_free(list(run.names.values())),
+        packs_projections(run.work, run.spec.parallelism.tp, run.spec.parallelism.sequence_parallel),
     )
     by_name = run.names if "layout_free" in facts else None  # older checkpoints: by stage
     shards = _shards_of(run)

@@ -13,6 +13,7 @@ from pipeloom.models.llama import stage_layer_counts
 from pipeloom.runtime.checkpoint import find_checkpoint
 from pipeloom.runtime.precision import Precision
 from pipeloom.runtime.spec import CheckpointPart, ModelPart, OptimizerPart, ParallelPart, TrainSpec
+from pipeloom.runtime.tensor_parallel_styles import packs_projections
 
 __all__ = ["check_device", "check_spec"]
 
@@ -43,7 +44,9 @@ def check_spec(spec: TrainSpec, world_size: int | None = None, on_this_device: b
     _check_model(spec.model, parallel.schedule)
     _check_tensor_parallel(spec.model, parallel)
     _check_expert_parallel(spec, parallel)
-    _check_checkpoints(spec.checkpoints, parallel, spec.steps, (spec.resolved_workload().data, spec.dtype))
+    work = spec.resolved_workload()
+    packed = packs_projections(work, parallel.tp, parallel.sequence_parallel)
+    _check_checkpoints(spec.checkpoints, parallel, spec.steps, (work.data, spec.dtype), packed)
 
 
 def _check_parallelism(parallel: ParallelPart, world_size: int | None) -> None:
@@ -148,7 +151,11 @@ def _check_expert_parallel(spec: TrainSpec, parallel: ParallelPart) -> None:
 
 
 def _check_checkpoints(
-    checkpoints: CheckpointPart, parallel: ParallelPart, steps: int, inputs: tuple[dict | None, str]
+    checkpoints: CheckpointPart,
+    parallel: ParallelPart,
+    steps: int,
+    inputs: tuple[dict | None, str],
+    tp_packed: bool = False,
 ) -> None:
     if (checkpoints.directory is None) != (checkpoints.every == 0) or checkpoints.every < 0:
         raise ConfigError("train: checkpoints need both a directory (--save) and a period (--save-every >= 1)")
@@ -164,6 +171,7 @@ def _check_checkpoints(
             parallel.offload_stages,
             parallel.tp,
             layout_free=True,
+            tp_packed=tp_packed,
         )
         done = int(facts["step"])
         if done >= steps:

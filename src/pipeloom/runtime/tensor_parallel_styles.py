@@ -197,6 +197,14 @@ def _style(role: str, tp: TensorParallel) -> ParallelStyle:
     raise ConfigError(f"tensor parallelism: unknown role {role!r} in the model's plan (known: {', '.join(ROLES)})")
 
 
+def packs_projections(work, tp: int, sequence_parallel: bool) -> bool:
+    """Whether `work`'s model, cut over `tp` ranks, has a weight packing several projections
+    (GPT-2's q, k, v): its shards are blocks of each, not one slice of the whole weight."""
+    if tp == 1 or work.tensor_parallel is None:
+        return False
+    return any(role.startswith("packed") for role in work.tensor_parallel(tp, sequence_parallel).modules.values())
+
+
 def shard_stages(
     stages: dict[int, nn.Module], plan: TensorParallelPlan, tp: TensorParallel, num_stages: int
 ) -> list[nn.Parameter]:
