@@ -1,6 +1,7 @@
 """Checkpoints that leave pipeloom and change layout: export to a transformers directory, and resume
 under another schedule or pipeline size (weights keyed by their names in the model)."""
 
+import dataclasses
 import json
 import math
 
@@ -75,6 +76,34 @@ def test_export_of_a_pipeline_equals_one_process_and_loads_in_transformers(tiny_
     assert results[0].eval_losses == [(5, pytest.approx(sum(losses) / len(losses), rel=1e-5))]
     with pytest.raises(ConfigError, match="no checkpoint"):
         export_checkpoint(tmp_path / "nothing", tmp_path / "out")
+
+
+@pytest.mark.parametrize("apart", ["zero1", "offload"])
+def test_export_of_a_bf16_run_writes_the_fp32_masters(tiny_llama, tmp_path, apart):
+    """Under ZeRO-1 (masters sharded over the replicas) or host offload (masters on the host) a bf16
+    run computes with bf16 copies of fp32 masters; the export writes the masters: each exported
+    weight rounds to the run's bf16 copy exactly, and most are not bf16 values themselves."""
+    schedule = build_schedule("1f1b", 2, 2)
+    changes = dict(dtype="bf16", steps=3, lr=1e-2, lr_schedule="constant", warmup_steps=0, eval_data=None)
+    layout = {"zero1": dict(dp=2, zero=1), "offload": dict(offload_stages=(1,))}[apart]
+    spec = dataclasses.replace(spec_of(tiny_llama, schedule), **changes, **layout)
+    results = run_local(dataclasses.replace(spec, save_every=3, save_dir=str(tmp_path / "ck")))
+    export_checkpoint(tmp_path / "ck", tmp_path / "hf")
+    model = import_transformers().AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    exported = dict(model.named_parameters())
+    names = global_names(spec.resolved_workload().build(2))
+    apart_stages = set(layout.get("offload_stages", (0, 1)))
+    widened, total = 0, 0
+    for result in results:
+        for stage, parameters in result.parameters.items():
+            for local, copy in parameters.items():
+                if stage not in apart_stages:
+                    continue
+                weight = exported[names[stage][local]].detach()
+                assert copy.dtype == torch.bfloat16 and torch.equal(weight.to(torch.bfloat16), copy), local
+                widened += int((weight == copy.float()).sum())
+                total += weight.numel()
+    assert total and widened < total / 4  # fp32 masters, not the bf16 copies widened
 
 
 def test_resume_under_another_schedule_and_pipeline_size(tiny_llama, tmp_path, capfd):

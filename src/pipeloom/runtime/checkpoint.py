@@ -132,11 +132,13 @@ def _state(
     holders,
     shards: Callable | None = None,
     names: dict[int, dict[str, str]] | None = None,
+    masters: bool = False,
 ) -> dict:
     """Tensors to save or to load into, in place: each parameter (by its name in the whole model,
     `names`, or else by stage and name) and the optimizers' state (`pipeloom.runtime.zero`, and
-    the host's for offloaded stages). `shards` (parameter, tensor) → the tensor as a DTensor of
-    this rank's shard, for a cut parameter."""
+    the host's for offloaded stages; with `masters`, a save, also the fp32 masters they keep
+    apart, by name). `shards` (parameter, tensor) → the tensor as a DTensor of this rank's
+    shard, for a cut parameter."""
     state: dict = {}
     keys: dict[int, str] = {}
     by_key: dict[str, nn.Parameter] = {}
@@ -147,12 +149,13 @@ def _state(
             keys.setdefault(id(parameter), key)
             by_key[key] = parameter
     for holder in holders:
-        state.update(holder.checkpoint_state(keys))
+        state.update(holder.checkpoint_state(keys, masters))
     if shards is not None:
         for entry, value in state.items():
             kind, _, rest = entry.partition(".")
             key = rest if kind == "model" else rest.rpartition(".")[0]
-            owner = by_key.get(key) if kind in ("model", "optim", "host") else None
+            key = rest if kind == "master" else key
+            owner = by_key.get(key) if kind in ("model", "optim", "host", "master") else None
             if owner is not None and isinstance(value, torch.Tensor) and value.shape == owner.shape:
                 state[entry] = shards(owner, value)
     return state
@@ -179,7 +182,7 @@ def save_checkpoint(
         final.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
-    state = _state(stages, holders, shards, names)
+    state = _state(stages, holders, shards, names, masters=True)
     state[f"rng.rank{rank}"] = torch.get_rng_state()
     state["step"] = torch.tensor(step)
     dcp.save(state, checkpoint_id=partial)

@@ -7,8 +7,9 @@ the export builds the model once from the configuration the run recorded (``mode
 the checkpoint's weights straight into its parameters — whatever schedule, pipeline size,
 data-parallel size, ZeRO level or tensor-parallel cut wrote them (DCP joins a DTensor's shards) —
 and saves it with the library's `save_pretrained`, which writes a tied weight once. The weights
-are the ones the run computed with: fp32, or under ZeRO / offload in bf16 the compute copies
-(their fp32 masters live in rank-sharded buffers). A tokenizer beside the source model is copied.
+are the fp32 masters: the parameters themselves, or — where the run kept its masters apart from
+bf16 compute copies (ZeRO, host offload) — the `master.NAME` entries those optimizers save by name.
+A tokenizer beside the source model is copied.
 """
 
 from __future__ import annotations
@@ -54,7 +55,11 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, dtype: str = "
             "transformers class; train with --model hf:DIR to export"
         )
     model = _empty_model(description)
-    state = {f"model.{name}": parameter.data for name, parameter in model.named_parameters()}
+    stored = dcp.FileSystemReader(chosen).read_metadata().state_dict_metadata
+    state = {  # a weight's fp32 master where the run kept one apart (ZeRO, offload), else the weight
+        (f"master.{name}" if f"master.{name}" in stored else f"model.{name}"): parameter.data
+        for name, parameter in model.named_parameters()
+    }
     try:
         with warnings.catch_warnings():  # "torch.distributed is uninitialized": one process is the intent
             warnings.simplefilter("ignore", UserWarning)

@@ -149,16 +149,19 @@ class HostOffload:
         self._stale.discard(stage)
         self.events.append((f"{stage}RELOAD", began, time.perf_counter()))
 
-    def checkpoint_state(self, keys: dict[int, str]) -> dict[str, torch.Tensor]:
-        """The host's fp32 master weights and AdamW state, once the step in flight is done."""
+    def checkpoint_state(self, keys: dict[int, str], masters: bool = False) -> dict[str, torch.Tensor]:
+        """The host's fp32 master weights and AdamW state, once the step in flight is done; with
+        `masters` (a save) each master also by its weight's name in the whole model (`export`)."""
         self.settle()
         state: dict[str, torch.Tensor] = {}
-        for stage, masters in self.master.items():
-            for name, master in zip(self.names[stage], masters):
+        for stage, kept in self.master.items():
+            for name, master, parameter in zip(self.names[stage], kept, self.device_params[stage]):
                 key = f"stage{stage}.{name}"
                 slot = adamw_slot(self.optimizer, master)
                 state[f"host.{key}.master"] = master.data
                 state.update({f"host.{key}.{field}": slot[field] for field in ("step", "exp_avg", "exp_avg_sq")})
+                if masters:
+                    state[f"master.{keys[id(parameter)]}"] = master.data
         return state
 
     def after_load(self) -> None:

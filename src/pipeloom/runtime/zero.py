@@ -96,7 +96,7 @@ class ReplicatedAdamW:
     def gradient_bytes(self) -> int:
         return sum(p.grad.numel() * p.grad.element_size() for p in self.parameters if p.grad is not None)
 
-    def checkpoint_state(self, keys: dict[int, str]) -> dict[str, torch.Tensor]:
+    def checkpoint_state(self, keys: dict[int, str], masters: bool = False) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = {}
         if self.optimizer is None:
             return state
@@ -271,13 +271,26 @@ class ShardedAdamW:
         shard = self.master_grad.numel() * self.master_grad.element_size() if self.level == 2 else 0
         return self.store.bytes + shard
 
-    def checkpoint_state(self, keys: dict[int, str]) -> dict[str, torch.Tensor]:
+    def checkpoint_state(self, keys: dict[int, str], masters: bool = False) -> dict[str, torch.Tensor]:
+        """The shard's master weights and moments (what a resume on this layout reads); with
+        `masters` (a save) also every weight's fp32 master by its name in the whole model
+        (`master.NAME`, what `export` writes rather than the compute copies) — gathered over the
+        group, a collective."""
         slot = adamw_slot(self.optimizer, self.master)
         prefix = f"zero.{self.label}.shard{self.index}"
-        return {
+        state = {
             f"{prefix}.master": self.master.data,
             **{f"{prefix}.{field}": slot[field] for field in ("step", "exp_avg", "exp_avg_sq")},
         }
+        if not self.shard or not masters:
+            return state
+        whole = torch.empty(self.shard * self.size, dtype=torch.float32, device=self.master.device)
+        dist.all_gather_single(whole, self.master.detach().contiguous(), group=self.group)
+        offset = 0
+        for parameter in self.parameters:
+            state[f"master.{keys[id(parameter)]}"] = whole[offset : offset + parameter.numel()].view(parameter.shape)
+            offset += parameter.numel()
+        return state
 
     def after_load(self) -> None:
         """The loaded master shards are the truth; the weights follow from them."""
