@@ -190,6 +190,23 @@ def test_a_tp_checkpoint_resumes_under_another_tp_and_pipeline(tmp_path, token_f
         )
 
 
+def test_a_zero1_tp_checkpoint_resumes_under_other_layouts_and_zero_levels(tmp_path, token_file):
+    """ZeRO-1 under pp2 × tp2 saves, beside its shards, every weight's fp32 master and moments by
+    name; a resume under pp1 alone, under pp2 × dp2 with ZeRO-2 (half the micro-batches a replica:
+    the same batch), under pp1 × tp2 and under pp2 with a stage's optimizer on the host continues
+    the uninterrupted run."""
+    saved = tmp_path / "ckpt"
+    changes = dict(steps=4, lr=1e-3, zero=1, tp=2)
+    whole = run_local(llama_spec(tmp_path, token_file, "1f1b", **changes))
+    run_local(llama_spec(tmp_path, token_file, "1f1b", **{**changes, "steps": 2}, save_every=2, save_dir=str(saved)))
+    layouts = [(1, 4, dict(zero=0, tp=1)), (2, 2, dict(zero=2, tp=1, dp=2)), (1, 4, dict(zero=0, tp=2))]
+    layouts.append((2, 4, dict(zero=0, tp=1, offload_stages=(1,))))  # the last stage's optimizer on the host
+    for p, m, layout in layouts:
+        spec = llama_spec(tmp_path, token_file, "1f1b", **{**changes, **layout}, resume_dir=str(saved))
+        resumed = run_local(dataclasses.replace(spec, schedule=build_schedule("1f1b", p, m)))
+        assert resumed[0].losses == pytest.approx(whole[0].losses[2:], rel=1e-6), (p, m, layout)
+
+
 @pytest.mark.parametrize("family", sorted(OTHERS))
 def test_other_families_train_like_one_process(tmp_path, token_file, family):
     from pipeloom.data import TokenFile

@@ -88,8 +88,10 @@ def test_resume_from_a_sharded_checkpoint_is_bit_identical(tmp_path):
         for stage, parameters in result.parameters.items():
             for key, value in parameters.items():
                 assert torch.equal(value, whole[rank].parameters[stage][key])
-    with pytest.raises(ConfigError, match="ZeRO-2 optimizer state, not ZeRO-1"):
-        check_spec(TrainSpec(schedule, steps=4, resume_dir=str(tmp_path), **{**base, "zero": 1}))
+    # the shards' weights and moments are also saved by name: ZeRO-1 resumes them (bf16 gradient
+    # sums under ZeRO-2, fp32 under ZeRO-1: the losses part by bf16's rounding, 2⁻⁸ of a gradient)
+    other = run_local(TrainSpec(schedule, steps=4, resume_dir=str(tmp_path), **{**base, "zero": 1}))
+    assert other[0].losses == pytest.approx(whole[0].losses[2:], rel=1e-3)
 
 
 def test_resume_with_offloaded_and_sharded_optimizers_is_bit_identical(tmp_path):
@@ -107,8 +109,9 @@ def test_resume_with_offloaded_and_sharded_optimizers_is_bit_identical(tmp_path)
         for stage, parameters in result.parameters.items():
             for key, value in parameters.items():
                 assert torch.equal(value, whole[rank].parameters[stage][key])
-    with pytest.raises(ConfigError, match=r"stages \[1\] on the host, not \[\]"):
-        check_spec(TrainSpec(schedule, steps=4, resume_dir=str(tmp_path), **{**base, "offload_stages": ()}))
+    # the host's masters and moments are also saved by name: a run that keeps them on the device resumes them
+    on_device = run_local(TrainSpec(schedule, steps=4, resume_dir=str(tmp_path), **{**base, "offload_stages": ()}))
+    assert on_device[0].losses == pytest.approx(whole[0].losses[2:], rel=1e-6)
 
 
 def test_every_stage_offloaded_keeps_weights_and_gradients_only():

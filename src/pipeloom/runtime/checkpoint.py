@@ -7,10 +7,13 @@ stages' parameters and AdamW state keyed by each parameter's name in the whole m
 split linears read what plain ones wrote, and a checkpoint resumes under another schedule or
 pipeline size: DCP reads each name wherever it now lives. Under ZeRO each replica writes its own
 shard of the fp32 master weights and moments, keyed by device and shard, and the host's offloaded
-optimizer by stage, so resuming those needs the same layout; under tensor parallelism each cut
-weight and its optimizer state go in as a DTensor of this rank's shard, which DCP saves as shards
-of one tensor — the whole weight under its name, so a resume under another tp (or none) reads its
-own slices, unless the model packs several projections into one weight. The step and its RNG state go into
+optimizer by stage — what a resume on the same layout reads — and both also write every weight's
+fp32 master and moments by name (`master.NAME`, `optim.NAME.*`, ZeRO's gathered over the
+replicas), which any other layout, ZeRO level or offload set resumes from (`_by_name`) and
+`export` writes. Under tensor or expert parallelism each cut weight and its optimizer state go in
+as a DTensor of this rank's shard, which DCP saves as shards of one tensor — the whole weight
+under its name, so a resume under another tp or ep (or none) reads its own slices, unless the
+model packs several projections into one weight. The step and its RNG state go into
 ``DIR/step-n.partial``; after a barrier rank 0 writes ``model.json`` (what the model is, for
 `pipeloom export`), renames it to ``DIR/step-n`` and only then writes the ``COMPLETE`` marker
 (JSON: step, world size, schedule, layout facts, the learning-rate scheduler's state, the run's
@@ -60,22 +63,22 @@ def find_checkpoint(
     optimizer state is whole (no ZeRO shards, nothing on the host)."""
     chosen, facts = read_checkpoint(path)
     saved_tp = facts.get("tp", 1)
-    if saved_tp != tp:
-        packed = tp_packed or facts.get("tp_packed", saved_tp > 1)  # older checkpoints: assume so
-        fixed = zero or offload_stages or not (layout_free and facts.get("layout_free", False))
-        if packed or fixed:
-            why = (
-                "the model packs several projections in one weight (GPT-2's q, k, v), whose shards are not "
-                "slices of the whole"
-                if packed
-                else "its optimizer state is sharded by rank (ZeRO or host offload)"
-                if zero or offload_stages
-                else "its weights are keyed by stage, not by their names in the model"
-            )
-            raise ConfigError(
-                f"checkpoint {str(chosen)!r} holds weights cut over tp = {saved_tp} ranks, not {tp}, and {why}: "
-                f"resume with --tp {saved_tp}"
-            )
+    if saved_tp != tp and (tp_packed or facts.get("tp_packed", saved_tp > 1)):  # older ones: assume so
+        raise ConfigError(
+            f"checkpoint {str(chosen)!r} holds weights cut over tp = {saved_tp} ranks, not {tp}, and the model packs "
+            f"several projections in one weight (GPT-2's q, k, v), whose shards are not slices of the whole: resume "
+            f"with --tp {saved_tp}"
+        )
+    if layout_free and facts.get("layout_free", False) and facts.get("optimizer_by_name", False):
+        return chosen, facts  # every weight and optimizer state by name: any layout reads it
+    fixed = "its optimizer state is sharded by rank (ZeRO or host offload)"
+    if not (layout_free and facts.get("layout_free", False)):
+        fixed = "its weights are keyed by stage, not by their names in the model"
+    if saved_tp != tp and (zero or offload_stages or not (layout_free and facts.get("layout_free", False))):
+        raise ConfigError(
+            f"checkpoint {str(chosen)!r} holds weights cut over tp = {saved_tp} ranks, not {tp}, and {fixed}: "
+            f"resume with --tp {saved_tp}"
+        )
     if facts.get("zero", 0) != zero:
         raise ConfigError(
             f"checkpoint {str(chosen)!r} holds ZeRO-{facts.get('zero', 0)} optimizer state, not ZeRO-{zero}: "
@@ -89,14 +92,9 @@ def find_checkpoint(
     if facts.get("world_size") != world_size or facts.get("schedule") != schedule:
         movable = layout_free and facts.get("layout_free", False) and zero == 0 and not offload_stages
         if not movable:
-            why = (
-                "its optimizer state is sharded by rank (ZeRO or host offload)"
-                if zero or offload_stages
-                else "its weights are keyed by stage, not by their names in the model"
-            )
             raise ConfigError(
                 f"checkpoint {str(chosen)!r} was written by {facts.get('world_size')} ranks running "
-                f"{facts.get('schedule')!r}, not {world_size} ranks running {schedule!r}, and {why}"
+                f"{facts.get('schedule')!r}, not {world_size} ranks running {schedule!r}, and {fixed}"
             )
     return chosen, facts
 
@@ -133,11 +131,13 @@ def _state(
     shards: Callable | None = None,
     names: dict[int, dict[str, str]] | None = None,
     masters: bool = False,
+    by_name: bool = False,
 ) -> dict:
     """Tensors to save or to load into, in place: each parameter (by its name in the whole model,
     `names`, or else by stage and name) and the optimizers' state (`pipeloom.runtime.zero`, and
     the host's for offloaded stages; with `masters`, a save, also the fp32 masters they keep
-    apart, by name). `shards` (parameter, tensor) → the tensor as a DTensor of this rank's
+    apart, by name; with `by_name`, a load of another layout's checkpoint, the optimizers' state
+    by name only). `shards` (parameter, tensor) → the tensor as a DTensor of this rank's
     shard, for a cut parameter."""
     state: dict = {}
     keys: dict[int, str] = {}
@@ -149,7 +149,7 @@ def _state(
             keys.setdefault(id(parameter), key)
             by_key[key] = parameter
     for holder in holders:
-        state.update(holder.checkpoint_state(keys, masters))
+        state.update(holder.checkpoint_state(keys, masters, by_name))
     if shards is not None:
         for entry, value in state.items():
             kind, _, rest = entry.partition(".")
@@ -207,9 +207,15 @@ def load_checkpoint(
     """Restore this rank's stages, optimizers and RNG in place; return the steps done. A rank
     the checkpoint did not have (another layout) keeps its RNG: the data depends on the step only."""
     rank = dist.get_rank()
-    state = _state(stages, holders, shards, names)
-    rng = f"rng.rank{rank}"
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    state = _state(stages, holders, shards, names)
+    if any(
+        key.startswith(("zero.", "host.")) and not _stored_alike(key, value, stored) for key, value in state.items()
+    ):
+        state = _by_name(_state(stages, holders, shards, names, by_name=True), stored)  # another layout wrote it
+    elif any(key.startswith("master.") for key in stored) and not any(k.startswith(("zero.", "host.")) for k in state):
+        state = _by_name(state, stored)  # fp32 weights from the masters a ZeRO or offloaded run kept apart
+    rng = f"rng.rank{rank}"
     _check_same_model(path, state, stored)
     if rng in stored:
         state[rng] = torch.get_rng_state()
@@ -221,6 +227,33 @@ def load_checkpoint(
     for holder in holders:
         holder.after_load()
     return int(state["step"])
+
+
+def _stored_alike(key: str, value, stored: dict) -> bool:
+    """Whether the checkpoint holds `key` in `value`'s shape (a layout's shard: the same layout)."""
+    entry = stored.get(key)
+    if entry is None:
+        return False
+    size = getattr(entry, "size", None)
+    return size is None or tuple(size) == tuple(value.shape)
+
+
+def _by_name(state: dict, stored: dict) -> dict:
+    """`state` to load from a checkpoint by name: a weight from its fp32 master where the run that
+    wrote it kept one (`master.NAME`), else from the weight itself — a master wanted where there
+    is none reads the weight (the run kept its masters in its weights)."""
+    out: dict = {}
+    for key, value in state.items():
+        kind, _, name = key.partition(".")
+        if kind == "model" and f"master.{name}" in stored:
+            if f"master.{name}" not in state:
+                out[f"master.{name}"] = value
+            continue
+        if kind == "master" and key not in stored:
+            out[f"model.{name}"] = value
+            continue
+        out[key] = value
+    return out
 
 
 def _check_same_model(path: Path, state: dict, stored: dict) -> None:

@@ -149,19 +149,27 @@ class HostOffload:
         self._stale.discard(stage)
         self.events.append((f"{stage}RELOAD", began, time.perf_counter()))
 
-    def checkpoint_state(self, keys: dict[int, str], masters: bool = False) -> dict[str, torch.Tensor]:
-        """The host's fp32 master weights and AdamW state, once the step in flight is done; with
-        `masters` (a save) each master also by its weight's name in the whole model (`export`)."""
+    def checkpoint_state(
+        self, keys: dict[int, str], masters: bool = False, by_name: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """The host's fp32 master weights and AdamW state, once the step in flight is done, by
+        stage; with `masters` (a save) also by each weight's name in the whole model, as a
+        replicated optimizer keeps them (`master.NAME`, `optim.NAME.*`: what `export` writes and
+        another layout resumes from); with `by_name` (a load of another layout's) by name only."""
         self.settle()
         state: dict[str, torch.Tensor] = {}
         for stage, kept in self.master.items():
             for name, master, parameter in zip(self.names[stage], kept, self.device_params[stage]):
-                key = f"stage{stage}.{name}"
                 slot = adamw_slot(self.optimizer, master)
-                state[f"host.{key}.master"] = master.data
-                state.update({f"host.{key}.{field}": slot[field] for field in ("step", "exp_avg", "exp_avg_sq")})
-                if masters:
-                    state[f"master.{keys[id(parameter)]}"] = master.data
+                fields = ("step", "exp_avg", "exp_avg_sq")
+                if not by_name:
+                    key = f"host.stage{stage}.{name}"
+                    state[f"{key}.master"] = master.data
+                    state.update({f"{key}.{field}": slot[field] for field in fields})
+                if masters or by_name:
+                    key = keys[id(parameter)]
+                    state[f"master.{key}"] = master.data
+                    state.update({f"optim.{key}.{field}": slot[field] for field in fields})
         return state
 
     def after_load(self) -> None:

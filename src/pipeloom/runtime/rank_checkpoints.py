@@ -25,6 +25,7 @@ def save_rank(run, directory: str, steps_done: int) -> None:
         "tp_packed": packs_projections(run.work, run.spec.parallelism.tp, run.spec.parallelism.sequence_parallel),
         "ep": parallel.ep,
         "layout_free": layout_free(list(run.names.values())),
+        "optimizer_by_name": True,  # every holder writes its state by weight name too
         "lr_schedule": run.learning.state_dict(),
         "config": spec.run_config,
         "data": run.work.data,

@@ -96,7 +96,10 @@ class ReplicatedAdamW:
     def gradient_bytes(self) -> int:
         return sum(p.grad.numel() * p.grad.element_size() for p in self.parameters if p.grad is not None)
 
-    def checkpoint_state(self, keys: dict[int, str], masters: bool = False) -> dict[str, torch.Tensor]:
+    def checkpoint_state(
+        self, keys: dict[int, str], masters: bool = False, by_name: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """AdamW's state of every weight by its name (the weights are their own masters)."""
         state: dict[str, torch.Tensor] = {}
         if self.optimizer is None:
             return state
@@ -271,12 +274,33 @@ class ShardedAdamW:
         shard = self.master_grad.numel() * self.master_grad.element_size() if self.level == 2 else 0
         return self.store.bytes + shard
 
-    def checkpoint_state(self, keys: dict[int, str], masters: bool = False) -> dict[str, torch.Tensor]:
-        """The shard's master weights and moments (what a resume on this layout reads); with
-        `masters` (a save) also every weight's fp32 master by its name in the whole model
-        (`master.NAME`, what `export` writes rather than the compute copies) — gathered over the
-        group, a collective."""
+    def checkpoint_state(
+        self, keys: dict[int, str], masters: bool = False, by_name: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """The shard's master weights and moments (what a resume on this layout reads). With
+        `masters` (a save) also every weight's fp32 master and moments by its name in the whole
+        model, as a replicated optimizer keeps them (`master.NAME`, `optim.NAME.*`: what `export`
+        writes and any other layout resumes from) — gathered over the group, a collective, with a
+        transient fp32 copy of the rank's weights and moments. With `by_name` (a load of another
+        layout's checkpoint) only those, into transient whole tensors whose owned ranges
+        `after_load` keeps."""
         slot = adamw_slot(self.optimizer, self.master)
+        if by_name:
+            self._loading = [
+                (
+                    parameter,
+                    *(torch.zeros(parameter.shape, dtype=torch.float32, device=self.master.device) for _ in range(3)),
+                )
+                for parameter in self.parameters
+            ]
+            self._loading_step = torch.zeros_like(slot["step"])
+            state = {}
+            for parameter, master, exp_avg, exp_avg_sq in self._loading:
+                key = keys[id(parameter)]
+                state[f"master.{key}"] = master
+                state[f"optim.{key}.exp_avg"], state[f"optim.{key}.exp_avg_sq"] = exp_avg, exp_avg_sq
+                state[f"optim.{key}.step"] = self._loading_step
+            return state
         prefix = f"zero.{self.label}.shard{self.index}"
         state = {
             f"{prefix}.master": self.master.data,
@@ -284,16 +308,38 @@ class ShardedAdamW:
         }
         if not self.shard or not masters:
             return state
-        whole = torch.empty(self.shard * self.size, dtype=torch.float32, device=self.master.device)
-        dist.all_gather_single(whole, self.master.detach().contiguous(), group=self.group)
+        wholes = []
+        for part in (self.master.detach(), slot["exp_avg"], slot["exp_avg_sq"]):
+            whole = torch.empty(self.shard * self.size, dtype=torch.float32, device=self.master.device)
+            dist.all_gather_single(whole, part.contiguous(), group=self.group)
+            wholes.append(whole)
         offset = 0
         for parameter in self.parameters:
-            state[f"master.{keys[id(parameter)]}"] = whole[offset : offset + parameter.numel()].view(parameter.shape)
+            key, span = keys[id(parameter)], slice(offset, offset + parameter.numel())
+            master, exp_avg, exp_avg_sq = (whole[span].view(parameter.shape) for whole in wholes)
+            state[f"master.{key}"] = master
+            state[f"optim.{key}.exp_avg"], state[f"optim.{key}.exp_avg_sq"] = exp_avg, exp_avg_sq
+            state[f"optim.{key}.step"] = slot["step"]
             offset += parameter.numel()
         return state
 
     def after_load(self) -> None:
-        """The loaded master shards are the truth; the weights follow from them."""
+        """The loaded master shards are the truth; the weights follow from them. Loaded by name
+        (another layout's checkpoint), the shard's ranges are cut from the whole tensors first."""
+        loading = getattr(self, "_loading", None)
+        if loading:
+            slot = adamw_slot(self.optimizer, self.master)
+            begin, end = self.index * self.shard, (self.index + 1) * self.shard
+            offset = 0
+            with torch.no_grad():
+                for parameter, *wholes in loading:
+                    low, high = max(offset, begin), min(offset + parameter.numel(), end)
+                    if low < high:
+                        for target, whole in zip((self.master, slot["exp_avg"], slot["exp_avg_sq"]), wholes):
+                            target[low - begin : high - begin] = whole.reshape(-1)[low - offset : high - offset]
+                    offset += parameter.numel()
+                slot["step"].copy_(self._loading_step)
+            self._loading = []
         self._gather_weights()
 
 
