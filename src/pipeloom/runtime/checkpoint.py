@@ -59,8 +59,10 @@ def find_checkpoint(
     """(directory, the facts of its marker — ``step`` is the steps done) of the checkpoint at `path` — a ``step-n`` directory, or the newest
     one inside `path` — or ConfigError if it is missing, torn, or from another run's shape. A
     checkpoint whose weights are keyed by their names in the whole model (`layout_free`, on both
-    sides) resumes under another schedule, pipeline size or data-parallel size, as long as the
-    optimizer state is whole (no ZeRO shards, nothing on the host)."""
+    sides) and whose optimizer state is by name too (`optimizer_by_name`: ZeRO and the host's
+    save theirs so as well) resumes under any schedule, pipeline, data-parallel, tensor- or
+    expert-parallel size, ZeRO level or offload set — but across tp only for a model without
+    packed projections (`tp_packed`). Older checkpoints move only with whole optimizer state."""
     chosen, facts = read_checkpoint(path)
     saved_tp = facts.get("tp", 1)
     if saved_tp != tp and (tp_packed or facts.get("tp_packed", saved_tp > 1)):  # older ones: assume so
