@@ -130,7 +130,7 @@ class OptimizerSync:
         self.state: torch.Tensor | None = None
         """The synchronous step's reduced state, for the host to learn the norm at the step's end."""
         self.norms: list[float] = []
-        """Each step's global gradient norm (before clipping; NaN or Inf where a gradient was)."""
+        """Each step's global gradient norm, before clipping (NaN where a gradient was not finite)."""
 
     def _apply(self, decision: torch.Tensor) -> None:
         """Scale by the decision's coefficient (when clipping) and step, skipped where it says so —

@@ -243,8 +243,9 @@ def _with_experts(stepper, experts: ExpertExchange) -> Callable[[], torch.Tensor
 
 class Owners:
     """Which rank counts a parameter in the global gradient norm: each counts once, on the
-    lowest device hosting its first stage (and, under tensor parallelism, shard by shard). Kept by the parameters' names in the whole model, so
-    it holds no tensor and answers for shards (tensor- or expert-parallel) as for whole ones."""
+    lowest device hosting its first stage (and, under tensor parallelism, shard by shard). Kept
+    by the parameters' names in the whole model, so it holds no tensor and answers for shards
+    (tensor- or expert-parallel) as for whole ones."""
 
     def __init__(self, schedule, all_stages, names: dict[int, dict[str, str]], device: int) -> None:
         owners = {
