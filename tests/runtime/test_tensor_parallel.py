@@ -207,6 +207,22 @@ def test_a_zero1_tp_checkpoint_resumes_under_other_layouts_and_zero_levels(tmp_p
         assert resumed[0].losses == pytest.approx(whole[0].losses[2:], rel=1e-6), (p, m, layout)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_mixtures_of_experts_train_under_tp_like_one_process(tmp_path, token_file, family):
+    """Attention split over the group, the MoE block whole on every rank (it sees the replicated
+    hidden states): Mixtral's load-balancing loss joins the vocabulary-parallel loss, Qwen3's
+    per-head q/k norms have their gradients summed over the group."""
+    from pipeloom.data import TokenFile
+
+    work = hf_workload(
+        model_dir(tmp_path, TINY[family]), seed=1, microbatch_size=2, seq_len=SEQ, data=TokenFile(token_file, SEQ, 2)
+    )
+    spec = TrainSpec(build_schedule("1f1b", 2, 4), workload=work, lr=LR, tp=2, record_gradients=True)
+    assert_trains_like_one_process(spec, run_local(spec))
+    with pytest.raises(ConfigError, match="runs its experts whole on every tensor-parallel rank"):
+        check_spec(dataclasses.replace(spec, sequence_parallel=True))
+
+
 @pytest.mark.parametrize("family", sorted(OTHERS))
 def test_other_families_train_like_one_process(tmp_path, token_file, family):
     from pipeloom.data import TokenFile

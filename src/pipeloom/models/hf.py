@@ -225,6 +225,42 @@ class HFStage(nn.Module):
         return _tensor(layer(x, attention_mask=mask, position_ids=positions, past_key_values=cache, **extra))
 
 
+def _mixture_plan(config, tp: int, sequence_parallel: bool):
+    """A mixture of experts under `tp`: attention split as the dense families' (the library's
+    plan, its attention entries), the vocabulary split; the MoE block — router and experts — runs
+    whole on every rank of the group, on the hidden states the attention's region leaves
+    replicated, so its outputs and gradients are the same on every rank (`--ep` shares the
+    experts out over data-parallel replicas instead). Not under sequence parallelism, where each
+    rank's block would see a shard of the tokens and the load-balancing loss all of them."""
+    from pipeloom.models.workload import TensorParallelPlan
+
+    family = config.model_type
+    if sequence_parallel:
+        raise ConfigError(
+            f"hf: {family} runs its experts whole on every tensor-parallel rank, which needs every token there; "
+            "drop --sequence-parallel"
+        )
+    heads, kv_heads = (
+        config.num_attention_heads,
+        getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+    )
+    for what, count in (
+        ("attention heads", heads),
+        ("key/value heads", kv_heads),
+        ("vocabulary entries", config.vocab_size),
+    ):
+        if count % tp:
+            raise ConfigError(f"hf: the model's {count} {what} do not divide by --tp {tp}")
+    base: dict[str, str] = dict(getattr(config, "base_model_tp_plan", None) or {})
+    library: dict[str, str] = {"replicated_with_grad_allreduce": "replicated_summed"}  # Qwen3's per-head q/k norms
+    attention = {name: library.get(role, role) for name, role in base.items() if ".self_attn." in name}
+    unknown = sorted({role for role in attention.values() if role not in ("colwise", "rowwise", "replicated_summed")})
+    if unknown:
+        raise ConfigError(f"hf: {family}'s attention plan uses {', '.join(unknown)}, which pipeloom does not run")
+    modules = {"layers.*.self_attn": "region_input", **attention, "embed": "vocab_embedding", "head": "vocab_head"}
+    return TensorParallelPlan(modules, adjust=_shard_positions)
+
+
 def _tensor(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
@@ -248,9 +284,7 @@ def tensor_parallel_plan(config, tp: int, sequence_parallel: bool):
     if family == "mamba":
         raise ConfigError("hf: Mamba has no tensor-parallel plan (its mixer is not split into heads); use --tp 1")
     if family in MIXTURES:
-        raise ConfigError(
-            f"hf: {family} does not combine --tp with its experts yet; use --tp 1 (and --ep for the experts)"
-        )
+        return _mixture_plan(config, tp, sequence_parallel)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size

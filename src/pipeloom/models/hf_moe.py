@@ -46,7 +46,9 @@ def router_loss(config, base: Callable) -> Callable:
     def loss(output, targets):
         logits, routers = output
         aux = module.load_balancing_loss_func((routers.float(),), experts, top_k)
-        return base(logits, targets) + coef * aux
+        token_loss = base(logits, targets)
+        local = getattr(token_loss, "to_local", None)  # over vocabulary-sharded logits: a replicated DTensor
+        return (local() if local is not None else token_loss) + coef * aux
 
     return loss
 

@@ -176,6 +176,11 @@ ROLES = (
 """What a model's tensor-parallel plan may call a module."""
 
 
+SUMMED = "replicated_summed"
+"""A plan's role for a replicated weight whose gradient each rank computes from its own part (a
+norm over each attention head): summed over the group with the gradient buckets."""
+
+
 def _style(role: str, tp: TensorParallel) -> ParallelStyle:
     match role:
         case "region_input":
@@ -236,11 +241,20 @@ def parallelize_stage(
     _split_all_linears(stage)
     names = {name for name, _ in stage.named_modules()}
     present = {pattern: role for pattern, role in plan.items() if any(_matches(pattern, n) for n in names)}
-    parallelize_module(stage, tp.mesh, {pattern: _style(role, tp) for pattern, role in present.items()})
+    styled = {pattern: _style(role, tp) for pattern, role in present.items() if role != SUMMED}
+    parallelize_module(stage, tp.mesh, styled)
     _rebind_shards(stage, tp)
     _cut_boundaries(stage, tp, first, last)
+    summed = [  # replicated weights applied to each rank's own heads (Qwen3's q/k norms)
+        p
+        for pattern, role in present.items()
+        if role == SUMMED
+        for name, module in stage.named_modules()
+        if _matches(pattern, name)
+        for p in module.parameters()
+    ]
     if not tp.sequence_parallel:
-        return []
+        return list({id(p): p for p in summed}.values())
     kept = {
         id(p)
         for prefix in full_sequence
