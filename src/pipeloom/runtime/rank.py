@@ -387,9 +387,9 @@ class RankRun:
         """`value` as one process would hold it: gathered over the tensor-parallel (or expert-
         parallel) group when it is a shard (a collective: every rank of the group calls it in the
         same order)."""
-        if self.experts is not None:
-            return self.experts.full(parameter, value)
-        return self.tensor.full(parameter, value) if self.tensor is not None else value
+        if self.tensor is not None:  # a weight is cut over one group at most: the other leaves it
+            value = self.tensor.full(parameter, value)
+        return self.experts.full(parameter, value) if self.experts is not None else value
 
 
 def _inject_faults(faults: tuple[tuple[int, int, str, float], ...], step: int, stages: dict) -> None:

@@ -141,7 +141,6 @@ def _check_expert_parallel(spec: TrainSpec, parallel: ParallelPart) -> None:
     if experts.num_experts % ep:
         raise ConfigError(f"train: the model's {experts.num_experts} experts do not divide by --ep {ep}")
     refused = {
-        "--tp": parallel.tp > 1,
         "--zero": parallel.zero > 0,
         "--offload": bool(parallel.offload_stages),
     }
