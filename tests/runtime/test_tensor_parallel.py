@@ -156,6 +156,10 @@ def test_the_global_norm_under_tp_counts_every_shard_once(tmp_path, token_file):
         for result in run:
             assert result.grad_norms == pytest.approx(norms, rel=1e-5, nan_ok=True)
             assert result.skipped_steps == 1
+    from pipeloom.runtime.report import summary
+
+    summarised = summary(tensor)["grad_norms"]  # JSON: the NaN step's norm is null
+    assert summarised[1] is None and summarised[0] == pytest.approx(norms[0], rel=1e-5)
     # device 0 stepped under its partial state (its own stage, both shards) and was overturned
     # every step: by the full norm's coefficient, and by the NaN downstream
     layout = RankLayout(2, 1, 2)

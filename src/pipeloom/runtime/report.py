@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections.abc import Sequence
 from os import PathLike
@@ -101,6 +102,7 @@ def summary(results: Sequence[RankResult], peak_tflops: float | None = None, **c
         "peak_stash_bytes": [rank["peak_stash_bytes"] for rank in ranks],
         "peak_memory_bytes": [rank["peak_memory_bytes"] for rank in ranks],
         "loss_scales": first.loss_scales,
+        "grad_norms": [None if math.isnan(norm) else norm for norm in first.grad_norms],
         "learning_rates": first.learning_rates,
         "eval_losses": [list(pair) for pair in first.eval_losses],
         "recomputes": [sum(r.recomputes for r in result.records) for result in results],
