@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from helpers.hf_configs import TINY  # noqa: E402
-from helpers.runtime import assert_matches_reference  # noqa: E402
+from helpers.runtime import assert_gradients_close, assert_matches_reference  # noqa: E402
 
 from pipeloom import build_schedule  # noqa: E402
 from pipeloom.costs import Costs  # noqa: E402
@@ -188,13 +188,7 @@ def test_experts_shared_out_under_tensor_parallelism_train_like_one_process(tmp_
     expected: list = []
     losses, _ = reference_training(spec, expected)
     assert results[0].losses == pytest.approx(losses, rel=1e-5)
-    for result in results:  # gradients to fp32 rounding of the row-parallel sums, relative to each tensor's scale
-        for stage, gradients in result.gradients.items():
-            for name, value in gradients.items():
-                scale = float(expected[stage][name].abs().max())
-                torch.testing.assert_close(
-                    value, expected[stage][name], rtol=1e-5, atol=1e-5 * scale, msg=lambda m, name=name: f"{name}: {m}"
-                )
+    assert_gradients_close(results, expected)
 
 
 def test_the_cli_trains_dualpipev_with_expert_parallelism(tmp_path, token_file, capsys):

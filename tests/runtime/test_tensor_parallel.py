@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from helpers.hf_configs import TINY  # noqa: E402
-from helpers.runtime import assert_matches_reference  # noqa: E402
+from helpers.runtime import assert_gradients_close, assert_matches_reference  # noqa: E402
 
 from pipeloom import build_schedule  # noqa: E402
 from pipeloom.errors import ConfigError  # noqa: E402
@@ -77,10 +77,7 @@ def assert_trains_like_one_process(spec: TrainSpec, results) -> None:
         for stage, parameters in result.parameters.items():
             for name, value in parameters.items():
                 torch.testing.assert_close(value, expected[stage][name], rtol=1e-5, atol=1e-6, msg=name)
-        for stage, gradients in result.gradients.items():
-            for name, value in gradients.items():
-                scale = float(expected_gradients[stage][name].abs().max())
-                torch.testing.assert_close(value, expected_gradients[stage][name], rtol=1e-5, atol=1e-5 * scale)
+    assert_gradients_close(results, expected_gradients)
 
 
 @pytest.mark.parametrize(  # every schedule once; each mode with fused and with split backwards (not all 8)

@@ -155,8 +155,7 @@ def _state(
     if shards is not None:
         for entry, value in state.items():
             kind, _, rest = entry.partition(".")
-            key = rest if kind == "model" else rest.rpartition(".")[0]
-            key = rest if kind == "master" else key
+            key = rest if kind in ("model", "master") else rest.rpartition(".")[0]
             owner = by_key.get(key) if kind in ("model", "optim", "host", "master") else None
             if owner is not None and isinstance(value, torch.Tensor) and value.shape == owner.shape:
                 state[entry] = shards(owner, value)

@@ -169,6 +169,10 @@ class ShardedAdamW:
         """Stage → its elements of the flat buffer, for the sums started under the pipeline."""
         self.early: set[int] = set()
         self._started: dict[int, list] = {}
+        self._loading: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        """During a load by name: each weight with its whole master and moments, until `after_load`
+        keeps the shard's ranges of them."""
+        self._loading_step = torch.zeros(())
 
     def zero_grad(self) -> None:
         self.store.zero()
@@ -286,13 +290,11 @@ class ShardedAdamW:
         `after_load` keeps."""
         slot = adamw_slot(self.optimizer, self.master)
         if by_name:
-            self._loading = [
-                (
-                    parameter,
-                    *(torch.zeros(parameter.shape, dtype=torch.float32, device=self.master.device) for _ in range(3)),
-                )
-                for parameter in self.parameters
-            ]
+
+            def zeros_as(parameter: nn.Parameter) -> torch.Tensor:
+                return torch.zeros(parameter.shape, dtype=torch.float32, device=self.master.device)
+
+            self._loading = [(p, zeros_as(p), zeros_as(p), zeros_as(p)) for p in self.parameters]
             self._loading_step = torch.zeros_like(slot["step"])
             state = {}
             for parameter, master, exp_avg, exp_avg_sq in self._loading:
@@ -326,13 +328,12 @@ class ShardedAdamW:
     def after_load(self) -> None:
         """The loaded master shards are the truth; the weights follow from them. Loaded by name
         (another layout's checkpoint), the shard's ranges are cut from the whole tensors first."""
-        loading = getattr(self, "_loading", None)
-        if loading:
+        if self._loading:
             slot = adamw_slot(self.optimizer, self.master)
             begin, end = self.index * self.shard, (self.index + 1) * self.shard
             offset = 0
             with torch.no_grad():
-                for parameter, *wholes in loading:
+                for parameter, *wholes in self._loading:
                     low, high = max(offset, begin), min(offset + parameter.numel(), end)
                     if low < high:
                         for target, whole in zip((self.master, slot["exp_avg"], slot["exp_avg_sq"]), wholes):
