@@ -34,7 +34,7 @@ def reference(spec: TrainSpec):
         return reference_training(spec)
     s = spec.schedule
     key = (spec.config, spec.seed, spec.layer_counts, s.num_stages, s.num_microbatches * spec.dp)
-    key += (spec.steps, spec.lr, spec.dtype, spec.threads)
+    key += (spec.steps, spec.lr, spec.dtype, spec.threads, spec.clip_norm)
     if key not in _references:
         _references[key] = reference_training(spec)
     return _references[key]

@@ -217,7 +217,6 @@ def test_the_cli_trains_dualpipev_with_expert_parallelism(tmp_path, token_file, 
         ("mixtral", {"ep": 3, "dp": 3}, "the model's 4 experts do not divide by --ep 3"),
         ("mixtral", {"ep": 2, "dp": 3}, "--ep 2 does not divide --dp 3"),
         ("llama", {"ep": 2, "dp": 2}, "no routed experts; --ep needs a mixture-of-experts model"),
-        ("mixtral", {"ep": 2, "dp": 2, "zero": 1}, "--ep does not combine with --zero"),
     ],
 )
 def test_expert_parallelism_that_cannot_run_is_refused_in_one_line(tmp_path, family, changes, message):

@@ -155,6 +155,8 @@ def _state(
     if shards is not None:
         for entry, value in state.items():
             kind, _, rest = entry.partition(".")
+            if kind == "host":  # host.stageS.NAME.field
+                rest = rest.partition(".")[2]
             key = rest if kind in ("model", "master") else rest.rpartition(".")[0]
             owner = by_key.get(key) if kind in ("model", "optim", "host", "master") else None
             if owner is not None and isinstance(value, torch.Tensor) and value.shape == owner.shape:

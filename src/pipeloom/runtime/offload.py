@@ -39,10 +39,12 @@ class HostOffload:
         weight_dtype: torch.dtype = torch.float32,
         owned=lambda parameter: True,
         dp_group=None,
+        routed: tuple[set[int], object] = (set(), None),
     ):
         """`owned`: whether this rank counts a parameter in the global gradient norm; `dp_group`:
-        the data-parallel group to sum the gradients over, when the gradient buckets do not."""
-        self.names = {s: [name for name, _ in stages[s].named_parameters()] for s in offloaded}
+        the data-parallel group to sum the gradients over, when the gradient buckets do not —
+        and `routed` (ids of expert shards, the group of their copies): the expert shards' sum,
+        over the replicas that hold the same experts."""
         self.device_params = {s: list(stages[s].parameters()) for s in offloaded}
         self.master = {s: [p.detach().to("cpu", copy=True) for p in params] for s, params in self.device_params.items()}
         for masters in self.master.values():
@@ -51,7 +53,12 @@ class HostOffload:
         with torch.no_grad():
             for parameter in unique_parameters([stages[s] for s in offloaded]):
                 parameter.data = parameter.data.to(weight_dtype)
-        self.store = GradientStore(unique_parameters([stages[s] for s in offloaded]), torch.float32)
+        experts, self.expert_group = routed
+        held = unique_parameters([stages[s] for s in offloaded])
+        # the expert shards last in the buffer: each part sums over its own group
+        held = [p for p in held if id(p) not in experts] + [p for p in held if id(p) in experts]
+        self.store = GradientStore(held, torch.float32)
+        self.dense_numel = sum(p.numel() for p in held if id(p) not in experts)
         self.owned = [p for p in self.store.parameters if owned(p)]
         self.dp_group = dp_group
         self.optimizer = adamw([m for masters in self.master.values() for m in masters], lr)
@@ -72,11 +79,19 @@ class HostOffload:
         self.store.zero()
 
     def reduce(self) -> None:
-        if self.dp_group is not None:
-            dist.all_reduce(self.store.flat, group=self.dp_group)
+        if self.dp_group is None:
+            return
+        flat, split = self.store.flat, self.dense_numel
+        dist.all_reduce(flat[:split], group=self.dp_group)
+        if split < flat.numel():
+            dist.all_reduce(flat[split:], group=self.expert_group)
 
     def local_state(self) -> torch.Tensor:
         return squares_and_bad([self.store.grad_of(p) for p in self.owned], self.store.flat.device)
+
+    def owned_gradients(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, its gradient) of those this rank counts in the global norm."""
+        return [(p, self.store.grad_of(p)) for p in self.owned]
 
     def scale(self, factor: float | torch.Tensor) -> None:
         self.store.flat.mul_(factor)
@@ -152,22 +167,22 @@ class HostOffload:
     def checkpoint_state(
         self, keys: dict[int, str], masters: bool = False, by_name: bool = False
     ) -> dict[str, torch.Tensor]:
-        """The host's fp32 master weights and AdamW state, once the step in flight is done, by
-        stage; with `masters` (a save) also by each weight's name in the whole model, as a
+        """The host's fp32 master weights and AdamW state, once the step in flight is done, under
+        ``host.stageS.NAME`` (a tensor- or expert-parallel shard goes in as its part of the whole, as the
+        weights do, so each rank of a group resumes its own); with `masters` (a save) also by each weight's name in the whole model, as a
         replicated optimizer keeps them (`master.NAME`, `optim.NAME.*`: what `export` writes and
         another layout resumes from); with `by_name` (a load of another layout's) by name only."""
         self.settle()
         state: dict[str, torch.Tensor] = {}
         for stage, kept in self.master.items():
-            for name, master, parameter in zip(self.names[stage], kept, self.device_params[stage]):
+            for master, parameter in zip(kept, self.device_params[stage]):
                 slot = adamw_slot(self.optimizer, master)
                 fields = ("step", "exp_avg", "exp_avg_sq")
-                if not by_name:
-                    key = f"host.stage{stage}.{name}"
-                    state[f"{key}.master"] = master.data
-                    state.update({f"{key}.{field}": slot[field] for field in fields})
+                key = keys[id(parameter)]
+                if not by_name:  # by stage too: a weight tied over two offloaded stages has two masters
+                    state[f"host.stage{stage}.{key}.master"] = master.data
+                    state.update({f"host.stage{stage}.{key}.{field}": slot[field] for field in fields})
                 if masters or by_name:
-                    key = keys[id(parameter)]
                     state[f"master.{key}"] = master.data
                     state.update({f"optim.{key}.{field}": slot[field] for field in fields})
         return state

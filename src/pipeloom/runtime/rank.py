@@ -50,6 +50,7 @@ from pipeloom.runtime.rank_setup import (
     Transport,
     cut_stages,
     hosted_stages,
+    leaves_of,
     mailbox_of,
     optimizer_sync,
     progress_of,
@@ -78,7 +79,7 @@ class RankRun:
     work: Workload
     stages: dict[int, torch.nn.Module]
     buckets: GradientBuckets
-    stepper: ReplicatedAdamW | ShardedAdamW
+    stepper: ReplicatedAdamW | ShardedAdamW | JointSteppers
     optimizers: ReplicatedAdamW | ShardedAdamW | JointSteppers
     host: HostOffload | None
     holders: list
@@ -149,13 +150,15 @@ class RankRun:
             ep=parallel.ep,
         )
         stages, queue = hosted_stages(schedule, all_stages, device, where)
-        experts = None
+        experts, expert_dp_group = None, None
         if routed is not None:
             if mesh is None:
                 raise ConfigError(
                     "train: --ep exchanges tokens over torch.distributed; run ranks (--nproc), not in process"
                 )
-            ep_mesh = layout.expert_mesh(where.type, parallel.ep)["ep"]
+            expert_mesh = layout.expert_mesh(where.type, parallel.ep)
+            ep_mesh = expert_mesh["ep"]
+            expert_dp_group = expert_mesh["edp"].get_group()
             experts = ExpertExchange(
                 ep_mesh.get_group(), parallel.ep, replica % parallel.ep, routed.num_experts, clock_for(where), ep_mesh
             )
@@ -173,8 +176,10 @@ class RankRun:
                 part.set_up_done()
         owned = owners.test(stages, names, tensor)
         dp_group = mesh["dp"].get_group() if mesh is not None else None
-        host, stepper, parameters = steppers(parallel, optimizer, dp_group, owned, stages, device, tp_index, precision)
-        stores = [part.store for part in (host, stepper) if isinstance(part, HostOffload | ShardedAdamW)]
+        host, stepper, parameters = steppers(
+            parallel, optimizer, dp_group, owned, stages, device, tp_index, precision, experts, expert_dp_group
+        )
+        stores = [part.store for part in (host, *leaves_of(stepper)) if isinstance(part, HostOffload | ShardedAdamW)]
         buckets.keep_in_place({id(parameter) for store in stores for parameter in store.parameters})
         mail = mailbox_of(parallel, transport, plan or plan_messages(schedule), device, replica, tp_index, probe, where)
         executor = DeviceExecutor(

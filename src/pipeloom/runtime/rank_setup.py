@@ -27,7 +27,7 @@ from pipeloom.runtime.spec import OptimizerPart, ParallelPart, RankResult, Train
 from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
 from pipeloom.runtime.tensor_parallel import TensorParallel, parallel_loss, wire_boundaries
 from pipeloom.runtime.tensor_parallel_styles import shard_stages
-from pipeloom.runtime.zero import ReplicatedAdamW, ShardedAdamW, squares_and_bad
+from pipeloom.runtime.zero import JointSteppers, ReplicatedAdamW, ShardedAdamW, squares_and_bad
 
 __all__ = [
     "Transport",
@@ -39,6 +39,7 @@ __all__ = [
     "progress_of",
     "optimizer_sync",
     "Owners",
+    "leaves_of",
     "zero_overlap",
 ]
 
@@ -103,49 +104,75 @@ def steppers(
     device: int,
     tp_index: int,
     precision: Precision,
-) -> tuple[HostOffload | None, ReplicatedAdamW | ShardedAdamW, list]:
+    experts: ExpertExchange | None = None,
+    expert_dp_group: dist.ProcessGroup | None = None,
+) -> tuple[HostOffload | None, ReplicatedAdamW | ShardedAdamW | JointSteppers, list]:
     """(the host's optimizer for offloaded stages, the device's optimizer — replicated or ZeRO
     sharded over `dp_group`, the mesh's data-parallel group of this rank — and the parameters it
-    steps)."""
+    steps). Under expert parallelism ZeRO shards the expert slices apart, over
+    `expert_dp_group`: the replicas that hold the same experts (dp / ep of them)."""
     offloaded = [s for s in stages if s in parallel.offload_stages]
+    routed = experts.sharded if experts is not None else set()
     host = None
     if offloaded:
         group = dp_group if parallel.zero else None  # else the buckets sum over the replicas
-        host = HostOffload(stages, offloaded, optimizer.lr, parallel.reload_bits, precision.dtype, owned, group)
+        expert_group = expert_dp_group if parallel.zero else None
+        host = HostOffload(
+            stages, offloaded, optimizer.lr, parallel.reload_bits, precision.dtype, owned, group, (routed, expert_group)
+        )
     on_host = {id(t) for s in offloaded for t in stages[s].parameters()}
     parameters = [t for t in unique_parameters(list(stages.values())) if id(t) not in on_host]
     if not parallel.zero:
         return host, ReplicatedAdamW(parameters, owned, optimizer.lr), parameters
     assert dp_group is not None, "ZeRO shards over torch.distributed; in-process runs refuse it"
     label = f"device{device}" + (f".tp{tp_index}" if parallel.tp > 1 else "")
-    return (
-        host,
-        ShardedAdamW(parameters, owned, optimizer.lr, parallel.zero, dp_group, precision.dtype, label),
-        parameters,
+    dense = [t for t in parameters if id(t) not in routed]
+    stepper: ShardedAdamW | JointSteppers = ShardedAdamW(
+        dense, owned, optimizer.lr, parallel.zero, dp_group, precision.dtype, label
     )
+    shards = [t for t in parameters if id(t) in routed]
+    if shards:
+        assert experts is not None and expert_dp_group is not None
+        label = f"{label}.ep{experts.index}"
+        routed_stepper = ShardedAdamW(
+            shards, owned, optimizer.lr, parallel.zero, expert_dp_group, precision.dtype, label
+        )
+        stepper = JointSteppers(stepper, routed_stepper)
+    return host, stepper, parameters
+
+
+def leaves_of(stepper) -> list:
+    """The optimizers a stepper is made of (one, or a joint's)."""
+    return stepper.leaves() if isinstance(stepper, JointSteppers) else [stepper]
 
 
 def zero_overlap(stepper, stages: dict, buckets) -> Callable[[Sequence[int]], list[int]] | None:
     """ZeRO-1's sums over the replicas, each stage's started as its last backward ends (None:
     not ZeRO-1). A stage holding a weight that a bucket also sums (a tie across the pipeline)
     waits for the pipeline, since that bucket's sum must come first."""
-    if not isinstance(stepper, ShardedAdamW) or stepper.level != 1:
+    sharded = [part for part in leaves_of(stepper) if isinstance(part, ShardedAdamW) and part.level == 1]
+    if not sharded:
         return None
     bucketed = {id(p) for bucket in buckets.buckets for p in bucket.parameters}
     stage_of: dict[int, int] = {}
     for stage, module in stages.items():
         for parameter in module.parameters():
             stage_of.setdefault(id(parameter), stage)
-    ranges: dict[int, tuple[int, int]] = {}
-    offset = 0
-    for parameter in stepper.parameters:
-        stage = stage_of[id(parameter)]
-        low, _ = ranges.get(stage, (offset, offset))
-        ranges[stage] = (low, offset + parameter.numel())
-        offset += parameter.numel()
-    tied = {stage_of[id(p)] for p in stepper.parameters if id(p) in bucketed}
-    stepper.overlap(ranges, set(ranges) - tied)
-    return stepper.start
+    for part in sharded:
+        ranges: dict[int, tuple[int, int]] = {}
+        offset = 0
+        for parameter in part.parameters:
+            stage = stage_of[id(parameter)]
+            low, _ = ranges.get(stage, (offset, offset))
+            ranges[stage] = (low, offset + parameter.numel())
+            offset += parameter.numel()
+        tied = {stage_of[id(p)] for p in part.parameters if id(p) in bucketed}
+        part.overlap(ranges, set(ranges) - tied)
+
+    def start(stages: Sequence[int]) -> list[int]:
+        return sorted({stage for part in sharded for stage in part.start(stages)})
+
+    return start
 
 
 def mailbox_of(
@@ -227,18 +254,33 @@ def optimizer_sync(
 def _with_experts(stepper, experts: ExpertExchange) -> Callable[[], torch.Tensor]:
     """A rank's state under expert parallelism: its dense weights as any rank's (equal on every
     replica, so counted within one), plus its experts' summed over the expert-parallel group —
-    whose ranks hold the layer's experts between them, each once."""
-    assert isinstance(stepper, ReplicatedAdamW), "check_spec refuses --ep with ZeRO and offload"
-    routed = [p for p in stepper.owned if id(p) in experts.sharded]
-    dense = [p for p in stepper.owned if id(p) not in experts.sharded]
+    whose ranks hold the layer's experts between them, each once. A ZeRO optimizer of expert
+    shards alone sums its shards over their replicas first."""
+    parts = leaves_of(stepper)
+    device = next((t.device for part in parts for t in _held(part)), torch.device("cpu"))
 
     def local_state() -> torch.Tensor:
-        device = stepper.parameters[0].device
-        shared = squares_and_bad([p.grad for p in routed if p.grad is not None], device)
+        dense = torch.zeros(2, dtype=torch.float64, device=device)
+        shared = torch.zeros_like(dense)
+        for part in parts:
+            if isinstance(part, ShardedAdamW):
+                routed = bool(part.parameters) and all(id(p) in experts.sharded for p in part.parameters)
+                if routed:
+                    shared += part.local_state()
+                else:
+                    dense += part.local_state()
+                continue
+            owned = part.owned_gradients()
+            dense += squares_and_bad([g for p, g in owned if id(p) not in experts.sharded], device)
+            shared += squares_and_bad([g for p, g in owned if id(p) in experts.sharded], device)
         dist.all_reduce(shared, group=experts.group)
-        return squares_and_bad([p.grad for p in dense if p.grad is not None], device) + shared
+        return dense + shared
 
     return local_state
+
+
+def _held(part) -> list:
+    return part.parameters if isinstance(part, ReplicatedAdamW | ShardedAdamW) else part.store.parameters
 
 
 class Owners:

@@ -16,7 +16,7 @@ from pipeloom.runtime.executor import DeviceExecutor
 from pipeloom.runtime.lr_schedule import LearningRate, build_scheduler
 from pipeloom.runtime.metrics import throughput
 from pipeloom.runtime.offload import HostOffload
-from pipeloom.runtime.rank_setup import Transport, mailbox_of
+from pipeloom.runtime.rank_setup import Transport, leaves_of, mailbox_of
 from pipeloom.runtime.run_log import RunLog
 from pipeloom.runtime.spec import RankResult, TrainSpec
 from pipeloom.runtime.step_state import StepRecord
@@ -29,8 +29,9 @@ def learning_rate_of(spec: TrainSpec, stepper, host: HostOffload | None) -> Lear
     """One scheduler per optimizer this rank steps; the host's steps in the host's worker."""
     learning = LearningRate()
     schedule = spec.optimizer.schedule
-    if getattr(stepper, "optimizer", None) is not None:
-        learning.add(build_scheduler(stepper.optimizer, schedule, spec.steps))
+    for part in leaves_of(stepper):
+        if part.optimizer is not None:
+            learning.add(build_scheduler(part.optimizer, schedule, spec.steps))
     if host is not None:
         learning.add(build_scheduler(host.optimizer, schedule, spec.steps), host.after_pending)
     return learning

@@ -140,13 +140,6 @@ def _check_expert_parallel(spec: TrainSpec, parallel: ParallelPart) -> None:
         )
     if experts.num_experts % ep:
         raise ConfigError(f"train: the model's {experts.num_experts} experts do not divide by --ep {ep}")
-    refused = {
-        "--zero": parallel.zero > 0,
-        "--offload": bool(parallel.offload_stages),
-    }
-    for flag, asked in refused.items():
-        if asked:
-            raise ConfigError(f"train: --ep does not combine with {flag} yet (the expert shards have their own groups)")
 
 
 def _check_checkpoints(

@@ -8,7 +8,9 @@ at the run's data-parallel size and ZeRO level.
 from __future__ import annotations
 
 from pipeloom.runtime.precision import Precision
+from pipeloom.runtime.rank_setup import leaves_of
 from pipeloom.runtime.spec import ParallelPart
+from pipeloom.runtime.zero import ShardedAdamW
 from pipeloom.static_memory import compute_bytes, static_bytes
 
 __all__ = ["rank_static_bytes"]
@@ -24,9 +26,14 @@ def rank_static_bytes(parallel: ParallelPart, stepper, host, parameters, precisi
         "optimizer": stepper.optimizer_bytes,
         "host": 0,
     }
-    planned = static_bytes(
-        sum(t.numel() for t in parameters), parallel.dp, parallel.zero, compute=compute, padded=True
-    ).to_dict()
+    # ZeRO shards each optimizer over its own replicas: the experts' over those holding the same experts
+    sharded = [part for part in leaves_of(stepper) if isinstance(part, ShardedAdamW)]
+    parts = [(part.parameters, part.size) for part in sharded] or [(parameters, parallel.dp)]
+    planned: dict = {}
+    for held, replicas in parts:
+        figures = static_bytes(sum(t.numel() for t in held), replicas, parallel.zero, compute=compute, padded=True)
+        for key, value in figures.to_dict().items():
+            planned[key] = planned.get(key, 0) + value
     planned.pop("device")
     if host is not None:
         on_host = [t for params in host.device_params.values() for t in params]

@@ -10,6 +10,7 @@ must reproduce.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import replace
@@ -25,12 +26,13 @@ from pipeloom.runtime.gradients import unique_parameters
 from pipeloom.runtime.host_heap import keep_freed_memory
 from pipeloom.runtime.lr_schedule import build_scheduler
 from pipeloom.runtime.mailbox import peer_failure
+from pipeloom.runtime.optimizer_sync import decide, step_under
 from pipeloom.runtime.precision import Precision
 from pipeloom.runtime.rank import RankRun, Transport
 from pipeloom.runtime.spec import RankResult, TrainSpec
 from pipeloom.runtime.spec_checks import check_device, check_spec
 from pipeloom.runtime.stage_call import run_stage
-from pipeloom.runtime.zero import adamw
+from pipeloom.runtime.zero import adamw, squares_and_bad
 
 __all__ = ["TrainSpec", "check_spec", "check_device", "train_rank", "reference_training", "RankResult"]
 
@@ -112,24 +114,27 @@ def _collective(rank: int, what: str, call, *args, **kwargs) -> None:
 
 
 def reference_training(
-    spec: TrainSpec, gradients: list | None = None
+    spec: TrainSpec, gradients: list | None = None, norms: list | None = None
 ) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """Single-process training of the same model on the same data, in the same precision (stage
-    outputs cast to the compute type as the pipeline sends them): (losses, parameters per stage).
-    A `gradients` list receives the last step's gradients per stage."""
+    outputs cast to the compute type as the pipeline sends them), clipped to the spec's global
+    norm by the runtime's own rule (`optimizer_sync.decide`): (losses, parameters per stage).
+    A `gradients` list receives the last step's gradients per stage; a `norms` list each step's
+    global gradient norm before clipping, where the spec clips."""
     threads = torch.get_num_threads()
     torch.set_num_threads(spec.threads)  # the ranks' kernels, blocked and summed as they are
     try:
-        return _reference(spec, gradients)
+        return _reference(spec, gradients, norms)
     finally:
         torch.set_num_threads(threads)
 
 
-def _reference(spec: TrainSpec, gradients: list | None):
+def _reference(spec: TrainSpec, gradients: list | None, norms: list | None):
     schedule, work = spec.schedule, spec.resolved_workload()
     precision, cpu = Precision(spec.dtype), torch.device("cpu")
     stages = work.build(schedule.num_stages)
-    optimizer = adamw(unique_parameters(stages), spec.lr)  # the ranks' own AdamW (fused)
+    parameters = unique_parameters(stages)
+    optimizer = adamw(parameters, spec.lr)  # the ranks' own AdamW (fused)
     scheduler = build_scheduler(optimizer, spec.optimizer.schedule, spec.steps)
     micro = schedule.num_microbatches * spec.dp
     b = work.microbatch_size
@@ -150,7 +155,15 @@ def _reference(spec: TrainSpec, gradients: list | None):
                 {n: t.grad.detach().clone() for n, t in stage.named_parameters() if t.grad is not None}
                 for stage in stages
             ]
-        optimizer.step()
+        if spec.clip_norm is not None:
+            state = squares_and_bad([t.grad for t in parameters if t.grad is not None], cpu)
+            decision = decide(state, spec.clip_norm)
+            if norms is not None:
+                norms.append(float(state[0].sqrt()) if state[1] == 0 else math.nan)
+            torch._foreach_mul_([t.grad for t in parameters if t.grad is not None], decision[1])
+            step_under(optimizer, decision)
+        else:
+            optimizer.step()
         scheduler.step()
         losses.append(float(total))
     return losses, [{n: t.detach().clone() for n, t in stage.named_parameters()} for stage in stages]

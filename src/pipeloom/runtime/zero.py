@@ -69,6 +69,10 @@ class ReplicatedAdamW:
     def local_state(self) -> torch.Tensor:
         return squares_and_bad([p.grad for p in self.owned if p.grad is not None], self._device)
 
+    def owned_gradients(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, its gradient) of those this rank counts in the global norm."""
+        return [(p, p.grad) for p in self.owned if p.grad is not None]
+
     def scale(self, factor: float | torch.Tensor) -> None:
         grads = [parameter.grad for parameter in self.parameters if parameter.grad is not None]
         if grads:
@@ -346,10 +350,37 @@ class ShardedAdamW:
 
 class JointSteppers:
     """Several optimizers of one rank stepped as one — the host's (offloaded stages) and the
-    device's — so clipping, skipping, the loss scale and post-validation decide for all alike."""
+    device's, or under expert parallelism with ZeRO the dense weights' (sharded over the
+    replicas) and the experts' (over the replicas holding the same experts) — so clipping,
+    skipping, the loss scale, post-validation, checkpoints and the byte counts treat them alike."""
 
     def __init__(self, *parts) -> None:
         self.parts = parts
+
+    def leaves(self) -> list:
+        """The optimizers themselves, nested joints flattened."""
+        return [leaf for part in self.parts for leaf in (part.leaves() if isinstance(part, JointSteppers) else [part])]
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(part.weight_bytes for part in self.parts)
+
+    @property
+    def gradient_bytes(self) -> int:
+        return sum(part.gradient_bytes for part in self.parts)
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return sum(part.optimizer_bytes for part in self.parts)
+
+    def checkpoint_state(
+        self, keys: dict[int, str], masters: bool = False, by_name: bool = False
+    ) -> dict[str, torch.Tensor]:
+        return {k: v for part in self.parts for k, v in part.checkpoint_state(keys, masters, by_name).items()}
+
+    def after_load(self) -> None:
+        for part in self.parts:
+            part.after_load()
 
     def zero_grad(self) -> None:
         for part in self.parts:
