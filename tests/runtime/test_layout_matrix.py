@@ -145,6 +145,23 @@ def test_every_cell_trains_like_one_process(tmp_path, row, column):
         for stage, parameters in result.parameters.items():
             for name, value in parameters.items():
                 assert_weights_close(value, expected[stage][name], low_precision, name)
+    assert_every_weight_counted_once(spec, results)
+
+
+def assert_every_weight_counted_once(spec: TrainSpec, results) -> None:
+    """The placements the ranks report: one replica's ranks count each dense weight's elements
+    exactly once in the global norm, and the expert-parallel group's (whose slices it sums) each
+    expert's — whatever cut them."""
+    layout, ep = spec.parallelism.layout, spec.ep
+    counted: dict[str, int] = {}
+    whole: dict[str, int] = {}
+    for result in results:
+        replica = layout.coords(result.rank)[0]
+        for record in result.placements:
+            whole[record.name] = math.prod(record.shape)
+            if replica == 0 or (record.expert and replica < ep):
+                counted[record.name] = counted.get(record.name, 0) + record.counted_numel
+    assert whole and counted == whole
 
 
 def assert_weights_close(value, expected, low_precision: bool, name: str) -> None:

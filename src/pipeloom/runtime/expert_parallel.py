@@ -39,7 +39,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from pipeloom.models.materialise import Cut
 from pipeloom.runtime.clocks import Clock, HostClock
@@ -155,22 +154,6 @@ class ExpertExchange:
     def set_up_done(self) -> None:
         """Forget the full parameters the shards were cut from."""
         self.cuts.clear()
-
-    def as_shard(self, parameter: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """`value` (an expert shard's data or optimizer moment) as this rank's part of one DTensor
-        sharded by expert over the group, sharing its storage — what torch.distributed.checkpoint
-        saves under the whole layer's name and shape, and reads back into any expert split."""
-        if id(parameter) not in self.sharded or self.mesh is None:
-            return value
-        return DTensor.from_local(value, self.mesh, [Shard(0)], run_check=False)
-
-    def full(self, shard: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """`value` of an expert shard as the whole layer's (gathered over the group; a collective)."""
-        if id(shard) not in self.sharded:
-            return value
-        parts = [torch.empty_like(value) for _ in range(self.size)]
-        dist.all_gather(parts, value.contiguous(), group=self.group)
-        return torch.cat(parts)
 
 
 class _Exchange(torch.autograd.Function):

@@ -42,11 +42,11 @@ from pipeloom.runtime.lr_schedule import LearningRate
 from pipeloom.runtime.mailbox import Mail
 from pipeloom.runtime.offload import HostOffload
 from pipeloom.runtime.optimizer_sync import OptimizerSync
+from pipeloom.runtime.placement import ModelWeights, WeightPlacements
 from pipeloom.runtime.precision import LossScaler, Precision
 from pipeloom.runtime.probe import probe_boundaries
 from pipeloom.runtime.rank_checkpoints import resume_rank, save_rank
 from pipeloom.runtime.rank_setup import (
-    Owners,
     Transport,
     cut_stages,
     hosted_stages,
@@ -98,6 +98,8 @@ class RankRun:
     """This rank's tensor-parallel group, with tp > 1."""
     experts: ExpertExchange | None = None
     """This rank's expert-parallel group, with ep > 1."""
+    placements: WeightPlacements = field(default_factory=lambda: WeightPlacements({}))
+    """Where each weight this rank holds lives (what every feature asks of its shards)."""
     names: dict[int, dict[str, str]] = field(default_factory=dict)
     """Per hosted stage: each parameter's name in the whole model (what checkpoints key by)."""
     learning: LearningRate = field(default_factory=LearningRate)
@@ -136,7 +138,7 @@ class RankRun:
         all_stages = skeleton.stages if skeleton is not None else work.build(schedule.num_stages)
         names = dict(enumerate(global_names(all_stages)))
         probe = probe or probe_boundaries(schedule, work, all_stages, precision)
-        owners = Owners(schedule, all_stages, names, device)
+        weights = ModelWeights(schedule, all_stages, names)
         routed = work.experts if parallel.ep > 1 else None
         buckets = GradientBuckets(
             schedule,
@@ -174,10 +176,11 @@ class RankRun:
         for part in (experts, tensor):
             if part is not None:
                 part.set_up_done()
-        owned = owners.test(stages, names, tensor)
-        dp_group = mesh["dp"].get_group() if mesh is not None else None
+        placements = weights.place(stages, names, device, tensor, experts, parallel.zero, parallel.offload_stages)
+        groups = {"dp": mesh["dp"].get_group() if mesh is not None else None, "edp": expert_dp_group}
+        ep_index = experts.index if experts is not None else 0
         host, stepper, parameters = steppers(
-            parallel, optimizer, dp_group, owned, stages, device, tp_index, precision, experts, expert_dp_group
+            parallel, optimizer, placements, stages, device, tp_index, precision, groups, ep_index
         )
         stores = [part.store for part in (host, *leaves_of(stepper)) if isinstance(part, HostOffload | ShardedAdamW)]
         buckets.keep_in_place({id(parameter) for store in stores for parameter in store.parameters})
@@ -209,7 +212,7 @@ class RankRun:
             else None
         )
         optimizers = JointSteppers(host, stepper) if host is not None else stepper  # the host's starts first
-        sync = optimizer_sync(optimizer, parallel, optimizers, device, replica, scaler, tensor, experts)
+        sync = optimizer_sync(optimizer, parallel, optimizers, device, replica, scaler, tensor, experts, placements)
         m, b = schedule.num_microbatches, work.microbatch_size
         result = RankResult(rank, sample_tokens=work.sample_tokens, samples_per_step=parallel.dp * m * b)
         result.forward_flops = m * sum(probe.forward_flops[s] for s in stages)
@@ -235,6 +238,7 @@ class RankRun:
             progress=progress_of(spec, rank, result),
             tensor=tensor,
             experts=experts,
+            placements=placements,
             names={s: names[s] for s in stages},
             learning=learning_rate_of(spec, stepper, host),
             evaluation=evaluation_of(spec, transport, executor, probe, (replica, device, tp_index), where, b),
@@ -282,7 +286,7 @@ class RankRun:
         if self.spec.record_gradients:
             self.result.gradients = {
                 s: {
-                    n: self._whole(t, grad).detach().float().cpu().clone()
+                    n: self.placements.whole(t, grad).detach().float().cpu().clone()
                     for n, t in module.named_parameters()
                     if (grad := grad_of(t)) is not None
                 }
@@ -357,11 +361,12 @@ class RankRun:
         result.static_bytes, result.planned_static_bytes = rank_static_bytes(
             self.spec.parallelism, self.stepper, self.host, self.parameters, self.precision
         )
+        result.placements = self.placements.records()
         result.held_bytes = census(self).to_dict()
         result.peak_host_bytes = peak_resident_bytes()
         if self.spec.return_parameters:  # once, after the last step: the final weights, on the host
             result.parameters = {
-                s: {n: self._whole(t, t.detach()).cpu().clone() for n, t in module.named_parameters()}
+                s: {n: self.placements.whole(t, t.detach()).cpu().clone() for n, t in module.named_parameters()}
                 for s, module in self.stages.items()
             }
         return result
@@ -387,14 +392,6 @@ class RankRun:
         if self.sync is not None:
             self.sync.settle(values[2:])
         return values[0]
-
-    def _whole(self, parameter: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """`value` as one process would hold it: gathered over the tensor-parallel (or expert-
-        parallel) group when it is a shard (a collective: every rank of the group calls it in the
-        same order)."""
-        if self.tensor is not None:  # a weight is cut over one group at most: the other leaves it
-            value = self.tensor.full(parameter, value)
-        return self.experts.full(parameter, value) if self.experts is not None else value
 
 
 def _inject_faults(faults: tuple[tuple[int, int, str, float], ...], step: int, stages: dict) -> None:

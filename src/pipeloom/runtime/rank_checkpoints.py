@@ -31,7 +31,7 @@ def save_rank(run, directory: str, steps_done: int) -> None:
         "data": run.work.data,
         "dtype": spec.dtype,
     }
-    shards = _shards_of(run)
+    shards = run.placements.as_dtensor
     saved = save_checkpoint(
         directory, steps_done, run.stages, run.holders, facts, shards, run.names, run.work.description
     )
@@ -54,25 +54,10 @@ def resume_rank(run) -> None:
         packs_projections(run.work, run.spec.parallelism.tp, run.spec.parallelism.sequence_parallel),
     )
     by_name = run.names if "layout_free" in facts else None  # older checkpoints: by stage
-    shards = _shards_of(run)
+    shards = run.placements.as_dtensor
     run.first_step = load_checkpoint(found, run.stages, run.holders, shards, by_name)
     run.learning.load_state_dict(facts.get("lr_schedule"))
     if spec.report and run.rank == 0:
         changes = input_changes(facts, run.work.data, spec.dtype)
         note = f"; it was trained on {'; and '.join(changes)}" if changes else ""
         print(f"resumed from {found}: {run.first_step} of {spec.steps} steps done{note}", flush=True)
-
-
-def _shards_of(run):
-    """(parameter, tensor) → the tensor as a DTensor of this rank's part, for a weight cut over a
-    tensor- or expert-parallel group (a weight is cut over one of them at most); None: nothing cut."""
-    parts = [part for part in (run.tensor, run.experts) if part is not None]
-    if not parts:
-        return None
-
-    def shards(parameter, value):
-        for part in parts:
-            value = part.as_shard(parameter, value)
-        return value
-
-    return shards

@@ -22,6 +22,7 @@ from pipeloom.runtime.mailbox import Mail, Mailbox
 from pipeloom.runtime.memory_mailbox import MemoryMailbox, Postbox
 from pipeloom.runtime.offload import HostOffload
 from pipeloom.runtime.optimizer_sync import OptimizerSync
+from pipeloom.runtime.placement import WeightPlacements
 from pipeloom.runtime.precision import Precision
 from pipeloom.runtime.spec import OptimizerPart, ParallelPart, RankResult, TrainSpec
 from pipeloom.runtime.split_linear import WeightGradQueue, split_linears
@@ -38,7 +39,6 @@ __all__ = [
     "mailbox_of",
     "progress_of",
     "optimizer_sync",
-    "Owners",
     "leaves_of",
     "zero_overlap",
 ]
@@ -89,6 +89,7 @@ def cut_stages(parallel: ParallelPart, work: Workload, tensor: TensorParallel, s
     assert work.tensor_parallel is not None, "check_spec refuses a model without a plan"
     plan = work.tensor_parallel(parallel.tp, parallel.sequence_parallel)
     partial = shard_stages(stages, plan, tensor, parallel.schedule.num_stages)
+    tensor.partial = {id(parameter) for parameter in partial}
     buckets.rebind(tensor.shards)
     buckets.sum_over(tensor.mesh.get_group(), group, partial)
     wire = StageProbe(wire_boundaries(probe.boundaries, parallel.tp), [f / parallel.tp for f in probe.forward_flops])
@@ -98,47 +99,49 @@ def cut_stages(parallel: ParallelPart, work: Workload, tensor: TensorParallel, s
 def steppers(
     parallel: ParallelPart,
     optimizer: OptimizerPart,
-    dp_group: dist.ProcessGroup | None,
-    owned: Callable[[torch.nn.Parameter], bool],
+    placements: WeightPlacements,
     stages: dict,
     device: int,
     tp_index: int,
     precision: Precision,
-    experts: ExpertExchange | None = None,
-    expert_dp_group: dist.ProcessGroup | None = None,
+    groups: dict[str, dist.ProcessGroup | None],
+    ep_index: int = 0,
 ) -> tuple[HostOffload | None, ReplicatedAdamW | ShardedAdamW | JointSteppers, list]:
-    """(the host's optimizer for offloaded stages, the device's optimizer — replicated or ZeRO
-    sharded over `dp_group`, the mesh's data-parallel group of this rank — and the parameters it
-    steps). Under expert parallelism ZeRO shards the expert slices apart, over
-    `expert_dp_group`: the replicas that hold the same experts (dp / ep of them)."""
+    """(the host's optimizer for offloaded stages, the device's optimizer, the parameters it
+    steps), each weight where its placement's `optimizer` says: on every replica, ZeRO-sharded
+    over `groups["dp"]` (the mesh's data-parallel group of this rank) or, an expert slice, over
+    `groups["edp"]` (the replicas holding the same experts), or on the host."""
     offloaded = [s for s in stages if s in parallel.offload_stages]
-    routed = experts.sharded if experts is not None else set()
+    held = unique_parameters(list(stages.values()))
     host = None
     if offloaded:
-        group = dp_group if parallel.zero else None  # else the buckets sum over the replicas
-        expert_group = expert_dp_group if parallel.zero else None
+        routed = {id(t) for t in held if placements[t].optimizer == "host" and placements.expert(t)}
+        sums = (groups["dp"], groups["edp"]) if parallel.zero else (None, None)  # else the buckets sum
         host = HostOffload(
-            stages, offloaded, optimizer.lr, parallel.reload_bits, precision.dtype, owned, group, (routed, expert_group)
+            stages,
+            offloaded,
+            optimizer.lr,
+            parallel.reload_bits,
+            precision.dtype,
+            placements.counted,
+            sums[0],
+            (routed, sums[1]),
         )
-    on_host = {id(t) for s in offloaded for t in stages[s].parameters()}
-    parameters = [t for t in unique_parameters(list(stages.values())) if id(t) not in on_host]
+    parameters = [t for t in held if placements[t].optimizer != "host"]
     if not parallel.zero:
-        return host, ReplicatedAdamW(parameters, owned, optimizer.lr), parameters
-    assert dp_group is not None, "ZeRO shards over torch.distributed; in-process runs refuse it"
+        return host, ReplicatedAdamW(parameters, placements.counted, optimizer.lr), parameters
     label = f"device{device}" + (f".tp{tp_index}" if parallel.tp > 1 else "")
-    dense = [t for t in parameters if id(t) not in routed]
-    stepper: ShardedAdamW | JointSteppers = ShardedAdamW(
-        dense, owned, optimizer.lr, parallel.zero, dp_group, precision.dtype, label
-    )
-    shards = [t for t in parameters if id(t) in routed]
-    if shards:
-        assert experts is not None and expert_dp_group is not None
-        label = f"{label}.ep{experts.index}"
-        routed_stepper = ShardedAdamW(
-            shards, owned, optimizer.lr, parallel.zero, expert_dp_group, precision.dtype, label
-        )
-        stepper = JointSteppers(stepper, routed_stepper)
-    return host, stepper, parameters
+    parts = []
+    for where, suffix in (("dp", ""), ("edp", f".ep{ep_index}")):
+        group, chosen = groups[where], [t for t in parameters if placements[t].optimizer == where]
+        if chosen or where == "dp":
+            assert group is not None, "ZeRO shards over torch.distributed; in-process runs refuse it"
+            parts.append(
+                ShardedAdamW(
+                    chosen, placements.counted, optimizer.lr, parallel.zero, group, precision.dtype, label + suffix
+                )
+            )
+    return host, parts[0] if len(parts) == 1 else JointSteppers(*parts), parameters
 
 
 def leaves_of(stepper) -> list:
@@ -226,6 +229,7 @@ def optimizer_sync(
     scaler,
     tensor: TensorParallel | None = None,
     experts: ExpertExchange | None = None,
+    placements: WeightPlacements | None = None,
 ):
     """Global clipping / skipping (also fp16's overflow skip), if asked for, over every rank of
     this replica — its pipeline devices and their tensor-parallel groups; its process groups are
@@ -235,7 +239,10 @@ def optimizer_sync(
     p, tp, layout = parallel.schedule.num_devices, parallel.tp, parallel.layout
     groups = [dist.new_group([layout.rank(r, d, t) for d in range(p) for t in range(tp)]) for r in range(parallel.dp)]
     tp_index = tensor.index if tensor is not None else 0
-    local_state = _with_experts(stepper, experts) if experts is not None else None
+    local_state = None
+    if experts is not None:
+        assert placements is not None, "expert slices are found by their placements"
+        local_state = _with_experts(stepper, experts, placements)
     return OptimizerSync(
         stepper,
         optimizer.clip_norm,
@@ -251,11 +258,11 @@ def optimizer_sync(
     )
 
 
-def _with_experts(stepper, experts: ExpertExchange) -> Callable[[], torch.Tensor]:
+def _with_experts(stepper, experts: ExpertExchange, placements: WeightPlacements) -> Callable[[], torch.Tensor]:
     """A rank's state under expert parallelism: its dense weights as any rank's (equal on every
-    replica, so counted within one), plus its experts' summed over the expert-parallel group —
-    whose ranks hold the layer's experts between them, each once. A ZeRO optimizer of expert
-    shards alone sums its shards over their replicas first."""
+    replica, so counted within one), plus its expert slices' summed over the expert-parallel
+    group — whose ranks hold the layer's experts between them, each once. A ZeRO optimizer of
+    expert slices alone sums its shards over their replicas first."""
     parts = leaves_of(stepper)
     device = next((t.device for part in parts for t in _held(part)), torch.device("cpu"))
 
@@ -264,15 +271,15 @@ def _with_experts(stepper, experts: ExpertExchange) -> Callable[[], torch.Tensor
         shared = torch.zeros_like(dense)
         for part in parts:
             if isinstance(part, ShardedAdamW):
-                routed = bool(part.parameters) and all(id(p) in experts.sharded for p in part.parameters)
+                routed = bool(part.parameters) and all(placements.expert(p) for p in part.parameters)
                 if routed:
                     shared += part.local_state()
                 else:
                     dense += part.local_state()
                 continue
             owned = part.owned_gradients()
-            dense += squares_and_bad([g for p, g in owned if id(p) not in experts.sharded], device)
-            shared += squares_and_bad([g for p, g in owned if id(p) in experts.sharded], device)
+            dense += squares_and_bad([g for p, g in owned if not placements.expert(p)], device)
+            shared += squares_and_bad([g for p, g in owned if placements.expert(p)], device)
         dist.all_reduce(shared, group=experts.group)
         return dense + shared
 
@@ -281,43 +288,3 @@ def _with_experts(stepper, experts: ExpertExchange) -> Callable[[], torch.Tensor
 
 def _held(part) -> list:
     return part.parameters if isinstance(part, ReplicatedAdamW | ShardedAdamW) else part.store.parameters
-
-
-class Owners:
-    """Which rank counts a parameter in the global gradient norm: each counts once, on the
-    lowest device hosting its first stage (and, under tensor parallelism, shard by shard). Kept
-    by the parameters' names in the whole model, so it holds no tensor and answers for shards
-    (tensor- or expert-parallel) as for whole ones."""
-
-    def __init__(self, schedule, all_stages, names: dict[int, dict[str, str]], device: int) -> None:
-        owners = {
-            s: min(d for d in range(schedule.num_devices) if s in schedule.stages_on(d))
-            for s in range(schedule.num_stages)
-        }
-        self.device = device
-        self.first_name: dict[str, str] = {}
-        """A parameter's name in a stage → its name where it first appears (ties share one)."""
-        self.owner: dict[str, int] = {}
-        first: dict[int, str] = {}
-        for s, module in enumerate(all_stages):
-            for local, parameter in module.named_parameters():
-                name = names[s][local]
-                canonical = first.setdefault(id(parameter), name)
-                self.first_name[name] = canonical
-                self.owner.setdefault(canonical, owners[s])
-
-    def test(
-        self, stages: dict[int, torch.nn.Module], names: dict[int, dict[str, str]], tensor: TensorParallel | None = None
-    ):
-        """The test, asked of the parameters `stages` hold now (cut or not). Under tensor
-        parallelism (`tensor`, this rank's group) each rank counts its shards — the group's
-        ranks hold disjoint parts — and only the group's first rank a replicated weight."""
-        name_of = {id(t): names[s][local] for s, module in stages.items() for local, t in module.named_parameters()}
-        sharded = set(tensor.sharded) if tensor is not None else set()
-        first_of_group = tensor is None or tensor.index == 0
-
-        def owned(parameter) -> bool:
-            here = self.owner[self.first_name[name_of[id(parameter)]]] == self.device
-            return here and (first_of_group or id(parameter) in sharded)
-
-        return owned

@@ -272,6 +272,10 @@ class RankResult:
     """Measured on this rank: weights, gradients, optimizer (device) and host bytes."""
     planned_static_bytes: dict[str, float] = field(default_factory=dict)
     """The same, as `pipeloom.static_memory` plans them for this rank's weights."""
+    placements: list = field(default_factory=list)
+    """Where each weight this rank holds lives (`placement.WeightPlacement`, by name): its whole
+    and local shapes, its tensor- and expert-parallel placements, whether this rank counts it in
+    the global norm, which optimizer keeps its state."""
     held_bytes: dict[str, int] = field(default_factory=dict)
     """Every tensor this rank's objects hold at the end, by what holds it (`census.HeldBytes`):
     its `parameters` are the static bytes as counted from the objects, stray copies included."""

@@ -67,7 +67,9 @@ class TensorParallel:
     object."""
     sharded: dict[int, tuple[int, int]] = field(default_factory=dict)
     """Shard parameter (by id) → (the dimension it is cut along, packed blocks); the rest are
-    replicated."""
+    replicated (what `placement.ModelWeights.place` reads)."""
+    partial: set[int] = field(default_factory=set)
+    """Replicated parameters (by id) whose gradients each rank takes from its sequence shard only."""
     cuts: dict[int, tuple[torch.Tensor, Cut]] = field(default_factory=dict)
     """During set-up: a shard cut on the meta device (by id) → (the meta parameter it was cut
     from, how), for `materialise` to read or initialise its values."""
@@ -118,30 +120,6 @@ class TensorParallel:
         """Forget the full parameters the shards were cut from."""
         self.shards.clear()
         self.cuts.clear()
-
-    def full(self, parameter: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """Collective over the group: `value` (the parameter itself, its gradient, an optimizer
-        moment) whole, as one process would hold it."""
-        cut = self.sharded.get(id(parameter))
-        if cut is None:
-            return value
-        dim, parts = cut
-        blocks = value.chunk(parts, dim)
-        return torch.cat(
-            [
-                DTensor.from_local(b.contiguous(), self.mesh, [Shard(dim)], run_check=False).full_tensor()
-                for b in blocks
-            ],
-            dim,
-        )
-
-    def as_shard(self, parameter: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """`value` (the parameter's data or an optimizer moment) as this rank's shard of one
-        DTensor, sharing its storage — what torch.distributed.checkpoint saves and loads into."""
-        cut = self.sharded.get(id(parameter))
-        if cut is None:
-            return value
-        return DTensor.from_local(value, self.mesh, [Shard(cut[0])], run_check=False)
 
 
 # -- the collectives at region boundaries, each with its conjugate in the backward ---------------
