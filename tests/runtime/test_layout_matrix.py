@@ -89,6 +89,7 @@ ROWS = {
     "zero2": dict(zero=2, clip_norm=1.0),
     "offload": dict(offload_stages=(0,), clip_norm=1.0),
     "zero1+offload": dict(zero=1, offload_stages=(0,), clip_norm=1.0),
+    "fp16+offload": dict(dtype="fp16", offload_stages=(1,), post_validation=True, clip_norm=1.0),
 }
 CELLS = [
     ("plain", "pp2-1f1b"),
@@ -98,6 +99,7 @@ CELLS = [
     ("zero1", "pp2xdp2"),
     ("clip", "pp2xtp2"),
     ("fp16", "pp2xtp2"),
+    ("fp16+offload", "pp2xdp2"),
     ("offload", "pp2xtp2+sp"),
     ("zero2", "pp1xtp2xdp2"),
     ("bf16", "pp1xtp2xdp2"),

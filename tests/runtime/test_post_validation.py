@@ -38,6 +38,23 @@ def state(squares: float, bad: float) -> torch.Tensor:
     return torch.tensor([squares, bad], dtype=torch.float64)
 
 
+def test_a_rollback_leaves_no_negative_second_moment_where_there_was_none():
+    """A weight whose gradients were zero until this step (an expert that just got its first
+    tokens) had v = 0: undoing (1 − β2)·g² in floating point leaves about half its elements at
+    −1e-16, whose square root the next step turns into NaN. The rollback keeps v at zero."""
+    parameter = torch.nn.Parameter(torch.zeros(4096))
+    optimizer = adamw([parameter], 1e-2)
+    parameter.grad = torch.zeros(4096)
+    optimizer.step()
+    parameter.grad = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 1e-3
+    optimizer.step()
+    adamw_rollback(optimizer)
+    second = optimizer.state[parameter]["exp_avg_sq"]
+    assert (second >= 0).all() and float(second.max()) < 1e-14  # zero to rounding of (1 − β2)·g² ≈ 1e-9
+    optimizer.step()
+    assert torch.isfinite(parameter).all()
+
+
 def test_decisions_are_made_on_the_device():
     assert decide(state(16.0, 0), 5.0).tolist() == [1.0, 1.0]
     stepped, coefficient = decide(state(100.0, 0), 5.0).tolist()

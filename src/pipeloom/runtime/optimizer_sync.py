@@ -66,7 +66,9 @@ def step_under(optimizer: torch.optim.Optimizer, decision: torch.Tensor | None) 
 
 def adamw_rollback(optimizer: torch.optim.AdamW) -> None:
     """Undo the last AdamW step in place, given the gradients it used (Zero Bubble Algorithm 1),
-    on the device: the step count stays a tensor (its bias corrections too)."""
+    on the device: the step count stays a tensor (its bias corrections too). The second moment is
+    kept non-negative: where it was zero before the step, undoing (1 − β2)·g² rounds to about
+    −1e-16, whose square root is NaN."""
     with torch.no_grad():
         for group in optimizer.param_groups:
             lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
@@ -79,7 +81,7 @@ def adamw_rollback(optimizer: torch.optim.AdamW) -> None:
                 denom = (v.sqrt() / (1 - beta2**t).sqrt()).add_(eps)
                 parameter.add_(m / denom * (lr / (1 - beta1**t))).div_(1 - lr * decay)
                 m.sub_(g, alpha=1 - beta1).div_(beta1)
-                v.addcmul_(g, g, value=-(1 - beta2)).div_(beta2)
+                v.addcmul_(g, g, value=-(1 - beta2)).div_(beta2).clamp_(min=0)
                 state["step"] -= 1
 
 

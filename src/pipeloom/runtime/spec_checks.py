@@ -76,8 +76,6 @@ def _check_parallelism(parallel: ParallelPart, world_size: int | None) -> None:
 
 def _check_optimizer(optimizer: OptimizerPart, parallel: ParallelPart) -> None:
     Precision(optimizer.dtype)
-    if optimizer.dtype == "fp16" and parallel.offload_stages:
-        raise ConfigError("train: fp16's loss scale does not cover host-stepped (offloaded) stages; use bf16")
     if optimizer.clip_norm is not None and optimizer.clip_norm <= 0:
         raise ConfigError(f"train: the clipping norm must be positive, got {optimizer.clip_norm}")
 
