@@ -168,6 +168,37 @@ def test_a_run_from_a_toml_file_equals_the_same_run_from_flags(tmp_path):
         expand_config(["train", "--config", str(bad)], train, 1)
 
 
+def test_a_toml_file_by_parts_is_the_same_run_as_a_flat_one(tmp_path):
+    """The tables are TrainSpec's parts; a flag in another part's table is refused, naming its part."""
+    from pipeloom.cli import build_parser, subcommand
+    from pipeloom.cli.config_file import expand_config
+    from pipeloom.cli.train import train_spec_from_args
+
+    flat = 'schedule = "zb-h1"\ndevices = 2\nmicrobatches = 4\nsteps = 3\nlr = 0.01\nwarmup_steps = 1\n'
+    flat += 'lr_schedule = "linear"\nlayers = 4\nhidden = 32\nheads = 2\nffn = 64\nvocab = 64\nseq_len = 16\n'
+    flat += "clip_norm = 0.5\nsave_every = 2\n"
+    parts = "steps = 3\n[parallelism]\nschedule = \"zb-h1\"\ndevices = 2\nmicrobatches = 4\n"
+    parts += '[optimizer]\nlr = 0.01\nwarmup_steps = 1\nlr_schedule = "linear"\nclip_norm = 0.5\n'
+    parts += "[model]\nlayers = 4\nhidden = 32\nheads = 2\nffn = 64\nvocab = 64\nseq_len = 16\n"
+    parts += "[checkpoints]\nsave_every = 2\n"
+    parser = build_parser()
+    train = subcommand(parser, "train")
+    specs = []
+    for name, text in (("flat", flat), ("parts", parts)):
+        (tmp_path / f"{name}.toml").write_text(text)
+        argv = expand_config(["train", "--config", str(tmp_path / f"{name}.toml"), "--save", str(tmp_path)], train, 1)
+        spec = train_spec_from_args(parser.parse_args(argv))
+        specs.append(spec.changed(run_config=None))
+    assert specs[0] == specs[1]
+    assert specs[1].optimizer.clip_norm == 0.5 and specs[1].checkpoints.every == 2 and specs[1].steps == 3
+    (tmp_path / "misplaced.toml").write_text("[optimizer]\ndp = 2\n")
+    with pytest.raises(ConfigError, match=r"sets 'dp' in \[optimizer\]; it belongs under \[parallelism\]"):
+        expand_config(["train", "--config", str(tmp_path / "misplaced.toml")], train, 1)
+    (tmp_path / "table.toml").write_text("[training]\nsteps = 2\n")
+    with pytest.raises(ConfigError, match=r"has a table \[training\]; the parts of a run are \[model\]"):
+        expand_config(["train", "--config", str(tmp_path / "table.toml")], train, 1)
+
+
 def test_wandb_is_used_only_when_installed(tmp_path):
     import importlib.util
 

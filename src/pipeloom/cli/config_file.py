@@ -4,7 +4,12 @@ The file's settings become flags placed before the command line's own (``schedul
 ``--schedule zb-h1``, ``sequence_parallel = true`` → ``--sequence-parallel``, a list → its items
 joined by commas), so argparse's last-one-wins gives the command line precedence and every
 setting goes through the same parsing and checks as a flag. Keys may use ``-`` or ``_``.
-`effective_config` is what a run then stores in its checkpoints, logs and summary.
+
+A flag may sit at the top of the file or in the table of the part of the run it sets — the
+parts of `TrainSpec` (`[model]`, `[parallelism]`, `[optimizer]`, `[checkpoints]`,
+`[evaluation]`, `[logging]`), as torchtitan's job config is laid out; a flag in another part's
+table is refused, naming where it belongs. `effective_config` is what a run then stores in its
+checkpoints, logs and summary (flat, by flag).
 """
 
 from __future__ import annotations
@@ -16,10 +21,50 @@ from pathlib import Path
 
 from pipeloom.errors import ConfigError
 
-__all__ = ["expand_config", "effective_config", "config_line"]
+__all__ = ["expand_config", "effective_config", "config_line", "part_of"]
 
 _FLAG = "--config"
 _IGNORED = ("help", "config")
+_CLI_PARTS = {
+    "model": ("model", "data", "data-dtype", "tokenizer", "image-size", "layers", "hidden", "heads", "ffn", "vocab"),
+    "parallelism": (
+        "schedule",
+        "devices",
+        "microbatches",
+        "chunks",
+        "slices",
+        "forwards",
+        "schedule-file",
+        "mem-limit",
+        "split",
+        "batch-w",
+        "ckpt",
+        "passes",
+        "costs",
+        "hardware",
+        "timeout",
+        "reload-bf16",
+        "nproc",
+        "plan",
+    ),
+    "checkpoints": ("save", "resume"),
+    "logging": ("quiet", "trace", "summary"),
+}
+"""The flags a TrainSpec does not hold as such (they choose its model, schedule or outputs), by part;
+the model part also takes seq-len and microbatch-size, which shape the workload."""
+_CLI_PARTS["model"] += ("seq-len", "microbatch-size")
+
+
+def part_of(flag: str, action: argparse.Action) -> str | None:
+    """The part of the run (a TrainSpec part's name) that a flag (its long name without dashes)
+    sets; None: the run as a whole (steps)."""
+    from pipeloom.runtime.spec import FLAT
+
+    for part, flags in _CLI_PARTS.items():
+        if flag in flags:
+            return part
+    where = FLAT.get(action.dest)
+    return where[0] if where is not None else None
 
 
 def expand_config(
@@ -39,17 +84,40 @@ def expand_config(
         raise ConfigError(f"--config: cannot read {path!r}: {error.strerror or error}") from None
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"--config: {path!r} is not valid TOML: {error}") from None
+    from pipeloom.runtime.spec import PARTS
+
     actions = _long_options(parser)
     tokens: list[str] = []
-    for key, value in settings.items():
+    for table, key, value in _settings(path, settings, PARTS):
         flag = "--" + key.replace("_", "-")
         if flag[2:] in launcher_only:
             continue
         action = actions.get(flag)
         if action is None or key in _IGNORED:
-            raise ConfigError(f"--config: {path!r} sets {key!r}, which is not a flag of this command")
+            where = f" in [{table}]" if table else ""
+            raise ConfigError(f"--config: {path!r} sets {key!r}{where}, which is not a flag of this command")
+        if table is not None and part_of(flag[2:], action) != table:
+            home = part_of(flag[2:], action)
+            belongs = f"under [{home}]" if home else "at the top of the file"
+            raise ConfigError(f"--config: {path!r} sets {key!r} in [{table}]; it belongs {belongs}")
         tokens += _as_flags(path, key, flag, value, action)
     return argv[:position] + tokens + argv[position:]
+
+
+def _settings(path: str, settings: dict, parts) -> list[tuple[str | None, str, object]]:
+    """(its part's table or None, key, value) of every flag the file sets, at its top or in a
+    part's table; ConfigError for a table that is no part."""
+    out: list[tuple[str | None, str, object]] = []
+    for key, value in settings.items():
+        if not isinstance(value, dict):
+            out.append((None, key, value))
+            continue
+        if key not in parts:
+            raise ConfigError(
+                f"--config: {path!r} has a table [{key}]; the parts of a run are {', '.join(f'[{p}]' for p in parts)}"
+            )
+        out += [(key, inner, setting) for inner, setting in value.items()]
+    return out
 
 
 def effective_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:

@@ -20,7 +20,6 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +113,7 @@ def run_local(
     (or given: `probe_spec(spec)`, for a caller that runs one spec many times) and handed on.
     `progress`: print as `pipeloom train` does — each step's line, then the per-rank table."""
     if progress:
-        spec = replace(spec, report=True)
+        spec = spec.changed(report=True)
     if spec.torch_device_type == "cuda" and recipe is None:
         raise ConfigError(
             "run_local: CUDA ranks are spawned and rebuild the spec from a recipe (a picklable function "

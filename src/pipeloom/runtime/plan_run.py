@@ -9,7 +9,6 @@ arguments; everything else is a `TrainSpec` field.
 
 from __future__ import annotations
 
-from dataclasses import fields as dataclass_fields
 from pathlib import Path
 
 from pipeloom.errors import ConfigError
@@ -30,7 +29,7 @@ def spec_from_plan(plan: Plan | str | Path, model: str | None = None, data=None,
     `options`: further `TrainSpec` fields (steps, lr, save_dir, ...; dtype defaults to the type
     the plan's costs were measured in)."""
     plan = plan if isinstance(plan, Plan) else Plan.load(str(plan))
-    known = {f.name for f in dataclass_fields(TrainSpec)}
+    known = set(TrainSpec.flat_names())
     unknown = sorted(set(options) - known)
     if unknown:
         raise ConfigError(f"train_plan: unknown option(s) {', '.join(unknown)}; TrainSpec takes {sorted(known)}")

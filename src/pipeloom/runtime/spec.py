@@ -4,7 +4,8 @@ refuse a run before any compute live in `spec_checks`."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import torch
 
@@ -17,7 +18,11 @@ from pipeloom.runtime.step_state import StepRecord
 
 __all__ = [
     "CheckpointPart",
+    "EvaluationPart",
+    "FLAT",
+    "LoggingPart",
     "ModelPart",
+    "PARTS",
     "OptimizerPart",
     "ParallelPart",
     "RankResult",
@@ -25,137 +30,47 @@ __all__ = [
 ]
 
 
-# A run in parts: each piece of the runtime takes the part it needs, not the whole TrainSpec.
-# TrainSpec keeps its flat fields (the public constructor) and hands out these views.
+# A run in parts, as torchtitan's job config is: each piece of the runtime takes the part it
+# needs, the config file's tables are the same parts, and the flat keywords of the first
+# TrainSpec still build one (`TrainSpec(schedule, dp=2, lr=1e-3)`, `replace(spec, tp=2)`,
+# `spec.dp`).
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelPart:
     """What is trained: the model, its data and loss, and how much of it a checkpoint recomputes."""
 
-    config: LlamaConfig
-    seed: int
-    layer_counts: tuple[int, ...] | None
-    workload: Workload | None
-    recompute_layers: int | None
+    config: LlamaConfig = LlamaConfig()
+    seed: int = 0
+    layer_counts: tuple[int, ...] | None = None
+    workload: Workload | None = None
+    """Any model, data and loss; None: the LLaMA-style decoder of `config`."""
+    recompute_layers: int | None = None
+    """Partial checkpoint (Megatron's --recompute-num-layers, block method): a checkpointed
+    forward drops only the activations of its stage's first k layers; None: the whole stage's."""
 
     def resolved(self) -> Workload:
         return self.workload or llama_workload(self.config, self.seed, self.layer_counts)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelPart:
-    """Where it runs: the pipeline schedule, data-parallel replicas, static-memory sharding and
-    offload, and the devices and backend of the ranks."""
+    """Where and how it runs: the pipeline schedule, data-, tensor- and expert-parallel sizes,
+    static-memory sharding and offload, the devices and backend of the ranks, compilation."""
 
     schedule: Schedule
-    dp: int
-    zero: int
-    offload_stages: tuple[int, ...]
-    reload_bits: int
-    concat_w: bool
-    threads: int
-    timeout_s: float
-    tp: int = 1
-    sequence_parallel: bool = False
-    ep: int = 1
-    overlap_grad_sync: bool = True
-
-    @property
-    def layout(self) -> RankLayout:
-        return RankLayout(self.schedule.num_devices, self.dp, self.tp)
-
-
-@dataclass(frozen=True)
-class OptimizerPart:
-    """How a step updates the weights: AdamW's rate, the precision, global clipping,
-    post-validation and fp16's loss scale."""
-
-    lr: float
-    dtype: str
-    clip_norm: float | None
-    post_validation: bool
-    initial_loss_scale: float
-    loss_scale_growth_interval: int
-    schedule: LRSchedule = LRSchedule()
-
-    @property
-    def needs_global_state(self) -> bool:
-        """Whether a step waits on every stage's gradients (clipping, skipping, fp16's overflow)."""
-        return self.clip_norm is not None or self.post_validation or self.dtype == "fp16"
-
-
-@dataclass(frozen=True)
-class CheckpointPart:
-    every: int
-    directory: str | None
-    resume_from: str | None
-    keep_last: int = 0
-    allow_input_change: bool = False
-
-
-@dataclass(frozen=True)
-class TrainSpec:
-    schedule: Schedule
-    config: LlamaConfig = LlamaConfig()
     dp: int = 1
-    steps: int = 2
-    seed: int = 0
-    lr: float = 1e-3
-    layer_counts: tuple[int, ...] | None = None
-    concat_w: bool = False
-    threads: int = 1
-    timeout_s: float = 60.0
-    report: bool = False
-    """Rank 0 shows each step's loss, time, tokens/s, TFLOP/s and MFU as it goes."""
-    backend: str | None = None
-    """gloo (CPU) or nccl (GPUs); None: the device's natural one."""
-    device: str | None = None
-    """cpu or cuda (rank → LOCAL_RANK's GPU); None: cuda if the backend is nccl, else cpu."""
-    dtype: str = "fp32"
-    """Compute and p2p type: fp32, bf16 or fp16 (with a dynamic loss scale); master weights,
-    AdamW state and the gradient reduction stay fp32."""
-    initial_loss_scale: float = 2.0**16
-    loss_scale_growth_interval: int = 2000
-    peak_tflops: float | None = None
-    """Per-rank peak of the compute type, for MFU; None leaves MFU out."""
-    record_gradients: bool = False
-    """Keep the last step's reduced gradients in the result (for tests against the reference)."""
-    return_parameters: bool = True
-    """Hand the final weights back in each rank's result, gathered whole over tensor- and expert-
-    parallel groups (for tests and library callers); the CLI, which saves checkpoints instead,
-    leaves them where they are."""
-    workload: Workload | None = None
-    """Any model, data and loss; None: the LLaMA-style decoder of `config`."""
     zero: int = 0
     """Static memory (`pipeloom.runtime.zero`): 0 keeps fp32 weights and the whole AdamW state on
     every replica; 1 keeps the weights in the compute type and shards the fp32 master weights and
     AdamW over the data-parallel replicas; 2 also reduce-scatters the gradients."""
-    recompute_layers: int | None = None
-    """Partial checkpoint (Megatron's --recompute-num-layers, block method): a checkpointed
-    forward drops only the activations of its stage's first k layers; None: the whole stage's."""
     offload_stages: tuple[int, ...] = ()
     """T-Offload: these stages' optimizer runs on the host (`runtime.offload`)."""
     reload_bits: int = 32
     """Weights come back exactly (32) or rounded through bfloat16 (16)."""
-    clip_norm: float | None = None
-    """Clip gradients to this global norm (over every stage); a step with NaN/Inf gradients is
-    skipped whenever clipping or post-validation is on."""
-    post_validation: bool = False
-    """Step under a partially reduced state and validate afterwards (Zero Bubble §4) instead of
-    all-reducing it first."""
-    gradient_faults: tuple[tuple[int, int, str, float], ...] = ()
-    """For tests of the above: (step, stage, "nan" or "scale", factor) applied to that stage's
-    gradients after they are reduced."""
-    save_every: int = 0
-    """Write a checkpoint every this many steps into `save_dir` (0: never), and after the last step."""
-    keep_last: int = 0
-    """Keep only the newest this many checkpoints in `save_dir` (0: every one)."""
-    save_dir: str | None = None
-    resume_dir: str | None = None
-    """Continue from a checkpoint (a step-N directory, or the newest in this directory) up to `steps`."""
-    allow_input_change: bool = False
-    """Resume although the data or dtype differ from what the checkpoint was trained on."""
+    concat_w: bool = False
+    threads: int = 1
+    timeout_s: float = 60.0
     tp: int = 1
     """Tensor-parallel ranks per pipeline device (`runtime.tensor_parallel`): the world is p × dp × tp."""
     sequence_parallel: bool = False
@@ -163,72 +78,211 @@ class TrainSpec:
     ep: int = 1
     """Expert-parallel ranks (`runtime.expert_parallel`): each MoE layer's routed experts shared
     out over groups of `ep` data-parallel replicas of a stage; ep divides dp."""
+    overlap_grad_sync: bool = True
+    """Start a stage's gradient all-reduce as soon as its last backward of the step on the rank
+    ends, under the later stages' work (`runtime.gradients`); False: every bucket after the
+    pipeline."""
+    backend: str | None = None
+    """gloo (CPU) or nccl (GPUs); None: the device's natural one."""
+    device: str | None = None
+    """cpu or cuda (rank → LOCAL_RANK's GPU); None: cuda if the backend is nccl, else cpu."""
     compile: bool = False
     """Run each stage, and the loss, under `torch.compile` (`runtime.compiled`)."""
     separate_w: bool = False
     """Run every W as its own GEMMs, also one right after its B (which otherwise folds into the
     B: nothing to fill there); the profiler sets it to time W apart."""
-    overlap_grad_sync: bool = True
-    """Start a stage's gradient all-reduce as soon as its last backward of the step on the rank
-    ends, under the later stages' work (`runtime.gradients`); False: every bucket after the
-    pipeline."""
 
+    @property
+    def layout(self) -> RankLayout:
+        return RankLayout(self.schedule.num_devices, self.dp, self.tp)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerPart:
+    """How a step updates the weights: AdamW's rate and its schedule, the precision, global
+    clipping, post-validation and fp16's loss scale."""
+
+    lr: float = 1e-3
+    dtype: str = "fp32"
+    """Compute and p2p type: fp32, bf16 or fp16 (with a dynamic loss scale); master weights,
+    AdamW state and the gradient reduction stay fp32."""
+    clip_norm: float | None = None
+    """Clip gradients to this global norm (over every stage); a step with NaN/Inf gradients is
+    skipped whenever clipping or post-validation is on."""
+    post_validation: bool = False
+    """Step under a partially reduced state and validate afterwards (Zero Bubble §4) instead of
+    all-reducing it first."""
+    initial_loss_scale: float = 2.0**16
+    loss_scale_growth_interval: int = 2000
     lr_schedule: str = "constant"
     """The learning rate over the run (`runtime.lr_schedule`): constant, linear or cosine decay
     to `min_lr` at the last step, after `warmup_steps` of linear warm-up."""
     warmup_steps: int = 0
     min_lr: float = 0.0
-    eval_data: Callable | None = None
+    gradient_faults: tuple[tuple[int, int, str, float], ...] = ()
+    """For tests of the above: (step, stage, "nan" or "scale", factor) applied to that stage's
+    gradients after they are reduced."""
+
+    @property
+    def schedule(self) -> LRSchedule:
+        return LRSchedule(self.lr_schedule, self.warmup_steps, self.min_lr)
+
+    @property
+    def needs_global_state(self) -> bool:
+        """Whether a step waits on every stage's gradients (clipping, skipping, fp16's overflow)."""
+        return self.clip_norm is not None or self.post_validation or self.dtype == "fp16"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointPart:
+    every: int = 0
+    """Write a checkpoint every this many steps into `directory` (0: never), and after the last step."""
+    directory: str | None = None
+    resume_from: str | None = None
+    """Continue from a checkpoint (a step-N directory, or the newest in this directory) up to `steps`."""
+    keep_last: int = 0
+    """Keep only the newest this many checkpoints in `directory` (0: every one)."""
+    allow_input_change: bool = False
+    """Resume although the data or dtype differ from what the checkpoint was trained on."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluationPart:
+    data: Callable | None = None
     """(rows, batch index) → held-out inputs and targets (`runtime.evaluation`); None: no evaluation."""
-    eval_every: int = 0
+    every: int = 0
     """Evaluate after every this many steps (0: never)."""
-    eval_batches: int = 1
+    batches: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingPart:
+    """What a run shows, writes and hands back."""
+
+    report: bool = False
+    """Rank 0 shows each step's loss, time, tokens/s, TFLOP/s and MFU as it goes."""
+    peak_tflops: float | None = None
+    """Per-rank peak of the compute type, for MFU; None leaves MFU out."""
     log_dir: str | None = None
     """Write TensorBoard events and metrics.jsonl here (`runtime.run_log`)."""
     wandb: str | None = None
     """Also log to this Weights & Biases project (offline unless WANDB_MODE says otherwise)."""
     run_config: dict | None = None
     """The effective configuration (flags, config file), kept in checkpoints, logs and summaries."""
+    record_gradients: bool = False
+    """Keep the last step's reduced gradients in the result (for tests against the reference)."""
+    return_parameters: bool = True
+    """Hand the final weights back in each rank's result, gathered whole over tensor- and expert-
+    parallel groups (for tests and library callers); the CLI, which saves checkpoints instead,
+    leaves them where they are."""
+
+
+PARTS: dict[str, type] = {
+    "model": ModelPart,
+    "parallelism": ParallelPart,
+    "optimizer": OptimizerPart,
+    "checkpoints": CheckpointPart,
+    "evaluation": EvaluationPart,
+    "logging": LoggingPart,
+}
+"""TrainSpec's parts by name: what the config file's tables are called."""
+
+_RENAMED = {
+    "save_every": ("checkpoints", "every"),
+    "save_dir": ("checkpoints", "directory"),
+    "resume_dir": ("checkpoints", "resume_from"),
+    "eval_data": ("evaluation", "data"),
+    "eval_every": ("evaluation", "every"),
+    "eval_batches": ("evaluation", "batches"),
+}
+FLAT: dict[str, tuple[str, str]] = {
+    **{
+        f.name: (part, f.name)
+        for part, kind in PARTS.items()
+        for f in fields(kind)
+        if (part, f.name) not in _RENAMED.values()
+    },
+    **_RENAMED,
+}
+"""A flat keyword of TrainSpec → (its part, the field there): the field's own name, but for the
+checkpoint and evaluation fields, which keep the names they had as flags (save_dir, eval_every)."""
+
+
+@dataclass(frozen=True, init=False)
+class TrainSpec:
+    """A training run: its parts (`model`, `parallelism`, `optimizer`, `checkpoints`,
+    `evaluation`, `logging`) and its length. Built from parts, from the flat keywords of each
+    part's fields (`FLAT`: `dp=2`, `lr=1e-3`, `save_dir=...`), or both — a flat keyword wins over
+    the part it belongs to, so `dataclasses.replace(spec, tp=2)` changes one field. A flat name
+    reads through (`spec.dp` is `spec.parallelism.dp`)."""
+
+    parallelism: ParallelPart
+    model: ModelPart
+    optimizer: OptimizerPart
+    checkpoints: CheckpointPart
+    evaluation: EvaluationPart
+    logging: LoggingPart
+    steps: int
+
+    def __init__(
+        self,
+        schedule: Schedule | None = None,
+        *,
+        steps: int = 2,
+        parallelism: ParallelPart | None = None,
+        model: ModelPart | None = None,
+        optimizer: OptimizerPart | None = None,
+        checkpoints: CheckpointPart | None = None,
+        evaluation: EvaluationPart | None = None,
+        logging: LoggingPart | None = None,
+        **flat: Any,
+    ) -> None:
+        unknown = sorted(set(flat) - set(FLAT))
+        if unknown:
+            raise TypeError(f"TrainSpec got unexpected keyword(s) {', '.join(unknown)}")
+        if schedule is not None:
+            flat["schedule"] = schedule
+        given = {
+            "parallelism": parallelism,
+            "model": model,
+            "optimizer": optimizer,
+            "checkpoints": checkpoints,
+            "evaluation": evaluation,
+            "logging": logging,
+        }
+        for name, kind in PARTS.items():
+            changes = {FLAT[key][1]: value for key, value in flat.items() if FLAT[key][0] == name}
+            part = given[name]
+            if part is None:
+                if name == "parallelism" and "schedule" not in changes:
+                    raise TypeError("TrainSpec needs a schedule (or a parallelism part)")
+                part = kind(**changes)
+            elif changes:
+                part = replace(part, **changes)
+            object.__setattr__(self, name, part)
+        object.__setattr__(self, "steps", steps)
+
+    def __getattr__(self, name: str) -> Any:
+        where = FLAT.get(name)
+        if where is None or where[0] not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self.__dict__[where[0]], where[1])
+
+    def changed(self, **flat: Any) -> TrainSpec:
+        """This spec with some fields changed, by their flat names or whole parts (what
+        `dataclasses.replace` does, typed for the flat names)."""
+        return replace(self, **flat)
+
+    @staticmethod
+    def flat_names() -> list[str]:
+        return sorted([*FLAT, "steps"])
 
     def resolved_workload(self) -> Workload:
         return self.model.resolved()
 
     @property
-    def model(self) -> ModelPart:
-        return ModelPart(self.config, self.seed, self.layer_counts, self.workload, self.recompute_layers)
-
-    @property
-    def parallelism(self) -> ParallelPart:
-        return ParallelPart(
-            self.schedule,
-            self.dp,
-            self.zero,
-            self.offload_stages,
-            self.reload_bits,
-            self.concat_w,
-            self.threads,
-            self.timeout_s,
-            self.tp,
-            self.sequence_parallel,
-            self.ep,
-            self.overlap_grad_sync,
-        )
-
-    @property
-    def optimizer(self) -> OptimizerPart:
-        return OptimizerPart(
-            self.lr,
-            self.dtype,
-            self.clip_norm,
-            self.post_validation,
-            self.initial_loss_scale,
-            self.loss_scale_growth_interval,
-            LRSchedule(self.lr_schedule, self.warmup_steps, self.min_lr),
-        )
-
-    @property
-    def checkpoints(self) -> CheckpointPart:
-        return CheckpointPart(self.save_every, self.save_dir, self.resume_dir, self.keep_last, self.allow_input_change)
+    def schedule(self) -> Schedule:
+        return self.parallelism.schedule
 
     @property
     def torch_device_type(self) -> str:
