@@ -177,7 +177,7 @@ def test_a_toml_file_by_parts_is_the_same_run_as_a_flat_one(tmp_path):
     flat = 'schedule = "zb-h1"\ndevices = 2\nmicrobatches = 4\nsteps = 3\nlr = 0.01\nwarmup_steps = 1\n'
     flat += 'lr_schedule = "linear"\nlayers = 4\nhidden = 32\nheads = 2\nffn = 64\nvocab = 64\nseq_len = 16\n'
     flat += "clip_norm = 0.5\nsave_every = 2\n"
-    parts = "steps = 3\n[parallelism]\nschedule = \"zb-h1\"\ndevices = 2\nmicrobatches = 4\n"
+    parts = 'steps = 3\n[parallelism]\nschedule = "zb-h1"\ndevices = 2\nmicrobatches = 4\n'
     parts += '[optimizer]\nlr = 0.01\nwarmup_steps = 1\nlr_schedule = "linear"\nclip_norm = 0.5\n'
     parts += "[model]\nlayers = 4\nhidden = 32\nheads = 2\nffn = 64\nvocab = 64\nseq_len = 16\n"
     parts += "[checkpoints]\nsave_every = 2\n"
