@@ -67,9 +67,9 @@ def census(run) -> HeldBytes:
                 which = "indices"
             setattr(held, which, getattr(held, which) + storage.nbytes())
 
-    add("buffers", [buffer for module in run.stages.values() for buffer in module.buffers()])
-    evaluation = getattr(run, "evaluation", None)
-    add("messages", [run.mail, evaluation.executor.mail if evaluation is not None else None])
+    add("buffers", [buffer for module in run.model.stages.values() for buffer in module.buffers()])
+    evaluation = run.services.evaluation
+    add("messages", [run.groups.mail, evaluation.executor.mail if evaluation is not None else None])
     add("reports", run.result)
     add("parameters", _attributes(run))
     return held

@@ -70,7 +70,7 @@ def _train_all(spec: TrainSpec, world_size: int) -> list[RankResult]:
         records = [run.executor.finish() for run in runs]
         for run in runs:
             run.pipeline_done()
-        reduce_in_process([run.buckets for run in runs])
+        reduce_in_process([run.groups.buckets for run in runs])
         for run in runs:
             run.step_optimizer(step, lambda _, call: call())
         shares = [run.loss_shares(record) for run, record in zip(runs, records)]
@@ -79,7 +79,7 @@ def _train_all(spec: TrainSpec, world_size: int) -> list[RankResult]:
             share[0] = total
         for run, record, share in zip(runs, records, shares):
             run.end_step(step, record, run.settle_step(record, share))
-        if runs[0].evaluation is not None and runs[0].evaluation.due(step):
+        if runs[0].services.evaluation is not None and runs[0].services.evaluation.due(step):
             began = time.perf_counter()
             held_out = _evaluate(runs, spec)
             for run in runs:
@@ -89,7 +89,7 @@ def _train_all(spec: TrainSpec, world_size: int) -> list[RankResult]:
 
 def _evaluate(runs: list[RankRun], spec: TrainSpec) -> float:
     """The held-out loss, every rank's forward-only executor driven as a training step's are."""
-    evaluations = [run.evaluation for run in runs]
+    evaluations = [run.services.evaluation for run in runs]
     total = 0.0
     for index in range(spec.eval_batches):
         data = [evaluation.data(index) for evaluation in evaluations if evaluation is not None]

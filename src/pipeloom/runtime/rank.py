@@ -69,42 +69,74 @@ from pipeloom.runtime.zero import JointSteppers, ReplicatedAdamW, ShardedAdamW
 __all__ = ["RankRun", "Transport", "torch_device_of"]
 
 
-@dataclass
-class RankRun:
-    spec: TrainSpec
-    rank: int
-    transport: Transport
-    where: torch.device
-    precision: Precision
+@dataclass(kw_only=True)
+class RankModel:
+    """What a rank trains: the workload, its hosted stages (cut), each weight's name in the whole
+    model (what checkpoints key by) and placement, the compute type and the torch device."""
+
     work: Workload
     stages: dict[int, torch.nn.Module]
+    names: dict[int, dict[str, str]]
+    """Per hosted stage: each parameter's name in the whole model."""
+    placements: WeightPlacements
+    """Where each weight this rank holds lives (what every feature asks of its shards)."""
+    precision: Precision
+    where: torch.device
+
+
+@dataclass(kw_only=True)
+class RankGroups:
+    """Whom a rank talks to: its transport, gradient buckets and mailbox, and its tensor- and
+    expert-parallel groups (with tp > 1, ep > 1)."""
+
+    transport: Transport
     buckets: GradientBuckets
+    mail: Mail
+    tensor: TensorParallel | None = None
+    experts: ExpertExchange | None = None
+
+
+@dataclass(kw_only=True)
+class RankOptimizer:
+    """How a rank steps its weights: the device's optimizer, the host's (offloaded stages), both
+    as one, the fp16 loss scale, the global-norm sync and the learning-rate schedule."""
+
     stepper: ReplicatedAdamW | ShardedAdamW | JointSteppers
-    optimizers: ReplicatedAdamW | ShardedAdamW | JointSteppers
     host: HostOffload | None
+    optimizers: ReplicatedAdamW | ShardedAdamW | JointSteppers
+    """The device's and the host's stepped as one."""
     holders: list
     """What a checkpoint saves besides the weights."""
-    executor: DeviceExecutor
-    mail: Mail
-    scaler: LossScaler | None
-    sync: OptimizerSync | None
-    result: RankResult
     parameters: list
-    first_step: int = 0
-    progress: Callable[[int | None], None] | None = None
-    _times: dict[str, float] = field(default_factory=dict)
-
-    tensor: TensorParallel | None = None
-    """This rank's tensor-parallel group, with tp > 1."""
-    experts: ExpertExchange | None = None
-    """This rank's expert-parallel group, with ep > 1."""
-    placements: WeightPlacements = field(default_factory=lambda: WeightPlacements({}))
-    """Where each weight this rank holds lives (what every feature asks of its shards)."""
-    names: dict[int, dict[str, str]] = field(default_factory=dict)
-    """Per hosted stage: each parameter's name in the whole model (what checkpoints key by)."""
+    """The parameters the device's optimizer steps."""
+    scaler: LossScaler | None = None
+    sync: OptimizerSync | None = None
     learning: LearningRate = field(default_factory=LearningRate)
+
+
+@dataclass(kw_only=True)
+class RankServices:
+    """What a rank runs besides its steps: the live step line, the held-out evaluation, the log."""
+
+    progress: Callable[[int | None], None] | None = None
     evaluation: Evaluation | None = None
     log: RunLog | None = None
+
+
+@dataclass(kw_only=True)
+class RankRun:
+    """One rank of a run, in parts; `set_up` builds it, a driver steps it (`training`, `in_process`)."""
+
+    spec: TrainSpec
+    rank: int
+    model: RankModel
+    groups: RankGroups
+    optimizer: RankOptimizer
+    services: RankServices
+    executor: DeviceExecutor
+    result: RankResult
+    first_step: int = 0
+    _times: dict[str, float] = field(default_factory=dict)
 
     @property
     def device(self) -> int:
@@ -217,32 +249,34 @@ class RankRun:
         result = RankResult(rank, sample_tokens=work.sample_tokens, samples_per_step=parallel.dp * m * b)
         result.forward_flops = m * sum(probe.forward_flops[s] for s in stages)
         run = cls(
-            spec,
-            rank,
-            transport,
-            where,
-            precision,
-            work,
-            stages,
-            buckets,
-            stepper,
-            optimizers,
-            host,
-            [stepper] + ([host] if host is not None else []),
-            executor,
-            mail,
-            scaler,
-            sync,
-            result,
-            parameters,
-            progress=progress_of(spec, rank, result),
-            tensor=tensor,
-            experts=experts,
-            placements=placements,
-            names={s: names[s] for s in stages},
-            learning=learning_rate_of(spec, stepper, host),
-            evaluation=evaluation_of(spec, transport, executor, probe, (replica, device, tp_index), where, b),
-            log=run_log_of(spec, rank),
+            spec=spec,
+            rank=rank,
+            model=RankModel(
+                work=work,
+                stages=stages,
+                names={s: names[s] for s in stages},
+                placements=placements,
+                precision=precision,
+                where=where,
+            ),
+            groups=RankGroups(transport=transport, buckets=buckets, mail=mail, tensor=tensor, experts=experts),
+            optimizer=RankOptimizer(
+                stepper=stepper,
+                host=host,
+                optimizers=optimizers,
+                holders=[stepper] + ([host] if host is not None else []),
+                parameters=parameters,
+                scaler=scaler,
+                sync=sync,
+                learning=learning_rate_of(spec, stepper, host),
+            ),
+            services=RankServices(
+                progress=progress_of(spec, rank, result),
+                evaluation=evaluation_of(spec, transport, executor, probe, (replica, device, tp_index), where, b),
+                log=run_log_of(spec, rank),
+            ),
+            executor=executor,
+            result=result,
         )
         if spec.checkpoints.resume_from is not None:
             resume_rank(run)
@@ -255,20 +289,20 @@ class RankRun:
     def begin_step(self, step: int) -> tuple[list, list]:
         """This replica's micro-batches of `step`, with gradients zeroed: (inputs, targets)."""
         self._times = {"began": time.perf_counter()}
-        m, b = self.spec.schedule.num_microbatches, self.work.microbatch_size
+        m, b = self.spec.schedule.num_microbatches, self.model.work.microbatch_size
         micro_inputs, micro_targets = replica_microbatches(
-            self.work.batch, step, self.spec.dp, self.replica, m, b, self.where
+            self.model.work.batch, step, self.spec.dp, self.replica, m, b, self.model.where
         )
-        self.optimizers.zero_grad()
-        self.buckets.zero()
-        if self.tensor is not None:
-            self.tensor.sent_bytes = 0
-        if self.experts is not None:
-            self.experts.traffic.reset(self.experts.num_experts)
-        if self.scaler is not None:
-            self.executor.grad_scale = self.scaler.scale
-            self.result.loss_scales.append(self.scaler.scale)
-        self.result.learning_rates.append(self.learning.current)
+        self.optimizer.optimizers.zero_grad()
+        self.groups.buckets.zero()
+        if self.groups.tensor is not None:
+            self.groups.tensor.sent_bytes = 0
+        if self.groups.experts is not None:
+            self.groups.experts.traffic.reset(self.groups.experts.num_experts)
+        if self.optimizer.scaler is not None:
+            self.executor.grad_scale = self.optimizer.scaler.scale
+            self.result.loss_scales.append(self.optimizer.scaler.scale)
+        self.result.learning_rates.append(self.optimizer.learning.current)
         self._times["piped"] = time.perf_counter()
         return micro_inputs, micro_targets
 
@@ -278,36 +312,36 @@ class RankRun:
     def step_optimizer(self, step: int, reduce: Callable[[str, Callable[[], None]], None]) -> None:
         """After the gradient buckets are summed: faults (tests), ZeRO's reduction, unscaling,
         recording, the optimizer step (or the sync's, which may skip or roll back)."""
-        _inject_faults(self.spec.gradient_faults, step, self.stages)
-        reduce("the data-parallel reduction of the sharded gradients", self.optimizers.reduce)
+        _inject_faults(self.spec.gradient_faults, step, self.model.stages)
+        reduce("the data-parallel reduction of the sharded gradients", self.optimizer.optimizers.reduce)
         self._times["stepping"] = time.perf_counter()
-        if self.scaler is not None:
-            self.optimizers.scale(1.0 / self.scaler.scale)
+        if self.optimizer.scaler is not None:
+            self.optimizer.optimizers.scale(1.0 / self.optimizer.scaler.scale)
         if self.spec.record_gradients:
             self.result.gradients = {
                 s: {
-                    n: self.placements.whole(t, grad).detach().float().cpu().clone()
+                    n: self.model.placements.whole(t, grad).detach().float().cpu().clone()
                     for n, t in module.named_parameters()
                     if (grad := grad_of(t)) is not None
                 }
-                for s, module in self.stages.items()
+                for s, module in self.model.stages.items()
             }
-        if self.sync is not None:  # the host steps offloaded stages while this rank goes on
-            self.sync.step(step)
+        if self.optimizer.sync is not None:  # the host steps offloaded stages while this rank goes on
+            self.optimizer.sync.step(step)
         else:
-            self.optimizers.step()
-        self.learning.step()
+            self.optimizer.optimizers.step()
+        self.optimizer.learning.step()
         self._times["stepped"] = time.perf_counter()
 
     def end_step(self, step: int, record: StepRecord, loss: float) -> None:
         """Book the step (its loss summed over every rank) and save a checkpoint when one is due."""
         times, result = self._times, self.result
-        record.grad_sync_starts = tuple((stages, when - record.began) for stages, when in self.buckets.started)
-        if self.tensor is not None:
-            record.tp_sent_bytes = self.tensor.sent_bytes
-        if self.experts is not None:
-            traffic = self.experts.traffic
-            traffic.settle(self.experts.clock)  # after the step's read of the device: its events are passed
+        record.grad_sync_starts = tuple((stages, when - record.began) for stages, when in self.groups.buckets.started)
+        if self.groups.tensor is not None:
+            record.tp_sent_bytes = self.groups.tensor.sent_bytes
+        if self.groups.experts is not None:
+            traffic = self.groups.experts.traffic
+            traffic.settle(self.groups.experts.clock)  # after the step's read of the device: its events are passed
             record.a2a_sent_bytes, record.expert_tokens = traffic.sent_bytes, tuple(traffic.tokens)
             record.a2a_ms, record.a2a_exposed_ms = 1e3 * traffic.flight_s, 1e3 * traffic.exposed_s
             record.a2a_forward_ms = 1e3 * traffic.forward_flight_s
@@ -323,10 +357,12 @@ class RankRun:
             }
         )
         result.records.append(record)
-        if self.progress is not None:
-            self.progress(step)
-        if self.log is not None:
-            self.log.step(step + 1, step_facts(result, record, result.learning_rates[-1], self.spec.peak_tflops))
+        if self.services.progress is not None:
+            self.services.progress(step)
+        if self.services.log is not None:
+            self.services.log.step(
+                step + 1, step_facts(result, record, result.learning_rates[-1], self.spec.peak_tflops)
+            )
         checkpoints = self.spec.checkpoints
         done = step + 1
         if checkpoints.every and checkpoints.directory and (done % checkpoints.every == 0 or done == self.spec.steps):
@@ -337,8 +373,8 @@ class RankRun:
         and the evaluation's wall time."""
         self.result.eval_losses.append((step + 1, loss))
         self.result.eval_seconds.append(seconds)
-        if self.log is not None:
-            self.log.step(step + 1, {"eval_loss": loss, "eval_perplexity": perplexity(loss)})
+        if self.services.log is not None:
+            self.services.log.step(step + 1, {"eval_loss": loss, "eval_perplexity": perplexity(loss)})
         if self.spec.report and self.rank == 0:
             print(f"eval after {step + 1} steps: loss {loss:.4f}, perplexity {perplexity(loss):.2f}", flush=True)
 
@@ -346,28 +382,32 @@ class RankRun:
 
     def tear_down(self) -> RankResult:
         result = self.result
-        if self.sync is not None:
-            result.rollbacks, result.skipped_steps = self.sync.rollbacks, self.sync.skipped
-            result.grad_norms = self.sync.norms
-        if self.progress is not None:
-            self.progress(None)
-        if self.log is not None:
-            self.log.close()
-        if self.host is not None:
-            self.host.finish()
-            result.offload_events = self.host.events
-        if self.where.type == "cuda":
-            result.peak_memory_bytes = int(torch.cuda.max_memory_allocated(self.where))
+        if self.optimizer.sync is not None:
+            result.rollbacks, result.skipped_steps = self.optimizer.sync.rollbacks, self.optimizer.sync.skipped
+            result.grad_norms = self.optimizer.sync.norms
+        if self.services.progress is not None:
+            self.services.progress(None)
+        if self.services.log is not None:
+            self.services.log.close()
+        if self.optimizer.host is not None:
+            self.optimizer.host.finish()
+            result.offload_events = self.optimizer.host.events
+        if self.model.where.type == "cuda":
+            result.peak_memory_bytes = int(torch.cuda.max_memory_allocated(self.model.where))
         result.static_bytes, result.planned_static_bytes = rank_static_bytes(
-            self.spec.parallelism, self.stepper, self.host, self.parameters, self.precision
+            self.spec.parallelism,
+            self.optimizer.stepper,
+            self.optimizer.host,
+            self.optimizer.parameters,
+            self.model.precision,
         )
-        result.placements = self.placements.records()
+        result.placements = self.model.placements.records()
         result.held_bytes = census(self).to_dict()
         result.peak_host_bytes = peak_resident_bytes()
         if self.spec.return_parameters:  # once, after the last step: the final weights, on the host
             result.parameters = {
-                s: {n: self.placements.whole(t, t.detach()).cpu().clone() for n, t in module.named_parameters()}
-                for s, module in self.stages.items()
+                s: {n: self.model.placements.whole(t, t.detach()).cpu().clone() for n, t in module.named_parameters()}
+                for s, module in self.model.stages.items()
             }
         return result
 
@@ -377,20 +417,20 @@ class RankRun:
         parallel group (all of them computed it). The caller sums the first over the ranks."""
         own = record.loss_sum
         if own is None:  # no last stage here
-            own = torch.zeros((), dtype=torch.float64, device=self.where)
-        counted = own if self.tensor is None or self.tensor.index == 0 else torch.zeros_like(own)
+            own = torch.zeros((), dtype=torch.float64, device=self.model.where)
+        counted = own if self.groups.tensor is None or self.groups.tensor.index == 0 else torch.zeros_like(own)
         return torch.stack((counted, own))
 
     def settle_step(self, record: StepRecord, shares: torch.Tensor) -> float:
         """The step's one read of the device, after the pipeline and the optimizer: the loss
         (`shares` from `loss_shares`, its first summed over the ranks) and the optimizer sync's
         decisions, in one transfer. Returns the step's loss."""
-        parts = [shares, *(self.sync.to_read() if self.sync is not None else [])]
+        parts = [shares, *(self.optimizer.sync.to_read() if self.optimizer.sync is not None else [])]
         # the step's only read of the device (once a step, after the optimizer: no op waits on it)
         values = torch.cat([part.reshape(-1).to(torch.float64) for part in parts]).tolist()
         record.loss, record.loss_sum = values[1], None  # the record goes to the report: no device tensor
-        if self.sync is not None:
-            self.sync.settle(values[2:])
+        if self.optimizer.sync is not None:
+            self.optimizer.sync.settle(values[2:])
         return values[0]
 
 

@@ -14,26 +14,33 @@ __all__ = ["save_rank", "resume_rank"]
 
 def save_rank(run, directory: str, steps_done: int) -> None:
     """Collective: every rank of `run` (a `RankRun`) writes its part of ``directory/step-n``."""
-    if run.host is not None:
-        run.host.settle()  # its learning-rate step too
+    if run.optimizer.host is not None:
+        run.optimizer.host.settle()  # its learning-rate step too
     spec, parallel = run.spec, run.spec.parallelism
     facts = {
         "schedule": parallel.schedule.name,
         "zero": parallel.zero,
         "offload_stages": sorted(parallel.offload_stages),
         "tp": parallel.tp,
-        "tp_packed": packs_projections(run.work, run.spec.parallelism.tp, run.spec.parallelism.sequence_parallel),
+        "tp_packed": packs_projections(run.model.work, run.spec.parallelism.tp, run.spec.parallelism.sequence_parallel),
         "ep": parallel.ep,
-        "layout_free": layout_free(list(run.names.values())),
+        "layout_free": layout_free(list(run.model.names.values())),
         "optimizer_by_name": True,  # every holder writes its state by weight name too
-        "lr_schedule": run.learning.state_dict(),
+        "lr_schedule": run.optimizer.learning.state_dict(),
         "config": spec.run_config,
-        "data": run.work.data,
+        "data": run.model.work.data,
         "dtype": spec.dtype,
     }
-    shards = run.placements.as_dtensor
+    shards = run.model.placements.as_dtensor
     saved = save_checkpoint(
-        directory, steps_done, run.stages, run.holders, facts, shards, run.names, run.work.description
+        directory,
+        steps_done,
+        run.model.stages,
+        run.optimizer.holders,
+        facts,
+        shards,
+        run.model.names,
+        run.model.work.description,
     )
     if run.rank == 0:
         after_save(saved, spec.checkpoints.keep_last, spec.report)
@@ -45,19 +52,19 @@ def resume_rank(run) -> None:
     spec, parallel = run.spec, run.spec.parallelism
     found, facts = find_checkpoint(
         spec.checkpoints.resume_from,
-        run.transport.world_size,
+        run.groups.transport.world_size,
         parallel.schedule.name,
         parallel.zero,
         parallel.offload_stages,
         parallel.tp,
-        layout_free(list(run.names.values())),
-        packs_projections(run.work, run.spec.parallelism.tp, run.spec.parallelism.sequence_parallel),
+        layout_free(list(run.model.names.values())),
+        packs_projections(run.model.work, run.spec.parallelism.tp, run.spec.parallelism.sequence_parallel),
     )
-    by_name = run.names if "layout_free" in facts else None  # older checkpoints: by stage
-    shards = run.placements.as_dtensor
-    run.first_step = load_checkpoint(found, run.stages, run.holders, shards, by_name)
-    run.learning.load_state_dict(facts.get("lr_schedule"))
+    by_name = run.model.names if "layout_free" in facts else None  # older checkpoints: by stage
+    shards = run.model.placements.as_dtensor
+    run.first_step = load_checkpoint(found, run.model.stages, run.optimizer.holders, shards, by_name)
+    run.optimizer.learning.load_state_dict(facts.get("lr_schedule"))
     if spec.report and run.rank == 0:
-        changes = input_changes(facts, run.work.data, spec.dtype)
+        changes = input_changes(facts, run.model.work.data, spec.dtype)
         note = f"; it was trained on {'; and '.join(changes)}" if changes else ""
         print(f"resumed from {found}: {run.first_step} of {spec.steps} steps done{note}", flush=True)

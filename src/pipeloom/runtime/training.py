@@ -82,12 +82,14 @@ def _train(spec: TrainSpec, rank: int, probe: StageProbe | None) -> RankResult:
         inputs, targets = run.begin_step(step)
         record = run.executor.run_step(inputs, targets)
         run.pipeline_done()
-        _collective(rank, f"the all-reduce of gradients with ranks {run.buckets.describe()}", run.buckets.reduce)
+        _collective(
+            rank, f"the all-reduce of gradients with ranks {run.groups.buckets.describe()}", run.groups.buckets.reduce
+        )
         run.step_optimizer(step, lambda what, call: _collective(rank, what, call))
         shares = run.loss_shares(record)
         _collective(rank, f"the all-reduce of the loss with ranks {world}", dist.all_reduce, shares[:1])
         run.end_step(step, record, run.settle_step(record, shares))
-        if run.evaluation is not None and run.evaluation.due(step):
+        if run.services.evaluation is not None and run.services.evaluation.due(step):
             began = time.perf_counter()
             held_out = _evaluate(run, rank, world)
             run.end_evaluation(step, held_out, time.perf_counter() - began)
@@ -96,9 +98,9 @@ def _train(spec: TrainSpec, rank: int, probe: StageProbe | None) -> RankResult:
 
 def _evaluate(run: RankRun, rank: int, world: list[int]) -> float:
     """The held-out loss: each batch's forward-only step, summed over the ranks; their mean."""
-    evaluation = run.evaluation
+    evaluation = run.services.evaluation
     assert evaluation is not None
-    total = torch.zeros((), dtype=torch.float64, device=run.where)
+    total = torch.zeros((), dtype=torch.float64, device=run.model.where)
     for index in range(evaluation.batches):
         record = evaluation.executor.run_step(*evaluation.data(index))
         total += run.loss_shares(record)[0]
