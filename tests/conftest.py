@@ -44,12 +44,13 @@ def pick_schedule():
 
 
 def pytest_collection_modifyitems(items):
-    """The long tests first (the README walk-through, then the other `slow` ones): xdist's workers
-    then fill in behind them with short ones, instead of one worker starting the README's 30 s
-    near the end while the other has nothing left to do."""
+    """The long tests first (the README walk-through and the compiled stages' cold compile, then
+    the other `slow` ones): xdist's workers then fill in behind them with short ones, instead of
+    one worker starting a 30 s test near the end while the other has nothing left to do."""
+    longest = ("tests/test_readme.py", "tests/runtime/test_compiled.py::test_compiled_stages")
 
     def rank(item) -> int:
-        if item.nodeid.startswith("tests/test_readme.py") and item.get_closest_marker("slow"):
+        if item.nodeid.startswith(longest) and item.get_closest_marker("slow"):
             return 0
         return 1 if item.get_closest_marker("slow") else 2
 
