@@ -103,7 +103,7 @@ class RankOptimizer:
 
     stepper: ReplicatedAdamW | ShardedAdamW | JointSteppers
     host: HostOffload | None
-    optimizers: ReplicatedAdamW | ShardedAdamW | JointSteppers
+    joint: ReplicatedAdamW | ShardedAdamW | JointSteppers
     """The device's and the host's stepped as one."""
     holders: list
     """What a checkpoint saves besides the weights."""
@@ -263,7 +263,7 @@ class RankRun:
             optimizer=RankOptimizer(
                 stepper=stepper,
                 host=host,
-                optimizers=optimizers,
+                joint=optimizers,
                 holders=[stepper] + ([host] if host is not None else []),
                 parameters=parameters,
                 scaler=scaler,
@@ -293,7 +293,7 @@ class RankRun:
         micro_inputs, micro_targets = replica_microbatches(
             self.model.work.batch, step, self.spec.dp, self.replica, m, b, self.model.where
         )
-        self.optimizer.optimizers.zero_grad()
+        self.optimizer.joint.zero_grad()
         self.groups.buckets.zero()
         if self.groups.tensor is not None:
             self.groups.tensor.sent_bytes = 0
@@ -313,10 +313,10 @@ class RankRun:
         """After the gradient buckets are summed: faults (tests), ZeRO's reduction, unscaling,
         recording, the optimizer step (or the sync's, which may skip or roll back)."""
         _inject_faults(self.spec.gradient_faults, step, self.model.stages)
-        reduce("the data-parallel reduction of the sharded gradients", self.optimizer.optimizers.reduce)
+        reduce("the data-parallel reduction of the sharded gradients", self.optimizer.joint.reduce)
         self._times["stepping"] = time.perf_counter()
         if self.optimizer.scaler is not None:
-            self.optimizer.optimizers.scale(1.0 / self.optimizer.scaler.scale)
+            self.optimizer.joint.scale(1.0 / self.optimizer.scaler.scale)
         if self.spec.record_gradients:
             self.result.gradients = {
                 s: {
@@ -329,7 +329,7 @@ class RankRun:
         if self.optimizer.sync is not None:  # the host steps offloaded stages while this rank goes on
             self.optimizer.sync.step(step)
         else:
-            self.optimizer.optimizers.step()
+            self.optimizer.joint.step()
         self.optimizer.learning.step()
         self._times["stepped"] = time.perf_counter()
 
