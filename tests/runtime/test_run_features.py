@@ -168,6 +168,29 @@ def test_a_run_from_a_toml_file_equals_the_same_run_from_flags(tmp_path):
         expand_config(["train", "--config", str(bad)], train, 1)
 
 
+def test_a_spec_is_its_parts_built_from_parts_or_flat_keywords():
+    from dataclasses import replace
+
+    from pipeloom.runtime.spec import OptimizerPart, ParallelPart
+
+    schedule = build_schedule("1f1b", 2, 4)
+    flat = TrainSpec(schedule, dp=2, lr=0.1, save_dir="ck", eval_every=3, steps=5)
+    parts = TrainSpec(
+        parallelism=ParallelPart(schedule=schedule, dp=2),
+        optimizer=OptimizerPart(lr=0.1),
+        save_dir="ck",
+        eval_every=3,
+        steps=5,
+    )
+    assert flat == parts and flat.parallelism.dp == flat.dp == 2 and flat.checkpoints.directory == "ck"
+    assert flat.evaluation.every == 3 and flat.optimizer.lr == 0.1 and flat.schedule is schedule
+    moved = replace(flat, tp=2, schedule=build_schedule("zb-h1", 2, 4))  # one field of a part changes
+    assert (moved.tp, moved.dp, moved.schedule.name, moved.save_dir) == (2, 2, "zb-h1", "ck")
+    assert TrainSpec(schedule, optimizer=OptimizerPart(lr=0.1), lr=0.2).lr == 0.2  # a flat keyword wins
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        TrainSpec(schedule, learning_rate=0.1)
+
+
 def test_a_toml_file_by_parts_is_the_same_run_as_a_flat_one(tmp_path):
     """The tables are TrainSpec's parts; a flag in another part's table is refused, naming its part."""
     from pipeloom.cli import build_parser, subcommand
