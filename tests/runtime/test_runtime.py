@@ -449,3 +449,55 @@ def _processes_naming(text: str) -> list[int]:
         except OSError:  # ended while we looked
             continue
     return found
+
+
+class _DeviceLikeClock:
+    """A clock that, like CUDA events, cannot be read until the device has passed its marks:
+    marks count up, each 1 ms apart, and reading one before the step's read of the device fails."""
+
+    immediate = False
+
+    def __init__(self) -> None:
+        self.count, self.readable = 0, False
+
+    def mark(self) -> int:
+        self.count += 1
+        return self.count
+
+    def seconds(self, began: int, ended: int) -> float:
+        assert self.readable, "read before the step's read of the device"
+        return (ended - began) * 1e-3
+
+
+def test_a_device_clock_times_ops_and_phases_read_only_after_the_steps_read(monkeypatch):
+    """On a GPU the ops, the stash and the step's phases are marked by CUDA events and read at
+    the step's end, after its one read of the device: every time comes from the clock, none is
+    read earlier (a host clock around a kernel would read its launch)."""
+    from pipeloom.runtime import executor as executor_module
+    from pipeloom.runtime.rank import RankRun
+
+    clock = _DeviceLikeClock()
+    monkeypatch.setattr(executor_module, "clock_for", lambda device: clock)
+    settle_step = RankRun.settle_step
+
+    def reading(self, record, shares):  # the step's read of the device; its marks are passed after it
+        loss = settle_step(self, record, shares)
+        clock.readable = True
+        return loss
+
+    def next_step(self, step):
+        clock.readable = False
+        return begin_step(self, step)
+
+    begin_step = RankRun.begin_step
+    monkeypatch.setattr(RankRun, "settle_step", reading)
+    monkeypatch.setattr(RankRun, "begin_step", next_step)
+    results = run_in_process(tiny_spec(build_schedule("zb-h1", 2, 4), steps=2))
+    for result in results:
+        for record in result.records:
+            assert record.marks is None and len(record.ops) == 3 * 4  # F, B and W of each micro-batch
+            for _, start, end in record.ops:
+                assert 0 < start < end and round(start * 1e3, 6).is_integer()  # whole marks, 1 ms apart
+            assert all(moment > 0 for moment, _ in record.stash)
+        for phases in result.phase_seconds:
+            assert phases["pipeline"] > 0 and round(phases["pipeline"] * 1e3, 6).is_integer()

@@ -18,6 +18,10 @@ __all__ = ["Clock", "HostClock", "DeviceClock", "clock_for"]
 
 
 class Clock(Protocol):
+    immediate: bool
+    """Whether a mark's interval can be read at once (the host's), or only once the device has
+    passed it (the device's: after the step's read of the device)."""
+
     def mark(self) -> Any:
         """A point in time, now — on the current stream, for the device's clock."""
         ...
@@ -28,6 +32,8 @@ class Clock(Protocol):
 
 
 class HostClock:
+    immediate = True
+
     def mark(self) -> float:
         return time.perf_counter()
 
@@ -36,6 +42,8 @@ class HostClock:
 
 
 class DeviceClock:
+    immediate = False
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         """Named, not taken from the thread: a helper thread's current device is the first GPU."""

@@ -42,6 +42,7 @@ from torch import nn
 from pipeloom.errors import ConfigError, RuntimeFault
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
+from pipeloom.runtime.clocks import Clock, clock_for
 from pipeloom.runtime.compiled import compile_stages
 from pipeloom.runtime.mailbox import Mail, MessageKey, peer_failure
 from pipeloom.runtime.pair_baton import run_pair
@@ -124,6 +125,8 @@ class DeviceExecutor:
         if compiled:
             self.loss_fn = compile_stages(stages, self.halves, loss)
         self._side = torch.cuda.Stream(self.torch_device) if self.torch_device.type == "cuda" else None  # pairs' F
+        self.clock: Clock = clock_for(self.torch_device)
+        """What times the ops: the host's clock on a CPU, CUDA events on the op's stream on a GPU."""
         self.interleave_pairs = interleave_pairs
         """Run an overlapped pair's two ops by turns, switching at each expert all-to-all (`pair_baton`)."""
         self.after_ops: Callable[[Sequence[Op]], None] | None = None
@@ -144,7 +147,7 @@ class DeviceExecutor:
     def begin(self, inputs: Sequence[Tensors], targets: Sequence[object]) -> None:
         if self.num_slices > 1:
             self.slice_len = inputs[0][0].shape[1] // self.num_slices
-        self._step = StepState(inputs, targets, StepRecord(), time.perf_counter())
+        self._step = StepState(inputs, targets, StepRecord(), time.perf_counter(), self.clock)
         self._index = 0
         self.mail.open()
 
@@ -187,6 +190,8 @@ class DeviceExecutor:
             step.kv.clear()  # the slices' keys and values: no backward reads them
         if step.stash or step.kv or len(self.queue):
             raise RuntimeFault(f"device {self.device}: the step ended with work left (stash {list(step.stash)})")
+        if self.clock.immediate:  # a device's marks wait for the step's read of the device (`RankRun.end_step`)
+            step.record.settle()
         return step.record
 
     def _inputs_of(self, op: Op) -> list[MessageKey]:

@@ -138,7 +138,7 @@ def run_pair(executor, step, first, second) -> None:
             return lambda: torch.cuda.stream(side)
         return contextlib.nullcontext
 
-    ends = [0.0, 0.0]
+    ends: list = [None, None]
 
     def run(op, index: int = 0) -> None:
         executor._handler(op.kind)(step, op)
@@ -148,10 +148,10 @@ def run_pair(executor, step, first, second) -> None:
         side.wait_stream(torch.cuda.current_stream(device))
     if executor.interleave_pairs:
         began = step.now()
-        baton = PairBaton(clock_for(device))  # the turns, for the exchanges; the trace's times are the host's
+        baton = PairBaton(clock_for(device))  # the turns, for the exchanges
         baton.run(lambda: run(first, 0), lambda: run(second, 1), (on_stream(first), on_stream(second)))
-        step.record.ops += [(first.text, began, ends[0]), (second.text, began, ends[1])]
-        step.record.op_cpu += [math.nan, math.nan]
+        step.add_op(first.text, began, ends[0], math.nan)  # two threads share the pair's CPU time
+        step.add_op(second.text, began, ends[1], math.nan)
     else:
         for op in (first, second):
             step.start = step.now()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -136,7 +137,9 @@ class RankRun:
     executor: DeviceExecutor
     result: RankResult
     first_step: int = 0
-    _times: dict[str, float] = field(default_factory=dict)
+    _began: float = 0.0
+    _marks: dict[str, Any] = field(default_factory=dict)
+    """The step's phases as the executor's clock marks them (`clocks`): read at its end."""
 
     @property
     def device(self) -> int:
@@ -288,7 +291,7 @@ class RankRun:
 
     def begin_step(self, step: int) -> tuple[list, list]:
         """This replica's micro-batches of `step`, with gradients zeroed: (inputs, targets)."""
-        self._times = {"began": time.perf_counter()}
+        self._began, self._marks = time.perf_counter(), {}
         m, b = self.spec.schedule.num_microbatches, self.model.work.microbatch_size
         micro_inputs, micro_targets = replica_microbatches(
             self.model.work.batch, step, self.spec.dp, self.replica, m, b, self.model.where
@@ -303,18 +306,18 @@ class RankRun:
             self.executor.grad_scale = self.optimizer.scaler.scale
             self.result.loss_scales.append(self.optimizer.scaler.scale)
         self.result.learning_rates.append(self.optimizer.learning.current)
-        self._times["piped"] = time.perf_counter()
+        self._marks["piped"] = self.executor.clock.mark()
         return micro_inputs, micro_targets
 
     def pipeline_done(self) -> None:
-        self._times["reducing"] = time.perf_counter()
+        self._marks["reducing"] = self.executor.clock.mark()
 
     def step_optimizer(self, step: int, reduce: Callable[[str, Callable[[], None]], None]) -> None:
         """After the gradient buckets are summed: faults (tests), ZeRO's reduction, unscaling,
         recording, the optimizer step (or the sync's, which may skip or roll back)."""
         _inject_faults(self.spec.gradient_faults, step, self.model.stages)
         reduce("the data-parallel reduction of the sharded gradients", self.optimizer.joint.reduce)
-        self._times["stepping"] = time.perf_counter()
+        self._marks["stepping"] = self.executor.clock.mark()
         if self.optimizer.scaler is not None:
             self.optimizer.joint.scale(1.0 / self.optimizer.scaler.scale)
         if self.spec.record_gradients:
@@ -331,11 +334,12 @@ class RankRun:
         else:
             self.optimizer.joint.step()
         self.optimizer.learning.step()
-        self._times["stepped"] = time.perf_counter()
+        self._marks["stepped"] = self.executor.clock.mark()
 
     def end_step(self, step: int, record: StepRecord, loss: float) -> None:
         """Book the step (its loss summed over every rank) and save a checkpoint when one is due."""
-        times, result = self._times, self.result
+        marks, result = self._marks, self.result
+        record.settle()  # after the step's read of the device: a GPU has passed its events
         record.grad_sync_starts = tuple((stages, when - record.began) for stages, when in self.groups.buckets.started)
         if self.groups.tensor is not None:
             record.tp_sent_bytes = self.groups.tensor.sent_bytes
@@ -347,13 +351,14 @@ class RankRun:
             record.a2a_forward_ms = 1e3 * traffic.forward_flight_s
             record.a2a_overlapped_ms = 1e3 * traffic.overlapped_flight_s
         result.losses.append(loss)
-        result.step_seconds.append(time.perf_counter() - times["began"])
+        result.step_seconds.append(time.perf_counter() - self._began)  # wall time: the step ended with a read
+        seconds = self.executor.clock.seconds
         result.phase_seconds.append(
             {
-                "pipeline": times["reducing"] - times["piped"],
-                "allreduce": times["stepping"] - times["reducing"],
-                "optimizer": times["stepped"] - times["stepping"],
-                "overhead": result.step_seconds[-1] - (times["stepped"] - times["piped"]),
+                "pipeline": seconds(marks["piped"], marks["reducing"]),
+                "allreduce": seconds(marks["reducing"], marks["stepping"]),
+                "optimizer": seconds(marks["stepping"], marks["stepped"]),
+                "overhead": result.step_seconds[-1] - seconds(marks["piped"], marks["stepped"]),
             }
         )
         result.records.append(record)

@@ -10,8 +10,11 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from pipeloom.runtime.clocks import Clock, HostClock
 
 __all__ = ["StashEntry", "StepRecord", "StepState", "Tensors"]
 
@@ -62,11 +65,35 @@ class StepRecord:
     """(a gradient bucket's stages — or, under ZeRO-1, the stage of a sum over the replicas —,
     seconds from the step's start) of each gradient sum this rank started under the pipeline, as
     soon as those stages' last backward ended."""
+    marks: _Marks | None = field(default=None, repr=False, compare=False)
+    """The step's op and stash times as its clock marked them, until `settle` reads them."""
+
+    def settle(self) -> None:
+        """Turn the step's marks into `ops` and `stash` times, seconds from the step's start: at
+        once on the host's clock, on a device's once it has passed them (after the step's read of
+        the device). Reads nothing a second time."""
+        marks, self.marks = self.marks, None
+        if marks is None:
+            return
+        clock, origin = marks.clock, marks.origin
+        self.ops += [(text, clock.seconds(origin, a), clock.seconds(origin, b)) for text, a, b in marks.ops]
+        self.stash += [(clock.seconds(origin, moment), held) for moment, held in marks.stash]
 
     def add_loss(self, loss: torch.Tensor, grad_scale: float) -> None:
         """One micro-batch's loss, summed on the device in float64 (no host read)."""
         value = loss.detach().double() / grad_scale
         self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
+
+
+@dataclass
+class _Marks:
+    """A step's times as its clock marks them (`clocks`): host seconds, or CUDA events on the
+    stream each op ran on."""
+
+    clock: Clock
+    origin: Any
+    ops: list[tuple[str, Any, Any]] = field(default_factory=list)
+    stash: list[tuple[Any, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -85,41 +112,52 @@ class StashEntry:
 
 @dataclass
 class StepState:
-    """What one step's ops share."""
+    """What one step's ops share. Its times are marks of `clock` — the host's on a CPU, CUDA
+    events on the op's stream on a GPU, where a host clock around a kernel reads its launch —
+    which the record turns into seconds once they can be read (`StepRecord.settle`)."""
 
     inputs: Sequence[Tensors]
     targets: Sequence[object]
     record: StepRecord
     began: float
+    clock: Clock = field(default_factory=HostClock)
     stash: dict[tuple[int, int, int], StashEntry] = field(default_factory=dict)
     kv: dict[tuple[int, int, int], tuple[list, list]] = field(default_factory=dict)
     """Slice key → (its keys/values per layer, their leaves for the later slices)."""
     held: int = 0
-    _start: float = 0.0
+    _start: Any = 0.0
     _cpu_start: float = 0.0
 
     def __post_init__(self) -> None:
         self.record.began = self.began
+        self.record.marks = _Marks(self.clock, self.clock.mark())
 
     @property
-    def start(self) -> float:
-        """When the current op's own time began (seconds from the step's start); setting it also
-        notes the thread's CPU clock, for `end_op`."""
+    def start(self) -> Any:
+        """When the current op's own time began (a mark of the clock); setting it also notes the
+        thread's CPU clock, for `end_op`."""
         return self._start
 
     @start.setter
-    def start(self, value: float) -> None:
+    def start(self, value: Any) -> None:
         self._start, self._cpu_start = value, time.thread_time()
 
     def end_op(self, text: str) -> None:
         """Record the op that began at `start` as ending now, with its thread's CPU time."""
-        self.record.ops.append((text, self._start, self.now()))
-        self.record.op_cpu.append(time.thread_time() - self._cpu_start)
+        self.add_op(text, self._start, self.now(), time.thread_time() - self._cpu_start)
 
-    def now(self) -> float:
-        return time.perf_counter() - self.began
+    def add_op(self, text: str, began: Any, ended: Any, cpu_seconds: float) -> None:
+        """Record an op between two marks (`now`), with its thread's CPU seconds."""
+        assert self.record.marks is not None, "the step's record is not settled yet"
+        self.record.marks.ops.append((text, began, ended))
+        self.record.op_cpu.append(cpu_seconds)
+
+    def now(self) -> Any:
+        """A mark of the clock, now (on a GPU: on the current stream)."""
+        return self.clock.mark()
 
     def note(self, change: int) -> None:
         self.held += change
-        self.record.stash.append((self.now(), self.held))
+        assert self.record.marks is not None, "the step's record is not settled yet"
+        self.record.marks.stash.append((self.now(), self.held))
         self.record.peak_stash_bytes = max(self.record.peak_stash_bytes, self.held)
