@@ -38,10 +38,27 @@ def pipeloom_executor(schedule, rank: int, stages, boundaries, loss) -> tuple[De
 
 
 def torch_schedule_for(modules, stage_ids, num_stages: int, torch_class, m: int, loss):
-    """torch.distributed.pipelining's schedule over this rank's stages; (schedule, holds first, holds last)."""
+    """torch.distributed.pipelining's schedule over this rank's stages, doing pipeloom's work: each
+    micro-batch's loss divided by m before its backward, and no pass dividing every gradient after
+    the last one (torch's default `scale_grads=True`, which pipeloom does not make); (schedule,
+    holds first, holds last)."""
+
+    def per_microbatch(output, target):
+        return loss(output, target) / m
+
     stages = [pipelining.PipelineStage(modules[i], i, num_stages, torch.device("cpu")) for i in stage_ids]
-    schedule = torch_class(stages[0], m, loss_fn=loss) if len(stages) == 1 else torch_class(stages, m, loss_fn=loss)
+    handed = stages[0] if len(stages) == 1 else stages
+    schedule = torch_class(handed, m, loss_fn=per_microbatch, scale_grads=False)
     return schedule, 0 in stage_ids, num_stages - 1 in stage_ids
+
+
+def torch_order(torch_schedule, name: str) -> str:
+    """A multi-stage torch schedule's own order (its `pipeline_order`) as torch's compute-only CSV,
+    for pipeloom to run the very same ops in the same order (`ir.torch_csv.from_torch_csv`)."""
+    order = torch_schedule.pipeline_order
+    return "\n".join(
+        ",".join("" if action is None else str(action) for action in order[rank]) for rank in sorted(order)
+    )
 
 
 def race(

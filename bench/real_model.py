@@ -5,8 +5,9 @@ The model is transformers' LlamaForCausalLM (hidden 768, 12 layers, SwiGLU 2048,
 vocabulary 8192: about 100M parameters), built from a config.json written here; the data is a
 flat uint16 token file made from text this machine ships (the Python license and standard-library
 docstrings), tokenized by a byte-level BPE trained on it. Both runtimes get the same stage
-modules (pipeloom's cut of the model) and the same micro-batches, and alternate step by step on the
-same ranks. Printed: median step time and tokens/s of each, the median ratio of a step's two runs
+modules (pipeloom's cut of the model) and the same micro-batches, do the same work (the loss
+divided by m per micro-batch, no gradient division after the last backward; for ZB-V torch's own
+order on both sides) and alternate step by step on the same ranks. Printed: median step time and tokens/s of each, the median ratio of a step's two runs
 (goal ≤ 1.0), and the step
 the simulator predicts from the op times pipeloom measured (predicted vs measured).
 
@@ -28,11 +29,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from pipelining_race import ping_seconds, pipeloom_executor, race, summarise, torch_schedule_for  # noqa: I001 - bench/ is on the path
+from pipelining_race import ping_seconds, pipeloom_executor, race, summarise, torch_order, torch_schedule_for  # noqa: I001 - bench/ is on the path
 from torch.distributed import pipelining
 
 from pipeloom import Costs, build_schedule
 from pipeloom.data import TextTokens, sample_corpus, train_tokenizer
+from pipeloom.ir.torch_csv import from_torch_csv
 from pipeloom.models.hf import hf_workload
 from pipeloom.models.vision import resnet_workload
 from pipeloom.runtime.boundary import probe_stages
@@ -66,16 +68,19 @@ def _rank(rank: int, world: int, directory: str, args, case: str) -> None:
     else:
         work = resnet_workload(args.model, microbatch_size=b, image_size=args.image_size)
 
+    theirs_modules = work.build(schedule.num_stages)
+    torch_schedule, holds_first, holds_last = torch_schedule_for(
+        theirs_modules, stages_of(rank, p), schedule.num_stages, torch_class, m, work.loss
+    )
+    order = torch_order(torch_schedule, case) if case == "zb-v" else None
+    if order is not None:  # the same ops in the same order on both sides: torch's ZBV
+        schedule = from_torch_csv(order, "zb-v (torch's order)")
     stages = work.build(schedule.num_stages)
     inputs, _ = work.batch(b, 0)
     probe = probe_stages(
         stages, (inputs,), lambda s, x: run_stage(s, x, None, Precision(), torch.device("cpu"), True)[0]
     )
     executor, own = pipeloom_executor(schedule, rank, stages, probe.boundaries, work.loss)
-    theirs_modules = work.build(schedule.num_stages)
-    torch_schedule, holds_first, holds_last = torch_schedule_for(
-        theirs_modules, stages_of(rank, p), schedule.num_stages, torch_class, m, work.loss
-    )
 
     outcome = race(
         executor,
@@ -90,6 +95,7 @@ def _rank(rank: int, world: int, directory: str, args, case: str) -> None:
     )
     outcome["ping"] = ping_seconds(rank, torch.empty(probe.boundaries[1][0].shape))  # what stage 0 sends
     outcome["params"] = sum(t.numel() for s in stages for t in s.parameters())
+    outcome["order"] = order
     Path(directory, f"{case}-rank{rank}.json").write_text(json.dumps(outcome))
     dist.destroy_process_group()
 
@@ -104,7 +110,10 @@ def run_case(directory: str, args, case: str) -> dict:
     if any(process.exitcode for process in processes):
         raise SystemExit(f"{case} failed")
     results = [json.loads(Path(directory, f"{case}-rank{r}.json").read_text()) for r in range(2)]
-    schedule = build_schedule(case, 2, args.microbatches, **CASES[case][0])
+    if results[0]["order"] is not None:
+        schedule = from_torch_csv(results[0]["order"], "zb-v (torch's order)")
+    else:
+        schedule = build_schedule(case, 2, args.microbatches, **CASES[case][0])
     return {**summarise(results, schedule), "params": results[0]["params"]}
 
 

@@ -2,7 +2,9 @@
 
 2 and 4 ranks (gloo, one thread each), schedules 1F1B, interleaved (2 chunks) and ZB-V, model
 hidden 512 so that compute dominates the messages. Each step runs once with pipeloom's executor
-and once with torch's matching schedule class, alternately in one job, between barriers; the
+and once with torch's matching schedule class, alternately in one job, between barriers — both doing
+the same work (the loss divided by m per micro-batch, no gradient division after the last
+backward) and, for ZB-V, running torch's order on both sides; the
 script prints both median step times (first step left out), the median ratio of a step's two
 runs (goal ≤ 1.0), and the step time the simulator predicts from the F and B times and the p2p time measured in this run.
 Usage: python bench/runtime_vs_torch.py [--steps 4] [--ranks 2 4]
@@ -18,10 +20,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from pipelining_race import ping_seconds, pipeloom_executor, race, summarise, torch_schedule_for  # noqa: I001 - bench/ is on the path
+from pipelining_race import ping_seconds, pipeloom_executor, race, summarise, torch_order, torch_schedule_for  # noqa: I001 - bench/ is on the path
 from torch.distributed import pipelining
 
 from pipeloom import Costs, build_schedule
+from pipeloom.ir.torch_csv import from_torch_csv
 from pipeloom.models.llama import LlamaConfig
 from pipeloom.models.workload import llama_workload
 from pipeloom.runtime.boundary import TensorSpec
@@ -44,16 +47,20 @@ def _rank(rank: int, world: int, directory: str, case: str, steps: int) -> None:
     work = llama_workload(CONFIG, seed=0)
     b = CONFIG.microbatch_size
 
+    torch_schedule, holds_first, holds_last = torch_schedule_for(
+        work.build(schedule.num_stages), stages_of(rank, p), schedule.num_stages, torch_class, m, work.loss
+    )
+    order = torch_order(torch_schedule, name) if name == "zb-v" else None
+    if order is not None:  # the same ops in the same order on both sides: torch's ZBV
+        schedule = from_torch_csv(order, "zb-v (torch's order)")
     stages = work.build(schedule.num_stages)
     activation_shape = (b, CONFIG.seq_len, CONFIG.hidden)
     boundaries = [(TensorSpec(activation_shape, torch.float32),)] * schedule.num_stages
     executor, _ = pipeloom_executor(schedule, rank, stages, boundaries, work.loss)
-    torch_schedule, holds_first, holds_last = torch_schedule_for(
-        work.build(schedule.num_stages), stages_of(rank, p), schedule.num_stages, torch_class, m, work.loss
-    )
 
     outcome = race(executor, torch_schedule, work.batch, m, b, steps, holds_first, holds_last)
     outcome["ping"] = ping_seconds(rank, torch.randn(activation_shape))
+    outcome["order"] = order
     Path(directory, f"rank{rank}.json").write_text(json.dumps(outcome))
     dist.destroy_process_group()
 
@@ -70,7 +77,10 @@ def run_case(case: str, world: int, steps: int) -> dict:
             raise SystemExit(f"{case} with {world} ranks failed")
         results = [json.loads(Path(directory, f"rank{r}.json").read_text()) for r in range(world)]
     name, kwargs, _, _ = CASES[case]
-    schedule = build_schedule(name, world, 2 * world, **({"costs": Costs(F=1, B=1, W=1)} if name == "zb-v" else kwargs))
+    if results[0]["order"] is not None:
+        schedule = from_torch_csv(results[0]["order"], "zb-v (torch's order)")
+    else:
+        schedule = build_schedule(name, world, 2 * world, **kwargs)
     return summarise(results, schedule)
 
 
