@@ -412,3 +412,15 @@ def test_tune_refusals_are_one_line(capsys, tmp_path, monkeypatch, argv, message
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == "" and err.count("\n") == 1 and message in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_plan_runs_enough_steps_to_tell_its_error_from_the_noise():
+    from argparse import Namespace
+
+    from pipeloom.cli.plan import _noise
+    from pipeloom.cli.train_args import steps_of
+
+    assert steps_of(Namespace(steps=None, plan="plan.json")) == 7  # 5 timed after 2 of warm-up
+    assert steps_of(Namespace(steps=None, plan=None)) == 3 and steps_of(Namespace(steps=4, plan="plan.json")) == 4
+    assert _noise([0.100, 0.104, 0.096, 0.102, 0.098]) == "the steps' noise ±4.0% over 5 timed steps"
+    assert _noise([0.1, 0.11]).endswith("2 timed steps; too few to trust: run --steps 7 or more")

@@ -100,6 +100,8 @@ def test_profile_simulate_tune_train(tmp_path, capsys):
     assert main(["train", "--plan", str(plan), "--steps", "2"]) == 0
     out = capsys.readouterr().out
     assert "fidelity" in out and "step time" in out
+    step_line = next(line for line in out.splitlines() if line.strip().startswith("step time"))
+    assert "1 timed step: no noise to compare; run --steps 7 or more" in step_line  # 2 steps: 1 after the warm-up
     for phase in ("pipeline", "allreduce", "optimizer", "overhead"):  # the breakdown, predicted vs measured
         assert any(line.strip().startswith(phase) and " ms  vs " in line for line in out.splitlines())
     saved = json.loads(plan.read_text())

@@ -63,7 +63,10 @@ def fidelity_report(plan, results) -> str:
     expected = predicted.get("step_time_ms")
     lines = ["", "fidelity (predicted by the plan vs measured):"]
     if expected:
-        lines.append(f"  step time   {expected:9.1f} ms  vs {measured:9.1f} ms  ({measured / expected - 1:+.1%})")
+        lines.append(
+            f"  step time   {expected:9.1f} ms  vs {measured:9.1f} ms  ({measured / expected - 1:+.1%}; "
+            f"{_noise(times)})"
+        )
         lines += _breakdown(predicted, timed_steps(results[0].phase_seconds))
     peaks = predicted.get("peak_activation_memory") or []
     p, layout = plan.pp, RankLayout(plan.pp, plan.dp, plan.tp)
@@ -113,6 +116,19 @@ def fidelity_report(plan, results) -> str:
                 f"({max(gpu) / totals[device] - 1:+.1%}; torch.cuda.max_memory_allocated)"
             )
     return "\n".join(lines)
+
+
+def _noise(times: list[float]) -> str:
+    """How far the timed steps spread about their median (half their range), and how many there
+    were: an error within it says nothing about the plan."""
+    from pipeloom.cli.train_args import PLAN_STEPS, TIMED_PLAN_STEPS
+
+    if len(times) < 2:
+        return f"1 timed step: no noise to compare; run --steps {PLAN_STEPS} or more"
+    middle = statistics.median(times)
+    spread = (max(times) - min(times)) / 2 / middle
+    few = f"; too few to trust: run --steps {PLAN_STEPS} or more" if len(times) < TIMED_PLAN_STEPS else ""
+    return f"the steps' noise ±{spread:.1%} over {len(times)} timed steps{few}"
 
 
 _PARTS = (  # (plan key, runtime phase, what it is)

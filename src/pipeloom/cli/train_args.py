@@ -10,8 +10,14 @@ from pipeloom.cli.model import add_model_arguments
 from pipeloom.cli.output import check_outputs
 from pipeloom.errors import ConfigError
 from pipeloom.files import check_directory_target
+from pipeloom.profile.speed import WARMUP_STEPS
 
-__all__ = ["add_train_arguments", "add_run_arguments", "check_train_flags", "run_options"]
+TIMED_PLAN_STEPS = 5
+"""Steps `train --plan` times by default, after the warm-up: with fewer, a step's noise on a
+busy machine (±5–10 %) is as large as the plan's error."""
+PLAN_STEPS = WARMUP_STEPS + TIMED_PLAN_STEPS
+
+__all__ = ["add_train_arguments", "add_run_arguments", "check_train_flags", "run_options", "steps_of"]
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +52,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="expert-parallel ranks: each MoE layer's routed experts shared out over groups of EP data-parallel "
         "replicas, tokens sent to their experts by all-to-all (EP divides --dp; default 1, or the plan's)",
     )
-    parser.add_argument("--steps", type=int, default=3, help="optimizer steps")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help=f"optimizer steps (default 3; with --plan {PLAN_STEPS}: {TIMED_PLAN_STEPS} timed after the warm-up, "
+        "enough to tell the plan's error from the machine's noise)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
@@ -193,6 +204,7 @@ def check_train_flags(args: argparse.Namespace) -> None:
     check_outputs([args.trace, args.summary], plot=None)
     check_directory_target(args.save, "--save")
     check_directory_target(args.log_dir, "--log-dir")
+    args.steps = steps_of(args)
     for name in ("steps", "threads"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}")
@@ -232,11 +244,19 @@ def check_train_flags(args: argparse.Namespace) -> None:
         Plan.load(args.plan)  # one line naming the field that does not hold together
 
 
+def steps_of(args: argparse.Namespace) -> int:
+    """`--steps`, or its default: a plan's run times `TIMED_PLAN_STEPS` steps after the warm-up."""
+    if args.steps is not None:
+        return args.steps
+    return PLAN_STEPS if getattr(args, "plan", None) else 3
+
+
 def run_options(args: argparse.Namespace) -> dict:
     """TrainSpec's fields that do not depend on where the schedule comes from (flags or a plan):
     the run, checkpoints, offload, the optimizer's global state."""
+    steps = steps_of(args)
     fields = {
-        "steps": args.steps,
+        "steps": steps,
         "seed": args.seed,
         "lr": args.lr,
         "threads": args.threads,
@@ -258,7 +278,7 @@ def run_options(args: argparse.Namespace) -> dict:
         "lr_schedule": args.lr_schedule,
         "warmup_steps": args.warmup_steps,
         "min_lr": args.min_lr,
-        "eval_every": (args.eval_every or args.steps) if args.eval_data else 0,
+        "eval_every": (args.eval_every or steps) if args.eval_data else 0,
         "eval_batches": args.eval_batches,
         "log_dir": args.log_dir,
         "wandb": args.wandb,
