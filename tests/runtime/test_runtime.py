@@ -27,7 +27,7 @@ from helpers.runtime import (  # noqa: E402
 from pipeloom import Costs, OpKind, Schedule, build_schedule, simulate  # noqa: E402
 from pipeloom.errors import ConfigError, RuntimeFault, ScheduleError  # noqa: E402
 from pipeloom.models.llama import LlamaConfig  # noqa: E402
-from pipeloom.passes import apply_checkpoint, mario, split_backward, t_recomp  # noqa: E402
+from pipeloom.passes import apply_checkpoint, mario, split_backward, t_recomp, weight_parts  # noqa: E402
 from pipeloom.runtime.in_process import run_in_process  # noqa: E402
 from pipeloom.runtime.local import _worker, run_local  # noqa: E402
 from pipeloom.runtime.training import TrainSpec, check_spec  # noqa: E402
@@ -501,3 +501,33 @@ def test_a_device_clock_times_ops_and_phases_read_only_after_the_steps_read(monk
             assert all(moment > 0 for moment, _ in record.stash)
         for phases in result.phase_seconds:
             assert phases["pipeline"] > 0 and round(phases["pipeline"] * 1e3, 6).is_integer()
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        build_schedule("zb-h1", 2, 4),
+        build_schedule("zb-v", 2, 4, costs=Costs(F=1, B=1, W=1)),
+        weight_parts(build_schedule("1f1b", 2, 4), Costs(F=1, B=1, W=1), parts=2),
+    ],
+    ids=["zb-h1", "zb-v", "1f1b+wparts"],
+)
+def test_the_stash_counts_what_a_b_leaves_for_its_w_as_the_simulator_does(schedule):
+    """A split B frees its forward's stash but its linears' inputs and output gradients wait
+    for W (the simulator's M_W; a W in k parts frees 1/k each; a W folded into its B leaves
+    nothing). Given the bytes one forward and one B left per stage, the simulator predicts every
+    device's peak to the byte."""
+    results = run_in_process(tiny_spec(schedule, steps=1))
+    records = [result.records[0] for result in results]
+    stages = range(schedule.num_stages)
+    device_of = {s: d for d in range(schedule.num_devices) for s in schedule.stages_on(d)}
+    forward = [records[device_of[s]].entry_bytes[f"{s}F0"] for s in stages]
+    # zb-h1's first device runs each W right after its B: folded into it, nothing waits
+    pending = [records[device_of[s]].pending_w_bytes.get(f"{s}B0", 0) for s in stages]
+    assert any(pending) and all(w < f for w, f in zip(pending, forward))  # part of the stash, and output gradients
+    predicted = simulate(schedule, Costs(M_B=forward, M_W=pending)).peak_activation_memory
+    assert [record.peak_stash_bytes for record in records] == predicted
+    without = simulate(schedule, Costs(M_B=forward)).peak_activation_memory
+    assert any(p > q for p, q in zip(predicted, without))  # the pending W raise some device's peak
+    for record in records:
+        assert record.stash[-1][1] == 0  # every W freed what its B left

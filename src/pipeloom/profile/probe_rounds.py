@@ -236,7 +236,8 @@ def _kept(steps: list, kept: Sequence[bool] | None) -> list:
 
 def samples(results, kept: Sequence[bool] | None = None) -> dict[str, list[float]]:
     """One round's samples, its warm-up left out (and the steps not `kept`): op times (ms) by
-    "kind@rank", stashed bytes ("M_B@rank", "M_ckpt@rank") and rank 0's step phases (ms)."""
+    "kind@rank", stashed bytes ("M_B@rank", "M_ckpt@rank"), the bytes a B leaves queued for its W
+    ("M_W@rank") and rank 0's step phases (ms)."""
     out: dict[str, list[float]] = {}
     for rank, result in enumerate(results):
         for record in _kept(timed_steps(result.records), kept):
@@ -248,6 +249,7 @@ def samples(results, kept: Sequence[bool] | None = None) -> dict[str, list[float
         entries = result.records[-1].entry_bytes
         out[f"M_B@{rank}"] = stashed_bytes(entries)
         out[f"M_ckpt@{rank}"] = stashed_bytes(entries, checkpointed=True)
+        out[f"M_W@{rank}"] = [float(v) for v in result.records[-1].pending_w_bytes.values()]
     for phases in _kept(timed_steps(results[0].phase_seconds), kept):
         for phase in PHASES:
             out.setdefault(phase, []).append(1e3 * phases[phase])

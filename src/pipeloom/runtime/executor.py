@@ -112,6 +112,8 @@ class DeviceExecutor:
                 "slices need stages with forward_slice (the LLaMA-style decoder's, or a Hugging Face causal LM's)"
             )
         self.slice_len = 0
+        self._pending_w: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+        """Per key, (the bytes its B left queued, those its W parts have not freed yet, parts run)."""
         self._step = StepState((), (), StepRecord(), 0.0)
         self._index = 0
         self.halves = (
@@ -340,6 +342,11 @@ class DeviceExecutor:
             torch.autograd.backward([h for h, _ in boundary], [g for _, g in boundary])
         self.queue.backward_key = None
         step.note(-entry.bytes)
+        pending = self.queue.held_bytes(op.key) if op.kind is _B else 0
+        if pending:  # what the split linears keep for this key's W, held until it runs
+            self._pending_w[op.key] = (pending, pending, 0)
+            step.record.pending_w_bytes[op.text] = pending
+            step.note(pending)
         if stage > 0:
             input_grads = [
                 t.grad if t.grad is not None else torch.zeros_like(t) for t in entry.inputs if t.is_floating_point()
@@ -357,11 +364,28 @@ class DeviceExecutor:
         """Run the W at `index` (with `concat_w`, and the W of its stage right after it, as one
         GEMM); return how many ops it consumed."""
         consumed = self.queue.run_ops(self.ops, index, self.concat_w)
+        self._free_pending_w(step, self.ops[index : index + consumed])
         step.end_op(self.ops[index].text)
         return consumed
 
     def _lone_weight_op(self, step: StepState, op: Op) -> None:
         self.queue.run_ops([op], 0, concat=False)
+        self._free_pending_w(step, [op])
+
+    def _free_pending_w(self, step: StepState, ops: Sequence[Op]) -> None:
+        """What these W ran no longer waits: each key's bytes, or a part's share of them (the
+        last part the rest)."""
+        for op in ops:
+            if op.key not in self._pending_w:
+                continue
+            total, left, parts_run = self._pending_w[op.key]
+            parts_run += 1
+            freed = left if parts_run == op.parts else total // op.parts  # parts may run in any order
+            if parts_run == op.parts:
+                del self._pending_w[op.key]
+            else:
+                self._pending_w[op.key] = (total, left - freed, parts_run)
+            step.note(-freed)
 
     # -- helpers -------------------------------------------------------------------------------
 

@@ -97,6 +97,18 @@ class WeightGradQueue:
         self.run(*(o.key for o in run))
         return len(run)
 
+    def held_bytes(self, key: tuple) -> int:
+        """Bytes `key`'s queued GEMMs hold until its W — their inputs and output gradients, each
+        tensor once (q, k and v share an input)."""
+        seen: set[int] = set()
+        total = 0
+        for _, inputs, grad_output in self._pending.get(key, ()):
+            for tensor in (inputs, grad_output):
+                if tensor.data_ptr() not in seen:
+                    seen.add(tensor.data_ptr())
+                    total += tensor.numel() * tensor.element_size()
+        return total
+
     def __len__(self) -> int:
         pending = sum(len(entries) for entries in self._pending.values())
         return pending + sum(len(entries) for entries in self._split.values())

@@ -42,6 +42,9 @@ class StepRecord:
     peak_stash_bytes: int = 0
     entry_bytes: dict[str, int] = field(default_factory=dict)
     """Bytes each F and R added to the stash, by op text."""
+    pending_w_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes each B left queued for its W (the split linears' inputs and output gradients: the
+    simulator's M_W), by the B's op text; W frees them (a W in k parts, 1/k each)."""
     recomputes: int = 0
     sent_bytes: int = 0
     """Bytes this device sent to other devices (activations and gradients)."""

@@ -5,8 +5,9 @@ per layer and an intercept per stage position (first: embedding; last: head and 
 neither, taken as the cheaper end; single: both, taken as the dearer end). Other micro-batch sizes are interpolated linearly between the profiled
 ones (extrapolated past the ends). Static memory is the runtime's: 16 bytes per parameter (fp32
 weights, gradients and AdamW moments) under ZeRO-0, `pipeloom.static_memory`'s figures in the
-profile's compute type under ZeRO-1/2 and offload. The runtime does not count a pending W's inputs in its
-stash, so M_W is 0 here. What the runtime adds beyond the ops is priced as measured: a per-op
+profile's compute type under ZeRO-1/2 and offload. M_W is what the probes' Bs left queued for
+their W (the split linears' inputs and output gradients), fitted as M_B is; a profile from
+before it was measured has none (0). What the runtime adds beyond the ops is priced as measured: a per-op
 overhead on every F, B, W and R; p2p as latency + bytes / bandwidth; the dp = 2 all-reduce, scaled
 to other dp by the ring; the optimizer step; and the rest of a step. The file also carries plain Costs keys — a two-device split of the
 model at the first profiled micro-batch size — so `simulate --costs profile.json` reads it too.
@@ -185,12 +186,16 @@ class ProfiledCostModel:
         (the fits' intercepts) instead of a 1/slices share of them."""
         size = micro_batch / slices
         per_stage = {key: self._per_stage(key, counts, size) for key in (*_TIMES, "M_B")}
+        # the bytes a B leaves queued for its W; older profiles did not measure them
+        measured_w = all("M_W" in fit for fit in self.fits.values())
+        per_stage["M_W"] = self._per_stage("M_W", counts, size) if measured_w else [0.0] * len(counts)
         per_stage["M_ckpt"] = [
             min(self._value("M_ckpt", self._position(i, len(counts)), size), m) for i, m in enumerate(per_stage["M_B"])
         ]
         if self.tp > 1:
             share = activation_share(self.tp, self.sequence_parallel)
             per_stage["M_B"] = [m * share for m in per_stage["M_B"]]
+            per_stage["M_W"] = [m * share for m in per_stage["M_W"]]
             per_stage["M_ckpt"] = [m / self.tp for m in per_stage["M_ckpt"]]
         if self._tp_fits:
             for key in self._tp_fits:
@@ -220,7 +225,7 @@ class ProfiledCostModel:
             a2a_B=exchange["B"],
             comm=self._p2p(size / self.tp),  # each tensor-parallel rank sends its sequence shard
             M_B=value["M_B"],
-            M_W=0.0,
+            M_W=value["M_W"],
             M_ckpt=value["M_ckpt"],
             M_static=[self._static(n, dp, zero) for n in self.stage_params(counts)],
             op_overhead=self.op_overhead,
