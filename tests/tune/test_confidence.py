@@ -71,3 +71,27 @@ def test_near_ties_go_to_the_plan_with_less_memory_and_say_so():
     assert "ranked zb-h1 pp=2 dp=1 mbs=1 first for its lower peak memory (79.7 KiB against 86.1 KiB)" in noisy.tie_note
     # zb-h1 and 1f1b at mbs 2 share their figures: 8 ms apart is not noise, however noisy the figures
     assert noisy.bands[0] > 10 * precise.bands[0]
+
+
+def test_plans_priced_beyond_the_profile_rank_after_the_measured_ones_and_say_so():
+    """The profile measured micro-batch size 2 only: a size-1 plan is priced by extrapolating
+    the fits, a sliced one as micro-batches of 1/s the size. Those rank after every measured
+    plan, marked, and the note names the fastest of them and what it rests on."""
+    data = profile()
+    data["fits"] = {"2": data["fits"]["2"]}
+    model = ProfiledCostModel(data)
+    assert model.extrapolations(2) == [] and model.extrapolations(1) == ["micro-batch size 1 (profiled: 2)"]
+    assert model.extrapolations(2, slices=4)[0].startswith("4 slices (never profiled")
+    space = dict(SPACE, micro_batches=[1, 2])
+    result = tune(model, 2, 1e9, 8, keep=4, **space)
+    flags = [bool(e.extrapolated) for e in result.ranked]
+    assert flags == sorted(flags) and not flags[0]  # measured first, whatever the guesses predict
+    assert result.best.candidate.micro_batch == 2
+    leader = next(e for e in result.ranked if e.extrapolated)
+    assert leader.step_time < result.best.step_time  # the guess predicts faster: the note says what was set aside
+    assert result.extrapolation_note.startswith("plans priced beyond what the profile measured are ranked after")
+    assert f"{leader.candidate.label} would be" in result.extrapolation_note
+    assert "micro-batch size 1 (profiled: 2)" in result.extrapolation_note
+    only_guesses = tune(model, 2, 1e9, 8, keep=4, **dict(space, micro_batches=[1]))
+    assert all(e.extrapolated for e in only_guesses.ranked)
+    assert only_guesses.extrapolation_note.startswith("no plan the profile measured fits")

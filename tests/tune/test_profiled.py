@@ -361,3 +361,15 @@ def test_chimera_s_twin_copies_wait_for_each_other_at_the_gradient_sync_as_repli
     exposed = exposed_sync(best.timeline, per_stage)
     assert 0 < exposed <= model.allreduce_time(sum(params), 2, 2)  # some of it under the pipeline, never more
     assert best.allreduce_time == pytest.approx(exposed + 0.1 * best.pipeline_time)
+
+
+def test_the_bytes_a_b_leaves_for_its_w_are_priced_as_measured_and_none_from_an_older_profile():
+    from pipeloom.tune.profiled import ProfiledCostModel
+
+    older = ProfiledCostModel(profile()).stage_costs([2, 2], 2, pp=2, dp=1)
+    assert tuple(older.M_W) == (0.0, 0.0)
+    data = profile()
+    for size in ("1", "2"):
+        data["fits"][size]["M_W"] = fit(300.0 * int(size), 10.0, 20.0)
+    costs = ProfiledCostModel(data).stage_costs([2, 2], 2, pp=2, dp=1)
+    assert costs.M_W == pytest.approx([2 * 600.0 + 10.0, 2 * 600.0 + 20.0])  # per layer, plus each end's

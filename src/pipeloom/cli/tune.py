@@ -272,6 +272,7 @@ def _row_dict(e, result) -> dict:
         "host_memory": e.host_memory or [0.0] * len(e.peak_memory),
         "bubble_rate": e.bubble_rate,
         "partition": e.partition,
+        "extrapolated": list(e.extrapolated),
         "memory_unit": "bytes",
     }
 
@@ -286,13 +287,18 @@ def _report(result, args, memory: float, cost_model) -> str:
         + (f" ({', '.join(f'{n} {r}' for r, n in reasons.items())})" if reasons else "")
     )
     headers = ["plan", "step ms", "samples/s", "max GiB", "min GiB", "host GiB", "bubble"]
-    rows = [[str(i + 1) + ". " + row[0], *row[1:]] for i, row in enumerate(_row(e, result) for e in result.ranked)]
+    rows = [
+        [f"{i + 1}. {'~' if e.extrapolated else ''}{row[0]}", *row[1:]]
+        for i, (e, row) in enumerate((e, _row(e, result)) for e in result.ranked)
+    ]
     if any(result.bands):  # a measured profile: how far each step can be trusted
         headers.insert(2, "± ms")
         for row, width in zip(rows, result.bands):
             row.insert(2, f"{width:.2f}")
     best = result.best
     note = f"\nnear-tie: {result.tie_note}" if result.tie_note else ""
+    if result.extrapolation_note:
+        note += f"\nbeyond the profile: {result.extrapolation_note}"
     return f"{head}\n\n{table(headers, rows)}\n\nbest: {best.candidate.label}, layers per stage {best.partition}{note}"
 
 

@@ -21,7 +21,7 @@ from pipeloom.provenance import byte_size
 from pipeloom.sim.simulate import simulate
 from pipeloom.tune.evaluation import Evaluation
 
-__all__ = ["figure_errors", "sensitivities", "band", "tied", "robustness"]
+__all__ = ["figure_errors", "sensitivities", "band", "tied", "robustness", "measured_first"]
 
 _KINDS = ("F", "B", "W", "R")
 _Z = 2.0
@@ -128,3 +128,35 @@ def settle_near_ties(result, cost_model) -> None:
         f"{fastest.step_time:.1f} ± {fastest_band:.1f} ms, by {chosen.step_time - fastest.step_time:.1f} ms): "
         f"ranked {chosen.candidate.label} first for its {why}"
     )
+
+
+def measured_first(result, cost_model, leader=None) -> None:
+    """Mark the ranked plans priced beyond what the profile measured (`extrapolations`: a
+    micro-batch size or slices it never ran) and keep them after the measured ones (the search
+    ranked each group apart, `tune.search.tune`), saying so (`result.extrapolation_note`) when
+    the fastest of them (`leader`) would beat the first measured plan, or when every plan is
+    one. Nothing changes for a cost model that measured nothing."""
+    reasons_of = getattr(cost_model, "extrapolations", None)
+    if reasons_of is None:
+        return
+    ranked = result.ranked
+    for evaluation in [*ranked, *([leader] if leader is not None else [])]:
+        evaluation.extrapolated = tuple(reasons_of(evaluation.candidate.micro_batch, evaluation.candidate.slices))
+    order = sorted(range(len(ranked)), key=lambda i: bool(ranked[i].extrapolated))  # stable: by step within each
+    bands = result.bands or [0.0] * len(ranked)
+    result.ranked, result.bands = [ranked[i] for i in order], [bands[i] for i in order]
+    if leader is None:
+        return
+    why = "; ".join(leader.extrapolated)
+    first = result.ranked[0]
+    if first.extrapolated:
+        result.extrapolation_note = (
+            f"no plan the profile measured fits; every plan is priced beyond it ({why} for the first): profile "
+            "those sizes before trusting the ranking"
+        )
+    elif leader.step_time < first.step_time:
+        result.extrapolation_note = (
+            f"plans priced beyond what the profile measured are ranked after the measured ones (marked ~): "
+            f"{leader.candidate.label} would be {1 - leader.step_time / first.step_time:.1%} faster, but on {why}; "
+            "profile those sizes to rank it on measured costs"
+        )

@@ -45,6 +45,9 @@ class Evaluation:
     it out (0: it did not)."""
     unfit: list[tuple[str, float, str]] = field(default_factory=list)
     """(plan, step time, why) of the pass chains tried here that did not fit."""
+    extrapolated: tuple[str, ...] = ()
+    """Why its costs lie beyond what the profile measured (`tune.confidence.measured_first`);
+    empty: measured (or an analytic cost model, which measures nothing)."""
     options: list[StaticOption] = field(default_factory=list, repr=False)
     """The static-memory measures, in the order they are tried, with their costs; the first is
     ZeRO-0 (none)."""
@@ -82,6 +85,8 @@ class TuneResult:
     zeros from a cost model that measured nothing)."""
     tie_note: str = ""
     """What the ranking did with plans within the noise of each other (empty: none were)."""
+    extrapolation_note: str = ""
+    """What the ranking did with plans priced beyond the profile (empty: there were none)."""
 
     @property
     def best(self) -> Evaluation:

@@ -147,6 +147,21 @@ class ProfiledCostModel:
             sent.append(self.tp_bytes(names, size))
         return times, sent
 
+    def extrapolations(self, micro_batch: int, slices: int = 1) -> list[str]:
+        """Why a plan at `micro_batch` (in `slices` slices) is priced beyond what the profile
+        measured — a size outside its micro-batch sizes (a slice is priced as a micro-batch
+        1/slices the size), slices it never ran, a tensor-parallel layout it never ran — or []."""
+        sizes = sorted(int(size) for size in self.fits)
+        size = micro_batch / slices
+        reasons = []
+        if slices > 1:
+            reasons.append(f"{slices} slices (never profiled: priced as micro-batches of {size:g})")
+        elif not sizes[0] <= size <= sizes[-1]:
+            reasons.append(f"micro-batch size {micro_batch} (profiled: {', '.join(map(str, sizes))})")
+        if self.tp > 1 and not self._tp_fits:
+            reasons.append(f"tp {self.tp} (never profiled: its collectives estimated)")
+        return reasons
+
     def _value(self, key: str, field: str, micro_batch: float) -> float:
         """A fitted coefficient at `micro_batch`, linear between the profiled sizes."""
         return at_size({size: fit[key][field] for size, fit in self.fits.items()}, micro_batch)

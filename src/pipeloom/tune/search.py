@@ -38,7 +38,7 @@ from pipeloom.tune.candidate_run import (
     simulate_candidate,
     simulate_task,
 )
-from pipeloom.tune.confidence import settle_near_ties
+from pipeloom.tune.confidence import measured_first, settle_near_ties
 from pipeloom.tune.cost_model import CostModel
 from pipeloom.tune.evaluation import Evaluation, TuneResult, offload_lanes, packed, restore
 from pipeloom.tune.measures import static_options
@@ -109,44 +109,64 @@ def tune(
         )
     prepared = [_prepare(point, cost_model, memory, static_measures, host_memory=host_memory) for point in points]
     prepared.sort(key=lambda item: item[1])
-    ranked: list[Evaluation] = []
     rejected: list[Evaluation] = []
     evaluated = pruned = 0
-
-    def threshold() -> float:
-        return ranked[keep - 1].step_time if len(ranked) >= keep and not exhaustive else math.inf
-
     task = partial(simulate_task, memory=memory, memory_passes=memory_passes, host_memory=host_memory)
     with RoundPool(task, jobs if jobs is not None else default_jobs(), pack=packed) as pool:
-        for first in range(0, len(prepared), ROUND):
-            batch = list(enumerate(prepared[first : first + ROUND], first))
-            limit = threshold()
-            todo = [index for index, (evaluation, bound) in batch if not evaluation.reason and bound < limit - _EPS]
-            sent = [prepared[index][0] for index in todo]
-            sizes = [_ops(evaluation.candidate) for evaluation in sent]
-            results = dict(zip(todo, pool.run(sent, limit, sizes)))
-            evaluated += len(todo)
-            for index, (evaluation, bound) in batch:
-                if index in results or not evaluation.reason:  # (a simulation may have set a reason)
-                    if index not in results or bound >= threshold() - _EPS:
-                        pruned += 1  # by the round's threshold, or by a plan found in this round
-                        if progress:
-                            progress(index + 1, len(prepared))
-                        continue
-                    evaluation, kept = results[index]
-                    if not kept:
-                        pruned += 1
-                        if progress:
-                            progress(index + 1, len(prepared))
-                        continue
-                if evaluation.feasible:
-                    ranked.append(evaluation)
-                    ranked.sort(key=lambda e: e.step_time)
-                    del ranked[keep:]
-                else:
-                    rejected.append(evaluation)
-                if progress:
-                    progress(index + 1, len(prepared))
+
+        def rank(group: list) -> list[Evaluation]:
+            """The `keep` fastest plans of `group` ((evaluation, bound), by bound), each
+            candidate pruned against the plans of its own group."""
+            nonlocal evaluated, pruned
+            ranked: list[Evaluation] = []
+
+            def threshold() -> float:
+                return ranked[keep - 1].step_time if len(ranked) >= keep and not exhaustive else math.inf
+
+            for first in range(0, len(group), ROUND):
+                batch = list(enumerate(group[first : first + ROUND], first))
+                limit = threshold()
+                todo = [index for index, (evaluation, bound) in batch if not evaluation.reason and bound < limit - _EPS]
+                sent = [group[index][0] for index in todo]
+                sizes = [_ops(evaluation.candidate) for evaluation in sent]
+                results = dict(zip(todo, pool.run(sent, limit, sizes)))
+                evaluated += len(todo)
+                for index, (evaluation, bound) in batch:
+                    tick()
+                    if index in results or not evaluation.reason:  # (a simulation may have set a reason)
+                        if index not in results or bound >= threshold() - _EPS:
+                            pruned += 1  # by the round's threshold, or by a plan found in this round
+                            continue
+                        evaluation, kept = results[index]
+                        if not kept:
+                            pruned += 1
+                            continue
+                    if evaluation.feasible:
+                        ranked.append(evaluation)
+                        ranked.sort(key=lambda e: e.step_time)
+                        del ranked[keep:]
+                    else:
+                        rejected.append(evaluation)
+            return ranked
+
+        done = [0]
+
+        def tick() -> None:
+            done[0] += 1
+            if progress:
+                progress(done[0], len(prepared))
+
+        # Plans priced beyond what the profile measured (`extrapolations`) rank after the measured
+        # ones and are pruned only against each other: a faster guess must not hide a measured plan.
+        beyond = getattr(cost_model, "extrapolations", None)
+
+        def guessed(item) -> bool:
+            candidate = item[0].candidate
+            return bool(beyond(candidate.micro_batch, candidate.slices)) if beyond is not None else False
+
+        measured = rank([item for item in prepared if not guessed(item)])
+        extrapolated = rank([item for item in prepared if guessed(item)])
+        ranked = (measured + extrapolated)[:keep]
         if ranked and layouts:
             evaluated += _other_partitions(ranked, pool, cost_model, memory, static_measures, host_memory)
     for evaluation in ranked:
@@ -154,8 +174,13 @@ def tune(
     if not ranked:
         raise InfeasibleError(_binding_constraint(rejected, memory) + _host_note(rejected, host_memory))
     apply_speed_noise(ranked, cost_model)
+    leader = extrapolated[0] if extrapolated else None  # the fastest guess, for the note
+    if leader is not None and all(leader is not e for e in ranked):
+        restore(leader)
+        apply_speed_noise([leader], cost_model)
     result = TuneResult(ranked, rejected, global_batch, memory, evaluated, pruned, host_memory)
     settle_near_ties(result, cost_model)
+    measured_first(result, cost_model, leader)
     return result
 
 
