@@ -94,4 +94,4 @@ def test_plans_priced_beyond_the_profile_rank_after_the_measured_ones_and_say_so
     assert "micro-batch size 1 (profiled: 2)" in result.extrapolation_note
     only_guesses = tune(model, 2, 1e9, 8, keep=4, **dict(space, micro_batches=[1]))
     assert all(e.extrapolated for e in only_guesses.ranked)
-    assert only_guesses.extrapolation_note.startswith("no plan the profile measured fits")
+    assert only_guesses.extrapolation_note.startswith("every ranked plan is priced beyond what the profile measured")

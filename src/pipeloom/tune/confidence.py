@@ -151,7 +151,7 @@ def measured_first(result, cost_model, leader=None) -> None:
     first = result.ranked[0]
     if first.extrapolated:
         result.extrapolation_note = (
-            f"no plan the profile measured fits; every plan is priced beyond it ({why} for the first): profile "
+            f"every ranked plan is priced beyond what the profile measured ({why} for the fastest): profile "
             "those sizes before trusting the ranking"
         )
     elif leader.step_time < first.step_time:
