@@ -31,7 +31,7 @@ demo: $(STAMP)
 		--output $(DEMO_DIR)/profile.json
 	$(VENV)/bin/pipeloom tune --costs $(DEMO_DIR)/profile.json --devices 2 --memory 1GiB --global-batch 8 \
 		--runnable --max-mbs 4 --explain --output $(DEMO_DIR)/cpu-plan.json --force
-	$(VENV)/bin/pipeloom train --plan $(DEMO_DIR)/cpu-plan.json --steps 6
+	$(VENV)/bin/pipeloom train --plan $(DEMO_DIR)/cpu-plan.json
 	$(VENV)/bin/pipeloom tune --model gpt3-13b --hardware a100-40g --devices 32 --memory 40GiB \
 		--global-batch 128 --explain --output $(DEMO_DIR)/gpt3-13b-plan.json --force
 	$(VENV)/bin/pipeloom compare gpipe 1f1b interleaved chimera zb-h1 zb-h2 zb-2p zb-v -p 8 -m 16 -v 2 \
@@ -62,6 +62,7 @@ bench: $(STAMP)
 	$(PY) bench/tune_speed.py
 	$(PY) bench/capacity.py
 	$(PY) bench/fidelity.py
+	$(PY) bench/user_path.py
 	$(PY) bench/slices.py
 	$(PY) bench/runtime_vs_torch.py
 	$(PY) bench/split_backward.py
