@@ -168,10 +168,11 @@ class HostOffload:
         self, keys: dict[int, str], masters: bool = False, by_name: bool = False
     ) -> dict[str, torch.Tensor]:
         """The host's fp32 master weights and AdamW state, once the step in flight is done, under
-        ``host.stageS.NAME`` (a tensor- or expert-parallel shard goes in as its part of the whole, as the
-        weights do, so each rank of a group resumes its own); with `masters` (a save) also by each weight's name in the whole model, as a
-        replicated optimizer keeps them (`master.NAME`, `optim.NAME.*`: what `export` writes and
-        another layout resumes from); with `by_name` (a load of another layout's) by name only."""
+        ``host.stageS.NAME`` (a tensor- or expert-parallel shard goes in as its part of the whole,
+        as the weights do, so each rank of a group resumes its own); with `masters` (a save) also
+        by each weight's name in the whole model, as a replicated optimizer keeps them
+        (`master.NAME`, `optim.NAME.*`: what `export` writes and another layout resumes from);
+        with `by_name` (a load of another layout's) by name only."""
         self.settle()
         state: dict[str, torch.Tensor] = {}
         for stage, kept in self.master.items():
