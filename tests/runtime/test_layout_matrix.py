@@ -33,6 +33,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from helpers.hf_configs import TINY  # noqa: E402
+from helpers.runtime import assert_gradients_close  # noqa: E402
 
 from pipeloom import build_schedule  # noqa: E402
 from pipeloom.costs import Costs  # noqa: E402
@@ -139,10 +140,7 @@ def test_every_cell_trains_like_one_process(tmp_path, row, column):
         for result in results:
             assert result.grad_norms == pytest.approx(norms, rel=rtol)
     if keeps_whole and not low_precision:  # the last step's, after the weights drifted apart by rounding
-        for result in results:
-            for stage, tensors in result.gradients.items():
-                for name, value in tensors.items():
-                    torch.testing.assert_close(value, gradients[stage][name], rtol=1e-5, atol=1e-6, msg=name)
+        assert_gradients_close(results, gradients, atol=1e-6)
     for result in results:
         for stage, parameters in result.parameters.items():
             for name, value in parameters.items():

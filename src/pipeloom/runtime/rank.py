@@ -320,7 +320,7 @@ class RankRun:
         self._marks["stepping"] = self.executor.clock.mark()
         if self.optimizer.scaler is not None:
             self.optimizer.joint.scale(1.0 / self.optimizer.scaler.scale)
-        if self.spec.record_gradients:
+        if self.spec.record_gradients:  # tests only: kept on the host, overwritten once a step
             self.result.gradients = {
                 s: {
                     n: self.model.placements.whole(t, grad).detach().float().cpu().clone()

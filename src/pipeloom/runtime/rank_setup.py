@@ -265,14 +265,18 @@ def _with_experts(stepper, experts: ExpertExchange, placements: WeightPlacements
     expert slices alone sums its shards over their replicas first."""
     parts = leaves_of(stepper)
     device = next((t.device for part in parts for t in _held(part)), torch.device("cpu"))
+    of_experts = {
+        id(part)
+        for part in parts
+        if isinstance(part, ShardedAdamW) and part.parameters and all(placements.expert(p) for p in part.parameters)
+    }
 
     def local_state() -> torch.Tensor:
         dense = torch.zeros(2, dtype=torch.float64, device=device)
         shared = torch.zeros_like(dense)
         for part in parts:
             if isinstance(part, ShardedAdamW):
-                routed = bool(part.parameters) and all(placements.expert(p) for p in part.parameters)
-                if routed:
+                if id(part) in of_experts:
                     shared += part.local_state()
                 else:
                     dense += part.local_state()

@@ -149,12 +149,13 @@ def tune(
                         rejected.append(evaluation)
             return ranked
 
-        done = [0]
+        done = 0
 
         def tick() -> None:
-            done[0] += 1
+            nonlocal done
+            done += 1
             if progress:
-                progress(done[0], len(prepared))
+                progress(done, len(prepared))
 
         # Plans priced beyond what the profile measured (`extrapolations`) rank after the measured
         # ones and are pruned only against each other: a faster guess must not hide a measured plan.
