@@ -1,6 +1,7 @@
 """Shared fixtures: random generator arguments inside each generator's domain, for the fuzz tests;
 `tests/helpers` importable as `helpers`."""
 
+import gc
 import os
 import random
 import sys
@@ -16,6 +17,9 @@ if _VISION.is_dir():
 # the suite's own parallel workers keep the machine busy: profiles measured inside it keep busy rounds
 # (and say so) instead of refusing the machine, which is what a user's profile does
 os.environ["PIPELOOM_ALLOW_BUSY"] = "1"
+# one intra-op thread a worker: `make test` runs a worker per core, and OpenMP's idle threads spin
+# on the core the other worker needs (a tenth of the suite's CPU time). A run's ranks set their own.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from pipeloom import build_schedule  # noqa: E402
 from pipeloom.schedules import get_generator  # noqa: E402
@@ -55,3 +59,9 @@ def pytest_collection_modifyitems(items):
         return 1 if item.get_closest_marker("slow") else 2
 
     items.sort(key=rank)
+
+
+def pytest_collection_finish(session):
+    """What collecting imported (torch, transformers, every test module) stays out of the
+    worker's garbage collections: each full collection would walk it all again."""
+    gc.freeze()

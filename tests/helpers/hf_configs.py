@@ -58,3 +58,9 @@ TINY = {
     },
     "qwen3_moe": {**_EXPERTS, "model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32},
 }
+
+
+def with_layers(config: dict, layers: int) -> dict:
+    """`config` with `layers` decoder (or encoder) layers, under its family's name for the count."""
+    key = "n_layer" if config["model_type"] == "gpt2" else "num_hidden_layers"
+    return {**config, key: layers}

@@ -10,11 +10,14 @@ lr × 1e-3 of a weight; slice by slice, attention itself sums in another order.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from pipeloom.models.llama import LlamaConfig
 from pipeloom.runtime.in_process import run_in_process
+from pipeloom.runtime.local import run_local
 from pipeloom.runtime.training import TrainSpec, reference_training
 
 TINY_LLAMA = dict(hidden=32, heads=2, ffn=64, vocab=64, seq_len=16)
@@ -62,6 +65,29 @@ def trains_like_one_process(spec: TrainSpec, rtol: float | None = None, atol: fl
 def assert_same_results(one, other) -> None:
     """Two runs of one spec gave the same losses and bit-identical parameters on every rank."""
     assert [r.losses for r in one] == [r.losses for r in other]
+    assert_same_weights(one, other)
+
+
+def saved_midway(spec: TrainSpec, directory) -> tuple[list, str]:
+    """Train `spec` with forked ranks, saving after half its steps (and at its end): its results and
+    the midway checkpoint — the run a resume must continue, interrupted where it saved."""
+    half = spec.steps // 2
+    results = run_local(spec.changed(save_every=half, save_dir=str(directory)))
+    return results, str(Path(directory) / f"step-{half}")
+
+
+def assert_resumes_bit_identically(spec: TrainSpec, whole, checkpoint: str) -> list:
+    """`spec` resumed from `checkpoint` on the layout that saved it gives the rest of `whole`'s
+    losses and, on every rank, its weights bit for bit; the resumed run's results."""
+    resumed = run_local(spec.changed(resume_dir=checkpoint))
+    assert resumed[0].losses == whole[0].losses[len(whole[0].losses) - len(resumed[0].losses) :]
+    assert len(resumed[0].losses) < len(whole[0].losses)
+    assert_same_weights(whole, resumed)
+    return resumed
+
+
+def assert_same_weights(one, other) -> None:
+    """Bit-identical parameters on every rank."""
     for a, b in zip(one, other, strict=True):
         assert a.parameters.keys() == b.parameters.keys()
         for stage in a.parameters:

@@ -19,7 +19,12 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from helpers.hf_configs import TINY  # noqa: E402
-from helpers.runtime import assert_gradients_close, assert_matches_reference  # noqa: E402
+from helpers.runtime import (  # noqa: E402
+    assert_gradients_close,
+    assert_matches_reference,
+    assert_resumes_bit_identically,
+    saved_midway,
+)
 
 from pipeloom import build_schedule  # noqa: E402
 from pipeloom.costs import Costs  # noqa: E402
@@ -37,7 +42,7 @@ PRICED_A2A = Costs(F=1.0, B=1.0, W=1.0, a2a_F=1.0, a2a_B=1.0)
 
 
 def model_dir(tmp_path, family: str, **changes):
-    directory = tmp_path / family
+    directory = tmp_path / "-".join([family, *map(str, changes.values())])
     directory.mkdir(exist_ok=True)
     (directory / "config.json").write_text(json.dumps({**TINY[family], **changes}))
     return directory
@@ -54,11 +59,12 @@ def token_file(tmp_path_factory):
 def moe_spec(tmp_path, token_file, family: str, schedule: str, lr: float = 1e-5, **changes) -> TrainSpec:
     from pipeloom.data import TokenFile
 
-    work = hf_workload(
-        model_dir(tmp_path, family), seed=1, microbatch_size=2, seq_len=SEQ, data=TokenFile(token_file, SEQ, seed=2)
-    )
     options = {"costs": PRICED_A2A} if schedule == "dualpipev" else {}
-    return TrainSpec(build_schedule(schedule, 2, 4, **options), workload=work, lr=lr, **{"dp": 2, "ep": 2, **changes})
+    built = build_schedule(schedule, 2, 4 if schedule == "dualpipev" else 2, **options)  # DualPipeV: m ≥ 2p − 1
+    layers = max(2, built.num_stages)  # a layer a stage: each layer's all-to-alls cost a forked rank most
+    directory = model_dir(tmp_path, family, num_hidden_layers=layers)
+    work = hf_workload(directory, seed=1, microbatch_size=2, seq_len=SEQ, data=TokenFile(token_file, SEQ, seed=2))
+    return TrainSpec(built, workload=work, lr=lr, **{"dp": 2, "ep": 2, **changes})
 
 
 @pytest.mark.parametrize(
@@ -69,12 +75,13 @@ def test_pp2_dp2_ep2_trains_like_one_process(tmp_path, token_file, family, sched
     results = run_local(spec)
     assert len(results) == 4
     assert_matches_reference(spec, results, rtol=1e-5, atol=1e-6)  # expert weights gathered over the EP group
-    layers = 4 // spec.schedule.num_stages
+    layers = max(2, spec.schedule.num_stages) // spec.schedule.num_stages
     for result in results:
         record = result.records[-1]
         stages = len(result.parameters)
         # every (token, choice) of this replica's micro-batches routed once per MoE layer it hosts
-        assert sum(record.expert_tokens) == 4 * 2 * SEQ * 2 * layers * stages
+        m = spec.schedule.num_microbatches
+        assert sum(record.expert_tokens) == m * 2 * SEQ * 2 * layers * stages
         assert record.a2a_sent_bytes > 0 and 0.0 <= record.a2a_exposed_ms <= record.a2a_ms
         # what the rank's objects hold is its slice of the experts and the plan's bytes for it, no full copy
         assert result.held_bytes["parameters"] == sum(result.planned_static_bytes.values()) > 0
@@ -130,25 +137,15 @@ def test_an_expert_parallel_run_saves_and_resumes_under_another_expert_split(tmp
     """Each expert shard and its AdamW moments are saved as parts of one tensor under the whole
     layer's name: resumed under ep 2 the run continues bit for bit; under ep 1 (every replica
     holding every expert) within rounding of the all-to-all's order."""
-    saved = tmp_path / "ckpt"
-    changes = dict(steps=4, lr=1e-3)
-    whole = run_local(moe_spec(tmp_path, token_file, "mixtral", "1f1b", **changes))
-    first = run_local(
-        moe_spec(tmp_path, token_file, "mixtral", "1f1b", **{**changes, "steps": 2}, save_every=2, save_dir=str(saved))
-    )
-    assert first[0].losses == whole[0].losses[:2]
+    spec = moe_spec(tmp_path, token_file, "mixtral", "1f1b", steps=4, lr=1e-3)
+    whole, checkpoint = saved_midway(spec, tmp_path / "ckpt")
     import torch.distributed.checkpoint as dcp
 
-    stored = dcp.FileSystemReader(saved / "step-2").read_metadata().state_dict_metadata
+    stored = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
     experts = {key: entry.size for key, entry in stored.items() if key.startswith("model.") and ".experts." in key}
     assert experts and all(size[0] == 4 for size in experts.values())  # the whole layer's 4 experts, by name
-    again = run_local(moe_spec(tmp_path, token_file, "mixtral", "1f1b", **changes, resume_dir=str(saved)))
-    assert again[0].losses == whole[0].losses[2:]
-    for rank, result in enumerate(again):
-        for stage, parameters in result.parameters.items():
-            for name, value in parameters.items():
-                assert torch.equal(value, whole[rank].parameters[stage][name]), name
-    unshared = run_local(moe_spec(tmp_path, token_file, "mixtral", "1f1b", **changes, ep=1, resume_dir=str(saved)))
+    assert_resumes_bit_identically(spec, whole, checkpoint)
+    unshared = run_local(spec.changed(ep=1, resume_dir=checkpoint))
     assert unshared[0].losses == pytest.approx(whole[0].losses[2:], rel=1e-6)
 
 

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from helpers.hf_configs import TINY  # noqa: E402
-from helpers.runtime import trains_like_one_process  # noqa: E402
+from helpers.runtime import assert_resumes_bit_identically, saved_midway, trains_like_one_process  # noqa: E402
 
 from pipeloom import build_schedule  # noqa: E402
 from pipeloom.errors import ConfigError  # noqa: E402
@@ -226,11 +226,9 @@ def test_resume_with_a_token_file_continues_on_the_same_samples(tmp_path):
     path = write_token_file(tmp_path / "tokens.bin", ids.numpy(), "uint16")
     data = TokenFile(path, seq_len=16, seed=3)
     work = hf_workload(model_dir(tmp_path, "llama"), seed=10, microbatch_size=2, seq_len=16, data=data)
-    whole = run_local(TrainSpec(schedule_for("zb-h1"), steps=4, workload=work))
-    saving = TrainSpec(schedule_for("zb-h1"), steps=2, workload=work, save_every=2, save_dir=str(tmp_path / "ckpt"))
-    run_local(saving)
-    resumed = run_local(TrainSpec(schedule_for("zb-h1"), steps=4, workload=work, resume_dir=str(tmp_path / "ckpt")))
-    assert resumed[0].losses == whole[0].losses[2:]
+    spec = TrainSpec(schedule_for("zb-h1"), steps=4, workload=work)
+    whole, checkpoint = saved_midway(spec, tmp_path / "ckpt")
+    assert_resumes_bit_identically(spec, whole, checkpoint)
 
 
 def test_boundaries_may_differ_in_shape_and_carry_tuples():

@@ -4,6 +4,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from helpers.runtime import assert_resumes_bit_identically, saved_midway  # noqa: E402
+
 from pipeloom import ConfigError, build_schedule  # noqa: E402
 from pipeloom.models.llama import LlamaConfig  # noqa: E402
 from pipeloom.runtime.local import run_local  # noqa: E402
@@ -22,8 +24,7 @@ def _close(results, reference_parameters, rtol=1e-5, atol=1e-6):
                 torch.testing.assert_close(value.float(), reference_parameters[stage][name], rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb-v"])
-@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("name, zero", [("1f1b", 2), ("zb-v", 1)])
 def test_sharded_optimizer_trains_like_one_unsharded_process(name, zero):
     spec = TrainSpec(build_schedule(name, 2, 4), config=CONFIG, steps=3, dp=2, zero=zero)
     results = run_local(spec)
@@ -78,39 +79,25 @@ def test_host_stepped_stages_are_clipped_and_rolled_back_alike():
 
 
 def test_resume_from_a_sharded_checkpoint_is_bit_identical(tmp_path):
-    schedule = build_schedule("1f1b", 2, 4)
-    base = dict(config=CONFIG, dp=2, zero=2, dtype="bf16")
-    whole = run_local(TrainSpec(schedule, steps=4, **base))
-    first = run_local(TrainSpec(schedule, steps=2, save_every=2, save_dir=str(tmp_path), **base))
-    resumed = run_local(TrainSpec(schedule, steps=4, resume_dir=str(tmp_path), **base))
-    assert first[0].losses + resumed[0].losses == whole[0].losses
-    for rank, result in enumerate(resumed):
-        for stage, parameters in result.parameters.items():
-            for key, value in parameters.items():
-                assert torch.equal(value, whole[rank].parameters[stage][key])
+    spec = TrainSpec(build_schedule("1f1b", 2, 4), config=CONFIG, dp=2, zero=2, dtype="bf16", steps=4)
+    whole, checkpoint = saved_midway(spec, tmp_path)
+    assert_resumes_bit_identically(spec, whole, checkpoint)
     # the shards' weights and moments are also saved by name: ZeRO-1 resumes them (bf16 gradient
     # sums under ZeRO-2, fp32 under ZeRO-1: the losses part by bf16's rounding, 2⁻⁸ of a gradient)
-    other = run_local(TrainSpec(schedule, steps=4, resume_dir=str(tmp_path), **{**base, "zero": 1}))
+    other = run_local(spec.changed(zero=1, resume_dir=checkpoint))
     assert other[0].losses == pytest.approx(whole[0].losses[2:], rel=1e-3)
 
 
 def test_resume_with_offloaded_and_sharded_optimizers_is_bit_identical(tmp_path):
     """Stage 1's optimizer on the host, stage 0's sharded over the replicas (device 1 keeps none)."""
-    schedule = build_schedule("1f1b", 2, 4)
-    base = dict(config=CONFIG, dp=2, zero=1, offload_stages=(1,))
-    whole = run_local(TrainSpec(schedule, steps=4, **base))
-    losses, parameters = reference_training(TrainSpec(schedule, steps=4, **base))
+    spec = TrainSpec(build_schedule("1f1b", 2, 4), config=CONFIG, dp=2, zero=1, offload_stages=(1,), steps=4)
+    whole, checkpoint = saved_midway(spec, tmp_path)
+    losses, parameters = reference_training(spec)
     assert whole[0].losses == pytest.approx(losses, rel=1e-5)  # the host's stage too is summed over replicas
     _close(whole, parameters)
-    run_local(TrainSpec(schedule, steps=2, save_every=2, save_dir=str(tmp_path), **base))
-    resumed = run_local(TrainSpec(schedule, steps=4, resume_dir=str(tmp_path), **base))
-    assert resumed[0].losses == whole[0].losses[2:]
-    for rank, result in enumerate(resumed):
-        for stage, parameters in result.parameters.items():
-            for key, value in parameters.items():
-                assert torch.equal(value, whole[rank].parameters[stage][key])
+    assert_resumes_bit_identically(spec, whole, checkpoint)
     # the host's masters and moments are also saved by name: a run that keeps them on the device resumes them
-    on_device = run_local(TrainSpec(schedule, steps=4, resume_dir=str(tmp_path), **{**base, "offload_stages": ()}))
+    on_device = run_local(spec.changed(offload_stages=(), resume_dir=checkpoint))
     assert on_device[0].losses == pytest.approx(whole[0].losses[2:], rel=1e-6)
 
 
