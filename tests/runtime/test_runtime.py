@@ -347,20 +347,21 @@ def test_cli_train_writes_summary_and_trace(tmp_path):
 
 
 def test_torchrun_launch(tmp_path, monkeypatch, capsys):
+    """torchrun (its entry point forked here; its ranks fresh interpreters, as it starts them)."""
     import socket
-    import subprocess
-    import sys
+
+    from torch.distributed.run import main as torchrun
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     summary = tmp_path / "s.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port)]
-    command += ["-m", "pipeloom.train", "--schedule", "zb-v", "-p", "2", "-m", "4", "--steps", "2"]
-    done = subprocess.run([*command, "--summary", str(summary)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "step 1: loss" in done.stdout
-    assert "median step" in done.stdout and done.stdout.count("\n   1  ") == 1  # rank 0 prints every rank's row
+    argv = ["--nproc-per-node", "2", "--master-port", str(port), "-m", "pipeloom.train", "--schedule", "zb-v"]
+    argv += ["-p", "2", "-m", "4", "--steps", "2", "--summary", str(summary)]
+    code, out, err = _ForkedCommand(torchrun, argv).end(timeout_s=120)
+    assert code == 0, err[-2000:]
+    assert "step 1: loss" in out
+    assert "median step" in out and out.count("\n   1  ") == 1  # rank 0 prints every rank's row
     assert len(json.loads(summary.read_text())["losses"]) == 2
     from pipeloom.train import (
         main as rank_main,  # started by hand, not by torchrun (in this process: no import to wait for)
@@ -386,67 +387,131 @@ def test_a_signal_to_the_launcher_stops_every_rank_in_one_line(tmp_path, stop, s
     """`kill -TERM` on `pipeloom train --nproc 2` left both ranks training as orphans; Ctrl-C
     printed a traceback per process and left a half-written checkpoint. Now the launcher stops
     every rank, says so in one line, removes any `.partial`, and exits 128 + the signal."""
-    import subprocess
-    import sys
+    from pipeloom.cli import main
 
-    token = str(tmp_path / "ck")  # in every rank's command line (forked), to find stragglers by
-    command = [sys.executable, "-m", "pipeloom", "train", "--nproc", "2", "--schedule", "1f1b", "-p", "2", "-m", "2"]
-    command += ["--steps", "100000", "--save", token, "--save-every", "1"]
-    launcher = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    assert launcher.stdout is not None
-    while "step 2:" not in launcher.stdout.readline():  # training, and saving every step
-        assert launcher.poll() is None, launcher.stderr.read() if launcher.stderr else ""
+    save = tmp_path / "ck"
+    argv = ["train", "--nproc", "2", "--schedule", "1f1b", "-p", "2", "-m", "2", "--steps", "100000"]
+    launcher = _ForkedCommand(main, [*argv, "--save", str(save), "--save-every", "1"])
+    launcher.read_until("step 2:")  # training, and saving every step
     if stop == "term":
-        launcher.send_signal(signal.SIGTERM)
+        os.kill(launcher.pid, signal.SIGTERM)
     else:
         os.killpg(launcher.pid, signal.SIGINT)  # what the terminal sends the whole group
-    _, err = launcher.communicate(timeout=10)
-    assert launcher.returncode == status
+    code, _, err = launcher.end(timeout_s=10)
+    assert code == status
     assert (
         err.strip()
         == f"pipeloom: stopped by SIG{'TERM' if stop == 'term' else 'INT'}: every rank ended; only complete checkpoints remain"
     )
-    assert _processes_naming(token) == []
-    assert not list(Path(token).glob("*.partial")) and list(Path(token).glob("step-*"))
+    assert _processes_of_session(launcher.pid) == []  # its forked ranks too
+    assert not list(save.glob("*.partial")) and list(save.glob("step-*"))
 
 
 def test_a_signal_torchrun_forwards_ends_a_rank_in_one_line(tmp_path):
     """torchrun forwards SIGTERM to its ranks: a rank (here one started as torchrun starts it)
     ends at once with 143, rank 0 removing half-written checkpoints and printing one line."""
     import socket
-    import subprocess
-    import sys
+
+    from pipeloom.train import main
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    environment = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-    environment.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    environment = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
     save = tmp_path / "ck"
-    command = [sys.executable, "-m", "pipeloom.train", "--schedule", "1f1b", "-p", "1", "-m", "2"]
-    command += ["--steps", "100000", "--save", str(save), "--save-every", "1"]
-    rank = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
-    assert rank.stdout is not None
-    while "step 2:" not in rank.stdout.readline():
-        assert rank.poll() is None, rank.stderr.read() if rank.stderr else ""
+    argv = ["--schedule", "1f1b", "-p", "1", "-m", "2", "--steps", "100000", "--save", str(save), "--save-every", "1"]
+    rank = _ForkedCommand(main, argv, {**environment, "MASTER_PORT": str(port)})
+    rank.read_until("step 2:")
     (save / "step-999.partial").mkdir()  # as a write cut short by the signal would leave it
-    rank.send_signal(signal.SIGTERM)
-    _, err = rank.communicate(timeout=10)
-    assert rank.returncode == 143
+    os.kill(rank.pid, signal.SIGTERM)
+    code, _, err = rank.end(timeout_s=10)
+    assert code == 143
     assert err.strip() == "pipeloom.train: stopped by SIGTERM: only complete checkpoints remain"
     assert not list(save.glob("*.partial")) and list(save.glob("step-*"))
 
 
-def _processes_naming(text: str) -> list[int]:
-    """Pids of the processes whose command line holds `text` (from /proc)."""
+class _ForkedCommand:
+    """A command-line entry point run in a forked child of this process, in a session of its own,
+    as a shell would start it: what a fresh interpreter would do, without importing torch again.
+    Its stdout and stderr come back through pipes; signals and exit statuses are a process's."""
+
+    def __init__(self, entry, argv: list[str], environment: dict[str, str] | None = None) -> None:
+        import sys
+
+        out_read, out_write = os.pipe()
+        err_read, err_write = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: never returns into the test session
+            code = 1
+            try:
+                os.setsid()
+                os.dup2(out_write, 1)
+                os.dup2(err_write, 2)
+                for fd in (out_read, out_write, err_read, err_write):
+                    os.close(fd)
+                sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+                sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+                signal.signal(signal.SIGINT, signal.default_int_handler)  # a test worker may ignore it
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.environ.update(environment or {})
+                code = entry(argv) or 0  # torchrun's returns None
+            except SystemExit as ended:
+                code = ended.code if isinstance(ended.code, int) else 1
+            except BaseException:  # noqa: BLE001 — as an interpreter would: the traceback, status 1
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        os.close(out_write)
+        os.close(err_write)
+        self._out, self._err = out_read, err_read
+        self._printed = b""
+
+    def read_until(self, text: str) -> None:
+        """Wait until its stdout holds `text`."""
+        while text.encode() not in self._printed:
+            chunk = os.read(self._out, 65536)
+            assert chunk, f"the command ended before printing {text!r}"
+            self._printed += chunk
+
+    def end(self, timeout_s: float) -> tuple[int, str, str]:
+        """Its exit status, all its stdout and its stderr, once it (and whatever it started that
+        holds them) has ended — within `timeout_s`."""
+        import selectors
+
+        deadline = time.monotonic() + timeout_s
+        printed = {self._out: [self._printed], self._err: []}
+        selector = selectors.DefaultSelector()
+        for fd in printed:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            assert time.monotonic() < deadline, "the command did not end"
+            for key, _ in selector.select(timeout=0.05):
+                if chunk := os.read(key.fd, 65536):
+                    printed[key.fd].append(chunk)
+                else:
+                    selector.unregister(key.fd)
+                    os.close(key.fd)
+        while (ended := os.waitpid(self.pid, os.WNOHANG))[0] == 0:
+            assert time.monotonic() < deadline, "the command did not end"
+            time.sleep(0.02)
+        out, err = (b"".join(printed[fd]).decode(errors="replace") for fd in (self._out, self._err))
+        return os.waitstatus_to_exitcode(ended[1]), out, err
+
+
+def _processes_of_session(session: int) -> list[int]:
+    """Pids of the processes still in `session` (from /proc)."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and text in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                found.append(int(entry.name))
-        except OSError:  # ended while we looked
+            if entry.name.isdigit():
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[3]) == session and fields[0] != "Z":
+                    found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):  # ended while we looked
             continue
     return found
 
