@@ -455,8 +455,8 @@ class _ForkedCommand:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 os.environ.update(environment or {})
                 code = entry(argv) or 0  # torchrun's returns None
-            except SystemExit as ended:
-                code = ended.code if isinstance(ended.code, int) else 1
+            except SystemExit as ended:  # as the interpreter reads it: None is 0, a message is 1
+                code = 0 if ended.code is None else ended.code if isinstance(ended.code, int) else 1
             except BaseException:  # noqa: BLE001 — as an interpreter would: the traceback, status 1
                 import traceback
 
