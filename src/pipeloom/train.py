@@ -60,9 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _stop_on_signals(rank: int, save_dir: str | None) -> None:
-    """SIGINT/SIGTERM end this rank now (no traceback from wherever it was); rank 0 first removes
-    `step-N.partial` directories and says why. Exiting from the handler needs no collective, so
-    a rank blocked on a peer that has already gone still ends."""
+    """SIGINT, SIGTERM and SIGHUP end this rank now (no traceback from wherever it was); rank 0
+    first removes `step-N.partial` directories and says why. Exiting from the handler needs no
+    collective, so a rank blocked on a peer that has already gone still ends."""
     from pipeloom.runtime.save_lock import remove_partials
 
     def stop(signum: int, _frame) -> None:
@@ -72,7 +72,7 @@ def _stop_on_signals(rank: int, save_dir: str | None) -> None:
             print(f"pipeloom.train: stopped by {name}: only complete checkpoints remain", file=sys.stderr, flush=True)
         os._exit(128 + signum)
 
-    for number in (signal.SIGINT, signal.SIGTERM):
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(number, stop)
 
 

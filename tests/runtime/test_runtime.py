@@ -382,29 +382,50 @@ def test_every_op_kind_has_a_runtime_handler(kind):
         DeviceExecutor._handler(executor, "X")
 
 
-@pytest.mark.parametrize("stop, status", [("term", 143), ("ctrl-c", 130)])
-def test_a_signal_to_the_launcher_stops_every_rank_in_one_line(tmp_path, stop, status):
+LAUNCH = ["train", "--nproc", "2", "--schedule", "1f1b", "-p", "2", "-m", "2", "--steps", "100000"]
+
+
+@pytest.mark.parametrize("stop", ["TERM", "INT", "HUP"])
+def test_a_signal_to_the_launcher_stops_every_rank_in_one_line(tmp_path, stop):
     """`kill -TERM` on `pipeloom train --nproc 2` left both ranks training as orphans; Ctrl-C
-    printed a traceback per process and left a half-written checkpoint. Now the launcher stops
-    every rank, says so in one line, removes any `.partial`, and exits 128 + the signal."""
+    printed a traceback per process and left a half-written checkpoint; SIGHUP (the terminal
+    closing) was not handled. Now the launcher stops every rank, says so in one line, removes
+    any `.partial`, and exits 128 + the signal."""
     from pipeloom.cli import main
 
     save = tmp_path / "ck"
-    argv = ["train", "--nproc", "2", "--schedule", "1f1b", "-p", "2", "-m", "2", "--steps", "100000"]
-    launcher = _ForkedCommand(main, [*argv, "--save", str(save), "--save-every", "1"])
+    launcher = _ForkedCommand(main, [*LAUNCH, "--save", str(save), "--save-every", "1"])
     launcher.read_until("step 2:")  # training, and saving every step
-    if stop == "term":
-        os.kill(launcher.pid, signal.SIGTERM)
+    number = signal.Signals[f"SIG{stop}"]
+    if number == signal.SIGINT:
+        os.killpg(launcher.pid, number)  # what the terminal sends the whole group
     else:
-        os.killpg(launcher.pid, signal.SIGINT)  # what the terminal sends the whole group
+        os.kill(launcher.pid, number)
     code, _, err = launcher.end(timeout_s=10)
-    assert code == status
-    assert (
-        err.strip()
-        == f"pipeloom: stopped by SIG{'TERM' if stop == 'term' else 'INT'}: every rank ended; only complete checkpoints remain"
-    )
+    assert code == 128 + number
+    assert err.strip() == f"pipeloom: stopped by SIG{stop}: every rank ended; only complete checkpoints remain"
     assert _processes_of_session(launcher.pid) == []  # its forked ranks too
     assert not list(save.glob("*.partial")) and list(save.glob("step-*"))
+
+
+def test_the_ranks_of_a_launcher_killed_outright_end_and_leave_no_files(tmp_path):
+    """SIGKILL (the OOM killer, a preemption) runs no handler in the launcher: its ranks, orphaned,
+    used to train on and keep its temporary directory. They now end within a moment, and the
+    directory goes with them."""
+    from pipeloom.cli import main
+
+    scratch = tmp_path / "tmp"  # the launcher's temporary directory goes here: TMPDIR
+    scratch.mkdir()
+    launcher = _ForkedCommand(main, LAUNCH, {"TMPDIR": str(scratch)})
+    launcher.read_until("step 2:")
+    assert len(run_files := list(scratch.glob("pipeloom-*"))) == 1, run_files  # the ranks' store, stacks, results
+    os.kill(launcher.pid, signal.SIGKILL)
+    code, _, _ = launcher.end(timeout_s=10)  # its stdout closes once the ranks holding it have ended
+    assert code == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while _processes_of_session(launcher.pid) or run_files[0].exists():
+        assert time.monotonic() < deadline, (_processes_of_session(launcher.pid), run_files)
+        time.sleep(0.05)
 
 
 def test_a_signal_torchrun_forwards_ends_a_rank_in_one_line(tmp_path):
@@ -454,6 +475,7 @@ class _ForkedCommand:
                 signal.signal(signal.SIGINT, signal.default_int_handler)  # a test worker may ignore it
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 os.environ.update(environment or {})
+                tempfile.tempdir = None  # read TMPDIR anew, as a fresh interpreter would
                 code = entry(argv) or 0  # torchrun's returns None
             except SystemExit as ended:  # as the interpreter reads it: None is 0, a message is 1
                 code = 0 if ended.code is None else ended.code if isinstance(ended.code, int) else 1
@@ -461,9 +483,12 @@ class _ForkedCommand:
                 import traceback
 
                 traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
+            finally:  # nothing may raise past here: the child would go on running the test session
+                for stream in (sys.stdout, sys.stderr):
+                    try:
+                        stream.flush()
+                    except BaseException:  # noqa: BLE001, S110 — a reader gone: nothing left to tell
+                        pass
                 os._exit(code)
         os.close(out_write)
         os.close(err_write)
@@ -488,7 +513,9 @@ class _ForkedCommand:
         for fd in printed:
             selector.register(fd, selectors.EVENT_READ)
         while selector.get_map():
-            assert time.monotonic() < deadline, "the command did not end"
+            if time.monotonic() > deadline:
+                os.killpg(self.pid, signal.SIGKILL)  # its session: no test leaves processes behind
+                raise AssertionError(f"the command did not end within {timeout_s:g} s")
             for key, _ in selector.select(timeout=0.05):
                 if chunk := os.read(key.fd, 65536):
                     printed[key.fd].append(chunk)

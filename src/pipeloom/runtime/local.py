@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -46,7 +47,9 @@ def _worker(
     # Ctrl-C reaches the whole foreground group: the launcher stops the ranks, which would
     # otherwise each print a traceback. SIGTERM (the launcher's) ends a rank at once.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the launcher's handler, inherited by the fork
+    for number in _STOPPING:  # not the launcher's handlers, inherited by the fork
+        signal.signal(number, signal.SIG_DFL)
+    _end_with_the_launcher(os.getppid(), directory)
     stuck_ranks.arm(stuck_ranks.stack_file(directory, rank))
     init_method = f"file://{directory}/store"
     os.environ["LOCAL_RANK"] = str(rank)  # one machine: rank r drives GPU r, as torchrun's would
@@ -66,6 +69,24 @@ def _worker(
         sys.exit(_CRASH)
 
 
+def _end_with_the_launcher(launcher: int, directory: str) -> None:
+    """A launcher killed outright (SIGKILL: the OOM killer, a scheduler's preemption) runs no
+    handler, and its ranks would train on as orphans, holding its temporary directory. A thread
+    of each rank sees the re-parenting within `_WATCH_S`, even while the rank waits inside a
+    collective, removes the directory and ends the rank."""
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(_WATCH_S)
+        shutil.rmtree(directory, ignore_errors=True)
+        os._exit(_FAULT)
+
+    threading.Thread(target=watch, name="pipeloom-launcher-watch", daemon=True).start()
+
+
+_WATCH_S = 0.2
+_STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""What stops a run: Ctrl-C, a kill, and the terminal closing."""
 _BAD_INPUT, _FAULT, _CRASH = 2, 3, 4
 _ROOT_FIRST = (_BAD_INPUT, _CRASH, _FAULT)
 """Which failed rank the launcher reports: bad input, then a crash, then a fault (a peer that
@@ -194,14 +215,14 @@ def _stop(processes) -> None:
 
 @contextmanager
 def _signals_noted() -> Iterator[list[int]]:
-    """SIGINT and SIGTERM noted (into the list yielded) instead of ending the launcher at once,
-    which left its ranks training as orphans; restored after. Off the main thread, where Python
-    allows no handler, the list stays empty."""
+    """SIGINT, SIGTERM and SIGHUP noted (into the list yielded) instead of ending the launcher at
+    once, which left its ranks training as orphans; restored after. Off the main thread, where
+    Python allows no handler, the list stays empty."""
     received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield received
         return
-    previous = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    previous = {number: signal.getsignal(number) for number in _STOPPING}
     for number in previous:
         signal.signal(number, lambda signum, frame: received.append(signum))
     try:
