@@ -56,6 +56,10 @@ def test_recomputing_the_deepest_tpipe_chunk_runs(capsys):
         (["--steps", "0"], "--steps must be at least 1"),
         (["--save", "ckpt"], "--save DIR and --save-every K go together"),
         (["--clip-norm", "-1"], "--clip-norm must be positive"),
+        (["--clip-norm", "nan"], "--clip-norm must be positive"),
+        (["--lr=-0.01"], "--lr must be a positive finite number, got -0.01"),  # not blamed on --min-lr
+        (["--lr", "nan"], "--lr must be a positive finite number, got nan"),
+        (["--lr", "inf"], "--lr must be a positive finite number, got inf"),  # trained to NaN and exited 0
         (["--summary", "/nonexistent/dir/s.json"], "does not exist"),
     ],
 )

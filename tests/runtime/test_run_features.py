@@ -63,6 +63,10 @@ def test_schedule_settings_are_checked():
         ({"lr_schedule": "step"}, "--lr-schedule must be one of"),
         ({"lr_schedule": "cosine", "warmup_steps": 3}, "leaves no step"),
         ({"min_lr": 1.0}, "--min-lr must lie in"),
+        ({"lr": -0.01}, "learning rate must be a positive finite number"),  # not blamed on min_lr
+        ({"lr": float("inf")}, "learning rate must be a positive finite number"),
+        ({"lr": float("nan")}, "learning rate must be a positive finite number"),
+        ({"clip_norm": float("nan")}, "clipping norm must be positive"),
         ({"lr_schedule": "linear", "post_validation": True}, "post-validation"),
         ({"eval_every": 1}, "--eval-data"),
     ):

@@ -4,6 +4,7 @@ and what the flags alone decide: their checks and the run's options. Torch is no
 from __future__ import annotations
 
 import argparse
+import math
 
 from pipeloom.cli.args import add_ckpt, add_costs, add_schedule_source, int_list
 from pipeloom.cli.model import add_model_arguments
@@ -235,7 +236,9 @@ def check_train_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"--eval-batches must be at least 1, got {args.eval_batches}")
     if args.wandb and not args.log_dir:
         raise ConfigError("--wandb logs beside --log-dir DIR: give --log-dir too")
-    if args.clip_norm is not None and args.clip_norm <= 0:
+    if not (math.isfinite(args.lr) and args.lr > 0):  # a NaN or an infinite rate trains to NaN
+        raise ConfigError(f"--lr must be a positive finite number, got {args.lr}")
+    if args.clip_norm is not None and not (math.isfinite(args.clip_norm) and args.clip_norm > 0):
         raise ConfigError(f"--clip-norm must be positive, got {args.clip_norm}")
     _peak_tflops(args)
     if args.plan:

@@ -4,6 +4,8 @@ group, its experts), a device, backend or dtype this machine cannot run."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pipeloom.errors import ConfigError
@@ -76,8 +78,12 @@ def _check_parallelism(parallel: ParallelPart, world_size: int | None) -> None:
 
 def _check_optimizer(optimizer: OptimizerPart, parallel: ParallelPart) -> None:
     Precision(optimizer.dtype)
-    if optimizer.clip_norm is not None and optimizer.clip_norm <= 0:
-        raise ConfigError(f"train: the clipping norm must be positive, got {optimizer.clip_norm}")
+    lr = optimizer.lr
+    if not (isinstance(lr, int | float) and not isinstance(lr, bool) and math.isfinite(lr) and lr > 0):
+        raise ConfigError(f"train: the learning rate must be a positive finite number, got {lr!r}")
+    clip = optimizer.clip_norm
+    if clip is not None and not (math.isfinite(clip) and clip > 0):
+        raise ConfigError(f"train: the clipping norm must be positive, got {clip}")
 
 
 def _check_evaluation(spec: TrainSpec) -> None:
