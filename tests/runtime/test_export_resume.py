@@ -4,6 +4,7 @@ under another schedule or pipeline size (weights keyed by their names in the mod
 import dataclasses
 import json
 import math
+import os
 
 import pytest
 
@@ -51,6 +52,9 @@ def test_export_of_a_pipeline_equals_one_process_and_loads_in_transformers(tiny_
     spec = spec_of(tiny_llama, build_schedule("zb-h1", 2, 2), save_every=5, save_dir=str(tmp_path / "ck"), eval_every=5)
     results = run_local(spec)
     main(["export", str(tmp_path / "ck" / "step-5"), "--output", str(tmp_path / "hf")])
+    mask = os.umask(0)
+    os.umask(mask)
+    assert [path.stat().st_mode & 0o777 for path in (tmp_path / "hf").glob("*.safetensors")] == [0o666 & ~mask]
     transformers = import_transformers()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     _, weights = reference_training(spec)  # the same training in one process

@@ -281,3 +281,6 @@ def test_bad_models_are_refused(tmp_path):
 
     with pytest.raises(ConfigError, match="4 layers cannot be cut into 8 stages"):
         check_spec(TrainSpec(build_schedule("1f1b", 8, 8), workload=work))
+    for top_k in (5, 0):  # the router's top-k failed inside the first forward
+        with pytest.raises(ConfigError, match=f"routes each token to {top_k} experts .* the model has 4"):
+            hf_workload(model_dir(tmp_path, "mixtral", num_experts_per_tok=top_k), microbatch_size=2, seq_len=16)

@@ -72,6 +72,8 @@ def test_schedule_settings_are_checked():
     ):
         with pytest.raises(ConfigError, match=message):
             check_spec(TrainSpec(schedule, config=CONFIG, steps=3, **changes))
+    with pytest.raises(ConfigError, match="steps must be an integer of at least 1, got 0"):  # trained nothing
+        check_spec(TrainSpec(schedule, config=CONFIG, steps=0))
 
 
 @pytest.mark.parametrize("name, chunks", [("1f1b", None), ("zb-v", None), ("interleaved", 2), ("chimera", None)])

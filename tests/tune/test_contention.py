@@ -39,8 +39,9 @@ def test_a_spike_is_dropped_and_a_busy_machine_refused():
 def test_a_machine_busy_from_the_start_is_refused_after_three_rounds():
     busy = Contention()
     assert not busy.clean_round(_results(1.9)) and not busy.clean_round(_results(1.9))
-    with pytest.raises(RuntimeFault, match="another process is using the cores"):
+    with pytest.raises(RuntimeFault, match="another process is using the cores") as refused:
         busy.clean_round(_results(1.9))
+    assert "or pass --allow-busy (PIPELOOM_ALLOW_BUSY=1 for `make demo`) to measure it as it is" in str(refused.value)
 
 
 def test_allowed_busy_rounds_are_kept_and_said():

@@ -29,7 +29,13 @@ def num_experts(config) -> int:
 def expert_plan(config):
     from pipeloom.models.workload import ExpertPlan
 
-    return ExpertPlan(num_experts(config), "layers.*.mlp.experts")
+    experts, top_k = num_experts(config), getattr(config, "num_experts_per_tok", 1)
+    if not 1 <= top_k <= experts:  # the router's top-k would fail deep in the first forward
+        raise ConfigError(
+            f"hf: the config routes each token to {top_k} experts (num_experts_per_tok) but the model has "
+            f"{experts}; it must be between 1 and {experts}"
+        )
+    return ExpertPlan(experts, "layers.*.mlp.experts")
 
 
 def router_loss(config, base: Callable) -> Callable:

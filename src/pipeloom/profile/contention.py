@@ -78,7 +78,9 @@ class Contention:
             f"this machine is busy: in {len(self.contended)} of {len(self.contended) + len(self.clean)} probe runs "
             f"the ops took {statistics.median(self.contended):.2f}× their CPU time on the wall clock (idle: at most "
             f"{self.busy:.2f}×), so another process is using the cores (load average {load} on "
-            f"{os.cpu_count()} cores) and a profile would describe that, not the machine: profile again when it is idle"
+            f"{os.cpu_count()} cores) and a profile would describe that, not the machine: profile again when it is "
+            "idle, or pass --allow-busy (PIPELOOM_ALLOW_BUSY=1 for `make demo`) to measure it as it is (the profile "
+            "then says so)"
         )
 
     def summary(self) -> dict:

@@ -15,6 +15,7 @@ A tokenizer beside the source model is copied.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -72,6 +73,7 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, dtype: str = "
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
+    _as_the_umask_allows(out)
     source = Path(description.get("source") or "")
     source = source if source.is_dir() else source.parent
     for name in TOKENIZER_FILES:
@@ -87,3 +89,12 @@ def _empty_model(description: dict):
     family = description.get("family", config.model_type)
     auto = transformers.AutoModelForMaskedLM if family == "bert" else transformers.AutoModelForCausalLM
     return auto.from_config(config, dtype=torch.float32)
+
+
+def _as_the_umask_allows(directory: Path) -> None:
+    """safetensors writes its files readable by their owner only (0600), whatever the umask; an
+    exported model is meant to be shared and loaded like any file the user writes."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in directory.glob("*.safetensors"):
+        path.chmod(0o666 & ~mask)

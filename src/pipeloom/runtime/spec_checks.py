@@ -25,6 +25,8 @@ def check_spec(spec: TrainSpec, world_size: int | None = None, on_this_device: b
     part. `on_this_device=False`: leave what only a GPU itself can answer (whether it computes in
     bf16) to the ranks — a launcher that spawns GPU ranks must not start CUDA in its own process."""
     parallel = spec.parallelism
+    if not isinstance(spec.steps, int) or isinstance(spec.steps, bool) or spec.steps < 1:
+        raise ConfigError(f"train: steps must be an integer of at least 1, got {spec.steps!r}")  # 0 trained nothing
     validate(parallel.schedule)
     _check_parallelism(parallel, world_size)
     if spec.compile and (parallel.tp > 1 or parallel.ep > 1):
