@@ -27,11 +27,16 @@ ZB_COSTS = "F=0.161,B=0.397,W=3.393,comm=1.355,R=2.631,M_B=1.559,M_W=1.393,M_ckp
         (["compare", "1f1b", "gpipe", "-p", "4", "-m", "4", "--costs", "F=1e308,B=1e308"], "the costs overflow"),
         (["simulate", "zb-auto", "-p", "4", "-m", "8", "--mem-limit", "40GiB", "--costs", "F=1,B=1"], "unit-less"),
         (["simulate", "1f1b", "-p", "4", "-m", "4", "--costs", "F=0,B=0"], "no work"),
+        (  # a plan train would refuse
+            ["tune", "--model", "gpt3-1.6b", "--hardware", "a100-40g", "--devices", "8", "--global-batch", "32"]
+            + ["--schemes", "1f1b", "--sequence-parallel"],
+            "--sequence-parallel shards the sequence over a tensor-parallel group: add --tp N",
+        ),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(capsys, tmp_path, argv, message):
     export = tmp_path / "out.json"
-    extra = ["--export", str(export)] if argv[0] == "simulate" else []
+    extra = {"simulate": ["--export", str(export)], "tune": ["--output", str(export)]}.get(argv[0], [])
     code = main([*argv, *extra])
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and not export.exists()
@@ -61,6 +66,7 @@ def test_recomputing_the_deepest_tpipe_chunk_runs(capsys):
         (["--lr", "nan"], "--lr must be a positive finite number, got nan"),
         (["--lr", "inf"], "--lr must be a positive finite number, got inf"),  # trained to NaN and exited 0
         (["--summary", "/nonexistent/dir/s.json"], "does not exist"),
+        (["--log-dir", "/proc/pipeloom-logs"], "cannot make a directory in '/proc'"),  # a rank's traceback
     ],
 )
 def test_train_refuses_bad_flags_before_importing_torch(flags, message):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from os import PathLike
 from pathlib import Path
 from typing import Any
@@ -57,3 +58,9 @@ def check_directory_target(path: str | PathLike[str] | None, flag: str) -> None:
         raise ConfigError(f"{flag} {str(path)!r}: {str(existing)!r} is a file, not a directory")
     if not os.access(existing, os.W_OK):
         raise ConfigError(f"{flag} {str(path)!r}: cannot write into {str(existing)!r} (permission denied)")
+    try:  # what access() cannot tell: a pseudo filesystem (/proc, /sys) takes no new directory, even from root
+        os.rmdir(tempfile.mkdtemp(prefix=".pipeloom-probe-", dir=existing))
+    except OSError as error:
+        raise ConfigError(
+            f"{flag} {str(path)!r}: cannot make a directory in {str(existing)!r} ({error.strerror or error})"
+        ) from None

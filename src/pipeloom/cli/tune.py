@@ -105,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
     from pipeloom.tune.search import tune
     from pipeloom.viz.plot import check_plot_path, has_matplotlib, pyplot
 
+    if args.sequence_parallel and args.tp < 2:  # as train refuses it: a plan it would not run
+        raise ConfigError("--sequence-parallel shards the sequence over a tensor-parallel group: add --tp N (N > 1)")
     cost_model = _cost_model(args)
     memory = _memory(args, cost_model)
     host_memory = _host_memory(args, cost_model)
