@@ -289,6 +289,39 @@ def test_a_killed_rank_makes_the_others_fail_without_hanging():
         assert reason.startswith("rank 0") and re.search(r"rank 1\b|ranks \[0, 1\]", reason), reason
 
 
+class _KilledOnRankOne(torch.nn.Module):
+    """Passes its input through; on rank 1, at its fourth call, the rank is killed outright (as
+    the OOM killer ends a process: no handler, no reason on file)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        self.calls += 1
+        if dist.is_initialized() and dist.get_rank() == 1 and self.calls > 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return x
+
+
+def test_a_rank_killed_outright_is_the_one_reported():
+    """Its peer then fails on the closed connection and leaves a reason; the launcher used to
+    report that echo ("rank 0 failed") and not the rank that was killed."""
+    from pipeloom.models.workload import blocks_workload
+
+    work = blocks_workload(
+        lambda: [*mlp_blocks(), _KilledOnRankOne()],
+        regression_batch,
+        torch.nn.functional.mse_loss,
+        (3, 8),
+        microbatch_size=3,
+    )
+    with pytest.raises(RuntimeFault, match=r"^rank 1 failed: killed by SIGKILL$"):
+        run_local(TrainSpec(build_schedule("1f1b", 2, 4), steps=3, workload=work, timeout_s=30), timeout_s=120)
+
+
 class _StallOnRankOne(torch.nn.Module):
     """Passes its input through, but on rank 1, from its fourth call on, stops for ten minutes."""
 

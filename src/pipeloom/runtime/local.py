@@ -88,9 +88,11 @@ _WATCH_S = 0.2
 _STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """What stops a run: Ctrl-C, a kill, and the terminal closing."""
 _BAD_INPUT, _FAULT, _CRASH = 2, 3, 4
-_ROOT_FIRST = (_BAD_INPUT, _CRASH, _FAULT)
-"""Which failed rank the launcher reports: bad input, then a crash, then a fault (a peer that
-closed its connection is usually the echo of another rank's failure, not its cause)."""
+_KILLED = -1  # any negative exit code: ended by a signal it could not handle (the OOM killer's SIGKILL)
+_ROOT_FIRST = (_BAD_INPUT, _KILLED, _CRASH, _FAULT)
+"""Which failed rank the launcher reports: bad input, then one killed by a signal (it ran no
+handler and left no reason: its peers' "connection closed" echoes it), then a crash, then a fault
+(a peer that closed its connection is usually the echo of another rank's failure, not its cause)."""
 
 
 def _root_cause(processes, first: int) -> int:
@@ -100,11 +102,20 @@ def _root_cause(processes, first: int) -> int:
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
     codes = [process.exitcode for process in processes]
+    kinds = [_KILLED if code is not None and code < 0 else code for code in codes]
     ranked = sorted(
         (i for i, code in enumerate(codes) if code not in (None, 0)),
-        key=lambda i: (_ROOT_FIRST.index(codes[i]) if codes[i] in _ROOT_FIRST else len(_ROOT_FIRST), i),
+        key=lambda i: (_ROOT_FIRST.index(kinds[i]) if kinds[i] in _ROOT_FIRST else len(_ROOT_FIRST), i),
     )
     return ranked[0] if ranked else first
+
+
+def _failure_of(process, reason_file: Path) -> str:
+    """What a failed rank left on file, or how it ended: a signal it could not handle, or its status."""
+    if reason_file.exists():
+        return reason_file.read_text()
+    code = process.exitcode
+    return f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit status {code}"
 
 
 def _import_before_forking() -> None:
@@ -190,8 +201,7 @@ def _run_local(
                 raise RuntimeFault(f"training did not finish within {timeout_s:g} s: {where}")
             failed = _root_cause(processes, failed)
             _stop(processes)
-            reason_file = Path(f"{directory}/rank{failed}.error")
-            reason = reason_file.read_text() if reason_file.exists() else f"exit status {processes[failed].exitcode}"
+            reason = _failure_of(processes[failed], Path(f"{directory}/rank{failed}.error"))
             raise RuntimeFault(f"rank {failed} failed: {reason}")
         for process in processes:
             process.join()
