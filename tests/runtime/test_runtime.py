@@ -354,6 +354,18 @@ def test_a_stalled_rank_makes_the_others_fail_within_the_timeout():
     assert reason.startswith("rank 0 failed: rank 0") and "from rank 1" in reason, reason
 
 
+def test_the_run_deadline_grows_with_its_steps_and_evaluations():
+    """The Python API ended any run longer than 300 s as "did not finish", and the CLI one with
+    many evaluation batches: both now allow the per-step deadline for each step and each held-out
+    batch their evaluations run."""
+    from pipeloom.runtime.local import run_deadline_s
+
+    schedule = build_schedule("1f1b", 2, 2)
+    assert run_deadline_s(TrainSpec(schedule, steps=1000)) == 60.0 * 1000
+    evaluated = TrainSpec(schedule, steps=10, timeout_s=2.0, eval_every=2, eval_batches=50)
+    assert run_deadline_s(evaluated) == 2.0 * (10 + 5 * 50)
+
+
 def test_bad_runs_are_refused_before_any_compute():
     with pytest.raises(ConfigError, match="world size 3 does not match p × dp × tp = 2 × 1 × 1 = 2"):
         check_spec(spec_for(build_schedule("1f1b", 2, 2)), world_size=3)

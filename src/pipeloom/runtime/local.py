@@ -33,7 +33,7 @@ from pipeloom.runtime.probe import check_probe_fits, probe_spec
 from pipeloom.runtime.save_lock import remove_partials
 from pipeloom.runtime.training import RankResult, TrainSpec, check_spec, train_rank
 
-__all__ = ["run_local"]
+__all__ = ["run_deadline_s", "run_local"]
 
 
 def _worker(
@@ -126,9 +126,17 @@ def _import_before_forking() -> None:
     import torch.utils.flop_counter  # noqa: F401
 
 
+def run_deadline_s(spec: TrainSpec) -> float:
+    """How long a run may take before the launcher calls it stuck: the per-step deadline
+    (`timeout_s`, what a rank waits for a peer) for each step and for each held-out batch its
+    evaluations run — a fixed 300 s ended long runs, and many evaluation batches, as "did not finish"."""
+    evaluations = spec.steps // spec.eval_every if spec.eval_every else 0
+    return spec.timeout_s * max(1, spec.steps + evaluations * spec.eval_batches)
+
+
 def run_local(
     spec: TrainSpec,
-    timeout_s: float = 300.0,
+    timeout_s: float | None = None,
     probe: StageProbe | None = None,
     progress: bool = False,
     recipe: Callable[[], TrainSpec] | None = None,
@@ -143,7 +151,8 @@ def run_local(
     drives GPU `rank` (LOCAL_RANK) and checks that it can.
     What crosses the stage boundaries is the same for every rank, so it is probed once here
     (or given: `probe_spec(spec)`, for a caller that runs one spec many times) and handed on.
-    `progress`: print as `pipeloom train` does — each step's line, then the per-rank table."""
+    `progress`: print as `pipeloom train` does — each step's line, then the per-rank table.
+    `timeout_s`: the whole run's deadline; by default `run_deadline_s(spec)`, as the CLI's."""
     if progress:
         spec = spec.changed(report=True)
     if spec.torch_device_type == "cuda" and recipe is None:
@@ -151,7 +160,7 @@ def run_local(
             "run_local: CUDA ranks are spawned and rebuild the spec from a recipe (a picklable function "
             "returning it); pass recipe=, or start the ranks with torchrun"
         )
-    results = _run_local(spec, timeout_s, probe, recipe)
+    results = _run_local(spec, run_deadline_s(spec) if timeout_s is None else timeout_s, probe, recipe)
     if progress:
         from pipeloom.runtime.report import run_report
 
