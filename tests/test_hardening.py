@@ -175,3 +175,16 @@ def test_long_planning_work_is_never_silent_off_a_terminal(capsys):
     with still_working("quick", after_s=60.0):
         pass
     assert capsys.readouterr().err == ""  # work done in time says nothing, and does not wait
+
+
+def test_tune_refuses_data_too_short_for_the_model_it_plans(capsys, tmp_path):
+    """A 5-token file was recorded in a plan that train then refused: a sequence of the model's
+    length (and the next token) must fit."""
+    tokens = tmp_path / "five.bin"
+    tokens.write_bytes(bytes([1, 0, 2, 0, 3, 0, 4, 0, 5, 0]))  # five uint16 ids
+    plan = tmp_path / "plan.json"
+    argv = ["tune", "--model", "gpt3-1.6b", "--hardware", "a100-40g", "--devices", "8", "--global-batch", "32"]
+    assert main([*argv, "--schemes", "1f1b", "--data", str(tokens), "--output", str(plan)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("holds 5 tokens, fewer than one sequence of 1024 + 1") and len(err.splitlines()) == 1
+    assert not plan.exists()

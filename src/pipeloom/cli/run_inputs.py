@@ -11,11 +11,16 @@ __all__ = ["plan_inputs"]
 
 
 def plan_inputs(
-    data: str | None, tokenizer: str | None, data_dtype: str | None, dtype: str | None, vocab: int | None
+    data: str | None,
+    tokenizer: str | None,
+    data_dtype: str | None,
+    dtype: str | None,
+    vocab: int | None,
+    seq_len: int = 1,
 ) -> dict:
     """The record of `tune --data PATH [--tokenizer DIR | --data-dtype T]`, checked now (the file
-    exists; a token file's ids fit the model's vocabulary) so a plan never names data it cannot
-    train on."""
+    exists; a token file holds a sequence of the model's `seq_len` and its ids fit the model's
+    vocabulary) so a plan never names data it cannot train on."""
     from pipeloom import provenance
 
     if (tokenizer or data_dtype) and not data:
@@ -31,7 +36,7 @@ def plan_inputs(
     elif data:
         from pipeloom.data import TokenFile
 
-        tokens = TokenFile(data, seq_len=1, seed=0, dtype=data_dtype)
+        tokens = TokenFile(data, seq_len=seq_len, seed=0, dtype=data_dtype)
         if vocab is not None and tokens.vocab_limit > vocab:
             raise ConfigError(
                 f"data: token ids in {data!r} reach {tokens.vocab_limit - 1}, beyond the model's vocabulary of {vocab}"

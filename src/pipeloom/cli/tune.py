@@ -111,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
     memory = _memory(args, cost_model)
     host_memory = _host_memory(args, cost_model)
     dtype = cost_model.profile.get("dtype", "fp32") if isinstance(cost_model, ProfiledCostModel) else None
-    inputs = plan_inputs(args.data, args.tokenizer, args.data_dtype, dtype, cost_model.model.vocab)
+    model = cost_model.model
+    inputs = plan_inputs(args.data, args.tokenizer, args.data_dtype, dtype, model.vocab, model.seq_len)
     schemes = args.schemes.split(",") if args.schemes else list(DEFAULT_SCHEMES)
     if args.runnable:
         schemes = [name for name in schemes if name in RUNNABLE_SCHEMES]
