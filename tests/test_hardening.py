@@ -32,6 +32,16 @@ ZB_COSTS = "F=0.161,B=0.397,W=3.393,comm=1.355,R=2.631,M_B=1.559,M_W=1.393,M_ckp
             + ["--schemes", "1f1b", "--sequence-parallel"],
             "--sequence-parallel shards the sequence over a tensor-parallel group: add --tp N",
         ),
+        (  # the plan train would refuse: it cannot cut 8 K/V heads over 16 ranks
+            ["tune", "--model", "llama2-34b", "--hardware", "a100-40g", "--devices", "16", "--global-batch", "32"]
+            + ["--schemes", "1f1b", "--tp", "16"],
+            "--tp 16: llama2-34b's 8 key/value heads do not divide by 16",
+        ),
+        (  # runnable: pipeloom's runtime splits the vocabulary unpadded
+            ["tune", "--model", "gpt3-1.6b", "--hardware", "a100-40g", "--devices", "8", "--global-batch", "32"]
+            + ["--schemes", "1f1b", "--tp", "2", "--runnable"],
+            "--tp 2: gpt3-1.6b's 50257 vocabulary entries do not divide by 2",
+        ),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(capsys, tmp_path, argv, message):

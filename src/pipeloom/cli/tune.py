@@ -108,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
     if args.sequence_parallel and args.tp < 2:  # as train refuses it: a plan it would not run
         raise ConfigError("--sequence-parallel shards the sequence over a tensor-parallel group: add --tp N (N > 1)")
     cost_model = _cost_model(args)
+    if args.tp > 1:  # as train would refuse the plan (the vocabulary: only the runtime needs it whole)
+        cost_model.model.check_tensor_parallel(args.tp, vocabulary=args.runnable)
     memory = _memory(args, cost_model)
     host_memory = _host_memory(args, cost_model)
     dtype = cost_model.profile.get("dtype", "fp32") if isinstance(cost_model, ProfiledCostModel) else None

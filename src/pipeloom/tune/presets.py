@@ -68,6 +68,19 @@ class ModelSpec:
                     f"model {self.name!r}: expert_parallel ({self.expert_parallel}) must divide num_experts ({self.num_experts})"
                 )
 
+    def check_tensor_parallel(self, tp: int, vocabulary: bool) -> None:
+        """Refuse a tensor-parallel group the model cannot be cut over: its attention heads, K/V
+        heads and (dense) MLP columns split evenly, as every engine splits them; with
+        `vocabulary`, its vocabulary too (pipeloom's runtime does not pad it, as Megatron-LM does)."""
+        counts = [("attention heads", self.heads), ("key/value heads", self.kv_heads or self.heads)]
+        if not self.num_experts:  # experts run whole on every tensor-parallel rank
+            counts.append(("MLP columns", self.ffn))
+        if vocabulary:
+            counts.append(("vocabulary entries", self.vocab))
+        for what, count in counts:
+            if count % tp:
+                raise ConfigError(f"--tp {tp}: {self.name}'s {count} {what} do not divide by {tp}")
+
     @property
     def kv_hidden(self) -> int:
         return self.hidden * (self.kv_heads or self.heads) // self.heads
