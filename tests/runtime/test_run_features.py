@@ -74,6 +74,11 @@ def test_schedule_settings_are_checked():
             check_spec(TrainSpec(schedule, config=CONFIG, steps=3, **changes))
     with pytest.raises(ConfigError, match="steps must be an integer of at least 1, got 0"):  # trained nothing
         check_spec(TrainSpec(schedule, config=CONFIG, steps=0))
+    from pipeloom.data import open_tokens
+
+    held_out = open_tokens("examples/val.bin", CONFIG.seq_len, seed=0)  # the source, not its batch function
+    with pytest.raises(ConfigError, match=r"eval_data must be a batch function, .* got a TokenFile"):
+        check_spec(TrainSpec(schedule, config=CONFIG, steps=3, eval_data=held_out, eval_every=1))
 
 
 @pytest.mark.parametrize("name, chunks", [("1f1b", None), ("zb-v", None), ("interleaved", 2), ("chimera", None)])

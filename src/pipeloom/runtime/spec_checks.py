@@ -94,6 +94,11 @@ def _check_evaluation(spec: TrainSpec) -> None:
             raise ConfigError(f"train: {name} must be an integer of at least {least}, got {value!r}")
     if spec.eval_every and spec.eval_data is None:
         raise ConfigError("train: --eval-every needs held-out data: add --eval-data PATH")
+    if spec.eval_data is not None and not callable(spec.eval_data):  # it failed only at the first evaluation
+        raise ConfigError(
+            f"train: eval_data must be a batch function, (rows, batch index) → inputs and targets, such as "
+            f"open_tokens(...).batch; got a {type(spec.eval_data).__name__}"
+        )
 
 
 def _check_model(model: ModelPart, schedule: Schedule) -> None:
