@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 
 import pytest
 
@@ -80,6 +81,13 @@ def test_export_of_a_pipeline_equals_one_process_and_loads_in_transformers(tiny_
     assert results[0].eval_losses == [(5, pytest.approx(sum(losses) / len(losses), rel=1e-5))]
     with pytest.raises(ConfigError, match="no checkpoint"):
         export_checkpoint(tmp_path / "nothing", tmp_path / "out")
+    damaged = tmp_path / "damaged" / "step-5"  # a shard cut short (a copy interrupted): was a traceback
+    shutil.copytree(tmp_path / "ck" / "step-5", damaged)
+    shard = sorted(damaged.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(ConfigError, match="is damaged or does not fit its model: RuntimeError: PytorchStreamReader"):
+        export_checkpoint(damaged, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("apart", ["zero1", "offload"])

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from pipeloom.errors import ConfigError
 from pipeloom.models.compat import import_transformers
@@ -65,9 +66,12 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, dtype: str = "
         with warnings.catch_warnings():  # "torch.distributed is uninitialized": one process is the intent
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, checkpoint_id=chosen, no_dist=True)
-    except Exception as error:  # noqa: BLE001 - DCP wraps a missing or misshapen tensor in its own types
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ConfigError(f"export: checkpoint {str(chosen)!r} does not fit its model: {first}") from None
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP wraps a missing or misshapen
+        # tensor in its own types; a damaged file's reader error comes inside a CheckpointException (not an
+        # Exception), as the last line of the traceback it carries
+        lines = [line for line in str(error).strip().splitlines() if line.strip()] or [type(error).__name__]
+        cause = (lines[-1] if isinstance(error, CheckpointException) else lines[0]).split(". ")[0]
+        raise ConfigError(f"export: checkpoint {str(chosen)!r} is damaged or does not fit its model: {cause}") from None
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
     out = Path(output)
