@@ -90,6 +90,25 @@ def test_export_of_a_pipeline_equals_one_process_and_loads_in_transformers(tiny_
     assert not (tmp_path / "out").exists()
 
 
+def test_an_export_cut_short_says_so_in_one_line_and_leaves_no_half_written_model(
+    tiny_llama, tmp_path, monkeypatch, capsys
+):
+    """Ctrl-C during `export` printed a traceback and left whatever save_pretrained had written."""
+    import pipeloom.runtime.export as export
+
+    run_local(spec_of(tiny_llama, build_schedule("1f1b", 1, 2), save_every=5, save_dir=str(tmp_path / "ck")))
+
+    def interrupted(directory):
+        assert (directory / "config.json").exists()  # written, not yet moved under --output
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export, "_as_the_umask_allows", interrupted)
+    assert main(["export", str(tmp_path / "ck" / "step-5"), "--output", str(tmp_path / "hf")]) == 130
+    err = capsys.readouterr().err  # beside transformers' own progress bar
+    assert err.strip().splitlines()[-1] == "pipeloom: stopped by SIGINT" and "Traceback" not in err
+    assert list((tmp_path / "hf").iterdir()) == [] and not list(tmp_path.glob(".hf.partial-*"))
+
+
 @pytest.mark.parametrize("apart", ["zero1", "offload"])
 def test_export_of_a_bf16_run_writes_the_fp32_masters(tiny_llama, tmp_path, apart):
     """Under ZeRO-1 (masters sharded over the replicas) or host offload (masters on the host) a bf16

@@ -7,6 +7,7 @@ Bad input of any kind ends in one line on stderr and exit status 2, with nothing
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -35,11 +36,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except BrokenPipeError:
         return 0
+    except KeyboardInterrupt:  # Ctrl-C in a command that holds no ranks (train's launcher stops its own)
+        print("pipeloom: stopped by SIGINT", file=sys.stderr)
+        return 128 + signal.SIGINT
     except OSError as error:  # an output that cannot be written (permissions, full disk)
         print(f"pipeloom: error: {error.strerror or error}: {error.filename or ''}".rstrip(": "), file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        return 130
 
 
 def _with_config(parser: Parser, argv: list[str]) -> list[str]:

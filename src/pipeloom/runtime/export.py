@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -76,13 +77,21 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, dtype: str = "
         model = model.to(torch.bfloat16)
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out))
-    _as_the_umask_allows(out)
-    source = Path(description.get("source") or "")
-    source = source if source.is_dir() else source.parent
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copy2(source / name, out / name)
+    # written beside it, then moved in file by file: an export cut short (Ctrl-C, a full disk)
+    # leaves no half-written model under --output
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        model.save_pretrained(str(staging))
+        _as_the_umask_allows(staging)
+        source = Path(description.get("source") or "")
+        source = source if source.is_dir() else source.parent
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, staging / name)
+        for path in sorted(staging.iterdir(), key=lambda path: path.name == "config.json"):  # the marker last
+            os.replace(path, out / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return chosen
 
 
