@@ -198,3 +198,17 @@ def test_tune_refuses_data_too_short_for_the_model_it_plans(capsys, tmp_path):
     err = capsys.readouterr().err.strip()
     assert err.endswith("holds 5 tokens, fewer than one sequence of 1024 + 1") and len(err.splitlines()) == 1
     assert not plan.exists()
+
+
+@pytest.mark.parametrize("router_loss", [True, False])
+def test_tune_runnable_plans_no_slices_for_a_model_with_the_router_loss(capsys, tmp_path, router_loss):
+    """train refuses slices with the load-balancing loss (it needs whole micro-batches): tune
+    --runnable ranked SVPP plans first for such a Mixtral, which train then refused."""
+    config = {"model_type": "mixtral", "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4}
+    config |= {"intermediate_size": 64, "vocab_size": 96, "num_local_experts": 4, "num_experts_per_tok": 2}
+    (tmp_path / "mixtral.json").write_text(json.dumps({**config, "output_router_logits": router_loss}))
+    argv = ["tune", "--model", str(tmp_path / "mixtral.json"), "--hardware", "a100-40g", "--devices", "4"]
+    argv += ["--global-batch", "16", "--runnable", "--ep", "2", "--schemes", "svpp,1f1b", "--top", "20"]
+    assert main([*argv, "--output", str(tmp_path / "plan.json")]) == 0
+    ranked = [line for line in capsys.readouterr().out.splitlines() if line[:3].strip().rstrip(".").isdigit()]
+    assert ranked and any("svpp" in line for line in ranked) != router_loss

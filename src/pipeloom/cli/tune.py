@@ -118,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     schemes = args.schemes.split(",") if args.schemes else list(DEFAULT_SCHEMES)
     if args.runnable:
         schemes = [name for name in schemes if name in RUNNABLE_SCHEMES]
+        if model.router_loss:  # train refuses slices for it: no sliced scheme is a plan it runs
+            schemes = [name for name in schemes if 1 in SCHEMES[name].slices]
     jobs = [(args.jobs, "--jobs")] if args.jobs is not None else []
     for value, what in [(args.devices, "--devices"), (args.global_batch, "--global-batch"), (args.top, "--top")] + jobs:
         if value < 1:

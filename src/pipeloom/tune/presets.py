@@ -46,6 +46,9 @@ class ModelSpec:
     expert_parallel: int = 1
     """GPUs the experts are spread over (EP): each holds num_experts / EP of them, and each token
     crosses an all-to-all to its experts and back, forward and backward."""
+    router_loss: bool = False
+    """The load-balancing loss over the routers' logits (HF `output_router_logits`): it needs
+    whole micro-batches, so the runtime cuts no slices (SVPP) for it."""
 
     def __post_init__(self) -> None:
         for key in ("hidden", "layers", "heads", "ffn", "vocab", "seq_len"):
@@ -235,6 +238,7 @@ _HF_KEYS = {
     "num_experts_per_tok": ("num_experts_per_tok", "moe_topk"),
     "moe_ffn": ("moe_ffn", "moe_intermediate_size"),
     "expert_parallel": ("expert_parallel", "ep_size"),
+    "router_loss": ("router_loss", "output_router_logits"),
 }
 
 
