@@ -148,3 +148,20 @@ def test_resume_under_another_schedule_and_pipeline_size(tiny_llama, tmp_path, c
         assert not math.isclose(resumed[0].learning_rates[0], resumed[0].learning_rates[1])
     printed = capfd.readouterr().out  # run_local(progress=True) prints as the CLI does
     assert "step 2: loss" in printed and "median step" in printed and "validation loss" not in printed
+
+
+def test_a_checkpoint_resumes_only_into_a_model_that_holds_all_its_weights(tiny_llama, tmp_path):
+    """An untied head resumed into a model that ties it to its embeddings was dropped, and the run
+    said "resumed": every rank now refuses, naming the weight (its reverse, a tied checkpoint into an
+    untied model, was refused already: the head is missing)."""
+    from pipeloom.errors import RuntimeFault
+
+    untied = tmp_path / "untied"
+    untied.mkdir()
+    (untied / "config.json").write_text(json.dumps({**TINY["llama"], "tie_word_embeddings": False}))
+    schedule = build_schedule("1f1b", 1, 2)
+    saved = TrainSpec(schedule, workload=hf_workload(untied, seed=1, microbatch_size=2, seq_len=SEQ), steps=1)
+    run_local(saved.changed(save_every=1, save_dir=str(tmp_path / "ck")))
+    tied = TrainSpec(schedule, workload=hf_workload(tiny_llama / "model", seed=1, microbatch_size=2, seq_len=SEQ))
+    with pytest.raises(RuntimeFault, match=r"holds lm_head\.weight, which this run's model has no place for"):
+        run_local(tied.changed(steps=2, resume_dir=str(tmp_path / "ck")))

@@ -206,9 +206,12 @@ def load_checkpoint(
     holders,
     shards: Callable | None = None,
     names: dict[int, dict[str, str]] | None = None,
+    whole_names: frozenset[str] = frozenset(),
 ) -> int:
     """Restore this rank's stages, optimizers and RNG in place; return the steps done. A rank
-    the checkpoint did not have (another layout) keeps its RNG: the data depends on the step only."""
+    the checkpoint did not have (another layout) keeps its RNG: the data depends on the step only.
+    With `names` (by name), `whole_names` — every weight of the whole model — is checked to hold
+    every weight the checkpoint does."""
     rank = dist.get_rank()
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     state = _state(stages, holders, shards, names)
@@ -219,6 +222,8 @@ def load_checkpoint(
     elif any(key.startswith("master.") for key in stored) and not any(k.startswith(("zero.", "host.")) for k in state):
         state = _by_name(state, stored)  # fp32 weights from the masters a ZeRO or offloaded run kept apart
     rng = f"rng.rank{rank}"
+    if names is not None and whole_names:  # keyed by name: each rank checks the whole model's
+        _check_nothing_dropped(path, whole_names, stored)
     _check_same_model(path, state, stored)
     if rng in stored:
         state[rng] = torch.get_rng_state()
@@ -276,6 +281,19 @@ def _check_same_model(path: Path, state: dict, stored: dict) -> None:
         raise ConfigError(
             f"checkpoint {str(path)!r} holds another model: {faults[0]}{more}; resume with the model and flags it "
             f"was trained with (its {MODEL} and COMPLETE marker say what they were)"
+        )
+
+
+def _check_nothing_dropped(path: Path, whole: frozenset[str], stored: dict) -> None:
+    """ConfigError when the checkpoint holds a trained weight this run's model has no place for:
+    an untied head resumed into a model that ties it to its embeddings was dropped, and the run
+    said "resumed"."""
+    extra = sorted(key[6:] for key in stored if key.startswith("model.") and key[6:] not in whole)
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise ConfigError(
+            f"checkpoint {str(path)!r} holds {extra[0]}{more}, which this run's model has no place for (a head "
+            f"the model ties to its embeddings?); resume with the model it was trained with"
         )
 
 

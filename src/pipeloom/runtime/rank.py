@@ -79,6 +79,8 @@ class RankModel:
     stages: dict[int, torch.nn.Module]
     names: dict[int, dict[str, str]]
     """Per hosted stage: each parameter's name in the whole model."""
+    whole_names: frozenset[str]
+    """Every weight's name in the whole model, a tied one once (what a checkpoint may hold)."""
     placements: WeightPlacements
     """Where each weight this rank holds lives (what every feature asks of its shards)."""
     precision: Precision
@@ -258,6 +260,7 @@ class RankRun:
                 work=work,
                 stages=stages,
                 names={s: names[s] for s in stages},
+                whole_names=frozenset(weights.shape),
                 placements=placements,
                 precision=precision,
                 where=where,

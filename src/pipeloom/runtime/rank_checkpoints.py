@@ -62,7 +62,9 @@ def resume_rank(run) -> None:
     )
     by_name = run.model.names if "layout_free" in facts else None  # older checkpoints: by stage
     shards = run.model.placements.as_dtensor
-    run.first_step = load_checkpoint(found, run.model.stages, run.optimizer.holders, shards, by_name)
+    run.first_step = load_checkpoint(
+        found, run.model.stages, run.optimizer.holders, shards, by_name, run.model.whole_names
+    )
     run.optimizer.learning.load_state_dict(facts.get("lr_schedule"))
     if spec.report and run.rank == 0:
         changes = input_changes(facts, run.model.work.data, spec.dtype)
