@@ -39,12 +39,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         given = list(sys.argv[1:] if argv is None else argv)
         args = parser.parse_args(expand_config(given, parser, 0, launcher_only=("nproc",)))
         check_train_flags(args)
-        from pipeloom.runtime.save_lock import save_lock
+        from pipeloom.runtime.save_lock import run_locks
         from pipeloom.runtime.training import train_rank
 
         spec = train_spec_from_args(args, report=True)
         _stop_on_signals(rank, spec.save_dir)
-        with save_lock(spec.save_dir) if rank == 0 else nullcontext():
+        with run_locks(spec.save_dir, spec.log_dir) if rank == 0 else nullcontext():
             if rank == 0:
                 from pipeloom.runtime.report import data_line
 

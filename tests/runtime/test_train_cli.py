@@ -295,3 +295,7 @@ def test_a_second_training_into_the_same_save_directory_is_refused(capsys, tmp_p
     assert f"is in use by another training (pid {os.getpid()})" in err
     with save_lock(tmp_path / "ck"):  # released when the holder ends
         pass
+    # nor into another's --log-dir (two runs appended into one metrics.jsonl and TensorBoard run)
+    with save_lock(tmp_path / "logs", "--log-dir"):
+        err = refused(capsys, "--model", f"hf:{llama}", "--log-dir", str(tmp_path / "logs"))
+    assert f"--log-dir {str(tmp_path / 'logs')!r} is in use by another training (pid {os.getpid()})" in err

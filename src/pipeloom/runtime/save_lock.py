@@ -17,13 +17,23 @@ from pathlib import Path
 
 from pipeloom.errors import ConfigError
 
-__all__ = ["LOCK_FILE", "remove_partials", "save_lock"]
+__all__ = ["LOCK_FILE", "remove_partials", "run_locks", "save_lock"]
 
 LOCK_FILE = ".lock"
 
 
 @contextmanager
-def save_lock(directory: str | os.PathLike[str] | None) -> Iterator[None]:
+def run_locks(save_dir: str | os.PathLike[str] | None, log_dir: str | os.PathLike[str] | None) -> Iterator[None]:
+    """A run's output directories, each held for the block: the checkpoints' and the logs' (two
+    runs appended into one `metrics.jsonl` and one TensorBoard run). One directory for both is
+    held once."""
+    same = save_dir is not None and log_dir is not None and Path(save_dir).resolve() == Path(log_dir).resolve()
+    with save_lock(save_dir), save_lock(None if same else log_dir, "--log-dir"):
+        yield
+
+
+@contextmanager
+def save_lock(directory: str | os.PathLike[str] | None, flag: str = "--save") -> Iterator[None]:
     """Hold `directory`'s lock for the block (nothing to hold without a directory); ConfigError
     at once, naming the holder, if another process holds it."""
     if directory is None:
@@ -39,7 +49,7 @@ def save_lock(directory: str | os.PathLike[str] | None) -> Iterator[None]:
         holder = handle.read().strip() or "another process"
         handle.close()
         raise ConfigError(
-            f"--save {str(directory)!r} is in use by another training ({holder}): give another directory, "
+            f"{flag} {str(directory)!r} is in use by another training ({holder}): give another directory, "
             "or wait for that run to end"
         ) from None
     try:
