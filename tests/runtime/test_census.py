@@ -17,7 +17,13 @@ def test_the_census_counts_every_reachable_storage_once_and_finds_a_hidden_copy(
     layer.register_buffer("scale", torch.ones(3))
     view = layer.weight.detach()[:2]  # a view: the weight's storage, not counted again
     model = RankModel(
-        work=None, stages={0: layer}, names={}, placements=WeightPlacements({}), precision=None, where=None
+        work=None,
+        stages={0: layer},
+        names={},
+        whole_names=frozenset(),
+        placements=WeightPlacements({}),
+        precision=None,
+        where=None,
     )
     groups = RankGroups(transport=None, buckets=None, mail=None)
     run = SimpleNamespace(model=model, groups=groups, services=RankServices(), result=None, kept=[view])
