@@ -47,7 +47,7 @@ def _worker(
     # Ctrl-C reaches the whole foreground group: the launcher stops the ranks, which would
     # otherwise each print a traceback. SIGTERM (the launcher's) ends a rank at once.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for number in _STOPPING:  # not the launcher's handlers, inherited by the fork
+    for number in (signal.SIGTERM, signal.SIGHUP):  # not the launcher's handlers, inherited by the fork
         signal.signal(number, signal.SIG_DFL)
     _end_with_the_launcher(os.getppid(), directory)
     stuck_ranks.arm(stuck_ranks.stack_file(directory, rank))
