@@ -289,21 +289,29 @@ def test_a_killed_rank_makes_the_others_fail_without_hanging():
         assert reason.startswith("rank 0") and re.search(r"rank 1\b|ranks \[0, 1\]", reason), reason
 
 
-class _KilledOnRankOne(torch.nn.Module):
-    """Passes its input through; on rank 1, at its fourth call, the rank is killed outright (as
-    the OOM killer ends a process: no handler, no reason on file)."""
+class _OnRankOne(torch.nn.Module):
+    """Passes its input through; on rank 1, from its fourth call on (a few steps in, both ranks past
+    the rendezvous), first does `act`: kill the rank outright, or stall it."""
 
-    def __init__(self) -> None:
+    def __init__(self, act) -> None:
         super().__init__()
-        self.calls = 0
+        self.act, self.calls = act, 0
 
     def forward(self, x):
         import torch.distributed as dist
 
         self.calls += 1
         if dist.is_initialized() and dist.get_rank() == 1 and self.calls > 3:
-            os.kill(os.getpid(), signal.SIGKILL)
+            self.act()
         return x
+
+
+def _killed() -> None:  # as the OOM killer ends a process: no handler, no reason on file
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _stalled() -> None:
+    time.sleep(600)
 
 
 def test_a_rank_killed_outright_is_the_one_reported():
@@ -312,7 +320,7 @@ def test_a_rank_killed_outright_is_the_one_reported():
     from pipeloom.models.workload import blocks_workload
 
     work = blocks_workload(
-        lambda: [*mlp_blocks(), _KilledOnRankOne()],
+        lambda: [*mlp_blocks(), _OnRankOne(_killed)],
         regression_batch,
         torch.nn.functional.mse_loss,
         (3, 8),
@@ -322,27 +330,11 @@ def test_a_rank_killed_outright_is_the_one_reported():
         run_local(TrainSpec(build_schedule("1f1b", 2, 4), steps=3, workload=work, timeout_s=30), timeout_s=120)
 
 
-class _StallOnRankOne(torch.nn.Module):
-    """Passes its input through, but on rank 1, from its fourth call on, stops for ten minutes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def forward(self, x):
-        import torch.distributed as dist
-
-        self.calls += 1
-        if dist.is_initialized() and dist.get_rank() == 1 and self.calls > 3:
-            time.sleep(600)
-        return x
-
-
 def test_a_stalled_rank_makes_the_others_fail_within_the_timeout():
     from pipeloom.models.workload import blocks_workload
 
     def blocks():
-        return [*mlp_blocks(), _StallOnRankOne()]
+        return [*mlp_blocks(), _OnRankOne(_stalled)]
 
     work = blocks_workload(blocks, regression_batch, torch.nn.functional.mse_loss, (3, 8), microbatch_size=3)
     spec = TrainSpec(build_schedule("1f1b", 2, 4), steps=3, workload=work, timeout_s=1.5)
