@@ -6,7 +6,8 @@ thing on this machine without torchrun. Arguments: see `pipeloom train --help`.
 
 torchrun forwards SIGINT/SIGTERM to every rank; a rank then ends at once with status 128 + n,
 rank 0 first removing any half-written checkpoint and printing one line (torchrun adds its own
-report). Rank 0 holds the --save directory's lock for the run, as `pipeloom train` does.
+report). Rank 0 holds and claims the run's --save and --log-dir for the run, as `pipeloom train`
+does (`runtime.run_outputs`).
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         given = list(sys.argv[1:] if argv is None else argv)
         args = parser.parse_args(expand_config(given, parser, 0, launcher_only=("nproc",)))
         check_train_flags(args)
-        from pipeloom.runtime.save_lock import run_locks
+        from pipeloom.runtime.run_outputs import spec_outputs
         from pipeloom.runtime.training import train_rank
 
         spec = train_spec_from_args(args, report=True)
         _stop_on_signals(rank, spec.save_dir)
-        with run_locks(spec.save_dir, spec.log_dir) if rank == 0 else nullcontext():
+        with spec_outputs(spec) if rank == 0 else nullcontext():
             if rank == 0:
                 from pipeloom.runtime.report import data_line
 
@@ -63,7 +64,7 @@ def _stop_on_signals(rank: int, save_dir: str | None) -> None:
     """SIGINT, SIGTERM and SIGHUP end this rank now (no traceback from wherever it was); rank 0
     first removes `step-N.partial` directories and says why. Exiting from the handler needs no
     collective, so a rank blocked on a peer that has already gone still ends."""
-    from pipeloom.runtime.save_lock import remove_partials
+    from pipeloom.runtime.run_outputs import remove_partials
 
     def stop(signum: int, _frame) -> None:
         if rank == 0:

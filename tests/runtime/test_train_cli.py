@@ -283,19 +283,10 @@ def test_unreadable_weights_and_unmakeable_directories_are_named_before_any_rank
     assert f"{str(tmp_path / 'afile')!r} is a file, not a directory" in err
 
 
-def test_a_second_training_into_the_same_save_directory_is_refused(capsys, tmp_path, llama):
-    """Two runs with one --save both exited 0 and mixed their checkpoints: the first holds the
-    directory's lock for its whole run, the second is refused at once, naming the holder."""
-    import os
-
-    from pipeloom.runtime.save_lock import save_lock
-
-    with save_lock(tmp_path / "ck"):
-        err = refused(capsys, "--model", f"hf:{llama}", "--save", str(tmp_path / "ck"), "--save-every", "1")
-    assert f"is in use by another training (pid {os.getpid()})" in err
-    with save_lock(tmp_path / "ck"):  # released when the holder ends
-        pass
-    # nor into another's --log-dir (two runs appended into one metrics.jsonl and TensorBoard run)
-    with save_lock(tmp_path / "logs", "--log-dir"):
-        err = refused(capsys, "--model", f"hf:{llama}", "--log-dir", str(tmp_path / "logs"))
-    assert f"--log-dir {str(tmp_path / 'logs')!r} is in use by another training (pid {os.getpid()})" in err
+def test_a_run_into_another_runs_checkpoints_is_refused_before_its_header(capsys, tmp_path, llama):
+    """A later run into a finished run's --save overwrote its step-N and left both runs' checkpoints
+    side by side, so --resume picked the other run's newest step."""
+    (tmp_path / "ck" / "step-1").mkdir(parents=True)
+    err = refused(capsys, "--model", f"hf:{llama}", "--save", str(tmp_path / "ck"), "--save-every", "1")
+    assert "holds another run's files: step-1; continue that run with --resume" in err and "--force" in err
+    assert sorted(path.name for path in (tmp_path / "ck").iterdir()) == [".lock", "step-1"]

@@ -64,11 +64,11 @@ def run(args: argparse.Namespace) -> int:
     from pipeloom.runtime.local import run_local
     from pipeloom.runtime.probe import check_probe_fits, probe_spec
     from pipeloom.runtime.report import data_line
-    from pipeloom.runtime.save_lock import run_locks
+    from pipeloom.runtime.run_outputs import spec_outputs
 
     probe = probe_spec(spec)
     check_probe_fits(spec, probe)  # before a line is printed: bad input gets one line
-    with run_locks(spec.save_dir, spec.log_dir):
+    with spec_outputs(spec):  # held from before the header: a refused run prints one line
         print(config_line(args, args.train_parser), flush=True)
         print(data_line(spec), flush=True)
         results = run_local(spec, probe=probe, recipe=recipe)  # its deadline: --timeout a step and an eval batch

@@ -150,6 +150,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --resume: continue although --data or --dtype differ from what the checkpoint was trained on",
     )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="start over in a --save or --log-dir that holds another run's files (moved to DIR.replaced-N first)",
+    )
     add_run_arguments(parser)
     parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every rank's ops")
     parser.add_argument("--summary", metavar="PATH", help="write a JSON summary: losses, step times, stash bytes")
@@ -270,6 +275,7 @@ def run_options(args: argparse.Namespace) -> dict:
         "save_dir": args.save,
         "resume_dir": args.resume,
         "allow_input_change": args.allow_input_change,
+        "force": args.force,
         "clip_norm": args.clip_norm,
         "post_validation": args.post_validation,
         "dtype": args.dtype or "fp32",

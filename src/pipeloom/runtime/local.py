@@ -2,9 +2,9 @@
 (one per GPU, as torchrun would), a FileStore rendezvous.
 
 Used by `pipeloom train --nproc N` and the tests. Each rank writes its `RankResult` to a file;
-the parent collects them. A rank that fails reports one line; the parent then stops the others,
-so a dead or stalled peer never leaves processes behind. A run past its deadline names where each
-live rank waits (`stuck_ranks`).
+the parent collects them, holding the run's output directories meanwhile (`run_outputs`). A rank
+that fails reports one line; the parent then stops the others, so a dead or stalled peer never
+leaves processes behind. A run past its deadline names where each live rank waits (`stuck_ranks`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pipeloom.errors import ConfigError, PipeloomError, RuntimeFault, Stopped
 from pipeloom.runtime import stuck_ranks
 from pipeloom.runtime.boundary import StageProbe
 from pipeloom.runtime.probe import check_probe_fits, probe_spec
-from pipeloom.runtime.save_lock import remove_partials
+from pipeloom.runtime.run_outputs import remove_partials, spec_outputs
 from pipeloom.runtime.training import RankResult, TrainSpec, check_spec, train_rank
 
 __all__ = ["run_deadline_s", "run_local"]
@@ -179,7 +179,7 @@ def _run_local(
     if recipe is None:
         _import_before_forking()
     context: Any = multiprocessing.get_context("fork" if recipe is None else "spawn")
-    with tempfile.TemporaryDirectory(prefix="pipeloom-") as directory:
+    with spec_outputs(spec), tempfile.TemporaryDirectory(prefix="pipeloom-") as directory:
         processes = [
             context.Process(target=_worker, args=(handed, rank, world_size, directory, probe), daemon=True)
             for rank in range(world_size)

@@ -144,6 +144,9 @@ class CheckpointPart:
     """Keep only the newest this many checkpoints in `directory` (0: every one)."""
     allow_input_change: bool = False
     """Resume although the data or dtype differ from what the checkpoint was trained on."""
+    force: bool = False
+    """Start over in a checkpoint or log directory that holds another run's files, moving them
+    aside first (`runtime.run_outputs`); without it such a run is refused."""
 
 
 @dataclass(frozen=True, kw_only=True)
