@@ -165,3 +165,51 @@ def test_a_checkpoint_resumes_only_into_a_model_that_holds_all_its_weights(tiny_
     tied = TrainSpec(schedule, workload=hf_workload(tiny_llama / "model", seed=1, microbatch_size=2, seq_len=SEQ))
     with pytest.raises(RuntimeFault, match=r"holds lm_head\.weight, which this run's model has no place for"):
         run_local(tied.changed(steps=2, resume_dir=str(tmp_path / "ck")))
+
+
+def test_a_resumed_run_keeps_its_learning_rate_curve_unless_told_otherwise(tmp_path, capfd):
+    """A resume with `--lr 0.05` printed 0.05 and trained at the checkpoint's rate, and one with more
+    --steps lengthened a finished cosine, whose rate climbed back up. Now the flags not given are
+    the checkpoint's; one given changes the curve from the resumed step on, said in one line; and
+    lengthening an ended decay is refused with its two ways on."""
+    from pipeloom.cli import build_parser, subcommand
+    from pipeloom.cli.config_file import config_line
+    from pipeloom.cli.train_args import check_train_flags
+    from pipeloom.runtime.lr_schedule import LRCurve, LRSchedule
+
+    run = ["train", "1f1b", "-p", "1", "-m", "2", "--nproc", "1", "--layers", "2", "--hidden", "32", "--heads", "2"]
+    run += ["--ffn", "64", "--seq-len", "16"]
+    cosine = ["--lr", "0.05", "--lr-schedule", "cosine", "--warmup-steps", "1", "--min-lr", "0.001"]
+    ck = tmp_path / "ck"
+
+    def summary(*argv):
+        path = tmp_path / f"summary-{len(list(tmp_path.glob('summary-*')))}.json"
+        assert main([*run, *argv, "--summary", str(path)]) == 0
+        return json.loads(path.read_text())["learning_rates"], capfd.readouterr().out
+
+    whole, _ = summary(*cosine, "--steps", "4", "--save", str(ck), "--save-every", "2")
+    shape = LRSchedule("cosine", 1, 0.001)
+    assert whole == [LRCurve(0.05, shape, 4).rate_at(step) for step in range(4)]
+
+    parser = build_parser()
+    args = parser.parse_args([*run, "--resume", str(ck / "step-2")])
+    check_train_flags(args)  # what the header prints: the checkpoint's curve and length
+    assert (args.lr, args.lr_schedule, args.warmup_steps, args.min_lr, args.steps) == (0.05, "cosine", 1, 0.001, 4)
+    line = config_line(args, subcommand(parser, "train"))
+    assert "lr=0.05 " in line and "lr-schedule=cosine" in line and "min-lr=0.001" in line
+
+    rates, out = summary("--resume", str(ck / "step-2"), "--lr", "0.02")
+    changed = LRCurve(0.02, shape, 4)
+    assert rates == [changed.rate_at(2), changed.rate_at(3)]
+    assert f"learning rate from step 2: {changed} (was {LRCurve(0.05, shape, 4)}); step 2 trains at" in out
+
+    code = main([*run, "--resume", str(ck), "--steps", "6"])
+    _, err = capfd.readouterr()
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "ended at step 4; --steps 6 would lengthen it and the rate would climb back to" in err
+    assert "--lr-schedule constant --lr 0.001 --warmup-steps 0" in err and "--lr-restart" in err
+
+    rates, out = summary("--resume", str(ck), "--steps", "7", "--lr-restart", "--lr", "0.01", "--warmup-steps", "0")
+    restarted = LRCurve(0.01, LRSchedule("cosine", 0, 0.001), 7, start=4)
+    assert rates == [restarted.rate_at(step) for step in (4, 5, 6)] and rates[0] == 0.01 and rates[-1] == 0.001
+    assert "learning rate from step 4: cosine from 0.01 to 0.001 over steps 4–7" in out

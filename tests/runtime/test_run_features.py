@@ -233,6 +233,25 @@ def test_a_toml_file_by_parts_is_the_same_run_as_a_flat_one(tmp_path):
         expand_config(["train", "--config", str(tmp_path / "table.toml")], train, 1)
 
 
+def test_a_second_config_file_applies_after_the_first(tmp_path):
+    """A second --config was ignored while the header named it: each applies, the later winning,
+    the command line over both, and the header names both."""
+    from pipeloom.cli import build_parser, subcommand
+    from pipeloom.cli.config_file import config_line, expand_config
+    from pipeloom.cli.train_args import check_train_flags
+
+    (tmp_path / "base.toml").write_text('schedule = "zb-h1"\ndevices = 2\nlr = 0.01\nsteps = 5\nseed = 3\n')
+    (tmp_path / "tweak.toml").write_text("[optimizer]\nlr = 0.02\nmin_lr = 0.001\n")
+    parser = build_parser()
+    train = subcommand(parser, "train")
+    given = ["train", "--config", str(tmp_path / "base.toml"), "--config", str(tmp_path / "tweak.toml"), "--seed", "4"]
+    args = parser.parse_args(expand_config(given, train, 1))
+    check_train_flags(args)
+    assert (args.schedule_flag, args.lr, args.min_lr, args.steps, args.seed) == ("zb-h1", 0.02, 0.001, 5, 4)
+    line = config_line(args, train)
+    assert f"config={[str(tmp_path / 'base.toml'), str(tmp_path / 'tweak.toml')]}" in line and "lr=0.02 " in line
+
+
 def test_wandb_is_used_only_when_installed(tmp_path):
     import importlib.util
 

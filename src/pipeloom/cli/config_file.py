@@ -3,7 +3,9 @@
 The file's settings become flags placed before the command line's own (``schedule = "zb-h1"`` →
 ``--schedule zb-h1``, ``sequence_parallel = true`` → ``--sequence-parallel``, a list → its items
 joined by commas), so argparse's last-one-wins gives the command line precedence and every
-setting goes through the same parsing and checks as a flag. Keys may use ``-`` or ``_``.
+setting goes through the same parsing and checks as a flag. Keys may use ``-`` or ``_``. Several
+`--config` files apply in order, a later one winning (a second file was ignored while the header
+named it).
 
 A flag may sit at the top of the file or in the table of the part of the run it sets — the
 parts of `TrainSpec` (`[model]`, `[parallelism]`, `[optimizer]`, `[checkpoints]`,
@@ -75,9 +77,13 @@ def expand_config(
     here (torchrun starts the ranks, so its entry point skips ``nproc``). ConfigError for an
     unreadable file or an unknown key."""
     argv = list(argv)
-    path = _config_path(argv)
-    if path is None:
-        return argv
+    tokens: list[str] = []
+    for path in _config_paths(argv):  # each file's flags after the one before: the later file wins
+        tokens += _file_flags(path, parser, launcher_only)
+    return argv[:position] + tokens + argv[position:]
+
+
+def _file_flags(path: str, parser: argparse.ArgumentParser, launcher_only: Sequence[str]) -> list[str]:
     try:
         settings = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as error:
@@ -101,7 +107,7 @@ def expand_config(
             belongs = f"under [{home}]" if home else "at the top of the file"
             raise ConfigError(f"--config: {path!r} sets {key!r} in [{table}]; it belongs {belongs}")
         tokens += _as_flags(path, key, flag, value, action)
-    return argv[:position] + tokens + argv[position:]
+    return tokens
 
 
 def _settings(path: str, settings: dict, parts) -> list[tuple[str | None, str, object]]:
@@ -129,12 +135,17 @@ def effective_config(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         out[flag[2:]] = getattr(args, action.dest)
     if getattr(args, "name", None):
         out["schedule"] = args.name
+    if isinstance(out.get("config"), list) and len(out["config"]) == 1:
+        out["config"] = out["config"][0]  # one file, as a run with one always recorded it
     return out
 
 
 def config_line(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
     """The effective configuration in one line: the settings that differ from the defaults."""
+    from pipeloom.cli.train_args import LR_DEFAULTS
+
     defaults = {flag[2:]: parser.get_default(action.dest) for flag, action in _long_options(parser).items()}
+    defaults.update({name.replace("_", "-"): value for name, value in LR_DEFAULTS.items()})
     changed = {
         key: value
         for key, value in effective_config(args, parser).items()
@@ -143,15 +154,16 @@ def config_line(args: argparse.Namespace, parser: argparse.ArgumentParser) -> st
     return "config: " + " ".join(f"{key}={value}" for key, value in changed.items())
 
 
-def _config_path(argv: list[str]) -> str | None:
+def _config_paths(argv: list[str]) -> list[str]:
+    paths = []
     for index, token in enumerate(argv):
         if token == _FLAG:
             if index + 1 >= len(argv):
                 raise ConfigError("--config needs a TOML file")
-            return argv[index + 1]
-        if token.startswith(_FLAG + "="):
-            return token.split("=", 1)[1]
-    return None
+            paths.append(argv[index + 1])
+        elif token.startswith(_FLAG + "="):
+            paths.append(token.split("=", 1)[1])
+    return paths
 
 
 def _long_options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:

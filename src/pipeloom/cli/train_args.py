@@ -61,7 +61,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument(
+        "--lr", type=float, help="AdamW's peak learning rate (default 1e-3; with --resume, the checkpoint's)"
+    )
     model = parser.add_argument_group("model (a small LLaMA-style decoder)")
     for flag, default, help_text in (
         ("--layers", 4, "decoder layers"),
@@ -167,17 +169,24 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--config",
         metavar="FILE",
+        action="append",
         help='a TOML file of flags under their long names (schedule = "zb-h1", devices = 2, nproc = 2); '
-        "flags on the command line override it",
+        "flags on the command line override it, and a later --config an earlier one",
     )
     run.add_argument(
         "--lr-schedule",
         choices=("constant", "linear", "cosine"),
-        default="constant",
-        help="the learning rate after warm-up: constant, or linear / cosine decay to --min-lr at the last step",
+        help="the learning rate after warm-up: constant (default), or linear / cosine decay to --min-lr at the "
+        "last step. With --resume, these four and --steps default to the checkpoint's; one given changes the "
+        "curve from the resumed step on",
     )
-    run.add_argument("--warmup-steps", type=int, default=0, metavar="N", help="linear warm-up over the first N steps")
-    run.add_argument("--min-lr", type=float, default=0.0, metavar="X", help="the decay's floor (default 0)")
+    run.add_argument("--warmup-steps", type=int, metavar="N", help="linear warm-up over the first N steps (default 0)")
+    run.add_argument("--min-lr", type=float, metavar="X", help="the decay's floor (default 0)")
+    run.add_argument(
+        "--lr-restart",
+        action="store_true",
+        help="with --resume: begin the schedule anew at the resumed step (warm-up, then the decay over the steps left)",
+    )
     run.add_argument(
         "--eval-data",
         metavar="PATH",
@@ -210,6 +219,7 @@ def check_train_flags(args: argparse.Namespace) -> None:
     check_outputs([args.trace, args.summary], plot=None)
     check_directory_target(args.save, "--save")
     check_directory_target(args.log_dir, "--log-dir")
+    _learning_rate_flags(args)
     args.steps = steps_of(args)
     for name in ("steps", "threads"):
         if getattr(args, name) < 1:
@@ -231,6 +241,8 @@ def check_train_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"--save-every must be at least 1, got {args.save_every}")
     if args.allow_input_change and not args.resume:
         raise ConfigError("--allow-input-change applies to --resume DIR")
+    if args.lr_restart and not args.resume:
+        raise ConfigError("--lr-restart begins the schedule anew at a resumed step: it applies to --resume DIR")
     if args.reload_bf16 and not args.offload_stages:
         raise ConfigError("--reload-bf16 applies to --offload-stages")
     if args.eval_every is not None and not args.eval_data:
@@ -252,6 +264,32 @@ def check_train_flags(args: argparse.Namespace) -> None:
         Plan.load(args.plan)  # one line naming the field that does not hold together
 
 
+LR_DEFAULTS = {"lr": 1e-3, "lr_schedule": "constant", "warmup_steps": 0, "min_lr": 0.0}
+"""The learning-rate flags of a fresh run not given."""
+
+
+def _learning_rate_flags(args: argparse.Namespace) -> None:
+    """Fill the learning-rate flags not given (and --steps): a resumed run continues the curve its
+    checkpoint recorded, so the header prints, and the run uses, the checkpoint's values — a
+    resume with `--lr 0.05` printed 0.05 and trained at the checkpoint's 0.001."""
+    recorded = None
+    if args.resume and any(getattr(args, name, None) is None for name in (*LR_DEFAULTS, "steps")):
+        from pipeloom.runtime.checkpoint import read_checkpoint
+        from pipeloom.runtime.lr_schedule import LRCurve
+
+        recorded = LRCurve.from_record(read_checkpoint(args.resume)[1].get("lr_curve"))
+    inherited = LR_DEFAULTS
+    if recorded is not None:
+        shape = recorded.shape
+        inherited = {"lr": recorded.lr, "lr_schedule": shape.kind, "warmup_steps": shape.warmup_steps,
+                     "min_lr": shape.min_lr}  # fmt: skip
+        if args.steps is None and not getattr(args, "plan", None):
+            args.steps = recorded.steps
+    for name, value in inherited.items():  # the flags' defaults, on a namespace that has no checks yet
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+
+
 def steps_of(args: argparse.Namespace) -> int:
     """`--steps`, or its default: a plan's run times `TIMED_PLAN_STEPS` steps after the warm-up."""
     if args.steps is not None:
@@ -262,6 +300,7 @@ def steps_of(args: argparse.Namespace) -> int:
 def run_options(args: argparse.Namespace) -> dict:
     """TrainSpec's fields that do not depend on where the schedule comes from (flags or a plan):
     the run, checkpoints, offload, the optimizer's global state."""
+    _learning_rate_flags(args)
     steps = steps_of(args)
     fields = {
         "steps": steps,
@@ -287,6 +326,7 @@ def run_options(args: argparse.Namespace) -> dict:
         "lr_schedule": args.lr_schedule,
         "warmup_steps": args.warmup_steps,
         "min_lr": args.min_lr,
+        "lr_restart": args.lr_restart,
         "eval_every": (args.eval_every or steps) if args.eval_data else 0,
         "eval_batches": args.eval_batches,
         "log_dir": args.log_dir,

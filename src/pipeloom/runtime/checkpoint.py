@@ -1,5 +1,5 @@
 """Checkpoint and resume with torch.distributed.checkpoint: model, optimizer, data position, RNG,
-the learning-rate schedule.
+the learning-rate curve.
 
 A checkpoint of the state after n steps is the directory ``DIR/step-n``. Every rank writes its
 stages' parameters and AdamW state keyed by each parameter's name in the whole model
@@ -16,7 +16,7 @@ under its name, so a resume under another tp or ep (or none) reads its own slice
 model packs several projections into one weight. The step and its RNG state go into
 ``DIR/step-n.partial``; after a barrier rank 0 writes ``model.json`` (what the model is, for
 `pipeloom export`), renames it to ``DIR/step-n`` and only then writes the ``COMPLETE`` marker
-(JSON: step, world size, schedule, layout facts, the learning-rate scheduler's state, the run's
+(JSON: step, world size, schedule, layout facts, the learning-rate curve, the run's
 configuration). A crash at any point leaves either a ``.partial`` directory, ignored, or a
 directory without its marker — a torn checkpoint, which resuming refuses — and never touches an
 earlier complete checkpoint. The data of step n depends only on the seed and n, so the step is the
@@ -175,8 +175,8 @@ def save_checkpoint(
     model: dict | None = None,
 ) -> Path:
     """Collective: every rank calls it after the same step. `holders` own the optimizer state;
-    `facts` (JSON: schedule, zero, offload_stages, tp, layout_free, the learning-rate schedule's
-    state, the run's configuration) go into the marker beside the step and world size; `model`
+    `facts` (JSON: schedule, zero, offload_stages, tp, layout_free, the learning-rate curve,
+    the run's configuration) go into the marker beside the step and world size; `model`
     (the workload's description) into ``model.json``, for `pipeloom export`."""
     rank, world = dist.get_rank(), dist.get_world_size()
     final = Path(directory) / f"step-{step}"

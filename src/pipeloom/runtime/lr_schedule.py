@@ -6,21 +6,28 @@ Step n trains at ``lr · (n + 1) / (w + 1)`` while n < w (the warm-up: `LinearLR
 (`LinearLR` down to min_lr / lr, or `CosineAnnealingLR` with eta_min = min_lr), joined by
 `SequentialLR`. Every scheduler steps right after its optimizer — the host's (T-Offload) in the
 host's worker, after its step in flight — so each step's update uses that step's rate, whether
-the step ran or was skipped (the curve is a function of the step number). Its state goes into
-checkpoints, so a resumed run continues the curve exactly.
+the step ran or was skipped (the curve is a function of the step number).
+
+A checkpoint records the curve (`LRCurve`: peak, shape, the steps it spans), not the schedulers'
+state, and a resumed run rebuilds its schedulers and steps them to the resumed step: the same
+arithmetic in the same order as the run that never stopped, so it continues bit for bit. What
+the resumed run asks for differently (another peak, floor, shape or length, or a new curve from
+the resumed step: `restart`) applies from that step on (`resumed_curve`), and the rank says so.
+Lengthening a decay that has ended is refused: the rate would climb back up.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.optim import lr_scheduler
 
 from pipeloom.errors import ConfigError
 
-__all__ = ["LRSchedule", "SCHEDULES", "build_scheduler", "LearningRate"]
+__all__ = ["LRCurve", "LRSchedule", "SCHEDULES", "build_scheduler", "LearningRate", "resumed_curve"]
 
 SCHEDULES = ("constant", "linear", "cosine")
 
@@ -51,6 +58,81 @@ class LRSchedule:
         return self.kind != "constant" or self.warmup_steps > 0
 
 
+@dataclass(frozen=True)
+class LRCurve:
+    """The rate of every step of a run: its peak `lr` and `shape`, over steps `start` to
+    `steps` − 1 (`start` > 0: a schedule begun anew at a resumed step)."""
+
+    lr: float
+    shape: LRSchedule
+    steps: int
+    start: int = 0
+
+    def record(self) -> dict:
+        shape = self.shape
+        return {"lr": self.lr, "kind": shape.kind, "warmup_steps": shape.warmup_steps, "min_lr": shape.min_lr,
+                "steps": self.steps, "start": self.start}  # fmt: skip
+
+    @staticmethod
+    def from_record(record: dict | None) -> LRCurve | None:
+        """The curve a checkpoint recorded (None: one written before curves were recorded)."""
+        if not isinstance(record, dict):
+            return None
+        shape = LRSchedule(str(record["kind"]), int(record["warmup_steps"]), float(record["min_lr"]))
+        return LRCurve(float(record["lr"]), shape, int(record["steps"]), int(record.get("start", 0)))
+
+    @property
+    def decays(self) -> bool:
+        return self.shape.kind != "constant"
+
+    def rate_at(self, step: int) -> float:
+        """The rate step `step` trains at (computed by the schedulers a run builds)."""
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=self.lr)
+        return float(self.scheduler_at(optimizer, step).get_last_lr()[0])
+
+    def scheduler_at(self, optimizer: torch.optim.Optimizer, step: int) -> lr_scheduler.LRScheduler:
+        """A scheduler of this curve on `optimizer`, whatever its rate was, stepped to `step`."""
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"] = self.lr
+        scheduler = build_scheduler(optimizer, self.shape, self.steps - self.start)
+        with warnings.catch_warnings():  # stepped ahead of an optimizer that has not stepped yet
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(step - self.start):
+                scheduler.step()
+        return scheduler
+
+    def __str__(self) -> str:
+        warm = f" after {self.shape.warmup_steps} warm-up steps" if self.shape.warmup_steps else ""
+        span = f"steps {self.start}–{self.steps}" if self.start else f"{self.steps} steps"
+        if not self.decays:
+            return f"constant {self.lr:g}{warm} over {span}"
+        return f"{self.shape.kind} from {self.lr:g} to {self.shape.min_lr:g}{warm} over {span}"
+
+
+def resumed_curve(asked: LRCurve, recorded: LRCurve | None, done: int, restart: bool = False) -> LRCurve:
+    """The curve a run resumed after `done` steps trains on: `asked` (the command's peak, shape
+    and length), over the span of the `recorded` run's curve — or beginning at `done` with
+    `restart`. ConfigError where `asked` only lengthens a decay that has ended, which would
+    climb back up: the options are its floor or a new curve."""
+    start = done if restart else (recorded.start if recorded is not None else 0)
+    curve = LRCurve(asked.lr, asked.shape, asked.steps, start)
+    if restart:
+        curve.shape.check(curve.lr, curve.steps - start)
+    if recorded is None or restart or not recorded.decays or done < recorded.steps:
+        return curve
+    if curve.steps > recorded.steps and replace(curve, steps=recorded.steps) == recorded:
+        floor = recorded.shape.min_lr
+        at_floor = f"--lr-schedule constant --lr {floor:g} --warmup-steps 0" if floor > 0 else None
+        raise ConfigError(
+            f"train: the checkpoint's {recorded} ended at step {recorded.steps}; --steps {curve.steps} would "
+            f"lengthen it and the rate would climb back to {curve.rate_at(done):g}. "
+            + (f"Continue at its floor with {at_floor}, or" if at_floor else "Its floor is 0, so give")
+            + f" a new schedule from step {done} with --lr-restart (and --lr, --lr-schedule, --warmup-steps, "
+            "--min-lr for it)"
+        )
+    return curve
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, schedule: LRSchedule, steps: int) -> lr_scheduler.LRScheduler:
     """The torch scheduler of `schedule` on `optimizer` (whose rate is the peak), for `steps` steps."""
     lr = optimizer.param_groups[0]["lr"]
@@ -71,13 +153,16 @@ def build_scheduler(optimizer: torch.optim.Optimizer, schedule: LRSchedule, step
 
 class LearningRate:
     """A rank's schedulers, stepped together: each with its runner (the host's worker for
-    T-Offload's optimizer, in order after the step it follows; at once for the others)."""
+    T-Offload's optimizer, in order after the step it follows; at once for the others), and the
+    curve they follow."""
 
-    def __init__(self) -> None:
+    def __init__(self, curve: LRCurve | None = None) -> None:
         self.parts: list[tuple[lr_scheduler.LRScheduler, Callable[[Callable[[], None]], None]]] = []
+        self.curve = curve
 
-    def add(self, scheduler: lr_scheduler.LRScheduler, runner: Callable[[Callable[[], None]], None] | None = None):
-        self.parts.append((scheduler, runner or (lambda call: call())))
+    def add(self, optimizer: torch.optim.Optimizer, runner: Callable[[Callable[[], None]], None] | None = None):
+        assert self.curve is not None
+        self.parts.append((self.curve.scheduler_at(optimizer, self.curve.start), runner or (lambda call: call())))
 
     @property
     def current(self) -> float | None:
@@ -88,11 +173,13 @@ class LearningRate:
         for scheduler, runner in self.parts:
             runner(scheduler.step)
 
-    def state_dict(self) -> dict | None:
-        """The schedule's position (every part is at the same one, once the host's step is done)."""
-        return self.parts[0][0].state_dict() if self.parts else None
+    def resume(self, curve: LRCurve, step: int) -> None:
+        """Follow `curve` from `step` on (every runner idle: nothing of an earlier step pending)."""
+        self.curve = curve
+        self.parts = [(curve.scheduler_at(scheduler.optimizer, step), runner) for scheduler, runner in self.parts]
 
     def load_state_dict(self, state: dict | None) -> None:
+        """The schedulers' state from a checkpoint that recorded no curve (an older one)."""
         if state is None:
             return
         for scheduler, _ in self.parts:

@@ -1,11 +1,12 @@
 """A rank's side of checkpoints: what its marker records about the run (layout, schedule, the
-learning rate's state, and the data and compute type it trained on, so a resume can refuse
+learning rate's curve, and the data and compute type it trained on, so a resume can refuse
 other inputs), and restoring a rank from one."""
 
 from __future__ import annotations
 
 from pipeloom.models.workload import layout_free
 from pipeloom.runtime.checkpoint import after_save, find_checkpoint, load_checkpoint, save_checkpoint
+from pipeloom.runtime.lr_schedule import LRCurve, resumed_curve
 from pipeloom.runtime.spec_checks import input_changes
 from pipeloom.runtime.tensor_parallel_styles import packs_projections
 
@@ -26,7 +27,7 @@ def save_rank(run, directory: str, steps_done: int) -> None:
         "ep": parallel.ep,
         "layout_free": layout_free(list(run.model.names.values())),
         "optimizer_by_name": True,  # every holder writes its state by weight name too
-        "lr_schedule": run.optimizer.learning.state_dict(),
+        "lr_curve": run.optimizer.learning.curve.record(),
         "config": spec.run_config,
         "data": run.model.work.data,
         "dtype": spec.dtype,
@@ -65,8 +66,22 @@ def resume_rank(run) -> None:
     run.first_step = load_checkpoint(
         found, run.model.stages, run.optimizer.holders, shards, by_name, run.model.whole_names
     )
-    run.optimizer.learning.load_state_dict(facts.get("lr_schedule"))
+    learning, recorded = run.optimizer.learning, LRCurve.from_record(facts.get("lr_curve"))
+    if recorded is None:
+        learning.load_state_dict(facts.get("lr_schedule"))
+    else:
+        if run.optimizer.host is not None:
+            run.optimizer.host.settle()
+        curve = resumed_curve(spec.optimizer.curve(spec.steps), recorded, run.first_step, spec.optimizer.lr_restart)
+        learning.resume(curve, run.first_step)
     if spec.report and run.rank == 0:
         changes = input_changes(facts, run.model.work.data, spec.dtype)
         note = f"; it was trained on {'; and '.join(changes)}" if changes else ""
         print(f"resumed from {found}: {run.first_step} of {spec.steps} steps done{note}", flush=True)
+        if recorded is not None and learning.curve != recorded:
+            was, now = recorded.rate_at(run.first_step), learning.curve.rate_at(run.first_step)
+            print(
+                f"learning rate from step {run.first_step}: {learning.curve} (was {recorded}); "
+                f"step {run.first_step} trains at {now:g} (was {was:g})",
+                flush=True,
+            )

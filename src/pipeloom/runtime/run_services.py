@@ -13,7 +13,7 @@ import torch
 from pipeloom.runtime.comm import plan_messages
 from pipeloom.runtime.evaluation import Evaluation
 from pipeloom.runtime.executor import DeviceExecutor
-from pipeloom.runtime.lr_schedule import LearningRate, build_scheduler
+from pipeloom.runtime.lr_schedule import LearningRate
 from pipeloom.runtime.metrics import throughput
 from pipeloom.runtime.offload import HostOffload
 from pipeloom.runtime.rank_setup import Transport, leaves_of, mailbox_of
@@ -27,13 +27,12 @@ __all__ = ["learning_rate_of", "evaluation_of", "run_log_of", "step_facts"]
 
 def learning_rate_of(spec: TrainSpec, stepper, host: HostOffload | None) -> LearningRate:
     """One scheduler per optimizer this rank steps; the host's steps in the host's worker."""
-    learning = LearningRate()
-    schedule = spec.optimizer.schedule
+    learning = LearningRate(spec.optimizer.curve(spec.steps))
     for part in leaves_of(stepper):
         if part.optimizer is not None:
-            learning.add(build_scheduler(part.optimizer, schedule, spec.steps))
+            learning.add(part.optimizer)
     if host is not None:
-        learning.add(build_scheduler(host.optimizer, schedule, spec.steps), host.after_pending)
+        learning.add(host.optimizer, host.after_pending)
     return learning
 
 

@@ -13,7 +13,7 @@ from pipeloom.ir.schedule import Schedule
 from pipeloom.models.llama import LlamaConfig
 from pipeloom.models.workload import Workload, llama_workload
 from pipeloom.runtime.layout import RankLayout
-from pipeloom.runtime.lr_schedule import LRSchedule
+from pipeloom.runtime.lr_schedule import LRCurve, LRSchedule
 from pipeloom.runtime.step_state import StepRecord
 
 __all__ = [
@@ -123,9 +123,17 @@ class OptimizerPart:
     """For tests of the above: (step, stage, "nan" or "scale", factor) applied to that stage's
     gradients after they are reduced."""
 
+    lr_restart: bool = False
+    """On resume, begin the schedule anew at the resumed step (warm-up, then the decay over the
+    steps left) instead of continuing the checkpoint's curve."""
+
     @property
     def schedule(self) -> LRSchedule:
         return LRSchedule(self.lr_schedule, self.warmup_steps, self.min_lr)
+
+    def curve(self, steps: int) -> LRCurve:
+        """The rate of every step of a fresh run of `steps` steps."""
+        return LRCurve(self.lr, self.schedule, steps)
 
     @property
     def needs_global_state(self) -> bool:

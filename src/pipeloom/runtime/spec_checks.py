@@ -13,6 +13,7 @@ from pipeloom.ir.schedule import Schedule
 from pipeloom.ir.validate import validate
 from pipeloom.models.llama import stage_layer_counts
 from pipeloom.runtime.checkpoint import find_checkpoint
+from pipeloom.runtime.lr_schedule import LRCurve, resumed_curve
 from pipeloom.runtime.precision import Precision
 from pipeloom.runtime.spec import CheckpointPart, ModelPart, OptimizerPart, ParallelPart, TrainSpec
 from pipeloom.runtime.tensor_parallel_styles import packs_projections
@@ -50,7 +51,7 @@ def check_spec(spec: TrainSpec, world_size: int | None = None, on_this_device: b
     _check_expert_parallel(spec, parallel)
     work = spec.resolved_workload()
     packed = packs_projections(work, parallel.tp, parallel.sequence_parallel)
-    _check_checkpoints(spec.checkpoints, parallel, spec.steps, (work.data, spec.dtype), packed)
+    _check_checkpoints(spec.checkpoints, parallel, spec.optimizer, spec.steps, (work.data, spec.dtype), packed)
 
 
 def _check_parallelism(parallel: ParallelPart, world_size: int | None) -> None:
@@ -156,6 +157,7 @@ def _check_expert_parallel(spec: TrainSpec, parallel: ParallelPart) -> None:
 def _check_checkpoints(
     checkpoints: CheckpointPart,
     parallel: ParallelPart,
+    optimizer: OptimizerPart,
     steps: int,
     inputs: tuple[dict | None, str],
     tp_packed: bool = False,
@@ -164,6 +166,8 @@ def _check_checkpoints(
         raise ConfigError("train: checkpoints need both a directory (--save) and a period (--save-every >= 1)")
     if checkpoints.keep_last < 0 or (checkpoints.keep_last and checkpoints.directory is None):
         raise ConfigError(f"train: --keep-last K (K >= 1) applies to --save, got {checkpoints.keep_last}")
+    if optimizer.lr_restart and checkpoints.resume_from is None:
+        raise ConfigError("train: --lr-restart begins the schedule anew at a resumed step: it applies to --resume DIR")
     if checkpoints.resume_from is not None:
         schedule = parallel.schedule
         _, facts = find_checkpoint(
@@ -179,6 +183,7 @@ def _check_checkpoints(
         done = int(facts["step"])
         if done >= steps:
             raise ConfigError(f"train: the checkpoint is already {done} steps in; ask for more than {done} --steps")
+        resumed_curve(optimizer.curve(steps), LRCurve.from_record(facts.get("lr_curve")), done, optimizer.lr_restart)
         changes = input_changes(facts, *inputs)
         if changes and not checkpoints.allow_input_change:
             raise ConfigError(
