@@ -316,7 +316,7 @@ def _explain(result, memory: float, cost_model) -> str:
         lines.append(no_pipeline_line(result, memory, cost_model))
     lines += ["", "why the others lost:"]
     for e in result.ranked[1:]:
-        lines.append(f"  {e.candidate.label}: time, {e.step_time / best.step_time - 1:+.1%} step time")
+        lines.append(f"  {e.candidate.label}: {_lost_on(e, best)}")
     unfit = {label: (step, why) for e in result.ranked + result.rejected for label, step, why in e.unfit}
     faster = sorted((step, label, why) for label, (step, why) in unfit.items() if step < best.step_time)
     for step, label, why in faster[:5]:
@@ -324,6 +324,26 @@ def _explain(result, memory: float, cost_model) -> str:
     if lines[-1] == "why the others lost:":
         lines.append("  (no other candidate came close)")
     return "\n".join(lines)
+
+
+def _lost_on(e, best) -> str:
+    """Why a ranked plan is not first: slower, or — predicted faster — priced beyond the profile,
+    or within the profile's noise of the first and less robust (`tune.confidence`)."""
+    if e.step_time >= best.step_time:
+        return f"time, {e.step_time / best.step_time - 1:+.1%} step time"
+    faster = f"predicted {1 - e.step_time / best.step_time:.1%} faster"
+    if e.extrapolated and not best.extrapolated:
+        return f"beyond the profile, {faster} but priced on {'; '.join(e.extrapolated)}"
+    from pipeloom.provenance import byte_size
+    from pipeloom.tune.confidence import robustness
+
+    (best_memory, best_pp), (memory, pp) = robustness(best), robustness(e)
+    why = (
+        f"less peak memory ({byte_size(best_memory)} against {byte_size(memory)})"
+        if best_memory < memory
+        else f"fewer pipeline ranks ({best_pp} against {pp})"
+    )
+    return f"near-tie, {faster}, within the profile's noise of the first, which needs {why}"
 
 
 def no_pipeline_line(result, memory: float, cost_model) -> str:

@@ -95,15 +95,18 @@ def _scaled(value, factor: float):
 
 def settle_near_ties(result, cost_model) -> None:
     """Give each ranked plan its band (`result.bands`, ms) and, where the leader's lead is
-    within the noise of the profile, put the most robust of the tied plans first, noting why
-    (`result.tie_note`). Nothing changes for a cost model that measured nothing."""
+    within the noise of the profile — of the two plans' difference, and at most the leader's own
+    band — put the most robust of the tied plans first, noting why (`result.tie_note`). Nothing
+    changes for a cost model that measured nothing."""
     ranked = result.ranked
     moves = {id(e): sensitivities(e, figure_errors(cost_model, e.candidate.micro_batch)) for e in ranked}
     result.bands = [band(moves[id(e)]) for e in ranked]
     if not any(result.bands):
         return
-    fastest = ranked[0]
-    close = [e for e in ranked if tied(fastest, e, moves)]
+    fastest, fastest_band = ranked[0], result.bands[0]
+    # within the noise of their difference, and never slower than the fastest plan's own band: a
+    # plan whose figures are poorly known is not thereby as fast as a well-known one
+    close = [e for e in ranked if tied(fastest, e, moves) and e.step_time - fastest.step_time <= fastest_band]
     if len(close) < 2:
         return
     chosen = min(close, key=robustness)
@@ -120,7 +123,7 @@ def settle_near_ties(result, cost_model) -> None:
         if chosen_memory < fastest_memory
         else f"fewer pipeline ranks ({chosen_pp} against {fastest_pp})"
     )
-    fastest_band, index = result.bands[0], ranked.index(chosen)
+    index = ranked.index(chosen)
     result.bands.insert(0, result.bands.pop(index))
     ranked.insert(0, ranked.pop(index))
     result.tie_note = (
