@@ -212,3 +212,28 @@ def test_tune_runnable_plans_no_slices_for_a_model_with_the_router_loss(capsys, 
     assert main([*argv, "--output", str(tmp_path / "plan.json")]) == 0
     ranked = [line for line in capsys.readouterr().out.splitlines() if line[:3].strip().rstrip(".").isdigit()]
     assert ranked and any("svpp" in line for line in ranked) != router_loss
+
+
+def test_tune_runnable_ranks_only_plans_train_accepts(capsys, tmp_path):
+    """A 30-token sequence does not split into 4 slices, so train refuses an svpp plan with s=4;
+    tune --runnable ranked it anyway. Each ranked plan is now checked as `train --plan` checks it,
+    and one train refuses is ruled out, saying why."""
+    from tune.test_profiled import MODEL, profile
+
+    from pipeloom.runtime.plan_run import spec_from_plan
+    from pipeloom.runtime.spec_checks import check_spec
+    from pipeloom.tune.plan import Plan
+
+    data = profile() | {"model": {**MODEL, "seq_len": 30, "layers": 4}}
+    (tmp_path / "prof.json").write_text(json.dumps(data))
+    argv = ["tune", "--costs", str(tmp_path / "prof.json"), "--devices", "2", "--memory", "1GiB"]
+    argv += ["--global-batch", "8", "--schemes", "svpp,1f1b", "--top", "20", "--json"]
+    for runnable in (False, True):
+        output = tmp_path / f"plan-{runnable}.json"
+        assert main([*argv, "--output", str(output), *(["--runnable"] if runnable else [])]) == 0
+        labels = [row["plan"] for row in json.loads(capsys.readouterr().out)]
+        assert any(" s=4" in label for label in labels) != runnable and any(" s=2" in label for label in labels)
+    check_spec(spec_from_plan(Plan.load(str(output))), on_this_device=False)  # what train --plan checks
+
+    text = main([*argv[:-1], "--runnable", "--output", str(tmp_path / "plan.json")])
+    assert text == 0 and "refused by train" in capsys.readouterr().out

@@ -9,6 +9,7 @@ import os
 import sys
 from collections import Counter
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from pipeloom.budget import parse_memory_budget
@@ -150,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
         progress=progress_bar("tune", args.quiet, "candidate"),
         jobs=args.jobs,
         host_memory=host_memory,
+        refuse=partial(_train_refusal, cost_model, args, inputs, memory) if args.runnable else None,
     )
     best = result.best
     plan = replace(plan_from_evaluation(best, result, cost_model.model, cost_model.to_dict(), args.tp), inputs=inputs)
@@ -176,6 +178,28 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"\nbest plan written to {args.output}, {drawn}")
     return 0
+
+
+def _train_refusal(cost_model, args: argparse.Namespace, inputs, memory: float, evaluation) -> str | None:
+    """What `train --plan` would refuse this plan for, checked as train checks it (None: it runs
+    it): so `tune --runnable` writes no plan that train then refuses. A plan of a model train
+    cannot build by itself (a large preset, for an engine or `--model hf:DIR`) is not checked."""
+    from pipeloom.runtime.plan_run import builds_its_own_model, spec_from_plan
+    from pipeloom.runtime.spec_checks import check_spec
+    from pipeloom.tune.evaluation import TuneResult
+    from pipeloom.tune.plan import plan_from_evaluation
+
+    lone = TuneResult([evaluation], [], args.global_batch, memory)
+    plan = replace(
+        plan_from_evaluation(evaluation, lone, cost_model.model, cost_model.to_dict(), args.tp), inputs=inputs
+    )
+    if not builds_its_own_model(plan):
+        return None
+    try:
+        check_spec(spec_from_plan(plan), on_this_device=False)
+    except ConfigError as error:
+        return error.summary.removeprefix("train: ")
+    return None
 
 
 def _cost_model(args: argparse.Namespace):

@@ -17,7 +17,7 @@ from pipeloom.passes.offload import t_offload
 from pipeloom.runtime.spec import RankResult, TrainSpec
 from pipeloom.tune.plan import Plan
 
-__all__ = ["spec_from_plan", "train_plan"]
+__all__ = ["builds_its_own_model", "spec_from_plan", "train_plan"]
 
 _FIXED_BY_PLAN = {"schedule", "config", "dp", "tp", "layer_counts", "workload"}
 
@@ -73,10 +73,10 @@ def spec_from_plan(plan: Plan | str | Path, model: str | None = None, data=None,
             f"the plan splits each stage over tp = {plan.tp} ranks, which needs a model with a tensor-parallel plan: "
             "give model='hf:DIR' (--model hf:DIR), or plan with --tp 1"
         )
-    if not planned.gated or planned.kv_heads is not None or planned.params > 5e8:
+    if not _is_built_in(planned):
         raise ConfigError(
             f"the built-in decoder is a small LLaMA-style one; plan model {planned.name!r} is not one "
-            "(gated, without GQA, under 0.5B parameters): give model='hf:DIR', or plan from its profile"
+            "(gated, dense, without GQA, under 0.5B parameters): give model='hf:DIR', or plan from its profile"
         )
     config = llama_config(planned, planned.layers, plan.micro_batch_size)
     if data is not None:
@@ -90,6 +90,18 @@ def spec_from_plan(plan: Plan | str | Path, model: str | None = None, data=None,
         work = llama_workload(config, options.get("seed", 0), plan.partition, data)
         return TrainSpec(schedule=plan.schedule, workload=work, dp=plan.dp, **options)
     return TrainSpec(schedule=plan.schedule, config=config, dp=plan.dp, layer_counts=plan.partition, **options)
+
+
+def builds_its_own_model(plan: Plan) -> bool:
+    """Whether `spec_from_plan` builds the plan's model without being given one: the Hugging Face
+    directory its profile measured, or the built-in decoder for a small planned LLaMA."""
+    source = plan.cost_model.get("model") or ""
+    return source.startswith("hf:") or (plan.tp == 1 and _is_built_in(plan.model))
+
+
+def _is_built_in(planned) -> bool:
+    """A planned model the built-in decoder is: gated, dense, without GQA, under 0.5B parameters."""
+    return planned.gated and not planned.num_experts and planned.kv_heads is None and planned.params <= 5e8
 
 
 def train_plan(plan: Plan | str | Path, model: str | None = None, data=None, **options) -> list[RankResult]:

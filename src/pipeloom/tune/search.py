@@ -78,6 +78,7 @@ def tune(
     ep: int = 1,
     layouts: bool = True,
     host_memory: float = math.inf,
+    refuse: Callable[[Evaluation], str | None] | None = None,
 ) -> TuneResult:
     """The `keep` fastest plans that fit `memory` bytes per device; InfeasibleError if none does,
     naming the binding constraint. `memory_passes=False` leaves out Mario, T-Recomp and T-Offload;
@@ -87,7 +88,8 @@ def tune(
     `ep` > 1 the experts are shared out over groups of ep data-parallel replicas, so dp must
     be a multiple of ep. `layouts`: the leading plans are also built on other layer layouts
     than the balanced one (`_other_partitions`). `host_memory`: bytes of host memory per device,
-    which the optimizer state of offloaded stages must fit."""
+    which the optimizer state of offloaded stages must fit. `refuse`: what the runtime would
+    refuse a plan for (None: nothing); a ranked plan it refuses is ruled out with that reason."""
     points = [
         point
         for point in candidates(
@@ -172,6 +174,16 @@ def tune(
             evaluated += _other_partitions(ranked, pool, cost_model, memory, static_measures, host_memory)
     for evaluation in ranked:
         restore(evaluation)
+    refused = []
+    for evaluation in list(ranked) if refuse is not None else ():
+        if why := refuse(evaluation):
+            ranked.remove(evaluation)
+            refused.append(replace(evaluation, reason=f"refused by train: {why}"))
+    rejected += refused
+    if not ranked and refused:
+        raise InfeasibleError(
+            f"each of the {len(refused)} fastest plans that fit is {refused[0].reason.replace(': ', ' (', 1)})"
+        )
     if not ranked:
         raise InfeasibleError(_binding_constraint(rejected, memory) + _host_note(rejected, host_memory))
     apply_speed_noise(ranked, cost_model)
