@@ -174,11 +174,9 @@ def tune(
             evaluated += _other_partitions(ranked, pool, cost_model, memory, static_measures, host_memory)
     for evaluation in ranked:
         restore(evaluation)
-    refused = []
-    for evaluation in list(ranked) if refuse is not None else ():
-        if why := refuse(evaluation):
-            ranked.remove(evaluation)
-            refused.append(replace(evaluation, reason=f"refused by train: {why}"))
+    reasons = {id(e): refuse(e) for e in ranked} if refuse is not None else {}
+    refused = [replace(e, reason=f"refused by train: {reasons[id(e)]}") for e in ranked if reasons.get(id(e))]
+    ranked = [e for e in ranked if not reasons.get(id(e))]
     rejected += refused
     if not ranked and refused:
         raise InfeasibleError(
