@@ -107,6 +107,12 @@ def test_an_export_cut_short_says_so_in_one_line_and_leaves_no_half_written_mode
     err = capsys.readouterr().err  # beside transformers' own progress bar
     assert err.strip().splitlines()[-1] == "pipeloom: stopped by SIGINT" and "Traceback" not in err
     assert list((tmp_path / "hf").iterdir()) == [] and not list(tmp_path.glob(".hf.partial-*"))
+    # nor into a training run's directories, with --force or not: its own, or another's (found by the fuzz)
+    for output in (tmp_path / "ck", tmp_path / "ck" / "step-5" / "hf"):
+        code = main(["export", str(tmp_path / "ck"), "--output", str(output), "--force"])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1 and ("holds a training run's" in err or "lies inside" in err)
+    assert sorted(path.name for path in (tmp_path / "ck").iterdir()) == [".lock", ".run", "step-5"]
 
 
 @pytest.mark.parametrize("apart", ["zero1", "offload"])

@@ -50,6 +50,11 @@ def test_bad_models_data_and_devices_exit_2_with_one_line(capsys, tmp_path, llam
     (tmp_path / "t5").mkdir()
     (tmp_path / "t5" / "config.json").write_text('{"model_type": "t5"}')
     assert "'t5' is not supported" in refused(capsys, "--model", f"hf:{tmp_path / 't5'}")
+    (tmp_path / "heads").mkdir()  # Mixtral's default of 8 K/V heads under 2 heads failed in the first forward
+    (tmp_path / "heads" / "config.json").write_text(json.dumps({**LLAMA, "model_type": "mixtral"}))
+    assert "2 attention heads do not group over 8 key/value heads" in refused(
+        capsys, "--model", f"hf:{tmp_path / 'heads'}"
+    )
     (tmp_path / "odd.bin").write_bytes(b"\x01\x02\x03")
     assert "not a multiple of uint16" in refused(capsys, "--model", f"hf:{llama}", "--data", str(tmp_path / "odd.bin"))
     (tmp_path / "empty.bin").write_bytes(b"")

@@ -31,9 +31,19 @@ def register(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pipeloom.runtime.run_outputs import OWNER_FILE
+
     out = Path(args.output)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"export: --output {args.output!r} is a file, not a directory")
+    source = Path(args.checkpoint).resolve()
+    if out.resolve() == source or source in out.resolve().parents:
+        raise ConfigError(f"export: --output {args.output!r} lies inside the checkpoint it exports; write it elsewhere")
+    if out.is_dir() and (any(out.glob("step-*")) or (out / OWNER_FILE).exists()):  # even with --force
+        raise ConfigError(
+            f"export: --output {args.output!r} holds a training run's checkpoints or logs; export into a directory "
+            "of its own"
+        )
     if (out / "config.json").exists() and not args.force:
         raise ConfigError(f"export: {args.output!r} already holds a model; choose another --output or add --force")
     from pipeloom.runtime.export import export_checkpoint

@@ -221,9 +221,9 @@ def check_train_flags(args: argparse.Namespace) -> None:
     check_directory_target(args.log_dir, "--log-dir")
     _learning_rate_flags(args)
     args.steps = steps_of(args)
-    for name in ("steps", "threads"):
+    for name in ("steps", "threads", "seq_len", "microbatch_size", "image_size"):
         if getattr(args, name) < 1:
-            raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}")
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.dp < 1:
         raise ConfigError(f"--dp must be at least 1, got {args.dp}")
     if args.tp is not None and args.tp < 1:

@@ -68,12 +68,31 @@ def load_hf_config(path: str | Path, layers: int | None = None):
         config = transformers.AutoConfig.for_model(**data)
     except (ValueError, TypeError, KeyError) as error:
         raise ConfigError(f"hf: {str(config_file)!r} is malformed: {error}") from None
+    _check_heads(config, config_file)
     for key, value in list(config.to_dict().items()):
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
     if layers is not None:
         config.num_hidden_layers = layers
     return config
+
+
+def _check_heads(config, config_file: Path) -> None:
+    """Attention that transformers can build: a hidden size that splits into the heads, and query
+    heads in whole groups per key/value head (a Mixtral config with 4 heads takes its default 8
+    K/V heads, and failed deep in the first forward)."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    hidden = getattr(config, "hidden_size", None)
+    if not (isinstance(heads, int) and isinstance(kv_heads, int) and isinstance(hidden, int)):
+        return
+    if heads < 1 or kv_heads < 1 or heads % kv_heads:
+        raise ConfigError(
+            f"hf: {str(config_file)!r}: {heads} attention heads do not group over {kv_heads} key/value heads "
+            "(num_attention_heads must be a multiple of num_key_value_heads)"
+        )
+    if hidden % heads and getattr(config, "head_dim", None) is None:
+        raise ConfigError(f"hf: {str(config_file)!r}: hidden size {hidden} does not split into {heads} heads")
 
 
 def has_weights(path: str | Path) -> bool:
@@ -302,6 +321,10 @@ def hf_workload(
     config = load_hf_config(path, layers)
     family = config.model_type
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if seq_len < 1 or microbatch_size < 1:
+        raise ConfigError(
+            f"hf: sequence length and micro-batch size must be at least 1, got {seq_len} and {microbatch_size}"
+        )
     if limit is not None and seq_len > limit:
         raise ConfigError(f"hf: sequence length {seq_len} exceeds the model's {limit} positions; lower --seq-len")
     window = getattr(config, "sliding_window", None)

@@ -38,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from pipeloom.errors import ConfigError
+from pipeloom.runtime.lr_schedule import LRCurve
 
 __all__ = ["after_save", "find_checkpoint", "read_checkpoint", "save_checkpoint", "load_checkpoint", "MODEL"]
 
@@ -122,7 +123,8 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, dict]:
     try:
         facts = json.loads(marker.read_text())
         int(facts["step"])
-    except (ValueError, KeyError, TypeError):
+        LRCurve.from_record(facts.get("lr_curve"))
+    except (ValueError, KeyError, TypeError, ConfigError):
         raise ConfigError(f"checkpoint {str(chosen)!r} has an unreadable {MARKER} marker") from None
     return chosen, facts
 

@@ -76,10 +76,15 @@ class LRCurve:
     @staticmethod
     def from_record(record: dict | None) -> LRCurve | None:
         """The curve a checkpoint recorded (None: one written before curves were recorded)."""
-        if not isinstance(record, dict):
+        if record is None:
             return None
-        shape = LRSchedule(str(record["kind"]), int(record["warmup_steps"]), float(record["min_lr"]))
-        return LRCurve(float(record["lr"]), shape, int(record["steps"]), int(record.get("start", 0)))
+        try:
+            shape = LRSchedule(str(record["kind"]), int(record["warmup_steps"]), float(record["min_lr"]))
+            curve = LRCurve(float(record["lr"]), shape, int(record["steps"]), int(record.get("start", 0)))
+            shape.check(curve.lr, curve.steps - curve.start)
+        except (KeyError, TypeError, ValueError, ConfigError):
+            raise ConfigError(f"an unreadable learning-rate curve: {record!r}") from None
+        return curve
 
     @property
     def decays(self) -> bool:
