@@ -96,3 +96,18 @@ def test_checkpoints_from_before_runs_were_named_are_another_runs_too(tmp_path):
     with run_outputs(tmp_path / "ck", None, resume_from=tmp_path / "ck"):
         pass
     assert RunIdentity.read(tmp_path / "ck") is not None
+
+
+def test_a_refused_run_leaves_no_directory_it_made(tmp_path):
+    """A fresh --save was made, then the --log-dir refused (it holds another run's metrics): the
+    refused run left an empty checkpoint directory, claimed by a run that never ran."""
+    _a_finished_run(tmp_path / "ck", tmp_path / "logs")
+    with pytest.raises(ConfigError, match="--log-dir .* holds another run's files"):
+        with run_outputs(tmp_path / "fresh" / "ck", tmp_path / "logs"):
+            pass
+    assert not (tmp_path / "fresh").exists()
+    with held_by_another_process(tmp_path / "busy"):
+        with pytest.raises(ConfigError, match="is in use by another training"):
+            with run_outputs(tmp_path / "fresh" / "ck", tmp_path / "busy"):
+                pass
+    assert not (tmp_path / "fresh").exists()

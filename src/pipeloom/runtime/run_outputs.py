@@ -85,10 +85,18 @@ def run_outputs(
         directories.append((Path(log_dir), "--log-dir"))
     continued = _continued_directory(resume_from)
     identity = (RunIdentity.read(continued) if continued is not None else None) or RunIdentity.new(what)
+    created = [_first_missing(directory) for directory, _ in directories if not directory.exists()]
     with ExitStack() as held:
-        for directory, flag in directories:
-            if held.enter_context(save_lock(directory, flag)):
-                _claim(directory, flag, identity, continued, force)
+        try:
+            for directory, flag in directories:
+                if held.enter_context(save_lock(directory, flag)):
+                    _claim(directory, flag, identity, continued, force)
+        except ConfigError:  # a refused run leaves no directory behind: none it made, however far it got
+            held.close()
+            for top in created:
+                if all(entry.name in (LOCK_FILE, OWNER_FILE) for entry in top.rglob("*") if not entry.is_dir()):
+                    shutil.rmtree(top, ignore_errors=True)
+            raise
         yield
 
 
@@ -152,6 +160,13 @@ def remove_partials(directory: str | os.PathLike[str] | None) -> None:
         return
     for entry in Path(directory).glob("step-*.partial"):
         shutil.rmtree(entry, ignore_errors=True)
+
+
+def _first_missing(directory: Path) -> Path:
+    """The outermost directory that making `directory` creates."""
+    while not directory.parent.exists():
+        directory = directory.parent
+    return directory
 
 
 def _continued_directory(resume_from: str | os.PathLike[str] | None) -> Path | None:
