@@ -161,12 +161,11 @@ class LearningRate:
     T-Offload's optimizer, in order after the step it follows; at once for the others), and the
     curve they follow."""
 
-    def __init__(self, curve: LRCurve | None = None) -> None:
+    def __init__(self, curve: LRCurve) -> None:
         self.parts: list[tuple[lr_scheduler.LRScheduler, Callable[[Callable[[], None]], None]]] = []
         self.curve = curve
 
     def add(self, optimizer: torch.optim.Optimizer, runner: Callable[[Callable[[], None]], None] | None = None):
-        assert self.curve is not None
         self.parts.append((self.curve.scheduler_at(optimizer, self.curve.start), runner or (lambda call: call())))
 
     @property

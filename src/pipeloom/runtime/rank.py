@@ -112,9 +112,9 @@ class RankOptimizer:
     """What a checkpoint saves besides the weights."""
     parameters: list
     """The parameters the device's optimizer steps."""
+    learning: LearningRate
     scaler: LossScaler | None = None
     sync: OptimizerSync | None = None
-    learning: LearningRate = field(default_factory=LearningRate)
 
 
 @dataclass(kw_only=True)
