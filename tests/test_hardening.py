@@ -77,6 +77,8 @@ def test_recomputing_the_deepest_tpipe_chunk_runs(capsys):
         (["--lr", "inf"], "--lr must be a positive finite number, got inf"),  # trained to NaN and exited 0
         (["--summary", "/nonexistent/dir/s.json"], "does not exist"),
         (["--log-dir", "/proc/pipeloom-logs"], "cannot make a directory in '/proc'"),  # a rank's traceback
+        (["--seed=-1"], "--seed must lie in [0, 2**32), got -1"),  # numpy's traceback in the first batch
+        (["--seq-len", "0"], "--seq-len must be at least 1, got 0"),  # a reshape's traceback in the probe
     ],
 )
 def test_train_refuses_bad_flags_before_importing_torch(flags, message):

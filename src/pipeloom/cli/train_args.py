@@ -224,6 +224,8 @@ def check_train_flags(args: argparse.Namespace) -> None:
     for name in ("steps", "threads", "seq_len", "microbatch_size", "image_size"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if not 0 <= args.seed < 2**32:
+        raise ConfigError(f"--seed must lie in [0, 2**32), got {args.seed}")
     if args.dp < 1:
         raise ConfigError(f"--dp must be at least 1, got {args.dp}")
     if args.tp is not None and args.tp < 1:

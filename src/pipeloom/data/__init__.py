@@ -27,16 +27,26 @@ __all__ = [
     "sample_corpus",
     "train_tokenizer",
     "load_tokenizer",
+    "check_seed",
 ]
 
 _DTYPES = {"uint16": 2, "uint32": 4}
+SEED_LIMIT = 2**32
+"""Seeds lie in [0, 2³²): numpy's generators take no negative seed, and torch's none past 2⁶⁴
+once a step is folded in (a `--seed -1` failed inside the first batch)."""
+
+
+def check_seed(seed) -> int:
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < SEED_LIMIT:
+        raise ConfigError(f"the seed must be an integer in [0, 2**32), got {seed!r}")
+    return seed
 
 
 class SyntheticTokens:
     """Uniform random token ids from (seed, step): the default, needing no file."""
 
     def __init__(self, vocab: int, seq_len: int, seed: int) -> None:
-        self.vocab, self.seq_len, self.seed = vocab, seq_len, seed
+        self.vocab, self.seq_len, self.seed = vocab, seq_len, check_seed(seed)
         self.vocab_limit = vocab
 
     @property
@@ -82,7 +92,7 @@ class TokenFile(_Sampled):
     def __init__(self, path: str | Path, seq_len: int, seed: int, dtype: str | None = None) -> None:
         import numpy as np
 
-        self.path, self.seq_len, self.seed = Path(path), seq_len, seed
+        self.path, self.seq_len, self.seed = Path(path), seq_len, check_seed(seed)
         if not self.path.is_file():
             raise ConfigError(f"data: token file {str(self.path)!r} does not exist")
         self.dtype = dtype or ("uint32" if self.path.suffix in (".u32", ".uint32") else "uint16")
@@ -114,7 +124,7 @@ class TextTokens(_Sampled):
     def __init__(self, path: str | Path, tokenizer_dir: str | Path, seq_len: int, seed: int) -> None:
         import numpy as np
 
-        self.seq_len, self.seed = seq_len, seed
+        self.seq_len, self.seed = seq_len, check_seed(seed)
         self.path, self.tokenizer_dir = Path(path), Path(tokenizer_dir)
         path = self.path
         if not path.is_file():
@@ -201,6 +211,8 @@ def masked_lm(source, vocab: int, seed: int, probability: float = 0.15):
     last id of the vocabulary), targets the original ids there and -100 (ignored) elsewhere; at
     least one masked position per sequence. Positions are drawn from (seed, step)."""
     import torch
+
+    check_seed(seed)
 
     def batch(rows: int, step: int):
         tokens, _ = source.batch(rows, step)

@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from pipeloom.data import check_seed
 from pipeloom.errors import ConfigError
 from pipeloom.ir.schedule import Schedule
 from pipeloom.ir.validate import validate
@@ -28,6 +29,7 @@ def check_spec(spec: TrainSpec, world_size: int | None = None, on_this_device: b
     parallel = spec.parallelism
     if not isinstance(spec.steps, int) or isinstance(spec.steps, bool) or spec.steps < 1:
         raise ConfigError(f"train: steps must be an integer of at least 1, got {spec.steps!r}")  # 0 trained nothing
+    check_seed(spec.seed)
     validate(parallel.schedule)
     _check_parallelism(parallel, world_size)
     if spec.compile and (parallel.tp > 1 or parallel.ep > 1):
