@@ -264,6 +264,28 @@ def test_boundaries_may_differ_in_shape_and_carry_tuples():
         assert_trains_like_one_process(TrainSpec(schedule_for(name, p=4, m=4), steps=3, workload=work))
 
 
+def test_probing_the_boundaries_keeps_no_tensor_alive(tmp_path):
+    """The launcher's probe packed each saved tensor as itself, which its own grad_fn then held:
+    a cycle through C++ that Python's collector cannot free, so every run a process launched
+    (`train_plan` in a loop, the CLI fuzz) kept its probe's model and activations, 0.7 MB each."""
+    import gc
+
+    from pipeloom.runtime.probe import probe_spec
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY["llama"]))
+    spec = TrainSpec(build_schedule("1f1b", 2, 2), workload=hf_workload(tmp_path, microbatch_size=2, seq_len=16))
+
+    def live_tensors() -> int:
+        gc.collect()
+        return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
+
+    probe_spec(spec)  # what the first call builds once (caches, the workload's own tensors)
+    before = live_tensors()
+    for _ in range(3):
+        probe_spec(spec)
+    assert live_tensors() == before
+
+
 def test_bad_models_are_refused(tmp_path):
     from pipeloom.models.hf import load_hf_config
 

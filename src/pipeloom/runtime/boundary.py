@@ -136,6 +136,10 @@ def _cheap(stages: Sequence[nn.Module], example: tuple[torch.Tensor, ...]) -> bo
     return weights * elements < _REAL_PASS_MACS
 
 
+def _no_backward(_packed: None) -> torch.Tensor:
+    raise RuntimeError("the boundary probe runs forwards only: it keeps no saved tensor for a backward")
+
+
 def _walk(stages, example, run) -> StageProbe:
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -147,12 +151,13 @@ def _walk(stages, example, run) -> StageProbe:
         weights = {tuple(p.shape) for p in stage.parameters()}
         saved: dict[int, int] = {}
 
-        def pack(tensor: torch.Tensor, weights=weights, saved=saved) -> torch.Tensor:
+        def pack(tensor: torch.Tensor, weights=weights, saved=saved) -> None:
             if tuple(tensor.shape) not in weights:  # a weight (or its autocast copy) is no activation
                 saved[id(tensor)] = tensor.numel() * tensor.element_size()
-            return tensor
+            # kept nothing: a tensor packed as itself is held by its own grad_fn, a cycle through
+            # C++ that Python's collector cannot see, and every probe's tensors leaked
 
-        with counter, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with counter, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _no_backward):
             out = run(stage, tuple(t.detach().requires_grad_(t.is_floating_point()) for t in x))
         flops.append(float(counter.get_total_flops()))
         stashes.append(float(sum(saved.values())))
