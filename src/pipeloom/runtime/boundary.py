@@ -149,18 +149,20 @@ def _walk(stages, example, run) -> StageProbe:
     for index, stage in enumerate(stages):
         counter = FlopCounterMode(display=False)
         weights = {tuple(p.shape) for p in stage.parameters()}
-        saved: dict[int, int] = {}
+        saved: dict[int, tuple[torch.Tensor, int]] = {}
 
         def pack(tensor: torch.Tensor, weights=weights, saved=saved) -> None:
+            # held here for the stage's pass (so no id is reused while counting), not in the graph:
+            # a tensor packed as itself is held by its own grad_fn, a cycle through C++ that
+            # Python's collector cannot see, and every probe's tensors leaked
             if tuple(tensor.shape) not in weights:  # a weight (or its autocast copy) is no activation
-                saved[id(tensor)] = tensor.numel() * tensor.element_size()
-            # kept nothing: a tensor packed as itself is held by its own grad_fn, a cycle through
-            # C++ that Python's collector cannot see, and every probe's tensors leaked
+                saved[id(tensor)] = (tensor, tensor.numel() * tensor.element_size())
 
         with counter, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _no_backward):
             out = run(stage, tuple(t.detach().requires_grad_(t.is_floating_point()) for t in x))
         flops.append(float(counter.get_total_flops()))
-        stashes.append(float(sum(saved.values())))
+        stashes.append(float(sum(size for _, size in saved.values())))
+        saved.clear()
         if index < len(stages) - 1:
             x = tuple(t.detach() for t in out)
             specs.append(tuple(TensorSpec(tuple(t.shape), t.dtype) for t in x))
