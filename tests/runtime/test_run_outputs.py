@@ -9,18 +9,22 @@ from contextlib import contextmanager
 import pytest
 
 from pipeloom.errors import ConfigError
-from pipeloom.runtime.run_outputs import OWNER_FILE, RunIdentity, run_outputs
+from pipeloom.runtime.run_outputs import LOCK_FILE, OWNER_FILE, RunIdentity, run_outputs
 
 
 @contextmanager
-def held_by_another_process(directory, flag="--save"):
-    """`directory`'s lock held by another process (a second training), until the block ends."""
+def held_by_another_process(directory):
+    """`directory`'s lock held by another process (a second training), until the block ends: its
+    lock file locked and named as `save_lock` does (without importing torch, which takes seconds)."""
+    directory.mkdir(parents=True, exist_ok=True)
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import sys; from pipeloom.runtime.run_outputs import save_lock\n"
-            f"with save_lock({str(directory)!r}, {flag!r}):\n    print('held', flush=True); sys.stdin.read()",
+            "import fcntl, os, sys\n"
+            f"lock = open({str(directory / LOCK_FILE)!r}, 'a+'); fcntl.flock(lock, fcntl.LOCK_EX)\n"
+            "lock.truncate(0); lock.write(f'pid {os.getpid()}'); lock.flush()\n"
+            "print('held', flush=True); sys.stdin.read()",
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -43,7 +47,7 @@ def test_a_directory_another_training_holds_is_refused_naming_the_holder(tmp_pat
                 pass
     with run_outputs(tmp_path / "ck", None):  # released when the holder ends
         pass
-    with held_by_another_process(tmp_path / "logs", "--log-dir") as pid:
+    with held_by_another_process(tmp_path / "logs") as pid:
         with pytest.raises(ConfigError, match=rf"--log-dir '.*logs' is in use by another training \(pid {pid}\)"):
             with run_outputs(tmp_path / "ck", tmp_path / "logs"):
                 pass
