@@ -195,6 +195,15 @@ def world(tmp_path_factory):
     argv += ["--seq-len", "16", "--steps", "4", "--lr-schedule", "cosine"]
     assert main([*argv, "--save", str(root / "ck"), "--save-every", "2", "--quiet"]) == 0
     shutil.copytree(root / "ck", root / "other")  # another run's directory, for --save, --log-dir, --output
+    # a plan of the built-in decoder from a synthetic profile, and two broken copies
+    from tune.test_profiled import MODEL, profile
+
+    (root / "prof.json").write_text(json.dumps(profile() | {"model": {**MODEL, "layers": 4}}))
+    tune = ["tune", "--costs", str(root / "prof.json"), "--devices", "2", "--memory", "1GiB", "--global-batch", "8"]
+    assert main([*tune, "--schemes", "1f1b,zb-h1,zb-v", "--runnable", "--output", str(root / "plan.json")]) == 0
+    text = (root / "plan.json").read_text()
+    (root / "bad-plan.json").write_text(text[: len(text) // 2])
+    (root / "edited-plan.json").write_text(json.dumps(json.loads(text) | {"pp": 3}))
     for name, damage in (("torn", _tear), ("truncated", _truncate), ("edited", _edit_model), ("marker", _edit_marker)):
         shutil.copytree(root / "ck", root / name)
         damage(root / name / "step-4")
@@ -242,6 +251,16 @@ def random_train(rng: random.Random, world: World, case: int) -> list[str]:
     four, a careless one (any flags, bad values often) otherwise."""
     careful = rng.random() < 0.75
     draw = Draw(rng, 0.04 if careful else 0.3)
+    if rng.random() < 0.1:  # a tuned plan fixes the schedule, the model and dp
+        plan = world.path(rng, "plan.json", "plan.json", "bad-plan.json", "edited-plan.json")
+        argv = ["train", "--plan", plan] + ([] if careful else ["-p", "2"])
+        argv += ["--nproc", draw(["2"], ["3"])] if rng.random() < 0.5 else []
+    else:
+        argv = _schedule_and_model(rng, world, careful, draw)
+    return _with_run_flags(argv, rng, world, case, careful, draw, tp="--tp" in argv)
+
+
+def _schedule_and_model(rng: random.Random, world: World, careful: bool, draw: Draw) -> list[str]:
     generators = {generator.name: generator for generator in list_generators()}
     name = draw(sorted(generators), ["nope"])
     p, m, dp = rng.randint(1, 3), rng.randint(1, 6), rng.choice([1, 1, 2])
@@ -269,6 +288,10 @@ def random_train(rng: random.Random, world: World, case: int) -> list[str]:
         for flag, good, bad in (("--layers", [2, 4], [0, -1]), ("--hidden", [32, 64], [0, 30]), ("--heads", [2], [3])):
             if rng.random() < 0.4:
                 argv += [flag, draw(good, bad)]
+    return argv
+
+
+def _with_run_flags(argv, rng: random.Random, world: World, case: int, careful: bool, draw: Draw, tp: bool):
     picks = {
         "--ep": lambda: draw([1, 2], [0, 3]),
         "--sequence-parallel": None,
