@@ -189,7 +189,9 @@ def world(tmp_path_factory):
     (root / "bad.toml").write_text("schedule = \n")
     (root / "unknown.toml").write_text("learning_rate = 0.1\n")
     (root / "misplaced.toml").write_text("[optimizer]\ndp = 2\n")
-    shutil.copy(ROOT / "examples" / "run.toml", root / "example.toml")
+    example = (ROOT / "examples" / "run.toml").read_text()  # its inputs where they are; its outputs here
+    example = example.replace('"hf:examples/', f'"hf:{ROOT}/examples/').replace('"examples/', f'"{ROOT}/examples/')
+    (root / "example.toml").write_text(example.replace('save = "ck"', 'save = "example-ck"'))
     # a real checkpoint: the tiny LLaMA on 2 ranks, a cosine run of 4 steps, saved at 2 and 4
     argv = ["train", "1f1b", "-p", "2", "-m", "2", "--nproc", "2", "--model", f"hf:{root / 'llama'}"]
     argv += ["--seq-len", "16", "--steps", "4", "--lr-schedule", "cosine"]
@@ -380,6 +382,7 @@ def test_every_train_or_export_configuration_is_refused_in_one_line_or_runs(worl
         raise _Launched
 
     monkeypatch.setattr(pipeloom.runtime.local, "run_local", launched)
+    monkeypatch.chdir(world.root)  # what a configuration names relative to here stays in the world
     rng = random.Random(SEED)
     outcomes = {"refused": 0, "launched": 0, "exported": 0}
     for case in range(TRAIN_CASES):
