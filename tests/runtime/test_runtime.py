@@ -11,6 +11,7 @@ import re
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -228,10 +229,19 @@ def regression_batch(rows, step):
     return x, x.flip(-1)
 
 
-def test_any_list_of_blocks_trains_like_one_process():
+def mlp_workload(last: Callable[[], torch.nn.Module] | None = None):
+    """The MLP blocks on the regression data, with `last()` appended when given (a block that
+    marks, kills or stalls a rank)."""
     from pipeloom.models.workload import blocks_workload
 
-    work = blocks_workload(mlp_blocks, regression_batch, torch.nn.functional.mse_loss, (3, 8), microbatch_size=3)
+    def blocks():
+        return [*mlp_blocks(), *([last()] if last is not None else [])]
+
+    return blocks_workload(blocks, regression_batch, torch.nn.functional.mse_loss, (3, 8), microbatch_size=3)
+
+
+def test_any_list_of_blocks_trains_like_one_process():
+    work = mlp_workload()
     for schedule in (build_schedule("1f1b", 2, 4), build_schedule("zb-h1", 4, 4)):
         spec = TrainSpec(schedule, steps=2, workload=work)
         assert_matches_reference(spec, run_in_process(spec))
@@ -260,16 +270,8 @@ class _MarksItsCalls(torch.nn.Module):
 
 
 def test_a_killed_rank_makes_the_others_fail_without_hanging():
-    from pipeloom.models.workload import blocks_workload
-
     with tempfile.TemporaryDirectory() as directory:
-        work = blocks_workload(
-            lambda: [*mlp_blocks(), _MarksItsCalls(directory)],
-            regression_batch,
-            torch.nn.functional.mse_loss,
-            (3, 8),
-            microbatch_size=3,
-        )
+        work = mlp_workload(lambda: _MarksItsCalls(directory))
         spec = TrainSpec(build_schedule("1f1b", 2, 4), steps=10_000, workload=work, timeout_s=30)
         context = multiprocessing.get_context("fork")
         ranks = [context.Process(target=_worker, args=(spec, rank, 2, directory)) for rank in range(2)]
@@ -317,26 +319,13 @@ def _stalled() -> None:
 def test_a_rank_killed_outright_is_the_one_reported():
     """Its peer then fails on the closed connection and leaves a reason; the launcher used to
     report that echo ("rank 0 failed") and not the rank that was killed."""
-    from pipeloom.models.workload import blocks_workload
-
-    work = blocks_workload(
-        lambda: [*mlp_blocks(), _OnRankOne(_killed)],
-        regression_batch,
-        torch.nn.functional.mse_loss,
-        (3, 8),
-        microbatch_size=3,
-    )
+    work = mlp_workload(lambda: _OnRankOne(_killed))
     with pytest.raises(RuntimeFault, match=r"^rank 1 failed: killed by SIGKILL$"):
         run_local(TrainSpec(build_schedule("1f1b", 2, 4), steps=3, workload=work, timeout_s=30), timeout_s=120)
 
 
 def test_a_stalled_rank_makes_the_others_fail_within_the_timeout():
-    from pipeloom.models.workload import blocks_workload
-
-    def blocks():
-        return [*mlp_blocks(), _OnRankOne(_stalled)]
-
-    work = blocks_workload(blocks, regression_batch, torch.nn.functional.mse_loss, (3, 8), microbatch_size=3)
+    work = mlp_workload(lambda: _OnRankOne(_stalled))
     spec = TrainSpec(build_schedule("1f1b", 2, 4), steps=3, workload=work, timeout_s=1.5)
     began = time.monotonic()
     with pytest.raises(RuntimeFault) as failure:

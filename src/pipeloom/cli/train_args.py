@@ -9,6 +9,7 @@ import math
 from pipeloom.cli.args import add_ckpt, add_costs, add_schedule_source, int_list
 from pipeloom.cli.model import add_model_arguments
 from pipeloom.cli.output import check_outputs
+from pipeloom.data import SEED_LIMIT
 from pipeloom.errors import ConfigError
 from pipeloom.files import check_directory_target
 from pipeloom.profile.speed import WARMUP_STEPS
@@ -224,7 +225,7 @@ def check_train_flags(args: argparse.Namespace) -> None:
     for name in ("steps", "threads", "seq_len", "microbatch_size", "image_size"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if not 0 <= args.seed < 2**32:
+    if not 0 <= args.seed < SEED_LIMIT:
         raise ConfigError(f"--seed must lie in [0, 2**32), got {args.seed}")
     if args.dp < 1:
         raise ConfigError(f"--dp must be at least 1, got {args.dp}")

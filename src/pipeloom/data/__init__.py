@@ -28,6 +28,7 @@ __all__ = [
     "train_tokenizer",
     "load_tokenizer",
     "check_seed",
+    "SEED_LIMIT",
 ]
 
 _DTYPES = {"uint16": 2, "uint32": 4}
