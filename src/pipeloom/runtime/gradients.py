@@ -263,10 +263,12 @@ class GradientBuckets:
         for index, bucket in enumerate(self.buckets):
             hosted = bucket.stages & self._hosted
             if bucket.work is None and hosted and hosted <= self._finished:
+                began = time.perf_counter()  # when the executor started it, as ZeRO's below: not after
+                # gloo's launch, which on a busy host can outlast the stage's remaining ops
                 flat = self.flat(index)
                 bucket.work = dist.all_reduce(flat, group=bucket.group, async_op=True)
                 bucket.summed = flat if index not in self.stores else None
-                self.started.append((tuple(sorted(bucket.stages)), time.perf_counter()))
+                self.started.append((tuple(sorted(bucket.stages)), began))
         if self._then is not None:
             now = time.perf_counter()
             self.started.extend(((stage,), now) for stage in self._then(stages))
