@@ -56,7 +56,7 @@ def _worker(
     try:
         if not isinstance(spec, TrainSpec):
             spec = spec()
-        result = train_rank(spec, rank, world_size, init_method, probe=probe)
+        result = train_rank(spec, rank, world_size, init_method, probe=probe, tear_down=spec.resolved_backend != "gloo")
         torch.save(result, f"{directory}/rank{rank}.pt")
     except ConfigError as error:  # bad input: the root cause, whatever its peers then report
         Path(f"{directory}/rank{rank}.error").write_text(error.summary)

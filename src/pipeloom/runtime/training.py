@@ -44,10 +44,16 @@ def train_rank(
     init_method: str,
     gather: bool = False,
     probe: StageProbe | None = None,
+    tear_down: bool = True,
 ) -> RankResult:
     """Run `spec` as one rank of the process group; ranks return their own results, and with
     `gather` rank 0's result also carries every rank's (`all_results`). `probe`: the stage
-    boundaries, when the launcher probed them once for all ranks."""
+    boundaries, when the launcher probed them once for all ranks.
+
+    `tear_down=False` leaves the process group up, for a process that ends right after (the
+    launcher's gloo ranks): gloo's event loop sees a shutdown only at its next 10 ms poll, and a
+    run's dozen groups each wait for theirs — a third of a small run's time — while the exit
+    closes the same connections at once."""
     check_spec(spec, world_size)
     torch.set_num_threads(spec.threads)
     if spec.torch_device_type == "cpu":
@@ -71,7 +77,8 @@ def train_rank(
     except RuntimeError as error:  # a peer died or stalled: one clear line on every rank
         raise RuntimeFault(f"rank {rank}: {peer_failure(error)}") from None
     finally:
-        dist.destroy_process_group()
+        if tear_down:
+            dist.destroy_process_group()
 
 
 def _train(spec: TrainSpec, rank: int, probe: StageProbe | None) -> RankResult:
