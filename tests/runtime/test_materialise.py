@@ -82,3 +82,16 @@ def test_a_mixture_saved_expert_by_expert_is_read_expert_by_expert(tmp_path):
     assert torch.equal(shard.detach(), expected["model.layers.1.mlp.experts.gate_up_proj"][2:])
     materialise(skeleton, [stage], {}, torch.device("cpu"))
     assert all(torch.equal(t.detach(), expected[stage.model_names[n]]) for n, t in stage.named_parameters())
+
+
+def test_making_weights_real_draws_from_the_host_generator_alone(tmp_path, monkeypatch):
+    """Initialising a unit reseeds the host's generator, then restores it; torch.manual_seed also
+    reseeded every accelerator's generator (CUDA's included), which nothing restored."""
+    reseeded: list[str] = []
+    for module in (torch.cuda, torch.xpu, torch.mtia):
+        monkeypatch.setattr(module, "manual_seed_all", lambda seed, name=module.__name__: reseeded.append(name))
+    (tmp_path / "config.json").write_text(json.dumps(TINY["llama"]))
+    state = torch.random.get_rng_state()
+    work = hf_workload(tmp_path, seed=4, seq_len=16)
+    work.build(2)
+    assert reseeded == [] and torch.equal(torch.random.get_rng_state(), state)

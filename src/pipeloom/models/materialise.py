@@ -197,8 +197,10 @@ class Skeleton:
                     store[slot] = made
         try:
             digest = hashlib.sha256(f"{self._seed}:{key}".encode()).digest()
+            # the host's generator only (what initialises these host tensors): torch.manual_seed
+            # would also reseed every accelerator's, which fork_rng(devices=[]) does not restore
             with torch.random.fork_rng(devices=[]), torch.no_grad():
-                torch.manual_seed(int.from_bytes(digest[:8], "little"))
+                torch.random.default_generator.manual_seed(int.from_bytes(digest[:8], "little"))
                 for sub in members:
                     self._initialise(sub)
             values = {id(original): real[id(self._twin_of[id(original)])].detach() for original in tensors}

@@ -24,7 +24,7 @@ def resnet_blocks(name: str = "resnet18", num_classes: int = 10, seed: int = 0) 
         raise ConfigError(f"vision: unknown ResNet {name!r}; choose from {', '.join(RESNETS)}")
     torchvision = import_torchvision()
     state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
+    torch.random.default_generator.manual_seed(seed)  # the host's only: the state restored below
     try:
         model = getattr(torchvision.models, name)(num_classes=num_classes)
     finally:
