@@ -9,7 +9,7 @@ the absence of cycles is checked by walking it (`pipeloom.ir.walk`, which the si
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, assert_never
+from typing import TYPE_CHECKING
 
 from pipeloom.errors import ScheduleError
 from pipeloom.ir.ops import OVERLAPPABLE, Op, OpKind
@@ -81,31 +81,37 @@ def _index(schedule: Schedule) -> DependencyGraph:
     problems: list[tuple[str, tuple[int, ...]]] = []
     pair_heads: list[int] = []
 
-    # Pass 1: number the ops and register who produces what.
+    # Pass 1: number the ops and register who produces what. (The op loops below are the
+    # tuner's hottest Python: kinds and methods are bound to locals, each op's key computed once.)
+    op_w, op_f, op_r, op_b, op_bw = _W, _F, _R, _B, _BW
+    keys: list[int] = []
+    add_op, add_device, add_key = ops.append, device_of.append, keys.append
     for device, device_ops in enumerate(schedule.devices):
         for op in device_ops:
             g = len(ops)
-            ops.append(op)
-            device_of.append(device)
+            add_op(op)
+            add_device(device)
             if op.overlap_next:
                 pair_heads.append(g)
             stage, microbatch, slice_ = op.stage, op.microbatch, op.slice
             if not (0 <= stage < num_stages and 0 <= microbatch < num_mb and 0 <= slice_ < num_slices):
                 problems.append((_out_of_range(op, schedule), (g,)))
+                add_key(-1)
                 continue
             key = (stage * num_mb + microbatch) * num_slices + slice_
+            add_key(key)
             kind = op.kind
-            if kind is OpKind.W:
+            if kind is op_w:
                 w_at.setdefault(key, []).append(g)
                 continue
-            if kind is OpKind.F:
+            if kind is op_f:
                 table = f_at
-            elif kind is OpKind.R:
+            elif kind is op_r:
                 table = r_at
-            elif kind is OpKind.B or kind is OpKind.BW:
+            elif kind is op_b or kind is op_bw:
                 table = b_at
-            else:
-                assert_never(kind)
+            else:  # the kinds are aliased for speed, which mypy cannot narrow: assert_never would not type
+                raise AssertionError(f"unknown op kind {kind!r}")
             if table[key] >= 0:
                 problems.append((f"duplicated {_role(kind)} of key {_key_text(op)}", (table[key], g)))
             else:
@@ -152,31 +158,27 @@ def _index(schedule: Schedule) -> DependencyGraph:
 
     # Pass 3: data dependencies (docs/design.md §1 table).
     deps: list[tuple[int, ...]] = []
+    add_deps = deps.append
     last_stage, last_slice = num_stages - 1, num_slices - 1
-    for op in ops:
-        key = (op.stage * num_mb + op.microbatch) * num_slices + op.slice
+    for op, key in zip(ops, keys):
         kind = op.kind
-        if kind is OpKind.F:
-            need = []
+        if kind is op_f:
             if op.stage:
-                need.append(f_at[key - stage_stride])
-            if op.slice:
-                need.append(f_at[key - 1])
-            deps.append(tuple(need))
-        elif kind is OpKind.W:
-            deps.append((b_at[key],))
-        elif (
-            kind is OpKind.R or kind is OpKind.B or kind is OpKind.BW
-        ):  # and the gradient inputs, for B/BW and an R inside it
-            need = [f_at[key] if kind is OpKind.R or not ops[f_at[key]].ckpt else r_at[key]]
-            if kind is not OpKind.R or op.after_grad:
+                add_deps((f_at[key - stage_stride], f_at[key - 1]) if op.slice else (f_at[key - stage_stride],))
+            else:
+                add_deps((f_at[key - 1],) if op.slice else ())
+        elif kind is op_w:
+            add_deps((b_at[key],))
+        elif kind is op_r or kind is op_b or kind is op_bw:  # and the gradient inputs, for B/BW and an R inside it
+            need = [f_at[key] if kind is op_r or not ops[f_at[key]].ckpt else r_at[key]]
+            if kind is not op_r or op.after_grad:
                 if op.stage != last_stage:
                     need.append(b_at[key + stage_stride])
                 if op.slice != last_slice:
                     need.append(b_at[key + 1])
-            deps.append(tuple(need))
+            add_deps(tuple(need))
         else:
-            assert_never(kind)
+            raise AssertionError(f"unknown op kind {kind!r}")
     paired = frozenset(pair_heads)
     if not paired:
         return DependencyGraph(schedule, ops, device_of, offsets, deps, deps, paired)
@@ -236,6 +238,8 @@ def _raise_problems(
 def _check_parts(ops: list[Op], backward: Op, b: int, ws: list[int], problems: list) -> None:
     if not ws:
         problems.append((f"missing W for {backward.text}", (b,)))
+        return
+    if len(ws) == 1 and ops[ws[0]].parts == 1 and ops[ws[0]].part == 0:  # the common case: one whole W
         return
     parts = ops[ws[0]].parts
     if any(ops[w].parts != parts for w in ws):

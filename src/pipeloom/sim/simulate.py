@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from itertools import compress
 
 from pipeloom.costs import Costs
 from pipeloom.ir.graph import DependencyGraph, build_graph
@@ -135,6 +136,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, not_before: Mapping
     start, end = run(graph, durations, costs.comm, release)
     offsets = graph.offsets
     num_devices = schedule.num_devices
+    counted = [op.kind in _USEFUL for op in graph.ops]  # recomputes (R) are not useful work
 
     spans, useful, busy, peaks = [], [], [], []
     last_end = 0.0
@@ -148,7 +150,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, not_before: Mapping
             continue
         spans.append(end[stop - 1] - start[first])
         last_end = max(last_end, end[stop - 1])
-        useful.append(sum(durations[g] for g in range(first, stop) if graph.ops[g].kind in _USEFUL))
+        useful.append(sum(compress(durations[first:stop], counted[first:stop])))
         busy.append(sum(durations[first:stop]))
         peaks.append(_peak(deltas, first, stop, graph.paired))
     cost = max(spans)
