@@ -4,13 +4,13 @@ or is accepted and does what it says. No other outcome — no traceback, no sile
 `pipeloom simulate` over every generator and flag: an accepted configuration's exported schedule
 is valid and its peak activation memory within --mem-limit. Costs reach M_W up to 2·M_B; a fifth
 of the configurations read a schedule file whose rows fuse random neighbours into overlapped
-pairs, forward-first or backward-first. PIPELOOM_FUZZ=N runs N configurations instead of 120.
+pairs, forward-first or backward-first. PIPELOOM_FUZZ=N runs N configurations instead of 80.
 
 `pipeloom train` and `pipeloom export` over their flags — schedules, layouts, the optimizer,
 checkpoints (a real one, and torn, truncated and edited copies of it), resume, logs,
 evaluation, config files, data and models: a refused one creates no --save or --log-dir; an
 accepted train reaches the launcher (`run_local`, stopped there: ranks are tested elsewhere), an
-accepted export writes a model directory. PIPELOOM_FUZZ_TRAIN=N runs N instead of 80.
+accepted export writes a model directory. PIPELOOM_FUZZ_TRAIN=N runs N instead of 50.
 
 Seeded, so a failure reproduces; PIPELOOM_FUZZ_SEED=S runs another seed."""
 
@@ -30,8 +30,8 @@ from pipeloom.ir.io import load_schedule
 from pipeloom.ir.torch_csv import to_torch_csv
 from pipeloom.schedules import list_generators
 
-CASES = int(os.environ.get("PIPELOOM_FUZZ", "120"))
-TRAIN_CASES = int(os.environ.get("PIPELOOM_FUZZ_TRAIN", "80"))
+CASES = int(os.environ.get("PIPELOOM_FUZZ", "80"))
+TRAIN_CASES = int(os.environ.get("PIPELOOM_FUZZ_TRAIN", "50"))
 SEED = int(os.environ.get("PIPELOOM_FUZZ_SEED", "20261123"))
 ROOT = Path(__file__).resolve().parent.parent
 _PAIRABLE = re.compile(r"^\d+[FIB]\d+$")

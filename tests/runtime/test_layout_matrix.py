@@ -32,6 +32,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+import torch.distributed.checkpoint as dcp  # noqa: E402
 from helpers.hf_configs import TINY  # noqa: E402
 from helpers.runtime import assert_gradients_close, assert_resumes_bit_identically, saved_midway  # noqa: E402
 
@@ -190,12 +191,17 @@ RESUMES = [  # (layout, features, other layouts and features it resumes under)
 
 @pytest.mark.parametrize("column, changes, elsewhere", RESUMES, ids=[column for column, *_ in RESUMES])
 def test_save_and_resume_continue_bit_identically(tmp_path, column, changes, elsewhere):
-    """On the same layout bit for bit; under another (pp, tp, dp, ep, ZeRO level, offload set:
-    each weight and its optimizer state read by name and cut anew) within rounding of the sums.
-    A resume keeps the batch: its micro-batches over the replicas."""
+    """Each tp or ep shard is saved as a part of one tensor, the whole weight under its name. The
+    run resumes on the same layout bit for bit; under another (pp, tp, dp, ep, ZeRO level, offload
+    set: each weight and its optimizer state read by name and cut anew) within rounding of the
+    sums. A resume keeps the batch: its micro-batches over the replicas."""
     layout = LAYOUTS[column]
     spec = layout.spec(tmp_path, **changes, steps=4)
     whole, checkpoint = saved_midway(spec, tmp_path / "ckpt")
+    stored = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    shapes = {record.name: tuple(record.shape) for result in whole for record in result.placements}
+    saved = {key.removeprefix("model."): tuple(entry.size) for key, entry in stored.items() if key.startswith("model.")}
+    assert saved == shapes  # each tp or ep shard saved as a part of one tensor: the whole weight, by name
     assert_resumes_bit_identically(spec, whole, checkpoint)
     for other in elsewhere:
         flat = {key: value for key, value in other.items() if key != "p"}

@@ -44,9 +44,11 @@ def assert_trains_like_one_process(spec, rtol=1e-5, atol=1e-6):
     return trains_like_one_process(spec, rtol, atol)
 
 
-@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("schedule", ["interleaved", "zb-v"])
 @pytest.mark.parametrize("family", ["llama", "gpt2", "bert", "mamba"])
 def test_hf_models_train_like_one_process(tmp_path, family, schedule):
+    """Four stages each: chunks of the model on each device with fused backwards, and a V with a
+    split backward (B, then W) whose first and last stages share a device (a tied embedding's two ends)."""
     work = hf_workload(model_dir(tmp_path, family), seed=1, microbatch_size=2, seq_len=16)
     assert_trains_like_one_process(TrainSpec(schedule_for(schedule), steps=3, workload=work))
 
@@ -105,10 +107,11 @@ def test_partial_recompute_of_real_models_trains_like_one_process(tmp_path, fami
     assert all(result.records[0].recomputes == 4 for result in results)
 
 
-@pytest.mark.parametrize("schedule", ["interleaved", "zb-v"])  # chunks; convolutions under the B/W split
-def test_torchvision_resnet_trains_like_one_process(schedule):
+def test_torchvision_resnet_trains_like_one_process():
+    """Four stages of convolutions (batch norms in them) in a V, under the B/W split; the partial
+    recompute test runs them checkpointed."""
     work = resnet_workload("resnet18", microbatch_size=2, image_size=32, seed=4)
-    assert_trains_like_one_process(TrainSpec(schedule_for(schedule), steps=2, workload=work), atol=1e-5)
+    assert_trains_like_one_process(TrainSpec(schedule_for("zb-v"), steps=2, workload=work), atol=1e-5)
 
 
 def test_tied_embeddings_get_the_summed_gradient_of_both_ends(tmp_path):

@@ -41,7 +41,7 @@ def test_profile_simulate_tune_train(tmp_path, capsys):
                 "--layers",
                 "1,2",
                 "--steps",
-                "3",
+                "2",
                 "--max-rounds",
                 "2",  # a quick profile: what is checked here is the flow, not the figures' settling
                 "--output",

@@ -26,8 +26,6 @@ from helpers.hf_configs import TINY, with_layers  # noqa: E402
 from helpers.runtime import (  # noqa: E402
     assert_gradients_close,
     assert_matches_reference,
-    assert_resumes_bit_identically,
-    saved_midway,
 )
 
 from pipeloom import build_schedule  # noqa: E402
@@ -169,18 +167,11 @@ def test_the_global_norm_under_tp_counts_every_shard_once(tmp_path, token_file):
     assert [validated[layout.rank(0, 1, t)].rollbacks for t in range(2)] == [0, 0]
 
 
-def test_a_tp_checkpoint_resumes_bit_identically_and_under_another_tp_and_pipeline(tmp_path, token_file):
-    """Each cut weight and its moments are saved as one DTensor under the whole weight's name, so
-    a pp2 × tp2 checkpoint resumes on its own layout bit for bit, and under pp1 (no TP) and
-    pp1 × tp2, reading its own slices: the uninterrupted run's losses within rounding of the
-    row-parallel sums. (ZeRO's and the host's state of tp shards: test_layout_matrix.) A model
-    that packs q, k and v in one weight (GPT-2) is refused in one line."""
-    spec = llama_spec(tmp_path, token_file, "1f1b", tp=2, steps=4, lr=1e-3)
-    whole, checkpoint = saved_midway(spec, tmp_path / "ckpt")
-    assert_resumes_bit_identically(spec, whole, checkpoint)
-    for p, tp in ((1, 1), (1, 2)):
-        resumed = run_local(spec.changed(schedule=build_schedule("1f1b", p, 2), tp=tp, resume_dir=checkpoint))
-        assert resumed[0].losses == pytest.approx(whole[0].losses[2:], rel=1e-6), (p, tp)
+def test_a_checkpoint_of_packed_projections_resumes_only_on_its_own_tp(tmp_path):
+    """Each cut weight is saved under the whole weight's name, so a tp checkpoint resumes under
+    another tp and pipeline (test_layout_matrix's resume matrix); a model that packs q, k and v
+    in one weight (GPT-2) saves its shards of the packed weight, which no other cut reads: refused
+    in one line."""
     gpt2 = hf_workload(model_dir(tmp_path, OTHERS["gpt2"]), microbatch_size=2, seq_len=SEQ)
     packed = TrainSpec(
         build_schedule("1f1b", 1, 2), workload=gpt2, tp=2, steps=1, save_every=1, save_dir=str(tmp_path / "g")
