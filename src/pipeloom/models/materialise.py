@@ -23,7 +23,6 @@ first unit holding it.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -121,10 +120,9 @@ class Skeleton:
     ) -> None:
         self.stages = list(stages)
         self._initialise, self._seed, self._weights = initialise, seed, weights
-        memo: dict = {}
-        self._twins = copy.deepcopy(self.stages, memo)
-        """The uncut model, which units are initialised in (the stages themselves get cut)."""
-        self._twin_of = memo
+        self._twin_of = _twins(self.stages)
+        """By module id, the uncut model's module that units are initialised in (the stages
+        themselves get cut)."""
         self._units: list[tuple[str, nn.Module, bool, list[torch.Tensor]]] = []
         """(seed key, module, whether its submodules belong to it, its tensors as built — the
         module itself may hold shards of them by the time they are asked for)."""
@@ -203,7 +201,7 @@ class Skeleton:
                 torch.random.default_generator.manual_seed(int.from_bytes(digest[:8], "little"))
                 for sub in members:
                     self._initialise(sub)
-            values = {id(original): real[id(self._twin_of[id(original)])].detach() for original in tensors}
+            values = {id(original): real[id(original)].detach() for original in tensors}
         finally:
             for store, slot, tensor in saved:
                 store[slot] = tensor
@@ -231,6 +229,32 @@ def materialise(
         if isinstance(tensor, nn.Parameter):
             value = nn.Parameter(value, requires_grad=tensor.requires_grad)
         torch.utils.swap_tensors(tensor, value)
+
+
+def _twins(stages: Sequence[nn.Module]) -> dict[int, nn.Module]:
+    """Each module of `stages` (by id) copied as a structure: its own tables of parameters,
+    buffers and submodules, holding the same tensors, every other attribute a shallow copy. A
+    unit initialises in its twins, real tensors swapped into their tables, while cuts change the
+    stages' own tables; a deepcopy made new meta tensors and copied every attribute's contents,
+    more than a rank's whole set-up costs for a small model."""
+    twin_of: dict[int, nn.Module] = {}
+
+    def twin(module: nn.Module) -> nn.Module:
+        made = twin_of.get(id(module))
+        if made is None:
+            made = object.__new__(type(module))
+            made.__dict__.update(module.__dict__)
+            made.__dict__["_parameters"] = dict(module._parameters)
+            made.__dict__["_buffers"] = dict(module._buffers)
+            twin_of[id(module)] = made  # before the children: a module reached twice is one twin
+            made.__dict__["_modules"] = {
+                name: None if child is None else twin(child) for name, child in module._modules.items()
+            }
+        return made
+
+    for stage in stages:
+        twin(stage)
+    return twin_of
 
 
 def _units_of(stage: nn.Module) -> list[tuple[str, nn.Module, bool]]:
