@@ -55,16 +55,21 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def _rotary(x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    """Rotate pairs of channels by position-dependent angles (x: batch, heads, seq, head_dim);
-    positions start at `offset` (a slice's place in the sequence)."""
-    seq, dim = x.shape[-2], x.shape[-1]
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim))
-    positions = torch.arange(offset, offset + seq, dtype=torch.float32, device=x.device)
+def _rotary(q: torch.Tensor, k: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate pairs of channels of the queries and keys by position-dependent angles (batch,
+    heads, seq, head_dim; the angles computed once for both); positions start at `offset` (a
+    slice's place in the sequence)."""
+    seq, dim = q.shape[-2], q.shape[-1]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32, device=q.device) / dim))
+    positions = torch.arange(offset, offset + seq, dtype=torch.float32, device=q.device)
     angles = positions[:, None] * inv_freq[None, :]
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    even, odd = x[..., 0::2], x[..., 1::2]
-    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+    cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+
+    def rotated(x: torch.Tensor) -> torch.Tensor:
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+
+    return rotated(q), rotated(k)
 
 
 class DecoderLayer(nn.Module):
@@ -90,7 +95,7 @@ class DecoderLayer(nn.Module):
         b, s, h = x.shape
         offset = 0 if past_k is None else past_k.shape[-2]
         q, k, v = self.qkv(self.attn_norm(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        q, k = _rotary(q, offset), _rotary(k, offset)
+        q, k = _rotary(q, k, offset)
         if past_k is None or past_v is None:
             attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
