@@ -53,6 +53,7 @@ test: lint
 
 bench: $(STAMP)
 	$(PY) bench/sim_speed.py
+	$(PY) bench/run_overhead.py
 	$(PY) bench/zb_table5.py
 	$(PY) bench/mario.py
 	$(PY) bench/tpipe.py
