@@ -7,6 +7,8 @@ where the workload can), so a launcher that starts several ranks probes once and
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from pipeloom.ir.schedule import Schedule
@@ -22,9 +24,11 @@ __all__ = ["check_probe_fits", "probe_boundaries", "probe_spec"]
 def probe_spec(spec: TrainSpec) -> StageProbe:
     """The boundaries and FLOPs of `spec`'s stages, from a model built for the purpose (on the
     meta device when the workload can)."""
-    work, stages = spec.resolved_workload(), spec.schedule.num_stages
-    model = work.skeleton(stages).stages if work.skeleton is not None else work.build(stages)
-    return probe_boundaries(spec.schedule, work, model, Precision(spec.dtype))
+    work, stages, precision = spec.resolved_workload(), spec.schedule.num_stages, Precision(spec.dtype)
+    if work.skeleton is None:
+        return probe_boundaries(spec.schedule, work, work.build(stages), precision)
+    skeleton = work.skeleton(stages)  # this one's own: made real in place if the probe needs real weights
+    return probe_boundaries(spec.schedule, work, skeleton.stages, precision, rebuild=skeleton.whole)
 
 
 def check_probe_fits(spec: TrainSpec, probe: StageProbe) -> None:
@@ -39,8 +43,12 @@ def check_probe_fits(spec: TrainSpec, probe: StageProbe) -> None:
     check_stash_fits(stash, work.microbatch_size, work.sample_tokens, spec.dp)
 
 
-def probe_boundaries(schedule: Schedule, work: Workload, all_stages, precision: Precision) -> StageProbe:
-    """Boundary shapes and forward FLOPs from one micro-batch of step 0 (a slice, with slices)."""
+def probe_boundaries(
+    schedule: Schedule, work: Workload, all_stages, precision: Precision, rebuild: Callable[[], Sequence] | None = None
+) -> StageProbe:
+    """Boundary shapes and forward FLOPs from one micro-batch of step 0 (a slice, with slices).
+    `rebuild`: real stages, where a real pass is needed; by default the workload builds them anew
+    (a rank's own stages are cut later, and must stay on the meta device)."""
     inputs, _ = work.batch(work.microbatch_size, 0)
     example = rows_of(inputs, slice(0, work.microbatch_size))
     slices = schedule.num_slices
@@ -52,5 +60,5 @@ def probe_boundaries(schedule: Schedule, work: Workload, all_stages, precision: 
         all_stages,
         example,
         lambda module, x: run_stage(module, x, past, precision, cpu, True)[0],
-        rebuild=lambda: work.build(schedule.num_stages),
+        rebuild=rebuild or (lambda: work.build(schedule.num_stages)),
     )
