@@ -233,10 +233,10 @@ def materialise(
 
 def _twins(stages: Sequence[nn.Module]) -> dict[int, nn.Module]:
     """Each module of `stages` (by id) copied as a structure: its own tables of parameters,
-    buffers and submodules, holding the same tensors, every other attribute a shallow copy. A
-    unit initialises in its twins, real tensors swapped into their tables, while cuts change the
-    stages' own tables; a deepcopy made new meta tensors and copied every attribute's contents,
-    more than a rank's whole set-up costs for a small model."""
+    buffers and submodules, holding the same tensors, every other attribute shared. A unit
+    initialises in its twins, real tensors swapped into their tables, while cuts change the
+    stages' own tables. A deepcopy also made new meta tensors and copied every attribute's
+    contents: half the cost of building a small model's skeleton, for nothing initialisation reads."""
     twin_of: dict[int, nn.Module] = {}
 
     def twin(module: nn.Module) -> nn.Module:
