@@ -65,31 +65,38 @@ def test_recomputing_the_deepest_tpipe_chunk_runs(capsys):
     assert json.loads(capsys.readouterr().out)["makespan"] > 0
 
 
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--steps", "0"], "--steps must be at least 1"),
-        (["--save", "ckpt"], "--save DIR and --save-every K go together"),
-        (["--clip-norm", "-1"], "--clip-norm must be positive"),
-        (["--clip-norm", "nan"], "--clip-norm must be positive"),
-        (["--lr=-0.01"], "--lr must be a positive finite number, got -0.01"),  # not blamed on --min-lr
-        (["--lr", "nan"], "--lr must be a positive finite number, got nan"),
-        (["--lr", "inf"], "--lr must be a positive finite number, got inf"),  # trained to NaN and exited 0
-        (["--summary", "/nonexistent/dir/s.json"], "does not exist"),
-        (["--log-dir", "/proc/pipeloom-logs"], "cannot make a directory in '/proc'"),  # a rank's traceback
-        (["--seed=-1"], "--seed must lie in [0, 2**32), got -1"),  # numpy's traceback in the first batch
-        (["--seq-len", "0"], "--seq-len must be at least 1, got 0"),  # a reshape's traceback in the probe
-    ],
-)
-def test_train_refuses_bad_flags_before_importing_torch(flags, message):
+BAD_TRAIN_FLAGS = [
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--save", "ckpt"], "--save DIR and --save-every K go together"),
+    (["--clip-norm", "-1"], "--clip-norm must be positive"),
+    (["--clip-norm", "nan"], "--clip-norm must be positive"),
+    (["--lr=-0.01"], "--lr must be a positive finite number, got -0.01"),  # not blamed on --min-lr
+    (["--lr", "nan"], "--lr must be a positive finite number, got nan"),
+    (["--lr", "inf"], "--lr must be a positive finite number, got inf"),  # trained to NaN and exited 0
+    (["--summary", "/nonexistent/dir/s.json"], "does not exist"),
+    (["--log-dir", "/proc/pipeloom-logs"], "cannot make a directory in '/proc'"),  # a rank's traceback
+    (["--seed=-1"], "--seed must lie in [0, 2**32), got -1"),  # numpy's traceback in the first batch
+    (["--seq-len", "0"], "--seq-len must be at least 1, got 0"),  # a reshape's traceback in the probe
+]
+
+
+def test_train_refuses_bad_flags_before_importing_torch():
+    """Each refusal in a fresh interpreter (one for all of them: none imports torch, so each
+    call starts where a fresh one would): exit 2, one line, torch never imported."""
     code = (
-        "import sys; from pipeloom.cli import main; "
-        f"code = main(['train', '--nproc', '2', '--schedule', '1f1b', '-p', '2', '-m', '2', *{flags!r}]); "
-        "print(code, 'torch' in sys.modules)"
+        "import contextlib, io, json, sys; from pipeloom.cli import main\n"
+        f"for flags in {[flags for flags, _ in BAD_TRAIN_FLAGS]!r}:\n"
+        "    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err):\n"
+        "        code = main(['train', '--nproc', '2', '--schedule', '1f1b', '-p', '2', '-m', '2', *flags])\n"
+        "    print(json.dumps([code, 'torch' in sys.modules, err.getvalue()]))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.stdout.split() == ["2", "False"], done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr
+    outcomes = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(outcomes) == len(BAD_TRAIN_FLAGS), done.stderr
+    for (flags, message), (code, imported_torch, err) in zip(BAD_TRAIN_FLAGS, outcomes):
+        assert (code, imported_torch) == (2, False), flags
+        assert len(err.strip().splitlines()) == 1 and message in err, (flags, err)
 
 
 def test_a_plan_that_does_not_hold_together_is_refused_naming_the_field(capsys, tmp_path):

@@ -4,6 +4,7 @@ Correctness runs every device in this process (`run_in_process`, the ranks' own 
 messages in memory); forked gloo ranks are kept for what only they show — the transport giving
 the same bits, data parallelism, a dead or stalled peer, the CLI and torchrun."""
 
+import gc
 import json
 import multiprocessing
 import os
@@ -29,9 +30,10 @@ from pipeloom import Costs, OpKind, Schedule, build_schedule, simulate  # noqa: 
 from pipeloom.errors import ConfigError, RuntimeFault, ScheduleError  # noqa: E402
 from pipeloom.models.llama import LlamaConfig  # noqa: E402
 from pipeloom.passes import apply_checkpoint, mario, split_backward, t_recomp, weight_parts  # noqa: E402
+from pipeloom.runtime import local  # noqa: E402
 from pipeloom.runtime.in_process import run_in_process  # noqa: E402
 from pipeloom.runtime.local import _worker, run_local  # noqa: E402
-from pipeloom.runtime.training import TrainSpec, check_spec  # noqa: E402
+from pipeloom.runtime.training import TrainSpec, check_spec, train_rank  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -102,6 +104,21 @@ def test_forked_ranks_give_the_in_process_bits(name, options, dp):
             starts = dict(record.grad_sync_starts)
             assert sorted(starts) == sorted((s,) for s in spec.schedule.stages_on(device))
             assert min(starts.values()) < last_end
+
+
+def test_forked_ranks_leave_the_launchers_objects_out_of_their_collections(monkeypatch, tmp_path):
+    """A rank's full collection would walk every object it inherited and copy every page they
+    lie on: each rank freezes them as it starts."""
+    launchers = [[i] for i in range(50_000)]  # objects the launcher's collector tracks (lists always are)
+
+    def noting(spec, rank, *args, **kwargs):
+        (tmp_path / f"rank{rank}").write_text(str(len(gc.get_objects())))
+        return train_rank(spec, rank, *args, **kwargs)
+
+    monkeypatch.setattr(local, "train_rank", noting)
+    run_local(spec_for(build_schedule("1f1b", 2, 2), steps=1))
+    tracked = [int((tmp_path / f"rank{rank}").read_text()) for rank in range(2)]
+    assert max(tracked) < len(launchers) / 10  # what the rank made itself, not what it inherited
 
 
 def test_in_process_refuses_what_needs_ranks():

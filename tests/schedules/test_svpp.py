@@ -46,9 +46,9 @@ TABLE3_SMALL_CLUSTER = [
 
 @pytest.mark.parametrize("p, v, s, n", TABLE3_SMALL_CLUSTER)
 def test_table_3_small_cluster(p, v, s, n):
-    timeline = simulate(svpp(p, n, v, s), EQUAL)
-    assert timeline.bubble_rate == pytest.approx((p - 1) / (n * s * v + p - 1))
-    assert peak_share(svpp(p, n, v, s)) == pytest.approx((v * max(p, s) + min(p, s) - 1) / (v * s * p))
+    schedule = svpp(p, n, v, s)
+    assert simulate(schedule, EQUAL).bubble_rate == pytest.approx((p - 1) / (n * s * v + p - 1))
+    assert peak_share(schedule) == pytest.approx((v * max(p, s) + min(p, s) - 1) / (v * s * p))
 
 
 def test_deep_chunk_backwards_first_meet_table_3_where_descendant_order_falls_short():
@@ -67,10 +67,10 @@ def test_deep_chunk_backwards_first_meet_table_3_where_descendant_order_falls_sh
 )
 def test_table_3_large_cluster(p, v, s, n):
     idle = p - 1 + (v - 1) * max(p - s * n, 0)
-    timeline = simulate(svpp(p, n, v, s), EQUAL)
-    assert timeline.bubble_rate == pytest.approx(idle / (idle + n * v * s))
+    schedule = svpp(p, n, v, s)
+    assert simulate(schedule, EQUAL).bubble_rate == pytest.approx(idle / (idle + n * v * s))
     expected = min((v * max(p, s) + min(p, s) - 1) / (v * s * p), n / p)
-    assert peak_share(svpp(p, n, v, s)) == pytest.approx(expected)
+    assert peak_share(schedule) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("p, n", [(4, 4), (4, 8), (8, 8), (8, 4), (8, 2)])

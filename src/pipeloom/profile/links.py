@@ -12,6 +12,7 @@ forks; the tuner scales a collective to other dp by the ring algorithm: dp − 1
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import statistics
 import tempfile
@@ -95,6 +96,7 @@ def _line(nbytes: list[int], ms: list[float]) -> dict:
 
 
 def _link_rank(rank: int, directory: str, sizes: tuple[int, ...], repeats: int) -> None:
+    gc.freeze()  # the parent's heap stays out of this rank's collections (as `runtime.local`'s ranks)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank, world_size=2)
     seconds = [ping_seconds(rank, torch.zeros(n), repeats) for n in sizes]

@@ -9,6 +9,7 @@ leaves processes behind. A run past its deadline names where each live rank wait
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -44,6 +45,10 @@ def _worker(
     probe: StageProbe | None = None,
 ) -> None:
     """One rank: `spec` itself (forked), or (spawned) the picklable recipe that rebuilds it here."""
+    # What a forked rank inherited (torch's objects, the caller's) stays out of its garbage
+    # collections: a full one would write to each object's header, copying every page of the
+    # parent's heap — longer than a small rank's whole training.
+    gc.freeze()
     # Ctrl-C reaches the whole foreground group: the launcher stops the ranks, which would
     # otherwise each print a traceback. SIGTERM (the launcher's) ends a rank at once.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -56,6 +56,7 @@ _task: tuple[Callable, Callable] | None = None  # the worker's (simulate, pack)
 def _start_worker(simulate: Callable, pack: Callable) -> None:
     global _task
     _task = (simulate, pack)
+    gc.freeze()  # a forked worker's collections leave its parent's heap alone (copying each page they touch)
     gc.set_threshold(YOUNG_COLLECTION, *gc.get_threshold()[1:])  # a worker of ours only searches
 
 
