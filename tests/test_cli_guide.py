@@ -9,7 +9,7 @@ from pipeloom import Costs, build_schedule, simulate
 from pipeloom.cli import build_parser, main
 from pipeloom.errors import ConfigError
 
-COMMANDS = ["list", "simulate", "pareto", "profile", "tune", "train", "show", "validate", "compare"]
+COMMANDS = ["list", "simulate", "pareto", "profile", "tune", "train", "export-plan", "show", "validate", "compare"]
 
 
 def run(capsys, *argv):

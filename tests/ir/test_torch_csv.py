@@ -3,7 +3,7 @@
 import pytest
 
 from pipeloom import ConfigError, Costs, ScheduleError, build_schedule
-from pipeloom.ir.torch_csv import from_torch_csv, to_torch_csv
+from pipeloom.ir.torch_csv import PLACEMENTS, check_placement, from_torch_csv, placement_of, stage_ranks, to_torch_csv
 from pipeloom.passes import apply_checkpoint, weight_parts
 
 
@@ -52,3 +52,39 @@ def test_what_torch_cannot_express_is_refused():
 def test_bad_csv(text, error, message):
     with pytest.raises(error, match=message):
         from_torch_csv(text)
+
+
+def test_placements_are_torch_s_own():
+    """Written from torch's `generate_stage_to_rank_mapping` (the planning core imports no torch):
+    equal to it wherever torch is here."""
+    utils = pytest.importorskip("torch.distributed.pipelining._utils")
+    for ranks in range(1, 7):
+        for stages in range(1, 4 * ranks + 1):
+            for placement in PLACEMENTS:
+                if placement == "v" and stages % ranks:
+                    with pytest.raises(ConfigError, match="whole rounds"):
+                        stage_ranks(ranks, stages, placement)
+                    continue
+                theirs = utils.generate_stage_to_rank_mapping(ranks, stages, placement)
+                assert stage_ranks(ranks, stages, placement) == [theirs[s] for s in range(stages)]
+
+
+@pytest.mark.parametrize(
+    "name, placement",
+    [("1f1b", "loop"), ("zb-h1", "loop"), ("zb-auto", "loop"), ("interleaved", "loop")]
+    + [("zb-v", "v"), ("v-half", "v"), ("v-min", "v"), ("dualpipev", "v")],
+)
+def test_each_schedule_sits_in_the_placement_torch_builds_it_in(name, placement):
+    schedule = build_schedule(name, 4, 8)
+    assert placement_of(schedule) == placement
+    check_placement(schedule, placement)
+    if schedule.num_stages > schedule.num_devices:  # one stage a rank sits alike in both
+        other = "loop" if placement == "v" else "v"
+        with pytest.raises(ConfigError, match=f"runs stage \\d+ on rank \\d+, but the {other} placement puts it"):
+            check_placement(schedule, other)
+
+
+@pytest.mark.parametrize("name, instead", [("chimera", "interleaved"), ("dualpipe", "dualpipev")])
+def test_two_copies_of_a_stage_are_refused_naming_the_scheme_to_export(name, instead):
+    with pytest.raises(ConfigError, match=f"runs stage 0 on ranks .*two copies.* export '{instead}' instead"):
+        to_torch_csv(build_schedule(name, 4, 8))

@@ -1,5 +1,6 @@
 """A pipeloom plan exported as torch.distributed.pipelining's CSV runs on torch's own runtime with
-the gradients of single-process training."""
+the gradients of single-process training: one stage a rank, and two a rank in the V placement
+(each rank building the stages `stage_ranks` gives it), overlapped pairs included."""
 
 import json
 import multiprocessing
@@ -14,7 +15,8 @@ from torch.distributed import pipelining  # noqa: E402
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime  # noqa: E402
 
 from pipeloom import build_schedule  # noqa: E402
-from pipeloom.ir.torch_csv import to_torch_csv  # noqa: E402
+from pipeloom.errors import ConfigError  # noqa: E402
+from pipeloom.ir.torch_csv import check_placement, from_torch_csv, placement_of, stage_ranks, to_torch_csv  # noqa: E402
 from pipeloom.models.llama import LlamaConfig  # noqa: E402
 from pipeloom.models.workload import llama_workload  # noqa: E402
 
@@ -24,31 +26,33 @@ CONFIG = LlamaConfig(vocab=64, hidden=32, layers=4, heads=2, ffn=64, seq_len=8, 
 P, M = 2, 4
 
 
-def _rank(rank: int, directory: str) -> None:
+def _rank(rank: int, directory: str, num_stages: int, placement: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank, world_size=P)
     work = llama_workload(CONFIG, seed=0)
-    module = work.build(P)[rank]
-    stage = pipelining.PipelineStage(module, rank, P, torch.device("cpu"))
-    schedule = _PipelineScheduleRuntime([stage], M, loss_fn=work.loss)
+    modules = work.build(num_stages)
+    mine = [s for s, owner in enumerate(stage_ranks(P, num_stages, placement)) if owner == rank]
+    stages = [pipelining.PipelineStage(modules[s], s, num_stages, torch.device("cpu")) for s in mine]
+    schedule = _PipelineScheduleRuntime(stages, M, loss_fn=work.loss)
     schedule._load_csv(f"{directory}/plan.csv")
     tokens, targets = work.batch(M * CONFIG.microbatch_size, 0)
     losses: list = []
-    if rank == 0:
-        schedule.step(tokens)
+    inputs = (tokens,) if 0 in mine else ()
+    if num_stages - 1 in mine:
+        schedule.step(*inputs, target=targets, losses=losses)
     else:
-        schedule.step(target=targets, losses=losses)
-    grads = {name: p.grad.tolist() for name, p in module.named_parameters()}
+        schedule.step(*inputs)
+    grads = {f"{s}.{name}": p.grad.tolist() for s in mine for name, p in modules[s].named_parameters()}
     Path(directory, f"rank{rank}.json").write_text(json.dumps({"grads": grads, "losses": [float(x) for x in losses]}))
     dist.destroy_process_group()
 
 
-def single_process_gradients():
+def single_process_gradients(num_stages: int):
     """The same model on the same data in one process: mean of the micro-batch losses."""
     work = llama_workload(CONFIG, seed=0)
-    stages = work.build(P)
+    stages = work.build(num_stages)
     tokens, targets = work.batch(M * CONFIG.microbatch_size, 0)
     b = CONFIG.microbatch_size
     losses = []
@@ -61,21 +65,34 @@ def single_process_gradients():
     return [{n: p.grad for n, p in stage.named_parameters()} for stage in stages], [float(x.detach()) for x in losses]
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "v-half", "dualpipev"])
 def test_exported_plan_runs_on_torch_with_reference_gradients(name):
-    csv_text = to_torch_csv(build_schedule(name, P, M))
+    schedule = build_schedule(name, P, M)
+    csv_text = to_torch_csv(schedule)
+    placement = placement_of(schedule)
+    assert placement == ("v" if schedule.num_stages > P else "loop")
+    elsewhere = "loop" if placement == "v" else "v"
+    if schedule.num_stages > P:  # one stage a rank sits alike in both
+        with pytest.raises(ConfigError, match=f"but the {elsewhere} placement puts it on rank"):
+            check_placement(from_torch_csv(csv_text), elsewhere)  # what torch would accept, then fail on
     context = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory() as directory:
         Path(directory, "plan.csv").write_text(csv_text)
-        processes = [context.Process(target=_rank, args=(r, directory)) for r in range(P)]
+        args = (directory, schedule.num_stages, placement)
+        processes = [context.Process(target=_rank, args=(r, *args)) for r in range(P)]
         for process in processes:
             process.start()
         for process in processes:
             process.join(120)
         assert all(process.exitcode == 0 for process in processes)
         results = [json.loads(Path(directory, f"rank{r}.json").read_text()) for r in range(P)]
-    reference, losses = single_process_gradients()
-    assert results[1]["losses"] == pytest.approx(losses, rel=1e-5)
-    for rank in range(P):
-        for parameter, grad in results[rank]["grads"].items():
-            torch.testing.assert_close(torch.tensor(grad), reference[rank][parameter], rtol=1e-4, atol=1e-6)
+    reference, losses = single_process_gradients(schedule.num_stages)
+    last = stage_ranks(P, schedule.num_stages, placement)[-1]
+    assert results[last]["losses"] == pytest.approx(losses, rel=1e-5)
+    compared = 0
+    for result in results:
+        for key, grad in result["grads"].items():
+            stage, parameter = key.split(".", 1)
+            torch.testing.assert_close(torch.tensor(grad), reference[int(stage)][parameter], rtol=1e-5, atol=1e-6)
+            compared += 1
+    assert compared == sum(len(r) for r in reference)  # every stage's every weight, on the rank that built it

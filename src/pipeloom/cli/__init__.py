@@ -11,13 +11,25 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from pipeloom.cli import compare, export, listing, pareto, profile, show, simulate, train, tune, validate
+from pipeloom.cli import compare, export, export_plan, listing, pareto, profile, show, simulate, train, tune, validate
 from pipeloom.cli.parser import EXIT_BAD_INPUT, Parser
 from pipeloom.errors import PipeloomError, Stopped
 
 __all__ = ["main", "EXIT_BAD_INPUT", "subcommand"]
 
-_COMMANDS = (listing, simulate, pareto, profile, tune, train, export, show, validate, compare)  # in `--help` order
+_COMMANDS = (
+    listing,
+    simulate,
+    pareto,
+    profile,
+    tune,
+    train,
+    export,
+    export_plan,
+    show,
+    validate,
+    compare,
+)  # in `--help` order
 
 
 def main(argv: Sequence[str] | None = None) -> int:

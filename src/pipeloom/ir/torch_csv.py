@@ -8,6 +8,14 @@ slices and W parts have no torch action and are refused on export. On import, co
 sharding actions (SEND_F, RECV_B, UNSHARD, REDUCE_GRAD, ...) are dropped — pipeloom derives its
 messages from the order. An overlapped pair (``0F3&1BW2``) is torch's ``(0F3;1B2)OVERLAP_F_B``
 cell, both ways.
+
+The CSV says which rank runs each stage, but the engine builds each rank's stage modules by a
+placement of its own: "loop" (stage s on rank s mod p: 1F1B, interleaved, the ZB-H family) or
+"v" (ranks 0..p-1 down, then p-1..0 back: ZB-V, DualPipeV). A CSV whose stages sit elsewhere is
+accepted and then fails at its first step (a receive timeout, a size mismatch, a hang on NCCL),
+so `check_placement` refuses it first. Its mapping is torch's `generate_stage_to_rank_mapping`,
+written here because the planning core imports no torch (a test compares the two). A schedule
+with a stage on two ranks (Chimera's and DualPipe's two copies) has no placement at all.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from pipeloom.errors import ConfigError, ScheduleError
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
 
-__all__ = ["to_torch_csv", "from_torch_csv"]
+__all__ = ["PLACEMENTS", "check_placement", "from_torch_csv", "placement_of", "stage_ranks", "to_torch_csv"]
 
 _TO_TORCH = {OpKind.F: "F", OpKind.B: "I", OpKind.W: "W", OpKind.BW: "B"}
 _FROM_TORCH = {"F": OpKind.F, "I": OpKind.B, "W": OpKind.W, "B": OpKind.BW}
@@ -38,6 +46,7 @@ def to_torch_csv(schedule: Schedule) -> str:
     """
     if schedule.num_slices != 1:
         raise ConfigError(f"{schedule.name!r} has slices, which torch.distributed.pipelining cannot express")
+    _one_rank_a_stage(schedule)
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     for device, ops in enumerate(schedule.devices):
@@ -118,3 +127,78 @@ def _expand(cell: str, line: int) -> list[str]:
             raise ConfigError(f"torch CSV row {line}: {cell!r} is not an OVERLAP_F_B group")
         return [part.strip() for part in inner.split(";") if part.strip()]
     return [cell]
+
+
+PLACEMENTS = ("loop", "v")
+_NEAREST = {"chimera": "interleaved", "dualpipe": "dualpipev"}
+"""What to export instead of a two-copy scheme: DualPipe's one-copy form, and for Chimera the
+interleaved 1F1B, which also shrinks the bubble by holding more stages a rank."""
+
+
+def stage_ranks(num_ranks: int, num_stages: int, placement: str) -> list[int]:
+    """The rank of each stage under torch's named placement (`generate_stage_to_rank_mapping`).
+
+    >>> stage_ranks(2, 4, "loop"), stage_ranks(2, 4, "v")
+    ([0, 1, 0, 1], [0, 1, 1, 0])
+    """
+    if placement not in PLACEMENTS:
+        raise ConfigError(f"placement {placement!r} is not one of {', '.join(PLACEMENTS)}")
+    if placement == "loop":
+        return [stage % num_ranks for stage in range(num_stages)]
+    if num_stages % num_ranks:
+        raise ConfigError(f"the v placement needs whole rounds of ranks: {num_stages} stages over {num_ranks} ranks")
+    ranks, rank = [], 0
+    for stage in range(num_stages):
+        ranks.append(rank)
+        if (stage + 1) % num_ranks:  # at a turn the V stays on its rank
+            rank += 1 if (stage // num_ranks) % 2 == 0 else -1
+    return ranks
+
+
+def _one_rank_a_stage(schedule: Schedule) -> list[int]:
+    """Each stage's rank; ConfigError if a stage runs on two (a second copy of the model)."""
+    where: dict[int, set[int]] = {}
+    for device in range(schedule.num_devices):
+        for stage in schedule.stages_on(device):
+            where.setdefault(stage, set()).add(device)
+    for stage, devices in sorted(where.items()):
+        if len(devices) > 1:
+            nearest = _NEAREST.get(schedule.name)
+            instead = f"; export {nearest!r} instead" if nearest else ""
+            raise ConfigError(
+                f"{schedule.name!r} runs stage {stage} on ranks {sorted(devices)} (two copies of the model); "
+                f"torch.distributed.pipelining places each stage on one rank{instead}"
+            )
+    return [min(where[stage]) for stage in range(schedule.num_stages)]
+
+
+def placement_of(schedule: Schedule) -> str:
+    """The named placement the schedule's stages sit in ("loop" where both fit: one stage a rank);
+    ConfigError if none."""
+    ranks = _one_rank_a_stage(schedule)
+    for placement in PLACEMENTS:
+        if placement == "v" and schedule.num_stages % schedule.num_devices:
+            continue  # the v placement turns only after a whole round of ranks
+        if ranks == stage_ranks(schedule.num_devices, schedule.num_stages, placement):
+            return placement
+    raise ConfigError(
+        f"{schedule.name!r} puts its stages on ranks {ranks}, which neither torch placement "
+        f"({', '.join(PLACEMENTS)}) does"
+    )
+
+
+def check_placement(schedule: Schedule, placement: str) -> None:
+    """ConfigError, naming the first misplaced stage, unless every stage of `schedule` sits on
+    the rank that `placement` gives it."""
+    ranks = _one_rank_a_stage(schedule)
+    wanted = stage_ranks(schedule.num_devices, schedule.num_stages, placement)
+    for stage, (rank, rank_wanted) in enumerate(zip(ranks, wanted)):
+        if rank != rank_wanted:
+            try:
+                fits = f"; it fits the {placement_of(schedule)} placement"
+            except ConfigError:
+                fits = ""
+            raise ConfigError(
+                f"{schedule.name!r} runs stage {stage} on rank {rank}, but the {placement} placement puts it "
+                f"on rank {rank_wanted}{fits}"
+            )

@@ -1,0 +1,79 @@
+"""`pipeloom export-plan PLAN --for torch --output DIR`: a tuned plan in the words of an engine
+that runs it. For torch.distributed.pipelining: the compute-only CSV of the plan's schedule
+(`_PipelineScheduleRuntime._load_csv`), checked against the placement torch's schedules build
+stages in, and on the terminal that placement, each stage's layers and the micro-batches — what
+a training script needs to build the stages the CSV names."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pipeloom.cli.parser import add_command
+from pipeloom.errors import ConfigError
+from pipeloom.ir.torch_csv import check_placement, placement_of, stage_ranks, to_torch_csv
+
+__all__ = ["register"]
+
+ENGINES = ("torch",)
+CSV_NAME = "schedule.csv"
+_NEAREST = {"svpp": "interleaved", "terapipe": "gpipe"}
+"""For a sliced plan: the exportable scheme closest to its own (a two-copy scheme's error names its own)."""
+
+
+def register(commands) -> None:
+    parser = add_command(
+        commands,
+        "export-plan",
+        "write a tuned plan for another engine: torch.distributed.pipelining's CSV and where its stages go",
+        ["pipeloom export-plan plan.json --for torch --output torch-plan"],
+    )
+    parser.add_argument("plan", metavar="PLAN", help="a plan written by `pipeloom tune --output`")
+    parser.add_argument(
+        "--for", dest="engine", required=True, choices=ENGINES, help="the engine that runs it (torch: torch's own)"
+    )
+    parser.add_argument("--output", "-o", required=True, metavar="DIR", help=f"the directory to write {CSV_NAME} in")
+    parser.add_argument("--force", action="store_true", help=f"replace a {CSV_NAME} already in DIR")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipeloom.tune.plan import Plan
+
+    plan = Plan.load(args.plan)
+    out = Path(args.output)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"export-plan: --output {args.output!r} is a file, not a directory")
+    target = out / CSV_NAME
+    if target.exists() and not args.force:
+        raise ConfigError(f"export-plan: {str(target)!r} exists; choose another --output or add --force")
+    schedule = plan.schedule
+    try:
+        text = to_torch_csv(schedule)
+        placement = placement_of(schedule)
+        check_placement(schedule, placement)
+    except ConfigError as error:
+        raise ConfigError(f"export-plan: {error.summary}{_instead(plan)}") from None
+    out.mkdir(parents=True, exist_ok=True)
+    target.write_text(text)
+    ranks = stage_ranks(schedule.num_devices, schedule.num_stages, placement)
+    print(f"wrote {target}: {schedule.name} on {schedule.num_devices} pipeline ranks, the {placement} placement")
+    for stage, (rank, layers) in enumerate(zip(ranks, plan.partition)):
+        ends = ["embedding"] * (stage == 0) + ["head and loss"] * (stage == schedule.num_stages - 1)
+        extra = f" + {' + '.join(ends)}" if ends else ""
+        print(f"  stage {stage} on rank {rank}: {layers} layer{'s' * (layers != 1)}{extra}")
+    print(
+        f"  {schedule.num_microbatches} micro-batches of {plan.micro_batch_size} sample"
+        f"{'s' * (plan.micro_batch_size != 1)} a step per pipeline "
+        f"(n_microbatches={schedule.num_microbatches}); dp {plan.dp} and tp {plan.tp} are outside the CSV"
+    )
+    return 0
+
+
+def _instead(plan) -> str:
+    """What to export instead, for a plan torch's CSV cannot hold."""
+    if plan.scheme in _NEAREST:
+        return f" (the nearest exportable scheme: {_NEAREST[plan.scheme]!r}; tune --schemes {_NEAREST[plan.scheme]})"
+    if plan.passes:
+        return f" (its memory passes {', '.join(plan.passes)} have no torch action: tune --no-memory-passes)"
+    return ""
