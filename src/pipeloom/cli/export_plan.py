@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pipeloom.cli.parser import add_command
 from pipeloom.errors import ConfigError
-from pipeloom.ir.torch_csv import check_placement, placement_of, stage_ranks, to_torch_csv
+from pipeloom.ir.torch_csv import placement_of, stage_ranks, to_torch_csv
 
 __all__ = ["register"]
 
@@ -50,8 +50,7 @@ def run(args: argparse.Namespace) -> int:
     schedule = plan.schedule
     try:
         text = to_torch_csv(schedule)
-        placement = placement_of(schedule)
-        check_placement(schedule, placement)
+        placement = placement_of(schedule)  # the one its stages sit in, or refused
     except ConfigError as error:
         raise ConfigError(f"export-plan: {error.summary}{_instead(plan)}") from None
     out.mkdir(parents=True, exist_ok=True)
