@@ -17,19 +17,8 @@ from pipeloom.errors import PipeloomError, Stopped
 
 __all__ = ["main", "EXIT_BAD_INPUT", "subcommand"]
 
-_COMMANDS = (
-    listing,
-    simulate,
-    pareto,
-    profile,
-    tune,
-    train,
-    export,
-    export_plan,
-    show,
-    validate,
-    compare,
-)  # in `--help` order
+# in `--help` order
+_COMMANDS = (listing, simulate, pareto, profile, tune, train, export, export_plan, show, validate, compare)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,8 +17,6 @@ __all__ = ["register"]
 
 ENGINES = ("torch",)
 CSV_NAME = "schedule.csv"
-_NEAREST = {"svpp": "interleaved", "terapipe": "gpipe"}
-"""For a sliced plan: the exportable scheme closest to its own (a two-copy scheme's error names its own)."""
 
 
 def register(commands) -> None:
@@ -70,9 +68,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _instead(plan) -> str:
-    """What to export instead, for a plan torch's CSV cannot hold."""
-    if plan.scheme in _NEAREST:
-        return f" (the nearest exportable scheme: {_NEAREST[plan.scheme]!r}; tune --schemes {_NEAREST[plan.scheme]})"
+    """How to tune a plan without passes torch's CSV has no action for (the CSV's own refusal
+    names the scheme to export instead of one it cannot express)."""
     if plan.passes:
         return f" (its memory passes {', '.join(plan.passes)} have no torch action: tune --no-memory-passes)"
     return ""

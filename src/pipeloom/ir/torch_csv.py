@@ -45,7 +45,9 @@ def to_torch_csv(schedule: Schedule) -> str:
     1F0,1I0,1F1,1I1,1W0,1W1
     """
     if schedule.num_slices != 1:
-        raise ConfigError(f"{schedule.name!r} has slices, which torch.distributed.pipelining cannot express")
+        raise ConfigError(
+            f"{schedule.name!r} has slices, which torch.distributed.pipelining cannot express{_instead(schedule)}"
+        )
     _one_rank_a_stage(schedule)
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
@@ -130,9 +132,16 @@ def _expand(cell: str, line: int) -> list[str]:
 
 
 PLACEMENTS = ("loop", "v")
-_NEAREST = {"chimera": "interleaved", "dualpipe": "dualpipev"}
-"""What to export instead of a two-copy scheme: DualPipe's one-copy form, and for Chimera the
-interleaved 1F1B, which also shrinks the bubble by holding more stages a rank."""
+_NEAREST = {"chimera": "interleaved", "dualpipe": "dualpipev", "svpp": "interleaved", "terapipe": "gpipe"}
+"""What to export instead of a scheme torch cannot express: DualPipe's one-copy form; for Chimera
+and SVPP the interleaved 1F1B, which also shrinks the bubble by holding more stages a rank; for
+TeraPipe GPipe, its schedule without the slices."""
+
+
+def _instead(schedule: Schedule) -> str:
+    """'; export X instead' for a scheme in `_NEAREST` (passes append '+pass' to the name)."""
+    nearest = _NEAREST.get(schedule.name.split("+")[0])
+    return f"; export {nearest!r} instead" if nearest else ""
 
 
 def stage_ranks(num_ranks: int, num_stages: int, placement: str) -> list[int]:
@@ -163,11 +172,9 @@ def _one_rank_a_stage(schedule: Schedule) -> list[int]:
             where.setdefault(stage, set()).add(device)
     for stage, devices in sorted(where.items()):
         if len(devices) > 1:
-            nearest = _NEAREST.get(schedule.name)
-            instead = f"; export {nearest!r} instead" if nearest else ""
             raise ConfigError(
                 f"{schedule.name!r} runs stage {stage} on ranks {sorted(devices)} (two copies of the model); "
-                f"torch.distributed.pipelining places each stage on one rank{instead}"
+                f"torch.distributed.pipelining places each stage on one rank{_instead(schedule)}"
             )
     return [min(where[stage]) for stage in range(schedule.num_stages)]
 
