@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # the shared helpers: `from helpers.runtime import ...`
-_VISION = Path(sys.prefix) / "vision-for-tests"  # torchvision beside the venv (see the Makefile)
-if _VISION.is_dir():
-    sys.path.append(str(_VISION))
+for _beside in ("vision-for-tests", "torchtitan-for-tests"):  # torchvision, torchtitan beside the venv (Makefile)
+    if (Path(sys.prefix) / _beside).is_dir():
+        sys.path.append(str(Path(sys.prefix) / _beside))
 
 # the suite's own parallel workers keep the machine busy: profiles measured inside it keep busy rounds
 # (and say so) instead of refusing the machine, which is what a user's profile does

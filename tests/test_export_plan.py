@@ -3,6 +3,8 @@ placement check anyone can run on such a CSV (`validate --torch-csv`): a CSV who
 not sit where the named placement builds them is refused in one line, exit 2, before any rank."""
 
 import json
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -69,3 +71,35 @@ def test_a_plan_torch_cannot_express_is_refused_naming_what_to_export(capsys, tm
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "two copies of the model" in err and "export 'interleaved' instead" in err
     assert not (tmp_path / "torch").exists()
+
+
+@pytest.mark.parametrize("scheme, placement", [("zb-v", "v"), ("interleaved", "loop"), ("1f1b", "loop")])
+def test_the_torchtitan_fragment_makes_torchtitan_build_the_csv_s_stages(capsys, tmp_path, scheme, placement):
+    """torchtitan's own config classes take the fragment, and its own stage placement (chosen by
+    the schedule's name) puts on every rank the stages the CSV runs there; its micro-batch count
+    (local batch over micro-batch size) is the CSV's; the layers are the plan's partition."""
+    plan = tuned(capsys, tmp_path, scheme)
+    code, out, err = run(capsys, "export-plan", plan, "--for", "torchtitan", "--output", tmp_path / "titan")
+    assert code == 0, err
+    fragment = tomllib.loads((tmp_path / "titan" / "torchtitan.toml").read_text())
+    parallelism, training = fragment["parallelism"], fragment["training"]
+    schedule = from_torch_csv(Path(parallelism["pipeline_parallel_schedule_csv"]).read_text())
+    partition = json.loads(plan.read_text())["partition"]
+    fqns = parallelism["module_fqns_per_model_part"]
+    assert [sum(name.startswith("layers.") for name in part) for part in fqns] == partition
+    assert [name for part in fqns for name in part if name.startswith("layers.")] == [
+        f"layers.{i}" for i in range(sum(partition))
+    ]
+    assert fqns[0][0] == "tok_embeddings" and fqns[-1][-2:] == ["norm", "lm_head"]
+    assert training["local_batch_size"] // parallelism["pipeline_parallel_microbatch_size"] == schedule.num_microbatches
+    assert f"the {placement} placement" in out
+    pytest.importorskip("torch")
+    titan = pytest.importorskip("torchtitan.distributed.pipeline_parallel", reason="torchtitan is beside the venv")
+    from torchtitan.config.configs import ParallelismConfig, TrainingConfig
+
+    ParallelismConfig(**parallelism), TrainingConfig(**training)  # unknown or mistyped fields refused
+    for rank in range(schedule.num_devices):
+        built = titan._get_pp_rank_to_stage_indices_mapping(
+            rank, parallelism["pipeline_parallel_degree"], parallelism["pipeline_parallel_schedule"], len(fqns)
+        )
+        assert sorted(built) == schedule.stages_on(rank)

@@ -1,8 +1,9 @@
-"""`pipeloom export-plan PLAN --for torch --output DIR`: a tuned plan in the words of an engine
-that runs it. For torch.distributed.pipelining: the compute-only CSV of the plan's schedule
-(`_PipelineScheduleRuntime._load_csv`), checked against the placement torch's schedules build
-stages in, and on the terminal that placement, each stage's layers and the micro-batches — what
-a training script needs to build the stages the CSV names."""
+"""`pipeloom export-plan PLAN --for torch|torchtitan --output DIR`: a tuned plan in the words of
+an engine that runs it. For torch.distributed.pipelining: the compute-only CSV of the plan's
+schedule (`_PipelineScheduleRuntime._load_csv`), checked against the placement torch's schedules
+build stages in, and on the terminal that placement, each stage's layers and the micro-batches —
+what a training script needs to build the stages the CSV names. For torchtitan: the same CSV and
+a job config fragment that makes torchtitan build those stages (`tune.engines`)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from pathlib import Path
 from pipeloom.cli.parser import add_command
 from pipeloom.errors import ConfigError
 from pipeloom.ir.torch_csv import placement_of, stage_ranks, to_torch_csv
+from pipeloom.tune.engines import torchtitan_settings
 
 __all__ = ["register"]
 
-ENGINES = ("torch",)
+ENGINES = ("torch", "torchtitan")
 CSV_NAME = "schedule.csv"
+TORCHTITAN_NAME = "torchtitan.toml"
 
 
 def register(commands) -> None:
@@ -24,14 +27,27 @@ def register(commands) -> None:
         commands,
         "export-plan",
         "write a tuned plan for another engine: torch.distributed.pipelining's CSV and where its stages go",
-        ["pipeloom export-plan plan.json --for torch --output torch-plan"],
+        [
+            "pipeloom export-plan plan.json --for torch --output torch-plan",
+            "pipeloom export-plan plan.json --for torchtitan --output titan   # + torchtitan.toml to merge",
+        ],
     )
     parser.add_argument("plan", metavar="PLAN", help="a plan written by `pipeloom tune --output`")
     parser.add_argument(
-        "--for", dest="engine", required=True, choices=ENGINES, help="the engine that runs it (torch: torch's own)"
+        "--for",
+        dest="engine",
+        required=True,
+        choices=ENGINES,
+        help="the engine that runs it (torch: torch's own pipeline runtime; torchtitan: its job config too)",
     )
-    parser.add_argument("--output", "-o", required=True, metavar="DIR", help=f"the directory to write {CSV_NAME} in")
-    parser.add_argument("--force", action="store_true", help=f"replace a {CSV_NAME} already in DIR")
+    parser.add_argument(
+        "--output",
+        "-o",
+        required=True,
+        metavar="DIR",
+        help=f"the directory to write {CSV_NAME} (and {TORCHTITAN_NAME}) in",
+    )
+    parser.add_argument("--force", action="store_true", help="replace what an earlier export wrote in DIR")
     parser.set_defaults(handler=run)
 
 
@@ -42,17 +58,21 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"export-plan: --output {args.output!r} is a file, not a directory")
-    target = out / CSV_NAME
-    if target.exists() and not args.force:
-        raise ConfigError(f"export-plan: {str(target)!r} exists; choose another --output or add --force")
+    target, fragment = out / CSV_NAME, out / TORCHTITAN_NAME
+    for path in (target, fragment) if args.engine == "torchtitan" else (target,):
+        if path.exists() and not args.force:
+            raise ConfigError(f"export-plan: {str(path)!r} exists; choose another --output or add --force")
     schedule = plan.schedule
     try:
         text = to_torch_csv(schedule)
         placement = placement_of(schedule)  # the one its stages sit in, or refused
     except ConfigError as error:
         raise ConfigError(f"export-plan: {error.summary}{_instead(plan)}") from None
+    settings = torchtitan_settings(plan) if args.engine == "torchtitan" else None
     out.mkdir(parents=True, exist_ok=True)
     target.write_text(text)
+    if settings is not None:
+        fragment.write_text(settings.to_toml(str(target.resolve())))
     ranks = stage_ranks(schedule.num_devices, schedule.num_stages, placement)
     print(f"wrote {target}: {schedule.name} on {schedule.num_devices} pipeline ranks, the {placement} placement")
     for stage, (rank, layers) in enumerate(zip(ranks, plan.partition)):
@@ -64,6 +84,13 @@ def run(args: argparse.Namespace) -> int:
         f"{'s' * (plan.micro_batch_size != 1)} a step per pipeline "
         f"(n_microbatches={schedule.num_microbatches}); dp {plan.dp} and tp {plan.tp} are outside the CSV"
     )
+    if settings is not None:
+        print(
+            f"wrote {fragment}: torchtitan's [parallelism] and [training] for it "
+            f"(pipeline_parallel_schedule = {settings.pipeline_parallel_schedule!r}: the {placement} placement)"
+        )
+        if settings.left_out:
+            print(f"  not done by torchtitan: {'; '.join(settings.left_out)}")
     return 0
 
 
