@@ -19,14 +19,17 @@ $(PY):
 # torchvision (the `vision` extra) goes beside the venv, not into it: PyPI's build breaks
 # `import transformers` next to the CPU torch (see pyproject.toml), and the venv must stay what a
 # user of `pipeloom[models]` has. tests/conftest.py puts it on the path for the ResNet tests.
-# torchtitan goes beside it too, without its dependencies (datasets, wandb, ...: what reading its
-# config and placing its stages need is listed), for the test of `export-plan --for torchtitan`.
+# torchtitan and megatron-core go beside it too, without their dependencies (datasets, wandb, ...:
+# what reading torchtitan's config and placing its stages need is listed), for the tests of
+# `export-plan --for torchtitan|megatron` against their own code.
 $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,plot,exact,runtime,models,logs]'
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt --no-deps --upgrade \
 		--target $(VENV)/vision-for-tests torchvision
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt --no-deps --upgrade \
 		--target $(VENV)/torchtitan-for-tests torchtitan spmd_types tyro docstring_parser typeguard
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt --no-deps --upgrade \
+		--target $(VENV)/megatron-for-tests megatron-core
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -22,9 +22,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
+from pipeloom.errors import ConfigError
+from pipeloom.ir.torch_csv import placement_of
 from pipeloom.tune.cost_model import AnalyticCostModel
+from pipeloom.tune.partition import layout_string
 from pipeloom.tune.pool import default_jobs
 from pipeloom.tune.presets import load_hardware, load_model
 from pipeloom.tune.search import tune
@@ -53,6 +57,39 @@ def run(title: str, model: str, hardware: str, devices: int, batch: int, goal: f
         f"  best: {best.candidate.label}, step {best.step_time:.0f} ms, {result.throughput(best):.1f} samples/s, "
         f"peak {max(best.peak_memory) / GIB:.1f} GiB, layers per stage {best.partition[:4]}..."
     )
+    print(f"  Megatron-LM layout of its partition: {megatron_check(best)}")
+    print(f"  export-plan --for megatron: {megatron_export(best)}")
+
+
+def megatron_export(best) -> str:
+    """Whether `export-plan --for megatron` takes the plan: Megatron-LM runs its own 1F1B or
+    interleaved 1F1B in the loop placement, so a plan in another placement is refused."""
+    try:
+        placement = placement_of(best.schedule)
+    except ConfigError as error:
+        return f"refused ({error.summary})"
+    return "written" if placement == "loop" else f"refused (the {placement} placement; Megatron-LM's is loop)"
+
+
+def megatron_check(best) -> str:
+    """The best plan's layout string, read back by megatron-core's own layout class where it can
+    be imported (the Makefile puts it beside the venv): every layer once, each stage's count."""
+    layout, pp = layout_string(best.partition), best.candidate.pp
+    megatron = Path(sys.prefix) / "megatron-for-tests"
+    if megatron.is_dir() and str(megatron) not in sys.path:
+        sys.path.append(str(megatron))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # its absent Transformer Engine and Apex
+            from megatron.core.transformer.enums import LayerType
+            from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+    except ImportError:
+        return f"{layout} (megatron-core not importable here: not checked)"
+    parsed = PipelineParallelLayerLayout(layout, pp)
+    parsed.validate_layer_layout(sum(best.partition), None)
+    built = [parsed.layout[k % pp][k // pp].count(LayerType.decoder) for k in range(len(best.partition))]
+    verdict = "its stages' layers as planned" if built == list(best.partition) else f"other layers: {built}"
+    return f"{layout} — megatron-core reads pp {pp} × vpp {parsed.virtual_pipeline_model_parallel_size}, {verdict}"
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # the shared helpers: `from helpers.runtime import ...`
-for _beside in ("vision-for-tests", "torchtitan-for-tests"):  # torchvision, torchtitan beside the venv (Makefile)
+for _beside in ("vision-for-tests", "torchtitan-for-tests", "megatron-for-tests"):  # beside the venv (Makefile)
     if (Path(sys.prefix) / _beside).is_dir():
         sys.path.append(str(Path(sys.prefix) / _beside))
 

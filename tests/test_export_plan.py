@@ -3,6 +3,7 @@ placement check anyone can run on such a CSV (`validate --torch-csv`): a CSV who
 not sit where the named placement builds them is refused in one line, exit 2, before any rank."""
 
 import json
+import random
 import tomllib
 from pathlib import Path
 
@@ -11,6 +12,12 @@ import pytest
 from pipeloom import build_schedule
 from pipeloom.cli import main
 from pipeloom.ir.torch_csv import from_torch_csv, stage_ranks, to_torch_csv
+
+# importing torchtitan and megatron-core warns of their own absent extras and deprecations
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 TUNE = ["tune", "--model", "zb-1.5b", "--hardware", "rtx-4090", "--devices", "4", "--global-batch", "8"]
 
@@ -103,3 +110,60 @@ def test_the_torchtitan_fragment_makes_torchtitan_build_the_csv_s_stages(capsys,
             rank, parallelism["pipeline_parallel_degree"], parallelism["pipeline_parallel_schedule"], len(fqns)
         )
         assert sorted(built) == schedule.stages_on(rank)
+
+
+def megatron_layout_class():
+    pytest.importorskip("torch")
+    layout = pytest.importorskip(
+        "megatron.core.transformer.pipeline_parallel_layer_layout", reason="megatron-core is beside the venv"
+    )
+    return layout.PipelineParallelLayerLayout
+
+
+def assert_megatron_builds(layout: str, pp: int, partition: list[int]) -> None:
+    """megatron-core's own layout class takes the string, finds every layer once, and builds on
+    pipeline rank k mod pp, virtual stage k div pp, the layers of the plan's stage k."""
+    from megatron.core.transformer.enums import LayerType
+
+    parsed = megatron_layout_class()(layout, pp)
+    parsed.validate_layer_layout(sum(partition), None)
+    assert parsed.virtual_pipeline_model_parallel_size * pp == len(partition)
+    for stage, layers in enumerate(partition):
+        assert parsed.layout[stage % pp][stage // pp].count(LayerType.decoder) == layers
+
+
+@pytest.mark.parametrize("scheme", ["interleaved", "1f1b"])
+def test_the_megatron_arguments_make_megatron_build_the_plan_s_stages(capsys, tmp_path, scheme):
+    plan = tuned(capsys, tmp_path, scheme)
+    code, out, err = run(capsys, "export-plan", plan, "--for", "megatron", "--output", tmp_path / "mlm")
+    assert code == 0, err
+    words = (tmp_path / "mlm" / "megatron-args.txt").read_text().splitlines()[-1].split()
+    data = json.loads(plan.read_text())
+    flags = {flag: value for flag, value in zip(words, words[1:]) if flag.startswith("--")}
+    assert int(flags["--pipeline-model-parallel-size"]) == data["pp"]
+    assert int(flags["--micro-batch-size"]) == data["micro_batch_size"]
+    assert int(flags["--global-batch-size"]) == data["global_batch"]
+    assert int(flags["--tensor-model-parallel-size"]) == data["tp"]
+    layout = flags["--pipeline-model-parallel-layout"].strip("'")
+    assert_megatron_builds(layout, data["pp"], data["partition"])
+
+
+def test_uneven_partitions_are_layouts_megatron_reads():
+    """The layout string of any partition, short runs spelled out and long ones as t*n."""
+    from pipeloom.tune.partition import layout_string
+
+    rng = random.Random(3)
+    for _ in range(40):
+        pp = rng.choice([1, 2, 4, 8])
+        stages = pp * rng.choice([1, 2, 3])
+        partition = [rng.randint(0, 20) for _ in range(stages)]
+        partition[rng.randrange(stages)] += 1  # at least one layer
+        assert_megatron_builds(layout_string(partition), pp, partition)
+
+
+def test_a_plan_megatron_would_place_otherwise_is_refused(capsys, tmp_path):
+    plan = tuned(capsys, tmp_path, "zb-v")
+    code, _, err = run(capsys, "export-plan", plan, "--for", "megatron", "--output", tmp_path / "mlm")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "sits in the v placement; Megatron-LM's virtual stages sit in the loop placement" in err
+    assert not (tmp_path / "mlm").exists()

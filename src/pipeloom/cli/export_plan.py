@@ -1,25 +1,28 @@
-"""`pipeloom export-plan PLAN --for torch|torchtitan --output DIR`: a tuned plan in the words of
+"""`pipeloom export-plan PLAN --for torch|torchtitan|megatron --output DIR`: a tuned plan in the words of
 an engine that runs it. For torch.distributed.pipelining: the compute-only CSV of the plan's
 schedule (`_PipelineScheduleRuntime._load_csv`), checked against the placement torch's schedules
 build stages in, and on the terminal that placement, each stage's layers and the micro-batches —
 what a training script needs to build the stages the CSV names. For torchtitan: the same CSV and
-a job config fragment that makes torchtitan build those stages (`tune.engines`)."""
+a job config fragment that makes torchtitan build those stages. For Megatron-LM: its arguments
+(`tune.engines`), no CSV — it runs its own schedule on the plan's partition."""
 
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 from pipeloom.cli.parser import add_command
 from pipeloom.errors import ConfigError
 from pipeloom.ir.torch_csv import placement_of, stage_ranks, to_torch_csv
-from pipeloom.tune.engines import torchtitan_settings
+from pipeloom.tune.engines import megatron_settings, torchtitan_settings
 
 __all__ = ["register"]
 
-ENGINES = ("torch", "torchtitan")
+ENGINES = ("torch", "torchtitan", "megatron")
 CSV_NAME = "schedule.csv"
 TORCHTITAN_NAME = "torchtitan.toml"
+MEGATRON_NAME = "megatron-args.txt"
 
 
 def register(commands) -> None:
@@ -30,6 +33,7 @@ def register(commands) -> None:
         [
             "pipeloom export-plan plan.json --for torch --output torch-plan",
             "pipeloom export-plan plan.json --for torchtitan --output titan   # + torchtitan.toml to merge",
+            "pipeloom export-plan plan.json --for megatron --output mlm       # megatron-args.txt",
         ],
     )
     parser.add_argument("plan", metavar="PLAN", help="a plan written by `pipeloom tune --output`")
@@ -38,14 +42,15 @@ def register(commands) -> None:
         dest="engine",
         required=True,
         choices=ENGINES,
-        help="the engine that runs it (torch: torch's own pipeline runtime; torchtitan: its job config too)",
+        help="the engine that runs it (torch: torch's own pipeline runtime; torchtitan: its job config too; "
+        "megatron: Megatron-LM's arguments)",
     )
     parser.add_argument(
         "--output",
         "-o",
         required=True,
         metavar="DIR",
-        help=f"the directory to write {CSV_NAME} (and {TORCHTITAN_NAME}) in",
+        help=f"the directory to write {CSV_NAME}, {TORCHTITAN_NAME} or {MEGATRON_NAME} in",
     )
     parser.add_argument("--force", action="store_true", help="replace what an earlier export wrote in DIR")
     parser.set_defaults(handler=run)
@@ -58,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"export-plan: --output {args.output!r} is a file, not a directory")
+    if args.engine == "megatron":
+        return _megatron(plan, out / MEGATRON_NAME, args.force)
     target, fragment = out / CSV_NAME, out / TORCHTITAN_NAME
     for path in (target, fragment) if args.engine == "torchtitan" else (target,):
         if path.exists() and not args.force:
@@ -91,6 +98,23 @@ def run(args: argparse.Namespace) -> int:
         )
         if settings.left_out:
             print(f"  not done by torchtitan: {'; '.join(settings.left_out)}")
+    return 0
+
+
+def _megatron(plan, target: Path, force: bool) -> int:
+    if target.exists() and not force:
+        raise ConfigError(f"export-plan: {str(target)!r} exists; choose another --output or add --force")
+    try:
+        settings = megatron_settings(plan)
+    except ConfigError as error:
+        raise ConfigError(f"export-plan: {error.summary}") from None
+    line = shlex.join(settings.arguments)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    notes = "".join(f"# not done by Megatron-LM: {note}\n" for note in settings.left_out)
+    target.write_text(f"# Megatron-LM arguments written by `pipeloom export-plan --for megatron`\n{notes}{line}\n")
+    print(f"wrote {target}: {line}")
+    if settings.left_out:
+        print(f"  not done by Megatron-LM: {'; '.join(settings.left_out)}")
     return 0
 
 

@@ -174,7 +174,7 @@ def _one_rank_a_stage(schedule: Schedule) -> list[int]:
         if len(devices) > 1:
             raise ConfigError(
                 f"{schedule.name!r} runs stage {stage} on ranks {sorted(devices)} (two copies of the model); "
-                f"torch.distributed.pipelining places each stage on one rank{_instead(schedule)}"
+                f"torch.distributed.pipelining, torchtitan and Megatron-LM place each stage on one rank{_instead(schedule)}"
             )
     return [min(where[stage]) for stage in range(schedule.num_stages)]
 

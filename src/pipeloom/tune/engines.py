@@ -1,4 +1,5 @@
-"""A tuned plan in the settings of an engine that runs it: torchtitan's job config.
+"""A tuned plan in the settings of an engine that runs it: torchtitan's job config, Megatron-LM's
+arguments.
 
 torchtitan (0.3.0's field names) runs a schedule from torch's compute-only CSV
 (`parallelism.pipeline_parallel_schedule_csv`, loaded by `_PipelineScheduleRuntime`), but it
@@ -9,6 +10,13 @@ name, sets the order. The micro-batch count is `training.local_batch_size //
 pipeline_parallel_microbatch_size`, and an uneven partition needs `module_fqns_per_model_part`
 (torchtitan's LLaMA names: `tok_embeddings`, `layers.N`, `norm`, `lm_head`). What the plan does
 that torchtitan will not is said beside the settings, not dropped silently.
+
+Megatron-LM (Core ≥ 0.13) takes the partition as `--pipeline-model-parallel-layout` (E the
+embedding, t a decoder layer, L the loss, | between stages, stages in layer order: stage k on
+pipeline rank k mod pp, virtual stage k div pp — the loop placement; the virtual pipeline size
+follows from the number of stages). It runs its own 1F1B or interleaved 1F1B on that partition, so a
+plan's zero-bubble order, W split or pairs are not carried, and a plan in the v placement is
+refused: Megatron would put its stages elsewhere.
 """
 
 from __future__ import annotations
@@ -16,11 +24,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from pipeloom.errors import ConfigError
 from pipeloom.ir.ops import OpKind
 from pipeloom.ir.torch_csv import placement_of
+from pipeloom.tune.partition import layout_string
 from pipeloom.tune.plan import Plan
 
-__all__ = ["TorchtitanSettings", "torchtitan_settings"]
+__all__ = ["MegatronSettings", "TorchtitanSettings", "megatron_settings", "torchtitan_settings"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,58 @@ def torchtitan_settings(plan: Plan) -> TorchtitanSettings:
         global_batch_size=plan.global_batch,
         left_out=tuple(left_out),
     )
+
+
+@dataclass(frozen=True)
+class MegatronSettings:
+    """Megatron-LM's command-line arguments for one plan, and what of the plan they leave out."""
+
+    arguments: tuple[str, ...]
+    left_out: tuple[str, ...]
+
+    @property
+    def layout(self) -> str:
+        return self.arguments[self.arguments.index("--pipeline-model-parallel-layout") + 1]
+
+
+def megatron_settings(plan: Plan) -> MegatronSettings:
+    """Megatron-LM's arguments for `plan`; ConfigError for a plan Megatron would place otherwise
+    (the v placement, a stage on two ranks) or cannot cut (slices)."""
+    schedule = plan.schedule
+    if schedule.num_slices > 1:
+        raise ConfigError(f"{schedule.name!r} cuts the sequence into slices, which Megatron-LM's pipeline cannot run")
+    placement = placement_of(schedule)
+    if placement != "loop":
+        raise ConfigError(
+            f"{schedule.name!r} sits in the {placement} placement; Megatron-LM's virtual stages sit in the loop "
+            "placement (stage k on rank k mod pp): export an interleaved or 1f1b plan (tune --schemes interleaved,1f1b)"
+        )
+    ops = [op for device in schedule.devices for op in device]
+    arguments = [
+        *("--tensor-model-parallel-size", str(plan.tp)),
+        *(["--sequence-parallel"] if plan.sequence_parallel and plan.tp > 1 else []),
+        *("--pipeline-model-parallel-size", str(plan.pp)),
+        *("--pipeline-model-parallel-layout", layout_string(plan.partition)),
+        *("--micro-batch-size", str(plan.micro_batch_size)),
+        *("--global-batch-size", str(plan.global_batch)),
+    ]
+    if plan.model.num_experts and plan.model.expert_parallel > 1:
+        arguments += ["--expert-model-parallel-size", str(plan.model.expert_parallel)]
+    if plan.zero:
+        arguments.append("--use-distributed-optimizer")
+    left_out = []
+    if any(op.kind is OpKind.W or op.overlap_next for op in ops):
+        left_out.append(
+            f"{schedule.name}'s order (its split backward, W placement or pairs): Megatron runs its own 1F1B"
+        )
+    if any(op.ckpt for op in ops):
+        arguments += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+        left_out.append("recompute of the plan's chosen micro-batches only: Megatron recomputes every micro-batch")
+    if plan.zero == 1:
+        left_out.append("ZeRO-1 alone: Megatron's distributed optimizer also reduce-scatters the gradients (ZeRO-2)")
+    if plan.offload_stages:
+        left_out.append(f"the host offload of stages {list(plan.offload_stages)}")
+    return MegatronSettings(tuple(arguments), tuple(left_out))
 
 
 def _module_fqns(partition: tuple[int, ...]) -> tuple[tuple[str, ...], ...]:
