@@ -28,16 +28,28 @@ def run(capsys, *argv):
     return code, out, err
 
 
-def tuned(capsys, tmp_path, scheme: str):
-    plan = tmp_path / f"{scheme}.json"
-    code, _, err = run(capsys, *TUNE, "--schemes", scheme, "--max-mbs", "1", "--pp", "4", "--output", plan, "--force")
-    assert code == 0, err
-    return plan
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    """Plans tuned once for the module, by scheme (each test exports into its own directory)."""
+    return tmp_path_factory.mktemp("plans"), {}
+
+
+def tuned(capsys, plans, scheme: str):
+    directory, made = plans
+    if scheme not in made:
+        plan = directory / f"{scheme}.json"
+        argv = [*TUNE, "--schemes", scheme, "--max-mbs", "1", "--pp", "4", "--jobs", "1", "--output", plan]
+        code, _, err = run(capsys, *argv)
+        assert code == 0, err
+        made[scheme] = plan
+    return made[scheme]
 
 
 @pytest.mark.parametrize("scheme, placement", [("zb-v", "v"), ("interleaved", "loop")])
-def test_a_plan_exports_as_the_csv_of_its_schedule_with_its_placement_and_layers(capsys, tmp_path, scheme, placement):
-    plan = tuned(capsys, tmp_path, scheme)
+def test_a_plan_exports_as_the_csv_of_its_schedule_with_its_placement_and_layers(
+    capsys, tmp_path, plans, scheme, placement
+):
+    plan = tuned(capsys, plans, scheme)
     code, out, err = run(capsys, "export-plan", plan, "--for", "torch", "--output", tmp_path / "torch")
     assert code == 0, err
     written = (tmp_path / "torch" / "schedule.csv").read_text()
@@ -72,8 +84,8 @@ def test_a_csv_on_the_wrong_placement_is_refused_in_one_line(capsys, tmp_path):
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1
 
 
-def test_a_plan_torch_cannot_express_is_refused_naming_what_to_export(capsys, tmp_path):
-    plan = tuned(capsys, tmp_path, "chimera")
+def test_a_plan_torch_cannot_express_is_refused_naming_what_to_export(capsys, tmp_path, plans):
+    plan = tuned(capsys, plans, "chimera")
     code, out, err = run(capsys, "export-plan", plan, "--for", "torch", "--output", tmp_path / "torch")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "two copies of the model" in err and "export 'interleaved' instead" in err
@@ -81,11 +93,11 @@ def test_a_plan_torch_cannot_express_is_refused_naming_what_to_export(capsys, tm
 
 
 @pytest.mark.parametrize("scheme, placement", [("zb-v", "v"), ("interleaved", "loop"), ("1f1b", "loop")])
-def test_the_torchtitan_fragment_makes_torchtitan_build_the_csv_s_stages(capsys, tmp_path, scheme, placement):
+def test_the_torchtitan_fragment_makes_torchtitan_build_the_csv_s_stages(capsys, tmp_path, plans, scheme, placement):
     """torchtitan's own config classes take the fragment, and its own stage placement (chosen by
     the schedule's name) puts on every rank the stages the CSV runs there; its micro-batch count
     (local batch over micro-batch size) is the CSV's; the layers are the plan's partition."""
-    plan = tuned(capsys, tmp_path, scheme)
+    plan = tuned(capsys, plans, scheme)
     code, out, err = run(capsys, "export-plan", plan, "--for", "torchtitan", "--output", tmp_path / "titan")
     assert code == 0, err
     fragment = tomllib.loads((tmp_path / "titan" / "torchtitan.toml").read_text())
@@ -133,8 +145,8 @@ def assert_megatron_builds(layout: str, pp: int, partition: list[int]) -> None:
 
 
 @pytest.mark.parametrize("scheme", ["interleaved", "1f1b"])
-def test_the_megatron_arguments_make_megatron_build_the_plan_s_stages(capsys, tmp_path, scheme):
-    plan = tuned(capsys, tmp_path, scheme)
+def test_the_megatron_arguments_make_megatron_build_the_plan_s_stages(capsys, tmp_path, plans, scheme):
+    plan = tuned(capsys, plans, scheme)
     code, out, err = run(capsys, "export-plan", plan, "--for", "megatron", "--output", tmp_path / "mlm")
     assert code == 0, err
     words = (tmp_path / "mlm" / "megatron-args.txt").read_text().splitlines()[-1].split()
@@ -161,8 +173,8 @@ def test_uneven_partitions_are_layouts_megatron_reads():
         assert_megatron_builds(layout_string(partition), pp, partition)
 
 
-def test_a_plan_megatron_would_place_otherwise_is_refused(capsys, tmp_path):
-    plan = tuned(capsys, tmp_path, "zb-v")
+def test_a_plan_megatron_would_place_otherwise_is_refused(capsys, tmp_path, plans):
+    plan = tuned(capsys, plans, "zb-v")
     code, _, err = run(capsys, "export-plan", plan, "--for", "megatron", "--output", tmp_path / "mlm")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "sits in the v placement; Megatron-LM's virtual stages sit in the loop placement" in err
