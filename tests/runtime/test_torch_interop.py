@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from torch.distributed import pipelining  # noqa: E402
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime  # noqa: E402
 
-from pipeloom import build_schedule  # noqa: E402
+from pipeloom import Costs, build_schedule  # noqa: E402
 from pipeloom.errors import ConfigError  # noqa: E402
 from pipeloom.ir.torch_csv import check_placement, from_torch_csv, placement_of, stage_ranks, to_torch_csv  # noqa: E402
 from pipeloom.models.llama import LlamaConfig  # noqa: E402
@@ -26,12 +26,12 @@ CONFIG = LlamaConfig(vocab=64, hidden=32, layers=4, heads=2, ffn=64, seq_len=8, 
 P, M = 2, 4
 
 
-def _rank(rank: int, directory: str, num_stages: int, placement: str) -> None:
+def _rank(rank: int, directory: str, num_stages: int, placement: str, layer_counts) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank, world_size=P)
-    work = llama_workload(CONFIG, seed=0)
+    work = llama_workload(CONFIG, seed=0, layer_counts=layer_counts)
     modules = work.build(num_stages)
     mine = [s for s, owner in enumerate(stage_ranks(P, num_stages, placement)) if owner == rank]
     stages = [pipelining.PipelineStage(modules[s], s, num_stages, torch.device("cpu")) for s in mine]
@@ -49,9 +49,9 @@ def _rank(rank: int, directory: str, num_stages: int, placement: str) -> None:
     dist.destroy_process_group()
 
 
-def single_process_gradients(num_stages: int):
+def single_process_gradients(num_stages: int, layer_counts):
     """The same model on the same data in one process: mean of the micro-batch losses."""
-    work = llama_workload(CONFIG, seed=0)
+    work = llama_workload(CONFIG, seed=0, layer_counts=layer_counts)
     stages = work.build(num_stages)
     tokens, targets = work.batch(M * CONFIG.microbatch_size, 0)
     b = CONFIG.microbatch_size
@@ -65,9 +65,18 @@ def single_process_gradients(num_stages: int):
     return [{n: p.grad for n, p in stage.named_parameters()} for stage in stages], [float(x.detach()) for x in losses]
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "v-half", "dualpipev"])
-def test_exported_plan_runs_on_torch_with_reference_gradients(name):
-    schedule = build_schedule(name, P, M)
+UNEVEN = Costs(F=(1.0, 3.0), B=(1.0, 3.0), W=(0.5, 1.5))
+"""A first stage of one layer and a second of three: zb-auto plans for the times they give."""
+
+
+@pytest.mark.parametrize(
+    "name, options, layer_counts",
+    [(name, {}, None) for name in ("1f1b", "zb-h1", "zb-v", "v-half", "dualpipev")]
+    + [("zb-auto", {"costs": UNEVEN}, (1, 3))],
+    ids=["1f1b", "zb-h1", "zb-v", "v-half", "dualpipev", "zb-auto-uneven"],
+)
+def test_exported_plan_runs_on_torch_with_reference_gradients(name, options, layer_counts):
+    schedule = build_schedule(name, P, M, **options)
     csv_text = to_torch_csv(schedule)
     placement = placement_of(schedule)
     assert placement == ("v" if schedule.num_stages > P else "loop")
@@ -78,7 +87,7 @@ def test_exported_plan_runs_on_torch_with_reference_gradients(name):
     context = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory() as directory:
         Path(directory, "plan.csv").write_text(csv_text)
-        args = (directory, schedule.num_stages, placement)
+        args = (directory, schedule.num_stages, placement, layer_counts)
         processes = [context.Process(target=_rank, args=(r, *args)) for r in range(P)]
         for process in processes:
             process.start()
@@ -86,7 +95,7 @@ def test_exported_plan_runs_on_torch_with_reference_gradients(name):
             process.join(120)
         assert all(process.exitcode == 0 for process in processes)
         results = [json.loads(Path(directory, f"rank{r}.json").read_text()) for r in range(P)]
-    reference, losses = single_process_gradients(schedule.num_stages)
+    reference, losses = single_process_gradients(schedule.num_stages, layer_counts)
     last = stage_ranks(P, schedule.num_stages, placement)[-1]
     assert results[last]["losses"] == pytest.approx(losses, rel=1e-5)
     compared = 0
