@@ -29,7 +29,7 @@ def register(commands) -> None:
     parser = add_command(
         commands,
         "export-plan",
-        "write a tuned plan for another engine: torch.distributed.pipelining's CSV and where its stages go",
+        "write a tuned plan for the engine that runs it: torch's pipeline CSV, torchtitan's config, Megatron-LM's arguments",
         [
             "pipeloom export-plan plan.json --for torch --output torch-plan",
             "pipeloom export-plan plan.json --for torchtitan --output titan   # + torchtitan.toml to merge",

@@ -125,10 +125,6 @@ class MegatronSettings:
     arguments: tuple[str, ...]
     left_out: tuple[str, ...]
 
-    @property
-    def layout(self) -> str:
-        return self.arguments[self.arguments.index("--pipeline-model-parallel-layout") + 1]
-
 
 def megatron_settings(plan: Plan) -> MegatronSettings:
     """Megatron-LM's arguments for `plan`; ConfigError for a plan Megatron would place otherwise
