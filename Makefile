@@ -47,7 +47,7 @@ demo: $(STAMP)
 CORE := src/pipeloom/__init__.py src/pipeloom/errors.py src/pipeloom/units.py src/pipeloom/files.py \
 	src/pipeloom/costs.py src/pipeloom/budget.py src/pipeloom/static_memory.py src/pipeloom/provenance.py \
 	src/pipeloom/ir src/pipeloom/sim \
-	src/pipeloom/schedules src/pipeloom/passes src/pipeloom/tune
+	src/pipeloom/schedules src/pipeloom/passes src/pipeloom/tune src/pipeloom/profile_format.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench

@@ -57,6 +57,7 @@ from pipeloom.models.llama import llama_config
 from pipeloom.profile.ep_probes import EP
 from pipeloom.profile.probe_rounds import ProbeLayout
 from pipeloom.profile.profiler import profile_model
+from pipeloom.profile_format import Profile
 from pipeloom.runtime.local import run_local
 from pipeloom.runtime.training import TrainSpec
 from pipeloom.tune.plan import Plan, plan_from_evaluation, repriced
@@ -135,13 +136,13 @@ class Row:
     plan: Plan
     spec: Callable[[], TrainSpec]
     """Builds the plan's TrainSpec (`run_built`)."""
-    cost_model: Callable[[dict], ProfiledCostModel]
+    cost_model: Callable[[Profile], ProfiledCostModel]
     """The plan's cost model under a profile of its model (tensor and expert parallelism set)."""
     runs: list = field(default_factory=list)
     again: Plan | None = None
     """The plan priced under the profile measured by turns with its runs (`tune.plan.repriced`)."""
 
-    def price_again(self, profile: dict) -> None:
+    def price_again(self, profile: Profile) -> None:
         cost_model = self.cost_model(profile)
         self.again = repriced(self.plan, cost_model)
         self.again.predicted.update(collective_predictions(self.again, cost_model))
@@ -155,8 +156,8 @@ class Group:
     rows: list[Row]
     profiling: dict
     """`profile_model`'s arguments."""
-    marks: dict = field(default_factory=dict)
-    """What the bench adds to each of its profiles."""
+    source: str | None = None
+    """Where `spec_from_plan` finds the model (hf:DIR), set on each of its profiles."""
     reprofiling: dict = field(default_factory=dict)
     """What the second profile (by turns with the runs) changes of `profiling`."""
 
@@ -210,20 +211,20 @@ def lean_process() -> ProcessPoolExecutor:
     return lean
 
 
-def first_profile(model: ModelSpec, profiling: dict, lean: ProcessPoolExecutor) -> dict:
+def first_profile(model: ModelSpec, profiling: dict, lean: ProcessPoolExecutor) -> Profile:
     print(f"profiling {model.name} ...", flush=True)
     profile = lean.submit(profile_model, model, **profiling).result()
     describe(profile)
     return profile
 
 
-def describe(profile: dict) -> None:
-    noise = profile["noise"]
+def describe(profile: Profile) -> None:
+    noise = profile.noise
     print(
-        f"  op times spread {noise['median_spread']:.1%} (worst {noise['worst_spread']:.1%}), "
-        f"{noise['rounds']} rounds over {noise['probes']} probes; per-op overhead {profile['op_overhead_ms']:.3f} ms"
+        f"  op times spread {noise.median_spread:.1%} (worst {noise.worst_spread:.1%}), "
+        f"{noise.rounds} rounds over {noise.probes} probes; per-op overhead {profile.overheads.op_ms:.3f} ms"
     )
-    for warning in profile.get("warnings", []):
+    for warning in profile.warnings:
         print(f"  warning: {warning}")
 
 
@@ -232,11 +233,11 @@ def dense_group(reuse: str | None, steps: int, lean: ProcessPoolExecutor) -> Gro
     model = load_model(MODEL)
     profiling = {"micro_batches": (1, 2, 4), "layer_counts": (1, 2, 4), "steps": PROBE_STEPS, "max_rounds": 6}
     if reuse:
-        profile = json.loads(Path(reuse).read_text())
+        profile = Profile.from_dict(json.loads(Path(reuse).read_text()))
     else:
         profile = first_profile(model, profiling, lean)
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
-            json.dump(profile, handle)
+            json.dump(profile.to_dict(), handle)
             print(f"  profile kept at {handle.name} (--profile to reuse)")
     rows = []
     for options in PLANS:
@@ -284,8 +285,7 @@ def hf_groups(directory: Path, steps: int, lean: ProcessPoolExecutor) -> list[Gr
             "workload_for": partial(hf_workload_at, source),
             "tensor_parallel": layouts,
         }
-        marks = {"source": f"hf:{source}"}  # where `spec_from_plan` finds the model
-        profile = first_profile(model, profiling, lean) | marks
+        profile = dataclasses.replace(first_profile(model, profiling, lean), source=f"hf:{source}")
         rows = []
         for tuning in tunings:
             label, plan, cost_model = hf_tuned(model, tuning, profile)
@@ -293,7 +293,7 @@ def hf_groups(directory: Path, steps: int, lean: ProcessPoolExecutor) -> list[Gr
         # probed again at the plans' micro-batch sizes only: each plan is priced at its own, and
         # the rounds saved go to more of them (`HF_ROUNDS`)
         sizes = tuple(sorted({row.plan.micro_batch_size for row in rows}))
-        groups.append(Group(model, rows, profiling, marks, {"micro_batches": sizes}))
+        groups.append(Group(model, rows, profiling, f"hf:{source}", {"micro_batches": sizes}))
     return groups
 
 
@@ -303,7 +303,9 @@ def hf_workload_at(directory: Path, layers: int, mbs: int):
     return hf_workload(directory, 0, mbs, HF_SEQ, layers=layers)
 
 
-def hf_tuned(model: ModelSpec, tuning: dict, profile: dict) -> tuple[str, Plan, Callable[[dict], ProfiledCostModel]]:
+def hf_tuned(
+    model: ModelSpec, tuning: dict, profile: Profile
+) -> tuple[str, Plan, Callable[[Profile], ProfiledCostModel]]:
     """A tensor- or expert-parallel 1F1B plan of a Hugging Face model on 2 ranks (expert
     parallelism without ZeRO, which it does not combine with yet, as `tune --runnable`)."""
     tp, sp, ep = tuning.get("tp", 1), tuning.get("sequence_parallel", False), tuning.get("ep", 1)
@@ -317,7 +319,7 @@ def hf_tuned(model: ModelSpec, tuning: dict, profile: dict) -> tuple[str, Plan, 
     return label, plan, cost_model_of
 
 
-def hf_cost_model(tp: int, sequence_parallel: bool, ep: int, profile: dict) -> ProfiledCostModel:
+def hf_cost_model(tp: int, sequence_parallel: bool, ep: int, profile: Profile) -> ProfiledCostModel:
     cost_model = ProfiledCostModel(profile, tp, sequence_parallel)
     cost_model.model = dataclasses.replace(cost_model.model, expert_parallel=ep)
     return cost_model
@@ -357,7 +359,7 @@ def measure_by_turns(group: Group, rounds: int, lean: ProcessPoolExecutor) -> No
     describe(profile)
     for row, row_runs in zip(group.rows, runs):
         row.runs = row_runs
-        row.price_again(profile | group.marks)
+        row.price_again(dataclasses.replace(profile, source=group.source or profile.source))
 
 
 def layout(plan: Plan) -> ProbeLayout:

@@ -78,12 +78,13 @@ def test_modules_import_each_other_in_one_direction():
 # Layers, bottom up; a package may import its own layer and those below, never one above — at
 # load time or inside a function. The planning core imports no torch; models are what the
 # runtime trains; the runtime runs plans; the profiler measures with the runtime; the command
-# line and the plots sit on top.
+# line and the plots sit on top. The profile's typed format sits with the tuner that reads it, below
+# the profiler that writes it.
 LAYERS = [
     {"errors", "units", "files", "provenance", "ir", "stage_costs", "costs", "static_memory", "budget"},
     {"sim"},
     {"schedules", "passes"},
-    {"tune"},
+    {"tune", "profile_format"},
     {"models", "data"},
     {"runtime"},
     {"profile"},

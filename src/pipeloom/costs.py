@@ -188,7 +188,7 @@ class Costs:
         """From a JSON file of Costs keys, or a profile (`pipeloom profile`), whose Costs keys are
         read and whose per-layer fits are left to the tuner."""
         data = read_json(path, "costs", ConfigError)
-        if isinstance(data, dict) and data.get("format") == "pipeloom.profile/1":
+        if isinstance(data, dict) and str(data.get("format", "")).startswith("pipeloom.profile/"):
             data = {key: value for key, value in data.items() if key in cls.keys()}
         try:
             return cls.from_mapping(data)

@@ -11,6 +11,7 @@ from types import SimpleNamespace  # noqa: E402
 from pipeloom.cli import main  # noqa: E402
 from pipeloom.errors import ConfigError  # noqa: E402
 from pipeloom.profile.replica_skew import _skew  # noqa: E402
+from pipeloom.profile_format import Layout, Profile  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -51,22 +52,25 @@ def test_profile_simulate_tune_train(tmp_path, capsys):
         == 0
     )
     data = json.loads(profile.read_text())
-    assert data["format"] == "pipeloom.profile/1" and data["model"]["hidden"] == 32
+    assert data["format"] == "pipeloom.profile/2" and data["model"]["hidden"] == 32
+    typed = Profile.from_dict(data)  # what `tune` reads is what `profile` wrote
+    assert Profile.from_dict(typed.to_dict()) == typed and typed.device.kind == "cpu"
     # what the runtime adds beyond the ops, and how noisy the machine was, are in the profile
-    assert data["op_overhead_ms"] >= 0 and data["step_overhead"]["base_ms"] >= 0
-    assert data["optimizer"]["base_ms"] + data["optimizer"]["per_param_ms"] > 0
-    for link in ("p2p", "allreduce"):
-        assert data[link]["latency_ms"] >= 0 and data[link]["bytes_per_ms"] > 0
-    assert data["noise"]["probes"] == 4 and data["noise"]["rounds"] >= 2 * 4 and 0 <= data["noise"]["median_spread"]
-    assert isinstance(data["warnings"], list)
-    for size in ("1", "2"):
-        fit = data["fits"][size]
+    overheads = typed.overheads
+    assert overheads.op_ms >= 0 and overheads.step.base_ms >= 0
+    assert overheads.optimizer is not None and overheads.optimizer.ms(1) > 0
+    for link in (typed.links.p2p, typed.links.allreduce):
+        assert link is not None and link.latency_ms >= 0 and link.bytes_per_ms > 0
+    assert typed.noise.probes == 4 and typed.noise.rounds >= 2 * 4 and 0 <= typed.noise.median_spread
+    fits = typed.plain.fits
+    assert sorted(fits) == [1, 2] and list(typed.layouts) == [Layout()]
+    for size in (1, 2):
         # a layer's time may fit as 0 when the machine's jitter swamps it (a busy machine), never below
-        assert fit["F"]["per_layer"] >= 0 and fit["F"]["first"] + fit["F"]["per_layer"] > 0
-        assert fit["M_B"]["per_layer"] > 0 and fit["p2p_ms"] > 0
-        assert set(fit["F"]) >= {"per_layer", "first", "last", "single", "middle"}
+        assert fits[size]["F"].per_layer >= 0 and fits[size]["F"].at("first") + fits[size]["F"].per_layer > 0
+        assert fits[size]["M_B"].per_layer > 0 and fits[size]["M_W"].per_layer > 0  # a B leaves its W bytes
+        assert None not in (fits[size]["F"].first, fits[size]["F"].last, fits[size]["F"].middle)
     # activations grow with the micro-batch (the rotary tables do not: nearly, not exactly, twice)
-    assert data["fits"]["2"]["M_B"]["per_layer"] == pytest.approx(2 * data["fits"]["1"]["M_B"]["per_layer"], rel=0.05)
+    assert fits[2]["M_B"].per_layer == pytest.approx(2 * fits[1]["M_B"].per_layer, rel=0.05)
 
     assert main(["simulate", "1f1b", "-p", "2", "-m", "4", "--costs", str(profile), "--json"]) == 0
     simulated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -113,8 +113,9 @@ def test_pp2_tp2_trains_like_one_process(tmp_path, token_file, schedule, sequenc
 
 def planner_for(sequence_parallel: bool):
     """The profiled cost model of this LLaMA (its fits do not matter for the collectives' bytes)."""
+    from pipeloom.profile_format import PROFILE_FORMAT_1 as PROFILE_FORMAT
     from pipeloom.tune.presets import model_from_config
-    from pipeloom.tune.profiled import PROFILE_FORMAT, ProfiledCostModel
+    from pipeloom.tune.profiled import ProfiledCostModel
 
     model = model_from_config(LLAMA, name="llama").to_dict() | {"seq_len": SEQ}
     line = {"latency_ms": 0.1, "bytes_per_ms": 1e5}

@@ -165,12 +165,12 @@ def test_profile_tune_and_train_a_hugging_face_model(capsys, tmp_path, llama):
     )
     facts = json.loads(profile.read_text())
     assert facts["source"] == f"hf:{llama}" and facts["params"]["first"] == 512 * 32
-    measured = facts["tensor_parallel"]["2"]["1"]  # its ops on one stage over two ranks, as `tune --tp 2` prices them
+    measured = facts["layouts"]["tp2"]["fits"]["1"]  # its ops on one stage over two ranks, as `tune --tp 2` prices them
     assert (
         set(measured) == {"F", "B", "W", "R", "M_B", "M_ckpt"}
         and measured["F"]["per_layer"] + measured["F"]["single"] > 0
     )
-    assert "mbs 1 on tp 2: per layer F" in capsys.readouterr().out
+    assert "mbs 1 on tp2: per layer F" in capsys.readouterr().out
     for sequence_parallel in (False, True):  # priced as measured; a layout it did not measure is warned of
         flags = ["--tp", "2", *(["--sequence-parallel"] if sequence_parallel else [])]
         tuned = ["tune", "--costs", str(profile), "--devices", "2", "--memory", "1GiB", "--global-batch", "4"]

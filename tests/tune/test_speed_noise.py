@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipeloom.profile.speed import QUANTILES, op_ratios, speed_quantiles, steady_steps, timed_steps
+from pipeloom.profile_format import Profile
 from pipeloom.tune.profiled import ProfiledCostModel
 from pipeloom.tune.search import tune
 from pipeloom.tune.speed_noise import mean_matched, noisy_pipeline, winsorized
@@ -66,9 +67,9 @@ def test_a_tensor_parallel_plan_draws_from_its_own_layout_s_speeds():
     data = {**profile(), **links(), "step_speed": STEADY, "op_speed": STEADY}
     data["tensor_parallel_speed"] = {"2": {"step_speed": STEADY, "op_speed": skewed}}
     plain = ProfiledCostModel(data, tp=2, sequence_parallel=True)  # "2+sp" not measured: the plain probes'
-    assert layout_speeds(data, 2, True) == (STEADY, STEADY, None)
-    assert layout_speeds(data, 2, False) == (STEADY, skewed, None)
-    assert layout_speeds(data, 1, False) == (STEADY, STEADY, None)
+    assert speeds(data, 2, True) == (STEADY, STEADY, None)
+    assert speeds(data, 2, False) == (STEADY, skewed, None)
+    assert speeds(data, 1, False) == (STEADY, STEADY, None)
     layout = {**SPACE, "schemes": ["1f1b"], "pp_values": [1], "tp": 2}
     assert tune(plain, 2, 1e9, 8, **layout).best.noise_time == pytest.approx(0.0, abs=1e-9)
     assert tune(ProfiledCostModel(data, tp=2), 2, 1e9, 8, **layout).best.noise_time > 0
@@ -79,13 +80,20 @@ def test_an_expert_parallel_plan_draws_from_its_own_layout_s_speeds():
     too (`profile.ep_probes`): an ep > 1 plan draws from that layout's quantiles, others do not."""
     skewed = [1.0] * (QUANTILES - 6) + [1.1, 1.2, 1.3, 1.4, 1.5, 9.0]
     data = {
+        **profile(),
         "step_speed": STEADY,
         "op_speed": STEADY,
         "expert_parallel_speed": {"step_speed": STEADY, "op_speed": skewed},
     }
-    assert layout_speeds(data, 1, False, ep=2) == (STEADY, skewed, None)
-    assert layout_speeds(data, 1, False) == (STEADY, STEADY, None)
-    assert layout_speeds({**data, "expert_parallel_speed": {}}, 1, False, ep=2) == (STEADY, STEADY, None)
+    assert speeds(data, 1, False, ep=2) == (STEADY, skewed, None)
+    assert speeds(data, 1, False) == (STEADY, STEADY, None)
+    assert speeds({**data, "expert_parallel_speed": {}}, 1, False, ep=2) == (STEADY, STEADY, None)
+
+
+def speeds(data: dict, tp: int, sequence_parallel: bool, ep: int = 1) -> tuple[list, list, float | None]:
+    """The step and op quantiles and the op mean a plan of this layout draws from."""
+    speed = layout_speeds(Profile.from_dict(data), tp, sequence_parallel, ep)
+    return list(speed.step), list(speed.op), speed.op_mean
 
 
 def test_one_device_s_ops_draw_the_mean_factor_the_profile_measured():

@@ -61,7 +61,9 @@ def test_relative_spread_is_the_interquartile_range_over_the_median():
 
 
 def _fits(per_layer_by_size):
-    return {str(size): {kind: {"per_layer": value} for kind in ("F", "B", "W")} for size, value in per_layer_by_size}
+    from pipeloom.profile_format import Fit
+
+    return {size: {kind: Fit(value, 0.0) for kind in ("F", "B", "W")} for size, value in per_layer_by_size}
 
 
 def test_a_larger_micro_batch_cheaper_per_sample_beyond_noise_is_suspect():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -13,6 +14,7 @@ from pipeloom.cli.output import add_quiet, progress_bar
 from pipeloom.cli.parser import add_command
 from pipeloom.errors import ConfigError
 from pipeloom.files import check_writable
+from pipeloom.profile_format import Profile
 
 __all__ = ["register", "ALLOW_BUSY_ENV"]
 
@@ -83,8 +85,6 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _hf_profile_model(args: argparse.Namespace):
     """(ModelSpec of the directory's config at --seq-len, probe workloads of its own layers)."""
-    import dataclasses
-
     from pipeloom.models.hf import CAUSAL, _config_path, hf_workload, load_hf_config
     from pipeloom.tune.presets import model_from_config
 
@@ -126,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     layouts = [(args.tp, False), *([(args.tp, True)] if args.sequence_parallel else [])] if args.tp > 1 else []
     check_writable(args.output)
     from pipeloom.profile.profiler import profile_model
+    from pipeloom.static_memory import compute_bytes
     from pipeloom.tune.profiled import ProfiledCostModel, profile_costs_keys
 
     profile = profile_model(
@@ -142,60 +143,61 @@ def run(args: argparse.Namespace) -> int:
         tensor_parallel=layouts,
     )
     if workload_for is not None:
-        profile["source"] = args.model
-    profile.update(profile_costs_keys(ProfiledCostModel(profile)))
-    Path(args.output).write_text(json.dumps(profile, indent=1) + "\n")
-    for size in sizes:
-        fit = profile["fits"][str(size)]
+        profile = dataclasses.replace(profile, source=args.model)
+    data = profile.to_dict() | profile_costs_keys(ProfiledCostModel(profile))
+    Path(args.output).write_text(json.dumps(data, indent=1) + "\n")
+    p2p = profile.links.p2p
+    for size, fit in profile.plain.fits.items():
+        activation = fit["M_B"].per_layer / 2**20
         print(
-            f"mbs {size}: per layer F {fit['F']['per_layer']:.3f} ms, B {fit['B']['per_layer']:.3f} ms, "
-            f"W {fit['W']['per_layer']:.3f} ms, R {fit['R']['per_layer']:.3f} ms, "
-            f"activations {fit['M_B']['per_layer'] / 2**20:.2f} MiB; p2p {fit['p2p_ms']:.3f} ms"
+            f"mbs {size}: per layer F {fit['F'].per_layer:.3f} ms, B {fit['B'].per_layer:.3f} ms, "
+            f"W {fit['W'].per_layer:.3f} ms, R {fit['R'].per_layer:.3f} ms, activations {activation:.2f} MiB; "
+            f"p2p {p2p.ms(compute_bytes(profile.dtype) * size * model.seq_len * model.hidden):.3f} ms"
         )
-    if "a2a" in profile:
-        for size in sizes:
-            a2a = profile["a2a"][str(size)]
+    for layout, measured in profile.layouts.items():
+        for size, exchange in measured.exchange.items():
             print(
-                f"mbs {size}: expert all-to-all (ep {profile['a2a']['ep']}) {a2a['F']:.3f} ms per layer in F, "
-                f"{a2a['B']:.3f} ms in B"
+                f"mbs {size}: expert all-to-all (ep {layout.ep}) {exchange.F:.3f} ms per layer in F, "
+                f"{exchange.B:.3f} ms in B"
             )
-    for layout, by_size in profile.get("tensor_parallel", {}).items():
-        for size, fit in by_size.items():
-            print(
-                f"mbs {size} on tp {layout}: per layer F {fit['F']['per_layer']:.3f} ms, B {fit['B']['per_layer']:.3f} ms, "
-                f"W {fit['W']['per_layer']:.3f} ms (collectives and their waits included)"
-            )
+        if layout.tp > 1:
+            for size, fit in measured.fits.items():
+                print(
+                    f"mbs {size} on {layout.key}: per layer F {fit['F'].per_layer:.3f} ms, "
+                    f"B {fit['B'].per_layer:.3f} ms, W {fit['W'].per_layer:.3f} ms (collectives and their waits included)"
+                )
     print(runtime_line(profile))
     print(noise_line(profile))
-    for warning in profile.get("warnings", []):
+    for warning in profile.warnings:
         print(f"pipeloom: profile: warning: {warning}", file=sys.stderr)
     print(f"profile written to {args.output}")
     return 0
 
 
-def runtime_line(profile: dict) -> str:
+def runtime_line(profile: Profile) -> str:
     """What the runtime adds beyond the ops, as measured."""
-    p2p, reduce, optimizer = profile["p2p"], profile["allreduce"], profile["optimizer"]
+    links, overheads = profile.links, profile.overheads
+    p2p, reduce = links.p2p, links.collective("allreduce")
+    optimizer = overheads.optimizer or overheads.step
     return (
-        f"runtime: {profile['op_overhead_ms']:.3f} ms per op; p2p {p2p['latency_ms']:.3f} ms + "
-        f"{p2p['bytes_per_ms'] / 1e6:.2f} GB/s; all-reduce (dp {reduce['dp']}) {reduce['latency_ms']:.3f} ms + "
-        f"{reduce['bytes_per_ms'] / 1e6:.2f} GB/s; optimizer {optimizer['base_ms']:.2f} ms + "
-        f"{optimizer['per_param_ms'] * 1e6:.3f} ms per M parameters; rest of a step "
-        f"{profile['step_overhead']['base_ms']:.2f} ms"
+        f"runtime: {overheads.op_ms:.3f} ms per op; p2p {p2p.latency_ms:.3f} ms + "
+        f"{p2p.bytes_per_ms / 1e6:.2f} GB/s; all-reduce (dp {links.dp}) {reduce.latency_ms:.3f} ms + "
+        f"{reduce.bytes_per_ms / 1e6:.2f} GB/s; optimizer {optimizer.base_ms:.2f} ms + "
+        f"{optimizer.per_param_ms * 1e6:.3f} ms per M parameters; rest of a step "
+        f"{overheads.step.base_ms:.2f} ms"
     )
 
 
-def noise_line(profile: dict) -> str:
+def noise_line(profile: Profile) -> str:
     """How noisy the machine was while it was measured."""
-    noise = profile["noise"]
-    unsettled = f", {noise['unsettled']} never settled" if noise["unsettled"] else ""
-    busy = noise.get("busy_rounds", 0)
-    cores = f"; ops ran at {noise['wall_over_cpu']:.2f}× their CPU time" if "wall_over_cpu" in noise else ""
-    dropped = f", {busy} busy round(s) {'kept' if noise.get('busy_allowed') else 'dropped'}" if busy else ""
-    share = noise.get("steady_share", 1.0)
-    spells = f"; {1 - share:.0%} of steps ran in slow spells, left out" if share < 1 else ""
+    noise = profile.noise
+    unsettled = f", {noise.unsettled} never settled" if noise.unsettled else ""
+    cores = f"; ops ran at {noise.wall_over_cpu:.2f}× their CPU time" if noise.wall_over_cpu is not None else ""
+    kept = "kept" if noise.busy_allowed else "dropped"
+    dropped = f", {noise.busy_rounds} busy round(s) {kept}" if noise.busy_rounds else ""
+    spells = f"; {1 - noise.steady_share:.0%} of steps ran in slow spells, left out" if noise.steady_share < 1 else ""
     return (
-        f"noise: op times spread {noise['median_spread']:.1%} (median over probes, worst {noise['worst_spread']:.1%}; "
-        f"interquartile range / median); {noise['rounds']} rounds over {noise['probes']} probes{unsettled}"
+        f"noise: op times spread {noise.median_spread:.1%} (median over probes, worst {noise.worst_spread:.1%}; "
+        f"interquartile range / median); {noise.rounds} rounds over {noise.probes} probes{unsettled}"
         f"{cores}{dropped}{spells}"
     )

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         cost_model.model.check_tensor_parallel(args.tp, vocabulary=args.runnable)
     memory = _memory(args, cost_model)
     host_memory = _host_memory(args, cost_model)
-    dtype = cost_model.profile.get("dtype", "fp32") if isinstance(cost_model, ProfiledCostModel) else None
+    dtype = cost_model.profile.dtype if isinstance(cost_model, ProfiledCostModel) else None
     model = cost_model.model
     inputs = plan_inputs(args.data, args.tokenizer, args.data_dtype, dtype, model.vocab, model.seq_len)
     schemes = args.schemes.split(",") if args.schemes else list(DEFAULT_SCHEMES)

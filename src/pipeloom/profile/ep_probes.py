@@ -8,7 +8,7 @@ profile of a mixture of experts measures the layout (`expert_exchange`): the exc
 flight, an F's and a BW's whole time and an F's stash, which `tune.profiled.ProfiledCostModel`
 takes as the difference from the tp = 1 fits. As on tp ranks (`tp_probes`), the ops wait inside
 their collectives, which makes them vary more from step to step and skews them, so the layout keeps
-its own speed quantiles (`speed.speed_keys`), which `tune.speed_noise` draws from for its plans;
+its own speed (`speed.speed_of`), which `tune.speed_noise` draws from for its plans;
 and its medians are over steady steps only (`probe_rounds.steady_records`), as the plans' are measured.
 """
 
@@ -21,7 +21,8 @@ from pipeloom.ir.ops import OpKind
 from pipeloom.ir.text import parse_op
 from pipeloom.profile.probe_rounds import runs_by_turns, speed_samples, stashed_bytes, steady_records
 from pipeloom.profile.replica_skew import step_tail
-from pipeloom.profile.speed import speed_keys
+from pipeloom.profile.speed import speed_of
+from pipeloom.profile_format import ExpertExchange, Layout, LayoutProfile
 
 __all__ = ["EP", "expert_exchange"]
 
@@ -38,9 +39,9 @@ def expert_exchange(
     dtype,
     rounds: int = 3,
     between_rounds: Callable[[], None] | None = None,
-) -> tuple[dict, dict]:
+) -> tuple[Layout, LayoutProfile]:
     """A mixture of experts' dispatch and combine, per MoE layer and micro-batch size, and the
-    layout's speed keys (`speed.speed_keys`). Measured on one stage of `layers` layers trained by
+    layout's speed (`speed.speed_of`). Measured on one stage of `layers` layers trained by
     two data-parallel replicas that share out the experts (--ep 2). ms per layer of an F (a2a_F:
     the counts, the tokens out and back) and of a B (a2a_B: their gradients); the bytes an F
     stashes there (M_B) and an F's and a BW's whole time (F_op, BW_op), which sharing the experts
@@ -67,11 +68,13 @@ def expert_exchange(
         )
         for mbs in micro_batches
     }
-    out: dict = {"ep": EP}
+    out: dict[int, ExpertExchange] = {}
     busy: list[list[float]] = []  # per size and rank, its time in ops each steady step
     op_variation: list[float] = []
     per_op = m * layers
-    for mbs, runs in runs_by_turns(specs, rounds, between_rounds=between_rounds).items():
+    measured = runs_by_turns(specs, rounds, between_rounds=between_rounds)
+    for mbs in micro_batches:
+        runs = measured[mbs]
         flags, kept_by_rank = steady_records(runs)
         tail, pipeline = step_tail(runs, flags)
         busy += speed_samples(kept_by_rank, op_variation)
@@ -81,14 +84,14 @@ def expert_exchange(
             kind: [1e3 * (end - start) for r in kept for text, start, end in r.ops if parse_op(text).kind is kind]
             for kind in (OpKind.F, OpKind.BW)
         }
-        out[str(mbs)] = {
-            "F": statistics.median(r.a2a_forward_ms for r in kept) / per_op,
-            "B": statistics.median(r.a2a_ms - r.a2a_forward_ms for r in kept) / per_op,
-            "M_B": statistics.median(stash),  # an F's stash on this stage of `layers` layers, experts shared out
-            "F_op": statistics.median(lone[OpKind.F]),  # an F's and a BW's whole time on that stage, ms
-            "BW_op": statistics.median(lone[OpKind.BW]),
-            "layers": layers,
-            "tail_ms": tail,
-            "pipeline_ms": pipeline,
-        }
-    return out, speed_keys(busy, op_variation)
+        out[mbs] = ExpertExchange(
+            F=statistics.median(r.a2a_forward_ms for r in kept) / per_op,
+            B=statistics.median(r.a2a_ms - r.a2a_forward_ms for r in kept) / per_op,
+            layers=layers,
+            M_B=statistics.median(stash),  # an F's stash on this stage of `layers` layers, experts shared out
+            F_op=statistics.median(lone[OpKind.F]),  # an F's and a BW's whole time on that stage, ms
+            BW_op=statistics.median(lone[OpKind.BW]),
+            tail_ms=tail,
+            pipeline_ms=pipeline,
+        )
+    return Layout(ep=EP), LayoutProfile(speed=speed_of(busy, op_variation), exchange=out)

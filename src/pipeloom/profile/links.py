@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pipeloom.profile_format import Link, Links
 from pipeloom.runtime.zero import sum_into_shard
 
 __all__ = ["ping_seconds", "measure_links"]
@@ -69,9 +70,8 @@ def collective_seconds(name: str, elements: int, repeats: int = 5) -> float:
     return statistics.median(samples)
 
 
-def measure_links(sizes: tuple[int, ...] = (_SMALL, _LARGE), repeats: int = 9) -> dict:
-    """{"p2p": ..., "allreduce": ..., "reduce_scatter": ..., "all_gather": ...}, each
-    {"latency_ms", "bytes_per_ms"} (the collectives also "dp": 2)."""
+def measure_links(sizes: tuple[int, ...] = (_SMALL, _LARGE), repeats: int = 9) -> Links:
+    """p2p between two ranks, and each collective over two."""
     context = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="pipeloom-links-") as directory:
         processes = [context.Process(target=_link_rank, args=(r, directory, sizes, repeats)) for r in range(2)]
@@ -82,17 +82,15 @@ def measure_links(sizes: tuple[int, ...] = (_SMALL, _LARGE), repeats: int = 9) -
         values = [float(x) for x in Path(directory, "links").read_text().split()]
     nbytes = [4 * n for n in sizes]
     rows = [values[i : i + len(sizes)] for i in range(0, len(values), len(sizes))]
-    links = {"p2p": _line(nbytes, rows[0])}
-    for name, row in zip(COLLECTIVES, rows[1:]):
-        links[name] = {**_line(nbytes, row), "dp": 2}
-    return links
+    collectives = {name: _line(nbytes, row) for name, row in zip(COLLECTIVES, rows[1:])}
+    return Links(p2p=_line(nbytes, rows[0]), dp=2, **collectives)
 
 
-def _line(nbytes: list[int], ms: list[float]) -> dict:
+def _line(nbytes: list[int], ms: list[float]) -> Link:
     """latency + bytes / bandwidth through the smallest and largest size."""
     slope = (ms[-1] - ms[0]) / (nbytes[-1] - nbytes[0])
     latency = max(0.0, ms[0] - slope * nbytes[0])
-    return {"latency_ms": latency, "bytes_per_ms": 1 / slope if slope > 0 else float(nbytes[-1]) / max(ms[-1], 1e-6)}
+    return Link(latency, 1 / slope if slope > 0 else float(nbytes[-1]) / max(ms[-1], 1e-6))
 
 
 def _link_rank(rank: int, directory: str, sizes: tuple[int, ...], repeats: int) -> None:

@@ -42,14 +42,23 @@ from pipeloom.profile.probe_rounds import (
     probe_train_spec,
 )
 from pipeloom.profile.replica_skew import SKEW_ROUNDS, replica_skews
-from pipeloom.profile.speed import speed_keys
+from pipeloom.profile.speed import speed_of
 from pipeloom.profile.stability import falling_per_sample
 from pipeloom.profile.tp_probes import tensor_parallel_fits
-from pipeloom.static_memory import compute_bytes
+from pipeloom.profile_format import (
+    DeviceInfo,
+    Fit,
+    Layout,
+    LayoutProfile,
+    LinearCost,
+    Noise,
+    Overheads,
+    Params,
+    Profile,
+)
 from pipeloom.tune.presets import ModelSpec
-from pipeloom.tune.profile_checks import check_profile_numbers
 from pipeloom.tune.profile_fits import fit_positions
-from pipeloom.tune.profiled import PROFILE_FORMAT, ProfiledCostModel
+from pipeloom.tune.profiled import ProfiledCostModel
 
 __all__ = ["profile_model", "ping_seconds", "probe_schedule"]
 
@@ -72,8 +81,8 @@ def profile_model(
     tensor_parallel: Sequence[tuple[int, bool]] = (),
     between_rounds: Callable[[ProbeLayout], None] | None = None,
     min_rounds: int = 1,
-) -> dict:
-    """The profile (format ``pipeloom.profile/1``) as a dict. `workload_for(layers, micro-batch
+) -> Profile:
+    """The profile (`profile_format.Profile`). `workload_for(layers, micro-batch
     size)` builds another model to probe (a Hugging Face one: `models.hf.hf_workload`); by
     default it is the built-in LLaMA-style decoder of `model`'s shape. Each probe runs `steps`
     steps a round (its warm-up left out: `speed.timed_steps`), in as many rounds (at most `max_rounds`) as
@@ -105,33 +114,30 @@ def profile_model(
     # slowed the smaller: busy rounds are dropped, so only where they were kept (allowed) is it suspect
     suspect = busy.allow and busy.contended
     warnings = falling_per_sample(fits, _noise_margin(measured), describe=True) if suspect else []
-    tp_fits, tp_speeds = tensor_parallel_fits(
+    plain = LayoutProfile(
+        fits=fits,
+        speed=speed_of((busy for probe in measured.values() for busy in probe.busy), op_variation),
+        confidence=_confidence(measured, micro_batches),
+    )
+    layouts = {Layout(): plain}
+    layouts |= tensor_parallel_fits(
         tensor_parallel, shape, micro_batches, layer_counts, max_rounds, tick, between_rounds, min_rounds
     )
-    links = measure_links()
-    for mbs in micro_batches:
-        activation_bytes = compute_bytes(dtype) * mbs * model.seq_len * model.hidden
-        fits[str(mbs)]["p2p_ms"] = _p2p_ms(links["p2p"], activation_bytes)
     if progress:
         progress(total, total)
-    profile = {
-        "format": PROFILE_FORMAT,
-        "model": model.to_dict(),
-        "device": f"cpu, {threads} thread(s) per rank, {dtype}",
-        "dtype": dtype,
-        "micro_batch_sizes": list(micro_batches),
-        "fits": fits,
-        "params": _params(model, workload_for),
-        "static_bytes_per_param": STATIC_BYTES_PER_PARAM,
-        "p2p_bandwidth": links["p2p"]["bytes_per_ms"],
-        **links,
-    }
-    profile.update(_runtime_overheads(profile, measured))
-    if tp_fits:
-        profile["tensor_parallel"] = tp_fits
-        profile["tensor_parallel_speed"] = tp_speeds
+    profile = Profile(
+        model=model,
+        device=DeviceInfo("cpu", f"cpu, {threads} thread(s) per rank, {dtype}", threads),
+        dtype=dtype,
+        params=_params(model, workload_for),
+        static_bytes_per_param=STATIC_BYTES_PER_PARAM,
+        links=measure_links(),
+        overheads=Overheads(),
+        layouts=layouts,
+    )
+    profile = replace(profile, overheads=_runtime_overheads(profile, measured))
     paired_rounds = min(SKEW_ROUNDS, max_rounds)  # the dp = 2 probes' rounds, by turns
-    profile["replica_skew"] = replica_skews(
+    skew = replica_skews(
         profile,
         model,
         max(micro_batches),
@@ -145,7 +151,7 @@ def profile_model(
     )
     if workload_for is not None and getattr(workload_for(1, 1), "experts", None) is not None:
         ep_turns = None if between_rounds is None else partial(between_rounds, ProbeLayout(ep=EP))
-        profile["a2a"], profile["expert_parallel_speed"] = expert_exchange(
+        layout, exchange = expert_exchange(
             micro_batches,
             max(layer_counts),
             steps,
@@ -155,12 +161,16 @@ def profile_model(
             rounds=max(paired_rounds, min_rounds),
             between_rounds=ep_turns,
         )
-    profile["noise"] = _noise(measured) | busy.summary()
-    profile["confidence"] = _confidence(measured, micro_batches)
-    profile.update(speed_keys((busy for probe in measured.values() for busy in probe.busy), op_variation))
-    profile["warnings"] = warnings + [text for text in [busy.warning()] if text]
+        layouts[layout] = exchange
+    profile = replace(
+        profile,
+        layouts=layouts,
+        replica_skew=skew,
+        noise=_noise(measured, busy),
+        warnings=tuple(warnings + [text for text in [busy.warning()] if text]),
+    )
     try:  # what `tune` will refuse is never written: the fits are constrained, this is the proof
-        check_profile_numbers(profile)
+        Profile.from_dict(profile.to_dict())
     except ConfigError as error:
         raise RuntimeFault(
             f"{error.summary} — the measurements did not settle into usable numbers; "
@@ -169,7 +179,7 @@ def profile_model(
     return profile
 
 
-def _fits(measured: dict[tuple[int, int], Probe], micro_batches: Sequence[int]) -> dict:
+def _fits(measured: dict[tuple[int, int], Probe], micro_batches: Sequence[int]) -> dict[int, dict[str, Fit]]:
     fits = {}
     for mbs in micro_batches:
         samples: dict[str, list[tuple[str, int, float]]] = {}
@@ -180,15 +190,15 @@ def _fits(measured: dict[tuple[int, int], Probe], micro_batches: Sequence[int]) 
                 kind, _, rank = key.partition("@")
                 if rank:
                     samples.setdefault(kind, []).append((_POSITIONS[int(rank)], n, probe.median(key)))
-        fits[str(mbs)] = {kind: fit_positions(points) for kind, points in samples.items()}
+        fits[mbs] = {kind: Fit(**fit_positions(points)) for kind, points in samples.items()}
     return fits
 
 
-def _confidence(measured: dict[tuple[int, int], Probe], micro_batches: Sequence[int]) -> dict:
+def _confidence(measured: dict[tuple[int, int], Probe], micro_batches: Sequence[int]) -> dict[int, dict[str, float]]:
     """Per micro-batch size and op kind, how far to trust its times: the relative standard error
     of their medians (the median over the probes and ranks that measured them). `tune` turns it
     into a band around each plan's step time."""
-    out: dict[str, dict[str, float]] = {}
+    out: dict[int, dict[str, float]] = {}
     for mbs in micro_batches:
         errors: dict[str, list[float]] = {}
         for (size, _), probe in measured.items():
@@ -196,7 +206,7 @@ def _confidence(measured: dict[tuple[int, int], Probe], micro_batches: Sequence[
                 kind = key.split("@")[0]
                 if size == mbs and kind in OP_KINDS:
                     errors.setdefault(kind, []).append(value.relative_error)
-        out[str(mbs)] = {kind: statistics.median(values) for kind, values in errors.items()}
+        out[mbs] = {kind: statistics.median(values) for kind, values in errors.items()}
     return out
 
 
@@ -212,11 +222,7 @@ def _noise_margin(measured: dict) -> float:
     return max(0.03, 3 * statistics.median(errors))
 
 
-def _p2p_ms(link: dict, nbytes: float) -> float:
-    return link["latency_ms"] + nbytes / link["bytes_per_ms"]
-
-
-def _runtime_overheads(profile: dict, measured: dict) -> dict:
+def _runtime_overheads(profile: Profile, measured: dict) -> Overheads:
     """Per-op overhead, optimizer step and step overhead, from every probe's phases."""
     model = ProfiledCostModel(profile)
     epsilons, optimizer, rest = [], [], []
@@ -227,11 +233,11 @@ def _runtime_overheads(profile: dict, measured: dict) -> dict:
         optimizer.append((model.stage_params([n] * p)[0], probe.median("optimizer")))
         rest.append(probe.median("overhead"))
     base, per_param = linear_fit(optimizer)
-    return {
-        "op_overhead_ms": max(0.0, statistics.median(epsilons)),
-        "optimizer": {"base_ms": base, "per_param_ms": per_param},
-        "step_overhead": {"base_ms": statistics.median(rest), "per_param_ms": 0.0},
-    }
+    return Overheads(
+        op_ms=max(0.0, statistics.median(epsilons)),
+        optimizer=LinearCost(base, per_param),
+        step=LinearCost(statistics.median(rest)),
+    )
 
 
 def _probe_costs(probe: Probe, p: int, fitted: Costs) -> Costs:
@@ -244,21 +250,22 @@ def _probe_costs(probe: Probe, p: int, fitted: Costs) -> Costs:
     return replace(fitted, **times)
 
 
-def _noise(measured: dict) -> dict:
-    """How noisy the machine was: the op times' spread over probes, and the rounds they took."""
+def _noise(measured: dict, busy: Contention) -> Noise:
+    """How noisy the machine was: the op times' spread over probes, the rounds they took, and
+    what the contention check saw."""
     spreads = [probe.spread for probe in measured.values()]
-    return {
-        "median_spread": statistics.median(spreads),
-        "worst_spread": max(spreads),
-        "rounds": sum(probe.rounds for probe in measured.values()),
-        "probes": len(measured),
-        "steady_share": statistics.median(probe.steady for probe in measured.values()),
-        "unsettled": sum(1 for probe in measured.values() if not all(m.stable for m in probe.values.values())),
-        "remeasured_sizes": [],  # busy rounds are dropped and run again instead (kept for older readers)
-    }
+    return Noise(
+        median_spread=statistics.median(spreads),
+        worst_spread=max(spreads),
+        rounds=sum(probe.rounds for probe in measured.values()),
+        probes=len(measured),
+        steady_share=statistics.median(probe.steady for probe in measured.values()),
+        unsettled=sum(1 for probe in measured.values() if not all(m.stable for m in probe.values.values())),
+        **busy.summary(),
+    )
 
 
-def _params(model: ModelSpec, workload_for=None) -> dict:
+def _params(model: ModelSpec, workload_for=None) -> Params:
     """Parameters of one decoder layer, of the first stage's extras (embeddings) and of the last
     stage's (final norm and head; a tied head counts on both ends, as each end holds a copy)."""
     if workload_for is None:
@@ -270,8 +277,6 @@ def _params(model: ModelSpec, workload_for=None) -> dict:
         return sum(t.numel() for module in modules if module is not None for t in module.parameters())
 
     first = count(stage.embed, getattr(stage, "positions", None))
-    params = {"layer": count(stage.layers[0]), "first": first, "last": count(stage.norm, stage.head)}
     experts = getattr(getattr(stage.layers[0], "mlp", None), "experts", None)
-    if experts is not None:  # a MoE layer's routed experts, which expert parallelism shares out
-        params["experts"] = count(experts)
-    return params
+    # a MoE layer's routed experts, which expert parallelism shares out
+    return Params(count(stage.layers[0]), first, count(stage.norm, stage.head), count(experts) if experts else 0)

@@ -39,8 +39,8 @@ _ZERO_LEVELS = (0, 1)
 
 def replica_skews(
     profile, model, mbs, layers, steps, threads, workload_for, dtype, busy: Contention, rounds: int = SKEW_ROUNDS
-) -> dict[str, float]:
-    """{"0": share, "1": share}: the mean wait of rank 0 at ZeRO-0's and ZeRO-1's gradient sync
+) -> dict[int, float]:
+    """{0: share, 1: share}: the mean wait of rank 0 at ZeRO-0's and ZeRO-1's gradient sync
     and the loss's all-reduce, over its pipeline, on one stage of `layers` layers at micro-batch
     size `mbs`, in `rounds` rounds of each."""
     from pipeloom.runtime.training import TrainSpec
@@ -63,7 +63,7 @@ def replica_skews(
     cost_model = ProfiledCostModel(profile)
     params = cost_model.stage_params([layers])[0]
     return {
-        str(zero): _skew(
+        zero: _skew(
             measured[zero],
             cost_model.allreduce_time(params, 1, 2, zero)
             + cost_model.optimizer_time(params, 2, zero)

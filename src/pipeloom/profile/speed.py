@@ -28,6 +28,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Sequence
 
+from pipeloom.profile_format import Speed
+
 __all__ = [
     "QUANTILES",
     "WARMUP_STEPS",
@@ -40,7 +42,7 @@ __all__ = [
     "speed_quantiles",
     "op_ratios",
     "quantiles_of",
-    "speed_keys",
+    "speed_of",
 ]
 
 QUANTILES = 21
@@ -143,11 +145,9 @@ def quantiles_of(factors: Sequence[float]) -> list[float]:
     return [float(q) for q in [min(factors), *middle, max(factors)]]
 
 
-def speed_keys(busy: Iterable[Sequence[float]], op_variation: Sequence[float]) -> dict[str, object]:
-    """A profile's speed keys from its probes' steady steps (`busy`: one series per probe and rank,
-    `step_busy`) and its ops' `op_ratios`: `step_speed`, `op_speed` and, with any ops,
-    `op_speed_mean` (what a step of many ops carries over its median ops: `tune.speed_noise`)."""
-    keys: dict[str, object] = {"step_speed": speed_quantiles(busy), "op_speed": quantiles_of(op_variation)}
-    if op_variation:
-        keys["op_speed_mean"] = statistics.fmean(op_variation)
-    return keys
+def speed_of(busy: Iterable[Sequence[float]], op_variation: Sequence[float]) -> Speed:
+    """A layout's speed from its probes' steady steps (`busy`: one series per probe and rank,
+    `step_busy`) and its ops' `op_ratios`: the step and op quantiles and, with any ops, the ops'
+    mean factor (what a step of many ops carries over its median ops: `tune.speed_noise`)."""
+    mean = statistics.fmean(op_variation) if op_variation else None
+    return Speed(tuple(speed_quantiles(busy)), tuple(quantiles_of(op_variation)), mean)

@@ -19,6 +19,8 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from pipeloom.profile_format import Fit
+
 __all__ = ["Measured", "Series", "until_stable", "relative_spread", "falling_per_sample", "TOLERANCE"]
 
 _SE_PER_IQR = 1.253 / 1.349
@@ -129,15 +131,15 @@ def _agrees(fresh: Sequence[float], earlier: Sequence[float], tolerance: float, 
     return abs(new - old) <= max(tolerance * max(abs(new), abs(old)), floor, noise)
 
 
-def falling_per_sample(fits: dict, noise: float, describe: bool = False) -> list:
+def falling_per_sample(fits: Mapping[int, Mapping[str, Fit]], noise: float, describe: bool = False) -> list:
     """Micro-batch sizes whose per-sample layer time (F + B + W per layer, over the micro-batch
     size) is lower than a smaller size's by more than `noise` — on a CPU a busy spell during
     the small size's probes reads that way; with `describe`, one warning per such pair."""
-    sizes = sorted(int(size) for size in fits)
+    sizes = sorted(fits)
     suspects, warnings = set(), []
     for small, large in zip(sizes, sizes[1:]):
-        per_small = _layer_ms(fits[str(small)]) / small
-        per_large = _layer_ms(fits[str(large)]) / large
+        per_small = _layer_ms(fits[small]) / small
+        per_large = _layer_ms(fits[large]) / large
         if per_large < per_small * (1 - noise):
             suspects |= {small, large}
             warnings.append(
@@ -149,5 +151,5 @@ def falling_per_sample(fits: dict, noise: float, describe: bool = False) -> list
     return warnings if describe else sorted(suspects)
 
 
-def _layer_ms(fit: dict) -> float:
-    return sum(fit[kind]["per_layer"] for kind in ("F", "B", "W") if kind in fit)
+def _layer_ms(fit: Mapping[str, Fit]) -> float:
+    return sum(fit[kind].per_layer for kind in ("F", "B", "W") if kind in fit)

@@ -14,8 +14,7 @@ contention is judged on the tp = 1 probes: a tensor-parallel op's wall time is i
 its waits by design. Those waits also make its time vary more from step to step, and skew it (a
 wait is never negative): measured here, a tp = 2 plan's median step ran 1.6–5.8 % longer than its
 median ops replayed, the tp = 1 plans' −0.1–3.7 %, most under 1 %. So each layout keeps its own
-speed quantiles (`speed`: `step_speed`, `op_speed`, `op_speed_mean`), which `tune.speed_noise`
-draws from for that layout's plans.
+speed (`speed.speed_of`), which `tune.speed_noise` draws from for that layout's plans.
 """
 
 from __future__ import annotations
@@ -25,9 +24,9 @@ from functools import partial
 
 from pipeloom.errors import ConfigError
 from pipeloom.profile.probe_rounds import ProbeLayout, measure_probes, probe_train_spec
-from pipeloom.profile.speed import speed_keys
-from pipeloom.tune.profile_checks import FIT_KEYS
-from pipeloom.tune.profile_fits import fit_positions, tp_key
+from pipeloom.profile.speed import speed_of
+from pipeloom.profile_format import FIT_KINDS, Fit, Layout, LayoutProfile
+from pipeloom.tune.profile_fits import fit_positions
 
 __all__ = ["tensor_parallel_fits"]
 
@@ -41,19 +40,19 @@ def tensor_parallel_fits(
     tick: Callable[[], None],
     between_rounds: Callable[[ProbeLayout], None] | None = None,
     min_rounds: int = 1,
-) -> tuple[dict, dict]:
-    """The fits: `tp_key` → micro-batch size → pass (ms) or stash (bytes: M_B, M_ckpt) →
-    {"per_layer", "single"}, measured on one stage over tp ranks for each (tp, sequence parallel)
-    of `layouts`; and the speeds: `tp_key` → its `speed.speed_keys`. `shape`: the
-    profiler's (model, steps, threads, workload_for, dtype); the workload must be a Hugging Face
-    model's (their tensor-parallel plans are transformers'). `between_rounds` is called with the
-    layout after each round of its probes; `min_rounds`: as `measure_probes`'."""
+) -> dict[Layout, LayoutProfile]:
+    """Each (tp, sequence parallel) of `layouts` measured on one stage over tp ranks: per
+    micro-batch size, each pass (ms) and stash (bytes: M_B, M_ckpt) fitted over the layers (the
+    single stage's intercept), and the layout's speed. `shape`: the profiler's (model, steps,
+    threads, workload_for, dtype); the workload must be a Hugging Face model's (their
+    tensor-parallel plans are transformers'). `between_rounds` is called with the layout after
+    each round of its probes; `min_rounds`: as `measure_probes`'."""
     model, steps, threads, workload_for, dtype = shape
     if not layouts:
-        return {}, {}
+        return {}
     if workload_for is None:
         raise ConfigError("profile: tensor parallelism is measured on Hugging Face models (--model hf:DIR)")
-    out, speeds = {}, {}
+    out = {}
     for tp, sequence_parallel in layouts:
         specs = {
             (mbs, n): probe_train_spec(
@@ -65,15 +64,14 @@ def tensor_parallel_fits(
         hook = None if between_rounds is None else partial(between_rounds, ProbeLayout(tp, sequence_parallel))
         op_variation: list[float] = []
         measured = measure_probes(specs, max_rounds, None, tick, op_variation, hook, min_rounds)
-        speeds[tp_key(tp, sequence_parallel)] = speed_keys(
-            (busy for probe in measured.values() for busy in probe.busy), op_variation
-        )
-        out[tp_key(tp, sequence_parallel)] = {
-            str(mbs): {
-                kind: fit_positions([("single", n, measured[mbs, n].median(f"{kind}@0")) for n in layer_counts])
-                for kind in FIT_KEYS
+        fits = {
+            mbs: {
+                kind: Fit(**fit_positions([("single", n, measured[mbs, n].median(f"{kind}@0")) for n in layer_counts]))
+                for kind in FIT_KINDS
                 if f"{kind}@0" in measured[mbs, layer_counts[0]].values
             }
             for mbs in micro_batches
         }
-    return out, speeds
+        speed = speed_of((busy for probe in measured.values() for busy in probe.busy), op_variation)
+        out[Layout(tp, sequence_parallel)] = LayoutProfile(fits=fits, speed=speed)
+    return out

@@ -31,16 +31,17 @@ _Z = 2.0
 def figure_errors(cost_model, micro_batch: int) -> dict[str, float]:
     """Relative standard error per op kind at `micro_batch` (a size between two profiled ones
     takes the worse of the two); {} for a cost model that measured nothing (analytic)."""
-    confidence = getattr(cost_model, "profile", {}).get("confidence") or {}
+    profile = getattr(cost_model, "profile", None)
+    confidence = profile.plain.confidence if profile is not None else {}
     if not confidence:
         return {}
-    sizes = sorted(int(size) for size in confidence)
+    sizes = sorted(confidence)
     below = max([size for size in sizes if size <= micro_batch], default=sizes[0])
     above = min([size for size in sizes if size >= micro_batch], default=sizes[-1])
     return {
-        kind: max(confidence[str(below)].get(kind, 0.0), confidence[str(above)].get(kind, 0.0))
+        kind: max(confidence[below].get(kind, 0.0), confidence[above].get(kind, 0.0))
         for kind in _KINDS
-        if kind in confidence[str(below)] or kind in confidence[str(above)]
+        if kind in confidence[below] or kind in confidence[above]
     }
 
 

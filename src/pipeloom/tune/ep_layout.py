@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from pipeloom.profile_format import ExpertExchange
 from pipeloom.tune.profile_fits import at_size
 
 __all__ = ["compute_per_layer", "replicas_wait", "stash_per_layer"]
@@ -19,19 +20,19 @@ __all__ = ["compute_per_layer", "replicas_wait", "stash_per_layer"]
 Fitted = Callable[[str, str, float], float]
 
 
-def stash_per_layer(exchange: Mapping[int, dict], value: Fitted, micro_batch: float) -> float:
+def stash_per_layer(exchange: Mapping[int, ExpertExchange], value: Fitted, micro_batch: float) -> float:
     """What sharing the experts out changes in a layer's stash (bytes): the stash measured on the
     probe's stage, less what the fits give for it, over its L layers (here: 2.5 MiB less on 4
     Mixtral layers); 0 without that measurement."""
     shifts = {
-        size: (v["M_B"] - value("M_B", "per_layer", size) * v["layers"] - value("M_B", "single", size)) / v["layers"]
+        size: (v.M_B - value("M_B", "per_layer", size) * v.layers - value("M_B", "single", size)) / v.layers
         for size, v in exchange.items()
-        if "M_B" in v and v.get("layers")
+        if v.M_B is not None and v.layers
     }
     return at_size(shifts, micro_batch, signed=True) if shifts else 0.0
 
 
-def compute_per_layer(exchange: Mapping[int, dict], value: Fitted, micro_batch: float) -> dict[str, float]:
+def compute_per_layer(exchange: Mapping[int, ExpertExchange], value: Fitted, micro_batch: float) -> dict[str, float]:
     """What sharing the experts out adds to an F's and a backward's compute per layer (ms) beyond
     their all-to-alls: the ops timed on the probe's stage, less those all-to-alls and what the
     fits give for it, over L — the dispatch's bookkeeping (counting, ordering and splitting the
@@ -41,13 +42,13 @@ def compute_per_layer(exchange: Mapping[int, dict], value: Fitted, micro_batch: 
     fitted = {"F": ("F",), "BW": ("B", "W")}
     shifts: dict[str, dict[int, float]] = {"F": {}, "BW": {}}
     for size, v in exchange.items():
-        if "F_op" not in v or not v.get("layers"):
+        if v.F_op is None or v.BW_op is None or not v.layers:
             continue
-        layers = v["layers"]
+        layers = v.layers
         for kind, keys in fitted.items():
             stage = sum(value(k, "per_layer", size) * layers + value(k, "single", size) for k in keys)
-            exchanges = v["F" if kind == "F" else "B"] * layers
-            shifts[kind][size] = (v[f"{kind}_op"] - exchanges - stage) / layers
+            exchanges, whole = (v.F, v.F_op) if kind == "F" else (v.B, v.BW_op)
+            shifts[kind][size] = (whole - exchanges * layers - stage) / layers
     if not shifts["F"]:
         return {}
     return {kind: at_size(values, micro_batch, signed=True) for kind, values in shifts.items()}
@@ -61,16 +62,17 @@ def replicas_wait(cost_model) -> float:
     over what a rank holds and the step overhead. Without it, an expert-parallel plan's gradient
     sync ran 3.3–4.1 ms against 1.8–1.9 ms predicted in bench/fidelity.py. 0 for profiles that
     measured none."""
-    sizes = [size for size, v in cost_model.exchange.items() if "tail_ms" in v and v.get("layers")]
+    exchange: Mapping[int, ExpertExchange] = cost_model.exchange
+    sizes = [size for size, v in exchange.items() if v.tail_ms is not None and v.pipeline_ms and v.layers]
     if not sizes:
         return 0.0
-    probe = cost_model.exchange[max(sizes)]
-    ep = int(cost_model.profile["a2a"].get("ep", 2))  # every profile with a2a writes it: 2
-    params, layers = cost_model.params, probe["layers"]
-    experts = params.get("experts", 0)
-    dense = layers * (params["layer"] - experts) + params["first"] + params["last"]
-    held = dense + layers * experts / ep
+    probe = exchange[max(sizes)]
+    ep = cost_model.expert_ep
+    params, layers = cost_model.params, probe.layers
+    assert probe.tail_ms is not None and probe.pipeline_ms and layers  # as `sizes` chose it
+    dense = layers * (params.layer - params.experts) + params.first + params.last
+    held = dense + layers * params.experts / ep
     expected = (
         cost_model.allreduce_time(dense, 1, ep) + cost_model.optimizer_time(held, ep) + cost_model.step_overhead_time()
     )
-    return max(0.0, probe["tail_ms"] - expected) / probe["pipeline_ms"]
+    return max(0.0, probe.tail_ms - expected) / probe.pipeline_ms

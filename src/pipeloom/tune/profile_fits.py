@@ -9,7 +9,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-__all__ = ["fit_positions", "at_size", "tp_key"]
+__all__ = ["fit_positions", "at_size"]
 
 
 def fit_positions(points: Sequence[tuple[str, int, float]]) -> dict[str, float]:
@@ -77,8 +77,3 @@ def at_size(values: dict[int, float], micro_batch: float, signed: bool = False) 
         a, b = values[low], values[high]
         value = a + (b - a) * (micro_batch - low) / (high - low)
     return value if signed else max(0.0, value)
-
-
-def tp_key(tp: int, sequence_parallel: bool) -> str:
-    """A profile's `tensor_parallel` entry for a layout measured on tp ranks: "2", "2+sp"."""
-    return f"{tp}{'+sp' if sequence_parallel else ''}"

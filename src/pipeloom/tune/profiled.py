@@ -27,63 +27,50 @@ p2p bytes and, as Korthikanti et al. count them, activations shrink with tp.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from os import PathLike
+from typing import Any
 
 from pipeloom.costs import Costs, CostValue
 from pipeloom.errors import ConfigError
 from pipeloom.files import read_json
+from pipeloom.profile_format import Fit, Profile
 from pipeloom.static_memory import collective_bytes, compute_bytes, static_bytes
 from pipeloom.tune.ep_layout import compute_per_layer, replicas_wait, stash_per_layer
-from pipeloom.tune.presets import ModelSpec, model_from_config
-from pipeloom.tune.profile_checks import check_profile_numbers
+from pipeloom.tune.presets import ModelSpec
 from pipeloom.tune.profile_fits import at_size
 from pipeloom.tune.tp_layout import activation_share, layer_collectives, measured_tp_fits, ring_bytes, stage_collectives
 
-__all__ = ["PROFILE_FORMAT", "ProfiledCostModel", "profile_costs_keys"]
+__all__ = ["ProfiledCostModel", "profile_costs_keys"]
 
-PROFILE_FORMAT = "pipeloom.profile/1"
 _TIMES = ("F", "B", "W", "R")
-_COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather")
 
 
 class ProfiledCostModel:
-    def __init__(self, profile: dict, tp: int = 1, sequence_parallel: bool = False):
+    def __init__(self, profile: Profile | Mapping[str, Any], tp: int = 1, sequence_parallel: bool = False):
         if not isinstance(tp, int) or tp < 1:
             raise ConfigError(f"--tp must be at least 1, got {tp!r}")
         self.tp, self.sequence_parallel = tp, sequence_parallel and tp > 1
-        if not isinstance(profile, dict) or profile.get("format") != PROFILE_FORMAT:
-            raise ConfigError(f"not a {PROFILE_FORMAT} file (run `pipeloom profile` to make one)")
-        if "fits" not in profile:
-            raise ConfigError("profile is incomplete: it has no 'fits' (run `pipeloom profile` to make one)")
-        check_profile_numbers(profile)
-        try:
-            self.model: ModelSpec = model_from_config(profile["model"])
-            self.sizes = sorted(int(size) for size in profile["fits"])
-            self.fits = {int(size): fit for size, fit in profile["fits"].items()}
-            self.params = profile["params"]
-            self.bytes_per_param = float(profile["static_bytes_per_param"])
-            self.bandwidth = float(profile["p2p_bandwidth"])
-            self.overhead = profile.get("step_overhead", {"base_ms": 0.0, "per_param_ms": 0.0})
-            self.optimizer = profile.get("optimizer")
-            """{"base_ms", "per_param_ms"} of the AdamW step alone; older profiles lumped it into
-            `step_overhead` (regressed on the parameters), which then stands for both."""
-            self.op_overhead = float(profile.get("op_overhead_ms", 0.0))
-            self.links = {key: profile[key] for key in ("p2p", *_COLLECTIVES) if key in profile}
-            self.compute = compute_bytes(str(profile.get("dtype", "fp32")))
-            self.exchange = {int(size): v for size, v in profile.get("a2a", {}).items() if size != "ep"}
-            """Micro-batch size → the measured expert all-to-all ms per MoE layer of an F and a B."""
-        except (KeyError, TypeError, ValueError) as error:
-            raise ConfigError(f"profile is incomplete: {error}") from None
-        self.profile = profile
+        self.profile = profile if isinstance(profile, Profile) else Profile.from_dict(profile)
+        self.model: ModelSpec = self.profile.model
+        plain = self.profile.plain
+        self.sizes = plain.sizes
+        self.fits = plain.fits
+        self.params = self.profile.params
+        self.links = self.profile.links
+        self.overheads = self.profile.overheads
+        self.compute = compute_bytes(self.profile.dtype)
+        expert = self.profile.expert_parallel
+        self.expert_ep, self.exchange = (expert[0], expert[1].exchange) if expert else (1, {})
+        """The expert-parallel probe's group, and micro-batch size → its measured exchanges."""
         self.source = "profile"
-        self._tp_fits = measured_tp_fits(profile, tp, self.sequence_parallel)
-        if tp > 1 and not all(name in self.links for name in _COLLECTIVES):
+        self._tp_fits = measured_tp_fits(self.profile, tp, self.sequence_parallel)
+        if tp > 1 and not self.links.collectives:
             raise ConfigError("the profile has no measured collectives to price tensor parallelism: profile again")
 
     @classmethod
     def load(cls, path: str | PathLike[str], tp: int = 1, sequence_parallel: bool = False) -> ProfiledCostModel:
-        return cls(read_json(path, "profile", ConfigError), tp, sequence_parallel)
+        return cls(Profile.from_dict(read_json(path, "profile", ConfigError)), tp, sequence_parallel)
 
     # -- tensor parallelism ------------------------------------------------------------------------
 
@@ -94,16 +81,16 @@ class ProfiledCostModel:
         """The tensor-parallel collectives of a stage's F and B (`tp_layout.stage_collectives`)."""
         return stage_collectives(self.tp, self.sequence_parallel, stage, stages, layers)
 
-    def tp_measured(self) -> dict[str, dict[int, dict]] | None:
+    def tp_measured(self) -> dict[str, dict[int, Fit]] | None:
         """The profile's measured tensor-parallel fits for this layout (`profile.tp_probes`):
-        pass or stash (M_B, M_ckpt) → micro-batch size → {"per_layer", "single"}; None if it
-        measured none. Read once: the layout is fixed when the model is made."""
+        pass or stash (M_B, M_ckpt) → micro-batch size → Fit; None if it measured none. Read
+        once: the layout is fixed when the model is made."""
         return self._tp_fits
 
     def _tp_value(self, key: str, field: str, micro_batch: float) -> float:
         """A measured tensor-parallel fit's `field` of `key` at `micro_batch` (`at_size`)."""
         assert self._tp_fits is not None, "only read where the layout was measured"
-        return at_size({size: fit[field] for size, fit in self._tp_fits[key].items()}, micro_batch)
+        return at_size({size: fit.at(field) for size, fit in self._tp_fits[key].items()}, micro_batch)
 
     def _tp_per_stage(self, key: str, counts: Sequence[int], size: float) -> list[float]:
         """A stage's op as measured on tp ranks: the measured slope per layer, and the single
@@ -151,7 +138,7 @@ class ProfiledCostModel:
         """Why a plan at `micro_batch` (in `slices` slices) is priced beyond what the profile
         measured — a size outside its micro-batch sizes (a slice is priced as a micro-batch
         1/slices the size), slices it never ran, a tensor-parallel layout it never ran — or []."""
-        sizes = sorted(int(size) for size in self.fits)
+        sizes = self.sizes
         size = micro_batch / slices
         reasons = []
         if slices > 1:
@@ -164,19 +151,11 @@ class ProfiledCostModel:
 
     def _value(self, key: str, field: str, micro_batch: float) -> float:
         """A fitted coefficient at `micro_batch`, linear between the profiled sizes."""
-        return at_size({size: fit[key][field] for size, fit in self.fits.items()}, micro_batch)
+        return at_size({size: fit[key].at(field) for size, fit in self.fits.items()}, micro_batch)
 
     def _p2p(self, micro_batch: float) -> float:
-        if "p2p" in self.links:  # latency + bytes / bandwidth, activations in the compute type
-            link = self.links["p2p"]
-            nbytes = self.compute * micro_batch * self.model.seq_len * self.model.hidden
-            return link["latency_ms"] + nbytes / link["bytes_per_ms"]
-        sizes = self.sizes
-        values = [self.fits[s]["p2p_ms"] for s in sizes]
-        if len(sizes) == 1:
-            return values[0]
-        slope = (values[-1] - values[0]) / (sizes[-1] - sizes[0])
-        return max(values[0] + slope * (micro_batch - sizes[0]), 0.0)
+        """An activation of the micro-batch, in the compute type, over the measured link."""
+        return self.links.p2p.ms(self._activation_bytes(micro_batch))
 
     @staticmethod
     def _position(stage: int, stages: int) -> str:
@@ -190,7 +169,7 @@ class ProfiledCostModel:
 
     def _static(self, params: float, dp: int, zero: int) -> float:
         if zero == 0:
-            return params * self.bytes_per_param
+            return params * self.profile.static_bytes_per_param
         return static_bytes(params, dp, zero, compute=self.compute).device
 
     def stage_costs(
@@ -202,7 +181,7 @@ class ProfiledCostModel:
         size = micro_batch / slices
         per_stage = {key: self._per_stage(key, counts, size) for key in (*_TIMES, "M_B")}
         # the bytes a B leaves queued for its W; older profiles did not measure them
-        measured_w = all("M_W" in fit for fit in self.fits.values())
+        measured_w = "M_W" in self.profile.plain.kinds()
         per_stage["M_W"] = self._per_stage("M_W", counts, size) if measured_w else [0.0] * len(counts)
         per_stage["M_ckpt"] = [
             min(self._value("M_ckpt", self._position(i, len(counts)), size), m) for i, m in enumerate(per_stage["M_B"])
@@ -243,7 +222,7 @@ class ProfiledCostModel:
             M_W=value["M_W"],
             M_ckpt=value["M_ckpt"],
             M_static=[self._static(n, dp, zero) for n in self.stage_params(counts)],
-            op_overhead=self.op_overhead,
+            op_overhead=self.overheads.op_ms,
             time_unit="ms",
             memory_unit="bytes",
         )  # no host link measured: offload is left out, not guessed
@@ -255,8 +234,8 @@ class ProfiledCostModel:
         if not self.exchange or not self.model.num_experts or self.model.expert_parallel == 1:
             return {"F": 0.0, "B": 0.0}
         return {
-            kind: [n * at_size({size: v[kind] for size, v in self.exchange.items()}, micro_batch) for n in counts]
-            for kind in ("F", "B")
+            "F": [n * at_size({size: v.F for size, v in self.exchange.items()}, micro_batch) for n in counts],
+            "B": [n * at_size({size: v.B for size, v in self.exchange.items()}, micro_batch) for n in counts],
         }
 
     def _ep_stash_per_layer(self, micro_batch: float) -> float:
@@ -303,29 +282,29 @@ class ProfiledCostModel:
                 self.tp, self.sequence_parallel
             )
         activations = max(0.0, activations + self._ep_stash_per_layer(micro_batch))
-        return activations, self._static(self.params["layer"] / self.tp, dp, zero)
+        return activations, self._static(self.params.layer / self.tp, dp, zero)
 
     def stage_params(self, counts: Sequence[int]) -> list[float]:
         """Parameters one rank holds per stage: its 1/tp shard of the layers, embedding and head;
         of a MoE layer's routed experts (`params["experts"]`), its 1/ep share."""
         last = len(counts) - 1
-        experts = self.params.get("experts", 0) * (1 - 1 / self.model.expert_parallel)
-        layer = self.params["layer"] - experts
+        experts = self.params.experts * (1 - 1 / self.model.expert_parallel)
+        layer = self.params.layer - experts
         return [
-            (n * layer + self.params["first"] * (i == 0) + self.params["last"] * (i == last)) / self.tp
+            (n * layer + self.params.first * (i == 0) + self.params.last * (i == last)) / self.tp
             for i, n in enumerate(counts)
         ]
 
     def expert_params(self, counts: Sequence[int]) -> list[float]:
-        held = self.params.get("experts", 0) / self.model.expert_parallel
+        held = self.params.experts / self.model.expert_parallel
         return [n * held / self.tp for n in counts]
 
     def allreduce_time(self, params: float, pp: int, dp: int, zero: int = 0) -> float:
         """The gradients' collectives over dp replicas as measured at dp = 2 and scaled by the
         ring: ZeRO-0 all-reduces the fp32 gradients, ZeRO-1/2 reduce-scatter them and all-gather
         the new weights in the compute type. Older profiles priced it at the p2p bandwidth."""
-        if not all(name in self.links for name in _COLLECTIVES):
-            return collective_bytes(params, dp, zero, self.compute) / self.bandwidth
+        if not self.links.collectives:
+            return collective_bytes(params, dp, zero, self.compute) / self.links.p2p.bytes_per_ms
         if dp == 1:
             return 0.0
         if zero == 0:
@@ -337,19 +316,19 @@ class ProfiledCostModel:
     def gather_time(self, params: float, pp: int, dp: int) -> float:
         """The all-gather of ZeRO-1/2's new weights, part of `allreduce_time` (the runtime runs it
         in its optimizer phase)."""
-        if dp == 1 or not all(name in self.links for name in _COLLECTIVES):
+        if dp == 1 or not self.links.collectives:
             return 0.0
         return self._collective("all_gather", self.compute * params, dp)
 
     def _collective(self, name: str, nbytes: float, dp: int) -> float:
         """dp − 1 latencies and 2(dp − 1)/dp of the bytes, from the dp = 2 fit (which moved half)."""
-        link = self.links[name]
-        return (dp - 1) * link["latency_ms"] + nbytes * 2 * (dp - 1) / dp / link["bytes_per_ms"]
+        link = self.links.collective(name)
+        return (dp - 1) * link.latency_ms + nbytes * 2 * (dp - 1) / dp / link.bytes_per_ms
 
     def optimizer_time(self, params: float, dp: int, zero: int = 0) -> float:
         """The AdamW step as measured, over this rank's 1/dp shard under ZeRO-1/2."""
-        fit = self.optimizer or self.overhead
-        return fit["base_ms"] + fit["per_param_ms"] * (params / dp if zero else params)
+        fit = self.overheads.optimizer or self.overheads.step
+        return fit.ms(params / dp if zero else params)
 
     def replica_skew(self, dp: int, zero: int = 0) -> float:
         """Share of the pipeline the dp replicas' collectives wait for the slowest one: measured
@@ -364,20 +343,19 @@ class ProfiledCostModel:
         if self.model.expert_parallel > 1:
             measured = replicas_wait(self)
         else:
-            skew = self.profile.get("replica_skew")
-            measured = float(skew["0" if zero == 0 else "1"]) if skew else 0.0
+            measured = self.profile.replica_skew.get(min(zero, 1), 0.0)
         return measured * math.sqrt(math.log(dp) / math.log(2))
 
     def step_overhead_time(self) -> float:
         """The rest of a step as measured: the batch, zeroing gradients, the loss all-reduce."""
-        return float(self.overhead["base_ms"]) if self.optimizer is not None else 0.0
+        return self.overheads.step.base_ms if self.overheads.optimizer is not None else 0.0
 
     def to_dict(self) -> dict:
-        facts = {"source": "profile", "device": self.profile.get("device", ""), "tp": self.tp}
+        facts: dict[str, Any] = {"source": "profile", "device": self.profile.device.description, "tp": self.tp}
         if self.sequence_parallel:
             facts["sequence_parallel"] = True
-        if self.profile.get("source"):  # the profiled model itself (hf:DIR), for `train --plan`
-            facts["model"] = self.profile["source"]
+        if self.profile.source:  # the profiled model itself (hf:DIR), for `train --plan`
+            facts["model"] = self.profile.source
         return facts
 
 

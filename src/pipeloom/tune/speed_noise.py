@@ -65,10 +65,13 @@ def apply_speed_noise(ranked: list[Evaluation], cost_model) -> None:
     """Add each ranked plan's speed-noise cost to its pipeline (`Evaluation.noise_time`) and sort
     the ranking again; plans with offload lanes keep theirs (the lanes are timed on the host).
     The quantiles are the cost model's layout's (`tp_layout.layout_speeds`)."""
-    profile = getattr(cost_model, "profile", None) or {}
+    profile = getattr(cost_model, "profile", None)
+    if profile is None:  # an analytic cost model: nothing measured
+        return
     tp, sequence_parallel = getattr(cost_model, "tp", 1), getattr(cost_model, "sequence_parallel", False)
     ep = getattr(getattr(cost_model, "model", None), "expert_parallel", 1)
-    quantiles, ops, op_mean = layout_speeds(profile, tp, sequence_parallel, ep)
+    speed = layout_speeds(profile, tp, sequence_parallel, ep)
+    quantiles, ops, op_mean = list(speed.step), list(speed.op), speed.op_mean
     if not quantiles:
         return
     for evaluation in ranked:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeloom.tune.profile_checks import FIT_KEYS
-from pipeloom.tune.profile_fits import tp_key
+from pipeloom.profile_format import Fit, Layout, Profile, Speed
 
 __all__ = [
     "activation_share",
@@ -66,29 +65,19 @@ def activation_share(tp: int, sequence_parallel: bool) -> float:
     return 1 / tp if sequence_parallel else (10 + 24 / tp) / 34
 
 
-def layout_speeds(
-    profile: dict, tp: int, sequence_parallel: bool, ep: int = 1
-) -> tuple[list[float], list[float], float | None]:
-    """How much a rank's step and an op vary from step to step (`profile.speed.speed_keys`:
-    `step_speed`, `op_speed`, `op_speed_mean`): as measured on this layout's ranks where the
-    profile did — tp ranks (`profile.tp_probes`), replicas sharing out the experts
-    (`profile.ep_probes`): collective waits inside the ops vary and skew them — else on the plain
-    probes'; empty where the profile has none."""
-    if tp > 1:
-        layout = (profile.get("tensor_parallel_speed") or {}).get(tp_key(tp, sequence_parallel))
-    else:
-        layout = profile.get("expert_parallel_speed") if ep > 1 else None
-    source = layout if layout and layout.get("step_speed") else profile
-    return list(source.get("step_speed") or []), list(source.get("op_speed") or []), source.get("op_speed_mean")
+def layout_speeds(profile: Profile, tp: int, sequence_parallel: bool, ep: int = 1) -> Speed:
+    """How much a rank's step and an op vary from step to step (`profile.speed`), as measured on
+    this layout's ranks where the profile did — tp ranks (`profile.tp_probes`), replicas sharing
+    out the experts (`profile.ep_probes`): collective waits inside the ops vary and skew them —
+    else on the plain probes'; empty where the profile has none."""
+    layout = profile.layout(Layout(tp, sequence_parallel and tp > 1, ep if tp == 1 else 1))
+    return layout.speed if layout and layout.speed.step else profile.plain.speed
 
 
-def measured_tp_fits(profile: dict, tp: int, sequence_parallel: bool) -> dict[str, dict[int, dict]] | None:
+def measured_tp_fits(profile: Profile, tp: int, sequence_parallel: bool) -> dict[str, dict[int, Fit]] | None:
     """The profile's fits of this layout measured on tp ranks (`profile.tp_probes`): pass or
-    stash → micro-batch size → {"per_layer", "single"}; None if it measured none."""
-    if tp == 1:
+    stash → micro-batch size → Fit; None if it measured none."""
+    layout = profile.layout(Layout(tp, sequence_parallel)) if tp > 1 else None
+    if layout is None or not layout.fits:
         return None
-    by_size = (profile.get("tensor_parallel") or {}).get(tp_key(tp, sequence_parallel))
-    if not by_size:
-        return None
-    kinds = set.intersection(*(set(fits) for fits in by_size.values()))
-    return {kind: {int(size): fits[kind] for size, fits in by_size.items()} for kind in kinds if kind in FIT_KEYS}
+    return {kind: {size: fits[kind] for size, fits in layout.fits.items()} for kind in layout.kinds()}

@@ -1,0 +1,152 @@
+"""The typed profile (`pipeloom.profile/2`): what is written is what is read, a `/1` file prices
+every plan as it did, and a bad entry is named by its place in the file."""
+
+import json
+import math
+
+import pytest
+
+from pipeloom import ConfigError
+from pipeloom.profile_format import (
+    PROFILE_FORMAT,
+    ExpertExchange,
+    Fit,
+    Layout,
+    Profile,
+)
+from pipeloom.tune.profiled import ProfiledCostModel
+
+from .test_profiled import MODEL, fit, links, profile
+
+STEADY = [0.9 + 0.01 * k for k in range(21)]
+
+
+def format_1() -> dict:
+    """A `/1` profile with every part: fits with M_W, links, overheads, speeds, confidence, a
+    tensor-parallel layout, an expert-parallel one and the replicas' skew."""
+    data = profile() | links()
+    model = MODEL | {"num_experts": 4, "num_experts_per_tok": 2}
+    for size in ("1", "2"):
+        data["fits"][size]["M_W"] = fit(300.0 * int(size), 10.0, 20.0)
+    single = {"per_layer": 2.0, "single": 1.0}
+    data |= {
+        "model": model,
+        "params": {"layer": 1000, "first": 500, "last": 600, "experts": 400},
+        "step_speed": STEADY,
+        "op_speed": STEADY,
+        "op_speed_mean": 1.01,
+        "confidence": {"1": {"F": 0.01, "B": 0.02}, "2": {"F": 0.03}},
+        "tensor_parallel": {"2": {size: {kind: single for kind in ("F", "B", "W", "R")} for size in ("1", "2")}},
+        "tensor_parallel_speed": {"2": {"step_speed": STEADY, "op_speed": STEADY}},
+        "a2a": {
+            "ep": 2,
+            "1": {
+                "F": 0.1,
+                "B": 0.2,
+                "layers": 2,
+                "M_B": 2500.0,
+                "F_op": 5.0,
+                "BW_op": 9.0,
+                "tail_ms": 4.0,
+                "pipeline_ms": 50.0,
+            },
+            "2": {
+                "F": 0.2,
+                "B": 0.3,
+                "layers": 2,
+                "M_B": 4500.0,
+                "F_op": 8.0,
+                "BW_op": 15.0,
+                "tail_ms": 6.0,
+                "pipeline_ms": 90.0,
+            },
+        },
+        "replica_skew": {"0": 0.05, "1": 0.07},
+        "noise": {"median_spread": 0.02, "worst_spread": 0.05, "rounds": 8, "probes": 4, "remeasured_sizes": []},
+        "device": "cpu, 1 thread(s) per rank, fp32",
+        "source": "hf:./my-model",
+    }
+    return data
+
+
+def test_a_profile_reads_back_what_it_wrote_through_json():
+    typed = Profile.from_dict(format_1())
+    written = json.loads(json.dumps(typed.to_dict()))
+    assert written["format"] == PROFILE_FORMAT and set(written["layouts"]) == {"plain", "tp2", "ep2"}
+    assert Profile.from_dict(written) == typed
+
+
+def test_a_format_1_profile_becomes_typed_parts_keyed_by_layout():
+    typed = Profile.from_dict(format_1())
+    assert set(typed.layouts) == {Layout(), Layout(tp=2), Layout(ep=2)}
+    assert typed.plain.fits[2]["F"] == Fit(2.0, 1.5, first=0.5, last=1.5, middle=0.5)
+    assert typed.plain.fits[1]["M_W"].per_layer == 300.0 and typed.plain.confidence[2] == {"F": 0.03}
+    assert typed.plain.speed.step == tuple(STEADY) and typed.plain.speed.op_mean == 1.01
+    assert typed.layout(Layout(tp=2)).fits[1]["F"] == Fit(2.0, 1.0)  # one stage: its single intercept
+    assert typed.expert_parallel is not None and typed.expert_parallel[0] == 2
+    assert typed.expert_parallel[1].exchange[1] == ExpertExchange(0.1, 0.2, 2, 2500.0, 5.0, 9.0, 4.0, 50.0)
+    assert typed.links.allreduce is not None and typed.links.dp == 2 and typed.replica_skew == {0: 0.05, 1: 0.07}
+    assert typed.params.experts == 400 and typed.source == "hf:./my-model" and typed.noise.rounds == 8
+
+
+@pytest.mark.parametrize("tp, sequence_parallel, ep", [(1, False, 1), (2, False, 1), (2, True, 1), (1, False, 2)])
+def test_a_format_1_profile_prices_every_plan_as_the_same_profile_in_format_2(tp, sequence_parallel, ep):
+    """Only the reading moved: stage costs, collectives, the optimizer and the replicas' wait of a
+    `/1` file and of its `/2` rewrite are the same numbers, for each layout they measured."""
+    import dataclasses
+
+    old = format_1()
+    new = json.loads(json.dumps(Profile.from_dict(old).to_dict()))
+    assert new["format"] == PROFILE_FORMAT
+    models = [ProfiledCostModel(data, tp, sequence_parallel) for data in (old, new)]
+    for model in models:
+        model.model = dataclasses.replace(model.model, expert_parallel=ep)
+    a, b = (model.stage_costs([2, 3], 2, 2, 2, zero=1) for model in models)
+    assert a == b and a.F[0] > 0
+    for probe in (lambda m: m.allreduce_time(1e6, 2, 4), lambda m: m.optimizer_time(1e6, 2, 1)):
+        assert probe(models[0]) == probe(models[1]) > 0
+    assert models[0].replica_skew(4) == models[1].replica_skew(4)
+    assert models[0].layer_memory(2, 2) == models[1].layer_memory(2, 2)
+
+
+def test_layout_keys_name_every_layout_and_refuse_others():
+    for layout in (Layout(), Layout(2), Layout(4, True), Layout(ep=2), Layout(2, ep=4)):
+        assert Layout.from_key(layout.key) == layout
+    assert [Layout(2, True).key, Layout(ep=2).key, Layout().key] == ["tp2+sp", "ep2", "plain"]
+    for bad in ("tp", "tpx", "cp2", "tp1", ""):
+        with pytest.raises(ConfigError, match="not plain, tpN"):
+            Layout.from_key(bad)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda p: p["layouts"]["plain"]["fits"]["1"]["F"].update(per_layer=math.nan),
+            r"layouts\.plain\.fits\[1\]\.F\.per_layer is nan",
+        ),
+        (
+            lambda p: p["layouts"]["tp2"]["fits"]["2"]["B"].update(single=-1.0),
+            r"layouts\.tp2\.fits\[2\]\.B\.single is -1\.0: .* cannot be negative",
+        ),
+        (lambda p: p["layouts"]["plain"]["fits"]["1"].update(Q={}), r"layouts\.plain\.fits\[1\] has \['Q'\]"),
+        (
+            lambda p: p["layouts"]["ep2"]["exchange"]["1"].update(F="0.1"),
+            r"layouts\.ep2\.exchange\[1\]\.F must be a number",
+        ),
+        (
+            lambda p: p["layouts"]["plain"]["speed"].update(step=[1.0, 0.0]),
+            r"layouts\.plain\.speed\.step is 0\.0: it must be positive",
+        ),
+        (lambda p: p["links"]["allreduce"].update(bytes_per_ms=0), r"links\.allreduce\.bytes_per_ms is 0"),
+        (lambda p: p["replica_skew"].update({"x": 0.1}), r"replica_skew has a ZeRO level 'x'"),
+        (lambda p: p["layouts"].pop("plain"), "layouts has no 'plain'"),
+        (lambda p: p["layouts"].update(cp2={}), r"layout 'cp2', not plain, tpN\[\+sp\] or epN"),
+        (lambda p: p.pop("links"), "it has no 'links'"),
+    ],
+)
+def test_a_bad_entry_of_a_format_2_profile_is_named_by_its_place(change, message):
+    data = json.loads(json.dumps(Profile.from_dict(format_1()).to_dict()))
+    change(data)
+    with pytest.raises(ConfigError, match=message):
+        Profile.from_dict(data)
