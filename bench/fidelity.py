@@ -55,9 +55,8 @@ from fidelity_report import report
 from pipeloom.errors import RuntimeFault
 from pipeloom.models.llama import llama_config
 from pipeloom.profile.ep_probes import EP
-from pipeloom.profile.probe_rounds import ProbeLayout
 from pipeloom.profile.profiler import profile_model
-from pipeloom.profile_format import Profile
+from pipeloom.profile_format import Layout, Profile
 from pipeloom.runtime.local import run_local
 from pipeloom.runtime.training import TrainSpec
 from pipeloom.tune.plan import Plan, plan_from_evaluation, repriced
@@ -362,16 +361,16 @@ def measure_by_turns(group: Group, rounds: int, lean: ProcessPoolExecutor) -> No
         row.price_again(dataclasses.replace(profile, source=group.source or profile.source))
 
 
-def layout(plan: Plan) -> ProbeLayout:
+def layout(plan: Plan) -> Layout:
     """The probes that price the plan's ops: its tp ranks', its replicas' sharing out the experts
     (expert parallelism: all-to-alls priced, `collective_predictions`), or the plain ones."""
     if plan.tp > 1:
-        return ProbeLayout(plan.tp, plan.sequence_parallel)
-    return ProbeLayout(ep=EP) if "a2a_ms" in plan.predicted else ProbeLayout()
+        return Layout(plan.tp, plan.sequence_parallel)
+    return Layout(ep=EP) if "a2a_ms" in plan.predicted else Layout()
 
 
 def profile_by_turns(
-    model: ModelSpec, profiling: dict, plans: list[tuple[Callable[[], TrainSpec], ProbeLayout]], rounds: int
+    model: ModelSpec, profiling: dict, plans: list[tuple[Callable[[], TrainSpec], Layout]], rounds: int
 ) -> tuple[dict, list[list]]:
     """A profile of `model` (`profiling`: `profile_model`'s arguments, each probe run at least
     `rounds` rounds) whose rounds take turns with `rounds` rounds of the plans (what builds each
@@ -381,14 +380,14 @@ def profile_by_turns(
     probes, run minutes after the plain ones). The profile, and per plan its rounds' results."""
     runs: list[list] = [[] for _ in plans]
     profiling = profiling | {"max_rounds": max(rounds, profiling["max_rounds"]), "min_rounds": rounds}
-    probed = {ProbeLayout(), *(ProbeLayout(tp, sp) for tp, sp in profiling.get("tensor_parallel", ()))}
+    probed = {Layout(), *(Layout(tp, sp) for tp, sp in profiling.get("tensor_parallel", ()))}
     if model.num_experts:
-        probed.add(ProbeLayout(ep=EP))  # `profile_model` measures a mixture of experts' exchanges
+        probed.add(Layout(ep=EP))  # `profile_model` measures a mixture of experts' exchanges
 
-    def plan_rounds(of: ProbeLayout | None) -> None:
+    def plan_rounds(of: Layout | None) -> None:
         """A round of each plan whose probes are `of` (None: each plan) that has rounds left."""
         for (spec, plan_layout), done in zip(plans, runs):
-            mine = plan_layout if plan_layout in probed else ProbeLayout()
+            mine = plan_layout if plan_layout in probed else Layout()
             if (of is None or mine == of) and len(done) < rounds:
                 done.append(run_built(spec))
 

@@ -40,10 +40,9 @@ def test_tensor_parallel_probes_tell_the_hook_their_layout_and_keep_their_own_sp
     """What takes turns with a layout's probes is told which layout ran (a plan is measured
     beside the probes that price it), and each layout's op variation is its own."""
     from pipeloom.profile import tp_probes
-    from pipeloom.profile.probe_rounds import ProbeLayout
     from pipeloom.profile_format import Layout
 
-    turns: list[ProbeLayout] = []
+    turns: list[Layout] = []
 
     def measure_probes(specs, max_rounds, busy, tick, op_variation, hook, min_rounds):
         hook()
@@ -59,7 +58,7 @@ def test_tensor_parallel_probes_tell_the_hook_their_layout_and_keep_their_own_sp
     monkeypatch.setattr(tp_probes, "probe_train_spec", lambda *args, tp, sequence_parallel, **kw: sequence_parallel)
     shape = (None, 3, 1, lambda layers, mbs: None, "fp32")
     layouts = tp_probes.tensor_parallel_fits([(2, False), (2, True)], shape, [1], [1, 2], 3, lambda: None, turns.append)
-    assert turns == [ProbeLayout(2, False), ProbeLayout(2, True)]
+    assert turns == [Layout(2, False), Layout(2, True)]
     tp2, tp2sp = layouts[Layout(2)], layouts[Layout(2, True)]
     assert tp2.fits[1]["F"].per_layer == 2.0 and len(layouts) == 2
     assert tp2.speed.op[-1] == 1.0 and tp2sp.speed.op[-1] == pytest.approx(1.39)

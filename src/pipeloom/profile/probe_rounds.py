@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from itertools import compress
-from typing import NamedTuple
 
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
@@ -27,7 +26,6 @@ __all__ = [
     "PHASES",
     "SETTLED_MS",
     "Probe",
-    "ProbeLayout",
     "measure_probes",
     "probe_schedule",
     "probe_train_spec",
@@ -43,16 +41,6 @@ OP_KINDS = ("F", "B", "W", "R")
 PHASES = ("pipeline", "allreduce", "optimizer", "overhead")
 SETTLED_MS = 0.1
 """A median that moves by less than this (ms) has settled, however small it is."""
-
-
-class ProbeLayout(NamedTuple):
-    """How a probe's ranks share its stage: what the profiler's `between_rounds` hook is told
-    after a round of the probes of that layout — the plain ones (tp = ep = 1), one stage over tp
-    ranks (`tp_probes`), or two replicas sharing out its experts (`ep_probes`)."""
-
-    tp: int = 1
-    sequence_parallel: bool = False
-    ep: int = 1
 
 
 class Probe:

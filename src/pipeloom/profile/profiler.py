@@ -36,7 +36,6 @@ from pipeloom.profile.overheads import linear_fit, op_overhead_ms
 from pipeloom.profile.probe_rounds import (
     OP_KINDS,
     Probe,
-    ProbeLayout,
     measure_probes,
     probe_schedule,
     probe_train_spec,
@@ -79,7 +78,7 @@ def profile_model(
     max_rounds: int = 4,
     allow_busy: bool = False,
     tensor_parallel: Sequence[tuple[int, bool]] = (),
-    between_rounds: Callable[[ProbeLayout], None] | None = None,
+    between_rounds: Callable[[Layout], None] | None = None,
     min_rounds: int = 1,
 ) -> Profile:
     """The profile (`profile_format.Profile`). `workload_for(layers, micro-batch
@@ -89,7 +88,7 @@ def profile_model(
     its medians take to settle (`stability.Series`), the probes taking turns. RuntimeFault if
     the machine is too busy to measure (`contention.Contention`), unless `allow_busy`.
     `tensor_parallel`: (tp, sequence parallel) layouts whose ops are measured too (`tp_probes`).
-    `between_rounds` is called after each round of the probes with their layout (`ProbeLayout`):
+    `between_rounds` is called after each round of the probes with their layout (`Layout`):
     the plain ones', then each tensor-parallel one's, then, for a mixture of experts, the
     expert-parallel one's (`ep_probes`): runs that take turns with the rounds of the probes that
     price them see the machine at the speed those measured; every probe then runs at least
@@ -107,7 +106,7 @@ def profile_model(
 
     op_variation: list[float] = []  # each op's time over its median, its step's speed taken out
     specs = {key: probe_train_spec(*shape, *key) for key in probes}
-    plain_turns = None if between_rounds is None else partial(between_rounds, ProbeLayout())
+    plain_turns = None if between_rounds is None else partial(between_rounds, Layout())
     measured = measure_probes(specs, max_rounds, busy, tick, op_variation, plain_turns, min_rounds)
     fits = _fits(measured, micro_batches)
     # a size cheaper per sample than a smaller one is what larger GEMMs do, unless a busy spell
@@ -150,7 +149,7 @@ def profile_model(
         rounds=paired_rounds,
     )
     if workload_for is not None and getattr(workload_for(1, 1), "experts", None) is not None:
-        ep_turns = None if between_rounds is None else partial(between_rounds, ProbeLayout(ep=EP))
+        ep_turns = None if between_rounds is None else partial(between_rounds, Layout(ep=EP))
         layout, exchange = expert_exchange(
             micro_batches,
             max(layer_counts),

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 from pipeloom.errors import ConfigError
-from pipeloom.profile.probe_rounds import ProbeLayout, measure_probes, probe_train_spec
+from pipeloom.profile.probe_rounds import measure_probes, probe_train_spec
 from pipeloom.profile.speed import speed_of
 from pipeloom.profile_format import FIT_KINDS, Fit, Layout, LayoutProfile
 from pipeloom.tune.profile_fits import fit_positions
@@ -38,7 +38,7 @@ def tensor_parallel_fits(
     layer_counts: Sequence[int],
     max_rounds: int,
     tick: Callable[[], None],
-    between_rounds: Callable[[ProbeLayout], None] | None = None,
+    between_rounds: Callable[[Layout], None] | None = None,
     min_rounds: int = 1,
 ) -> dict[Layout, LayoutProfile]:
     """Each (tp, sequence parallel) of `layouts` measured on one stage over tp ranks: per
@@ -61,7 +61,7 @@ def tensor_parallel_fits(
             for mbs in micro_batches
             for n in layer_counts
         }
-        hook = None if between_rounds is None else partial(between_rounds, ProbeLayout(tp, sequence_parallel))
+        hook = None if between_rounds is None else partial(between_rounds, Layout(tp, sequence_parallel))
         op_variation: list[float] = []
         measured = measure_probes(specs, max_rounds, None, tick, op_variation, hook, min_rounds)
         fits = {
