@@ -17,6 +17,7 @@ A `pipeloom.profile/1` file (the untyped dict of earlier versions) is converted 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,38 +60,36 @@ _ADVICE = "profile again (`pipeloom profile`), or correct the file"
 
 @dataclass(frozen=True)
 class Layout:
-    """How a probe's ranks shared its stage. `key` names it in the file: "plain", "tp2",
-    "tp2+sp", "ep2"."""
+    """How a probe's ranks shared its stage, and in how many slices it ran each micro-batch.
+    `key` names it in the file: "plain", "tp2", "tp2+sp", "ep2", "s4"."""
 
     tp: int = 1
     sequence_parallel: bool = False
     ep: int = 1
+    slices: int = 1
 
     @property
     def key(self) -> str:
         parts = [f"tp{self.tp}{'+sp' if self.sequence_parallel else ''}"] if self.tp > 1 else []
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
+        parts += [f"s{self.slices}"] if self.slices > 1 else []
         return ",".join(parts) or "plain"
 
     @classmethod
     def from_key(cls, key: str) -> Layout:
         if key == "plain":
             return cls()
-        tp, sequence_parallel, ep = 1, False, 1
-        try:
-            for part in key.split(","):
-                if part.startswith("tp"):
-                    sequence_parallel = part.endswith("+sp")
-                    tp = int(part[2:].removesuffix("+sp"))
-                elif part.startswith("ep"):
-                    ep = int(part[2:])
-                else:
-                    raise ValueError(part)
-        except ValueError:
-            raise ConfigError(f"profile: layouts has a layout {key!r}, not plain, tpN[+sp] or epN; {_ADVICE}") from None
-        if tp < 1 or ep < 1 or (tp == 1 and ep == 1):
-            raise ConfigError(f"profile: layouts has a layout {key!r}, not plain, tpN[+sp] or epN; {_ADVICE}")
-        return cls(tp, sequence_parallel, ep)
+        sizes = {"tp": 1, "ep": 1, "s": 1}
+        sequence_parallel = False
+        for part in key.split(","):
+            match = re.fullmatch(r"(tp|ep|s)(\d+)(\+sp)?", part)
+            if match is None or sizes[match[1]] != 1 or (match[3] and match[1] != "tp"):
+                raise ConfigError(f"profile: layouts has a layout {key!r}, not plain or tpN[+sp], epN, sN; {_ADVICE}")
+            sizes[match[1]], sequence_parallel = int(match[2]), sequence_parallel or bool(match[3])
+        layout = cls(sizes["tp"], sequence_parallel, sizes["ep"], sizes["s"])
+        if min(sizes.values()) < 1 or layout.key != key:
+            raise ConfigError(f"profile: layouts has a layout {key!r}, not plain or tpN[+sp], epN, sN; {_ADVICE}")
+        return layout
 
 
 @dataclass(frozen=True)
@@ -295,7 +294,8 @@ class Profile:
     links: Links
     overheads: Overheads
     layouts: Mapping[Layout, LayoutProfile]
-    """Always "plain"; "tpN[+sp]" with `profile --tp`; "ep2" for a mixture of experts."""
+    """Always "plain"; "tpN[+sp]" with `profile --tp`; "ep2" for a mixture of experts; "sN" with
+    `profile --slices`."""
     replica_skew: Mapping[int, float] = field(default_factory=dict)
     """ZeRO level (0; 1 for ZeRO-1/2) → the replicas' wait at the gradient sync over the pipeline."""
     noise: Noise = Noise()
@@ -317,6 +317,10 @@ class Profile:
             if layout.ep > 1 and layout.tp == 1:
                 return layout.ep, measured
         return None
+
+    def sliced(self, slices: int) -> LayoutProfile | None:
+        """The plain probes run in `slices` slices, if measured (`profile --slices`)."""
+        return self.layouts.get(Layout(slices=slices)) if slices > 1 else None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -398,7 +402,7 @@ class Profile:
                 step=_linear(overheads.get("step", {"base_ms": 0.0}), "overheads.step"),
             ),
             layouts={
-                Layout.from_key(key): _layout_profile(value, f"layouts.{key}", fitted=key == "plain")
+                Layout.from_key(key): _layout_profile(value, f"layouts.{key}", fitted=_two_stage(key))
                 for key, value in layouts.items()
             },
             replica_skew={
@@ -409,6 +413,13 @@ class Profile:
             warnings=tuple(str(text) for text in data.get("warnings", ())),
             source=data.get("source"),
         )
+
+
+def _two_stage(key: str) -> bool:
+    """Whether the layout's probes ran two stages (plain, sliced), whose fits hold every
+    position, or one (tp, ep), whose hold the single stage's."""
+    layout = Layout.from_key(key)
+    return layout.tp == 1 and layout.ep == 1
 
 
 def _linear_dict(cost: LinearCost) -> dict[str, float]:
@@ -478,7 +489,7 @@ def _fit(value: Any, where: str, positions: tuple[str, ...]) -> Fit:
 
 
 def _fits(value: Any, where: str, fitted: bool) -> dict[int, dict[str, Fit]]:
-    """Micro-batch size → kind → Fit; a multi-stage layout (`fitted`: the plain one) has every
+    """Micro-batch size → kind → Fit; a two-stage layout (`fitted`: plain, sliced) has every
     kind of `FIT_KINDS` at every position."""
     if not isinstance(value, Mapping) or (fitted and not value):
         raise ConfigError(

@@ -155,3 +155,39 @@ def test_the_replica_wait_is_a_mean_over_steady_steps_after_the_warm_up():
     ]
     # expected 16 ms (10 collective + 5 optimizer + 1 the rest); waits 4, 0 and 2, 0, 0 over a 100 ms pipeline
     assert _skew(rounds, expected_ms=16.0) == pytest.approx(1.2 / 100)
+
+
+def test_a_sliced_probe_trains_as_the_whole_one_and_its_slices_pool_into_the_fits():
+    """`profile --slices 2`: the probe schedule with each micro-batch in two causal slices (a
+    micro-batch's F slice by slice, its R, B and W from the last slice back) computes what the
+    whole probe does — the same losses and weights, in one process — and its samples hold every
+    slice's ops under their kind, as the fits read them."""
+    from dataclasses import replace
+
+    import torch
+
+    from pipeloom.profile.probe_rounds import probe_schedule, probe_train_spec, samples
+    from pipeloom.runtime.in_process import run_in_process
+    from pipeloom.tune.presets import model_from_config
+
+    sliced = probe_schedule(2, slices=2)
+    sliced.validate()
+    assert sliced.num_slices == 2 and [op.text for op in sliced.devices[1][:8]] == [
+        *("1F0", "1F0.1", "1B0.1", "1W0.1", "1B0", "1W0", "1F1c", "1F1.1c"),
+    ]
+    model = model_from_config(MODEL)
+    whole, halves = (
+        run_in_process(replace(probe_train_spec(model, 4, 1, None, "fp32", 2, 1, slices=s), record_gradients=True))
+        for s in (1, 2)
+    )
+    assert halves[0].losses == pytest.approx(whole[0].losses, rel=1e-5)
+    assert all(result.gradients for result in whole)
+    for a, b in zip(whole, halves):
+        for stage, gradients in a.gradients.items():
+            for name, value in gradients.items():
+                torch.testing.assert_close(b.gradients[stage][name], value, rtol=1e-4, atol=1e-6)
+                torch.testing.assert_close(b.parameters[stage][name], a.parameters[stage][name], rtol=1e-5, atol=1e-6)
+    taken = samples(halves)
+    timed_steps, plain_fs, slices = 2, 2, 2  # 4 steps, 2 left out as warm-up; the checkpointed Fs are not sampled
+    assert len(taken["F@0"]) == timed_steps * plain_fs * slices and len(taken["R@1"]) == timed_steps * 2 * slices
+    assert len(taken["M_B@0"]) == plain_fs * slices and min(taken["M_W@1"]) > 0

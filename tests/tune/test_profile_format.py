@@ -110,11 +110,11 @@ def test_a_format_1_profile_prices_every_plan_as_the_same_profile_in_format_2(tp
 
 
 def test_layout_keys_name_every_layout_and_refuse_others():
-    for layout in (Layout(), Layout(2), Layout(4, True), Layout(ep=2), Layout(2, ep=4)):
+    for layout in (Layout(), Layout(2), Layout(4, True), Layout(ep=2), Layout(2, ep=4), Layout(slices=4)):
         assert Layout.from_key(layout.key) == layout
-    assert [Layout(2, True).key, Layout(ep=2).key, Layout().key] == ["tp2+sp", "ep2", "plain"]
-    for bad in ("tp", "tpx", "cp2", "tp1", ""):
-        with pytest.raises(ConfigError, match="not plain, tpN"):
+    assert [Layout(2, True).key, Layout(ep=2).key, Layout(slices=2).key] == ["tp2+sp", "ep2", "s2"]
+    for bad in ("tp", "tpx", "cp2", "tp1", "", "s1", "tp2,tp2", "s2,tp2", "ep2+sp"):
+        with pytest.raises(ConfigError, match="not plain or tpN"):
             Layout.from_key(bad)
 
 
@@ -141,7 +141,7 @@ def test_layout_keys_name_every_layout_and_refuse_others():
         (lambda p: p["links"]["allreduce"].update(bytes_per_ms=0), r"links\.allreduce\.bytes_per_ms is 0"),
         (lambda p: p["replica_skew"].update({"x": 0.1}), r"replica_skew has a ZeRO level 'x'"),
         (lambda p: p["layouts"].pop("plain"), "layouts has no 'plain'"),
-        (lambda p: p["layouts"].update(cp2={}), r"layout 'cp2', not plain, tpN\[\+sp\] or epN"),
+        (lambda p: p["layouts"].update(cp2={}), r"layout 'cp2', not plain or tpN\[\+sp\], epN, sN"),
         (lambda p: p.pop("links"), "it has no 'links'"),
     ],
 )

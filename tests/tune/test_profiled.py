@@ -1,5 +1,6 @@
 """The profiled cost model: fits, interpolation in micro-batch size, and what it will not guess."""
 
+import dataclasses
 import math
 
 import pytest
@@ -101,6 +102,33 @@ def test_a_slice_is_priced_as_a_smaller_micro_batch():
     assert sliced.comm == whole.comm
     result = tune(model, 2, 2**30, 4, schemes=["svpp"], micro_batches=[2])
     assert result.best.candidate.slices > 1
+
+
+def test_a_sliced_plan_is_priced_from_the_probes_run_in_its_slices_where_the_profile_ran_them():
+    """`profile --slices 2` measured each op of a micro-batch cut in two: a plan in two slices
+    takes those ops (read at the micro-batch's own size), is priced as measured (no mark), and one
+    in four slices, never run, is still priced as micro-batches of 1/4 and marked."""
+    from pipeloom.profile_format import Fit, Layout, LayoutProfile, Profile
+
+    plain = Profile.from_dict(profile())
+    kinds = ("F", "B", "W", "R", "M_B", "M_ckpt", "M_W")
+    sliced_fits = {
+        size: {kind: Fit(7.0 * size, 3.0, first=1.0, last=3.0, middle=1.0) for kind in kinds} for size in (1, 2)
+    }
+    measured = dataclasses.replace(plain, layouts={**plain.layouts, Layout(slices=2): LayoutProfile(fits=sliced_fits)})
+    model = ProfiledCostModel(measured)
+    table = model.stage_costs([2, 3], 2, 2, 1, slices=2).resolve(2, 2, 2)
+    assert table.F == pytest.approx([2 * 14.0 + 1.0] * 2 + [3 * 14.0 + 3.0] * 2)  # each slice as measured
+    assert table.M_W == pytest.approx([2 * 14.0 + 1.0] * 2 + [3 * 14.0 + 3.0] * 2)
+    assert model.extrapolations(2, slices=2) == [] and model.extrapolations(4, slices=2)[0].startswith(
+        "micro-batch size 4 (profiled in 2 slices: 1, 2)"
+    )
+    assert model.extrapolations(2, slices=4)[0].startswith("4 slices (never profiled")
+    unmeasured = ProfiledCostModel(plain).stage_costs([2, 3], 2, 2, 1, slices=2).resolve(2, 2, 2)
+    assert unmeasured.F == pytest.approx([2 * 1.0 + 0.5] * 2 + [3 * 1.0 + 1.5] * 2)  # plain fits at size 1
+    assert ProfiledCostModel(measured).stage_costs([2, 3], 2, 2, 1) == ProfiledCostModel(plain).stage_costs(
+        [2, 3], 2, 2, 1
+    )
 
 
 def test_bad_profiles_are_refused():

@@ -14,7 +14,7 @@ from pipeloom.cli.output import add_quiet, progress_bar
 from pipeloom.cli.parser import add_command
 from pipeloom.errors import ConfigError
 from pipeloom.files import check_writable
-from pipeloom.profile_format import Profile
+from pipeloom.profile_format import Layout, Profile
 
 __all__ = ["register", "ALLOW_BUSY_ENV"]
 
@@ -28,7 +28,7 @@ def register(commands) -> None:
         "profile",
         "measure a model on this machine; write per-layer costs for `tune` (torch)",
         [
-            "pipeloom profile --model examples/tiny-llama.json --mbs 1,2 --layers 1,2 --output profile.json",
+            "pipeloom profile --model examples/tiny-llama.json --mbs 1,2 --layers 1,2 --slices 2,4 --output profile.json",
             "pipeloom profile --model hf:./my-llama --seq-len 256 --mbs 1,2 --layers 1,2 --output prof.json",
             "pipeloom profile --model hf:./my-llama --seq-len 256 --tp 2 --sequence-parallel --output tp-prof.json",
         ],
@@ -72,6 +72,14 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
         "--sequence-parallel",
         action="store_true",
         help="with --tp: measure that layout with sequence parallelism too (`tune --tp N --sequence-parallel`)",
+    )
+    parser.add_argument(
+        "--slices",
+        default="",
+        metavar="LIST",
+        help="also measure the probes with each micro-batch's sequence in that many causal slices, as svpp and "
+        "terapipe plans run them (e.g. 2,4; default none: `tune` then prices a slice as a smaller micro-batch, "
+        "marked as beyond the profile)",
     )
     parser.add_argument(
         "--allow-busy",
@@ -124,6 +132,12 @@ def run(args: argparse.Namespace) -> int:
             "measured at --tp N > 1 on a Hugging Face model (--model hf:DIR)"
         )
     layouts = [(args.tp, False), *([(args.tp, True)] if args.sequence_parallel else [])] if args.tp > 1 else []
+    slices = int_list(args.slices, "--slices") if args.slices else []
+    if any(count < 2 or model.seq_len % count for count in slices):
+        raise ConfigError(
+            f"--slices {args.slices}: each slice count must be at least 2 and divide the sequence length "
+            f"({model.seq_len} tokens)"
+        )
     check_writable(args.output)
     from pipeloom.profile.profiler import profile_model
     from pipeloom.static_memory import compute_bytes
@@ -141,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         max_rounds=args.max_rounds,
         allow_busy=args.allow_busy or os.environ.get(ALLOW_BUSY_ENV) == "1",
         tensor_parallel=layouts,
+        slices=slices,
     )
     if workload_for is not None:
         profile = dataclasses.replace(profile, source=args.model)
@@ -160,12 +175,14 @@ def run(args: argparse.Namespace) -> int:
                 f"mbs {size}: expert all-to-all (ep {layout.ep}) {exchange.F:.3f} ms per layer in F, "
                 f"{exchange.B:.3f} ms in B"
             )
-        if layout.tp > 1:
-            for size, fit in measured.fits.items():
-                print(
-                    f"mbs {size} on {layout.key}: per layer F {fit['F'].per_layer:.3f} ms, "
-                    f"B {fit['B'].per_layer:.3f} ms, W {fit['W'].per_layer:.3f} ms (collectives and their waits included)"
-                )
+        what = (
+            f"in {layout.slices} slices, per slice" if layout.slices > 1 else "(collectives and their waits included)"
+        )
+        for size, fit in measured.fits.items() if layout != Layout() else ():
+            print(
+                f"mbs {size} on {layout.key}: per layer F {fit['F'].per_layer:.3f} ms, "
+                f"B {fit['B'].per_layer:.3f} ms, W {fit['W'].per_layer:.3f} ms {what}"
+            )
     print(runtime_line(profile))
     print(noise_line(profile))
     for warning in profile.warnings:

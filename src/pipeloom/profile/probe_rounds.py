@@ -66,22 +66,30 @@ class Probe:
         return max(m.rounds for m in self.values.values())
 
 
-def probe_schedule(p: int) -> Schedule:
-    """1F1B over 4 micro-batches, backward split, odd micro-batches checkpointed (R inside B)."""
+def probe_schedule(p: int, slices: int = 1) -> Schedule:
+    """1F1B over 4 micro-batches, backward split, odd micro-batches checkpointed (R inside B).
+    With `slices`, each micro-batch's sequence in that many causal slices, as svpp and terapipe
+    run them: a micro-batch's F slice by slice, then its backward from the last slice to the
+    first, each slice's R, B and W together (a slice's B sends the gradients of the keys and
+    values it read back to the earlier slices' stash)."""
     split = split_backward(build_schedule("1f1b", p, 4), "after")
     devices = []
     for ops in split.devices:
         out = []
         for op in ops:
             odd = op.microbatch % 2 == 1
-            if op.kind is OpKind.F and odd:
-                out.append(Op(OpKind.F, op.stage, op.microbatch, ckpt=True))
-                continue
-            if op.kind is OpKind.B and odd:
-                out.append(Op(OpKind.R, op.stage, op.microbatch, after_grad=True))
-            out.append(op)
+            if op.kind is OpKind.F:
+                out += [Op(OpKind.F, op.stage, op.microbatch, slice=k, ckpt=odd) for k in range(slices)]
+            elif op.kind is OpKind.W:  # the micro-batch's backward, its last slice first
+                for k in reversed(range(slices)):
+                    if odd:
+                        out.append(Op(OpKind.R, op.stage, op.microbatch, slice=k, after_grad=True))
+                    out += [
+                        Op(OpKind.B, op.stage, op.microbatch, slice=k),
+                        Op(OpKind.W, op.stage, op.microbatch, slice=k),
+                    ]
         devices.append(out)
-    return split.with_devices(devices, name="probe")
+    return replace(split.with_devices(devices, name="probe"), num_slices=slices)
 
 
 def probe_train_spec(
@@ -95,14 +103,15 @@ def probe_train_spec(
     stages: int = 2,
     tp: int = 1,
     sequence_parallel: bool = False,
+    slices: int = 1,
 ):
-    """The probe at micro-batch size `mbs`: `stages` stages of `layers` layers (`probe_schedule`),
-    of `model`'s decoder or of `workload_for(layers × stages, mbs)`'s model, each stage on `tp`
-    tensor-parallel ranks (`tp_probes`)."""
+    """The probe at micro-batch size `mbs`: `stages` stages of `layers` layers (`probe_schedule`,
+    its micro-batches in `slices`), of `model`'s decoder or of `workload_for(layers × stages,
+    mbs)`'s model, each stage on `tp` tensor-parallel ranks (`tp_probes`)."""
     from pipeloom.runtime.training import TrainSpec
 
     return TrainSpec(
-        probe_schedule(stages),
+        probe_schedule(stages, slices),
         config=llama_config(model, layers * stages, mbs),
         steps=steps,
         layer_counts=(layers,) * stages,

@@ -80,6 +80,7 @@ def profile_model(
     tensor_parallel: Sequence[tuple[int, bool]] = (),
     between_rounds: Callable[[Layout], None] | None = None,
     min_rounds: int = 1,
+    slices: Sequence[int] = (),
 ) -> Profile:
     """The profile (`profile_format.Profile`). `workload_for(layers, micro-batch
     size)` builds another model to probe (a Hugging Face one: `models.hf.hf_workload`); by
@@ -87,14 +88,17 @@ def profile_model(
     steps a round (its warm-up left out: `speed.timed_steps`), in as many rounds (at most `max_rounds`) as
     its medians take to settle (`stability.Series`), the probes taking turns. RuntimeFault if
     the machine is too busy to measure (`contention.Contention`), unless `allow_busy`.
-    `tensor_parallel`: (tp, sequence parallel) layouts whose ops are measured too (`tp_probes`).
+    `tensor_parallel`: (tp, sequence parallel) layouts whose ops are measured too (`tp_probes`);
+    `slices`: slice counts (svpp, terapipe) the plain probes run again in, each micro-batch's
+    sequence cut into that many causal slices, fitted as the plain probes are (a slice's op, the
+    median over the slices).
     `between_rounds` is called after each round of the probes with their layout (`Layout`):
     the plain ones', then each tensor-parallel one's, then, for a mixture of experts, the
     expert-parallel one's (`ep_probes`): runs that take turns with the rounds of the probes that
     price them see the machine at the speed those measured; every probe then runs at least
     `min_rounds` rounds, so that the turns last as long as the runs."""
     probes = [(mbs, n) for mbs in micro_batches for n in layer_counts]
-    total = len(probes) * max_rounds * (1 + len(tensor_parallel)) + 1
+    total = len(probes) * max_rounds * (1 + len(tensor_parallel) + len(slices)) + 1
     busy = Contention(allow=allow_busy)
     shape = (model, steps, threads, workload_for, dtype)
     done = [0]
@@ -104,21 +108,22 @@ def profile_model(
         if progress:
             progress(min(done[0], total - 1), total)
 
-    op_variation: list[float] = []  # each op's time over its median, its step's speed taken out
-    specs = {key: probe_train_spec(*shape, *key) for key in probes}
-    plain_turns = None if between_rounds is None else partial(between_rounds, Layout())
-    measured = measure_probes(specs, max_rounds, busy, tick, op_variation, plain_turns, min_rounds)
-    fits = _fits(measured, micro_batches)
-    # a size cheaper per sample than a smaller one is what larger GEMMs do, unless a busy spell
-    # slowed the smaller: busy rounds are dropped, so only where they were kept (allowed) is it suspect
-    suspect = busy.allow and busy.contended
-    warnings = falling_per_sample(fits, _noise_margin(measured), describe=True) if suspect else []
-    plain = LayoutProfile(
-        fits=fits,
-        speed=speed_of((busy for probe in measured.values() for busy in probe.busy), op_variation),
-        confidence=_confidence(measured, micro_batches),
+    plain, measured, warnings = _plain_layout(
+        {key: probe_train_spec(*shape, *key) for key in probes},
+        Layout(),
+        busy,
+        tick,
+        micro_batches,
+        max_rounds,
+        between_rounds,
+        min_rounds,
     )
     layouts = {Layout(): plain}
+    for count in slices:
+        sliced_specs = {key: probe_train_spec(*shape, *key, slices=count) for key in probes}
+        layouts[Layout(slices=count)] = _plain_layout(
+            sliced_specs, Layout(slices=count), busy, tick, micro_batches, max_rounds, between_rounds, min_rounds
+        )[0]
     layouts |= tensor_parallel_fits(
         tensor_parallel, shape, micro_batches, layer_counts, max_rounds, tick, between_rounds, min_rounds
     )
@@ -176,6 +181,37 @@ def profile_model(
             "profile again on a quieter machine, or with more --steps"
         ) from None
     return profile
+
+
+def _plain_layout(
+    specs: dict[tuple[int, int], Any],
+    layout: Layout,
+    busy: Contention,
+    tick: Callable[[], None],
+    micro_batches: Sequence[int],
+    max_rounds: int,
+    between_rounds: Callable[[Layout], None] | None,
+    min_rounds: int,
+) -> tuple[LayoutProfile, dict[tuple[int, int], Probe], list[str]]:
+    """Two-stage probes (`specs`: (micro-batch size, layers) → TrainSpec) measured by turns and
+    fitted: the layout's measurements, the probes, and what their fits warn of."""
+    op_variation: list[float] = []  # each op's time over its median, its step's speed taken out
+    turns = None if between_rounds is None else partial(between_rounds, layout)
+    measured = measure_probes(specs, max_rounds, busy, tick, op_variation, turns, min_rounds)
+    fits = _fits(measured, micro_batches)
+    # a size cheaper per sample than a smaller one is what larger GEMMs do, unless a busy spell
+    # slowed the smaller: busy rounds are dropped, so only where they were kept (allowed) is it suspect
+    suspect = busy.allow and busy.contended
+    warnings = falling_per_sample(fits, _noise_margin(measured), describe=True) if suspect else []
+    return (
+        LayoutProfile(
+            fits=fits,
+            speed=speed_of((steps for probe in measured.values() for steps in probe.busy), op_variation),
+            confidence=_confidence(measured, micro_batches),
+        ),
+        measured,
+        warnings,
+    )
 
 
 def _fits(measured: dict[tuple[int, int], Probe], micro_batches: Sequence[int]) -> dict[int, dict[str, Fit]]:

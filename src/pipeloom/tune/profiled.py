@@ -34,7 +34,7 @@ from typing import Any
 from pipeloom.costs import Costs, CostValue
 from pipeloom.errors import ConfigError
 from pipeloom.files import read_json
-from pipeloom.profile_format import Fit, Profile
+from pipeloom.profile_format import Fit, LayoutProfile, Profile
 from pipeloom.static_memory import collective_bytes, compute_bytes, static_bytes
 from pipeloom.tune.ep_layout import compute_per_layer, replicas_wait, stash_per_layer
 from pipeloom.tune.presets import ModelSpec
@@ -44,6 +44,8 @@ from pipeloom.tune.tp_layout import activation_share, layer_collectives, measure
 __all__ = ["ProfiledCostModel", "profile_costs_keys"]
 
 _TIMES = ("F", "B", "W", "R")
+Fits = Mapping[int, Mapping[str, Fit]]
+"""Micro-batch size → kind → Fit: one layout's fits."""
 
 
 class ProfiledCostModel:
@@ -138,20 +140,30 @@ class ProfiledCostModel:
         """Why a plan at `micro_batch` (in `slices` slices) is priced beyond what the profile
         measured — a size outside its micro-batch sizes (a slice is priced as a micro-batch
         1/slices the size), slices it never ran, a tensor-parallel layout it never ran — or []."""
-        sizes = self.sizes
+        sliced = self._sliced(slices)
+        sizes = sliced.sizes if sliced else self.sizes
         size = micro_batch / slices
         reasons = []
-        if slices > 1:
+        if slices > 1 and not sliced:
             reasons.append(f"{slices} slices (never profiled: priced as micro-batches of {size:g})")
-        elif not sizes[0] <= size <= sizes[-1]:
-            reasons.append(f"micro-batch size {micro_batch} (profiled: {', '.join(map(str, sizes))})")
+        elif not sizes[0] <= micro_batch <= sizes[-1]:
+            where = f" in {slices} slices" if sliced else ""
+            reasons.append(f"micro-batch size {micro_batch} (profiled{where}: {', '.join(map(str, sizes))})")
         if self.tp > 1 and not self._tp_fits:
             reasons.append(f"tp {self.tp} (never profiled: its collectives estimated)")
         return reasons
 
-    def _value(self, key: str, field: str, micro_batch: float) -> float:
-        """A fitted coefficient at `micro_batch`, linear between the profiled sizes."""
-        return at_size({size: fit[key].at(field) for size, fit in self.fits.items()}, micro_batch)
+    def _sliced(self, slices: int) -> LayoutProfile | None:
+        """The probes run in `slices` slices (`profile --slices`), which price a sliced plan's
+        ops as measured; None where the profile has none, or under tp (which slices do not run
+        with)."""
+        return self.profile.sliced(slices) if self.tp == 1 else None
+
+    def _value(self, key: str, field: str, micro_batch: float, fits: Fits | None = None) -> float:
+        """A fitted coefficient at `micro_batch`, linear between the profiled sizes: of the plain
+        probes, or of `fits`."""
+        by_size = self.fits if fits is None else fits
+        return at_size({size: fit[key].at(field) for size, fit in by_size.items()}, micro_batch)
 
     def _p2p(self, micro_batch: float) -> float:
         """An activation of the micro-batch, in the compute type, over the measured link."""
@@ -163,9 +175,12 @@ class ProfiledCostModel:
             return "single"
         return "first" if stage == 0 else "last" if stage == stages - 1 else "middle"
 
-    def _per_stage(self, key: str, counts: Sequence[int], micro_batch: float) -> list[float]:
-        slope = self._value(key, "per_layer", micro_batch)
-        return [n * slope + self._value(key, self._position(i, len(counts)), micro_batch) for i, n in enumerate(counts)]
+    def _per_stage(self, key: str, counts: Sequence[int], micro_batch: float, fits: Fits | None = None) -> list[float]:
+        slope = self._value(key, "per_layer", micro_batch, fits)
+        return [
+            n * slope + self._value(key, self._position(i, len(counts)), micro_batch, fits)
+            for i, n in enumerate(counts)
+        ]
 
     def _static(self, params: float, dp: int, zero: int) -> float:
         if zero == 0:
@@ -175,16 +190,20 @@ class ProfiledCostModel:
     def stage_costs(
         self, counts: Sequence[int], micro_batch: int, pp: int, dp: int, zero: int = 0, slices: int = 1
     ) -> Costs:
-        """With `slices`, each slice is priced as an op on a micro-batch of 1/slices the size —
-        the fits extended below the smallest profiled size — so a slice keeps its fixed costs
+        """With `slices`, each slice's op is as the probes run in that many slices measured it
+        (`profile --slices`); without them, priced as an op on a micro-batch of 1/slices the size
+        — the fits extended below the smallest profiled size — so a slice keeps its fixed costs
         (the fits' intercepts) instead of a 1/slices share of them."""
         size = micro_batch / slices
-        per_stage = {key: self._per_stage(key, counts, size) for key in (*_TIMES, "M_B")}
+        sliced = self._sliced(slices)
+        fits, at = (sliced.fits, float(micro_batch)) if sliced else (self.fits, size)
+        per_stage = {key: self._per_stage(key, counts, at, fits) for key in (*_TIMES, "M_B")}
         # the bytes a B leaves queued for its W; older profiles did not measure them
-        measured_w = "M_W" in self.profile.plain.kinds()
-        per_stage["M_W"] = self._per_stage("M_W", counts, size) if measured_w else [0.0] * len(counts)
+        measured_w = "M_W" in (sliced or self.profile.plain).kinds()
+        per_stage["M_W"] = self._per_stage("M_W", counts, at, fits) if measured_w else [0.0] * len(counts)
         per_stage["M_ckpt"] = [
-            min(self._value("M_ckpt", self._position(i, len(counts)), size), m) for i, m in enumerate(per_stage["M_B"])
+            min(self._value("M_ckpt", self._position(i, len(counts)), at, fits), m)
+            for i, m in enumerate(per_stage["M_B"])
         ]
         if self.tp > 1:
             share = activation_share(self.tp, self.sequence_parallel)
