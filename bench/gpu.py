@@ -13,6 +13,10 @@ fused AdamW, as the plain loop. One table, rows by what they check:
   (d) peak GPU memory (torch.cuda.max_memory_allocated) against the plan: the weights, gradients
       and optimizer state pipeloom plans for the rank, plus the activations the simulator
       holds at once (one micro-batch's autograd stash per stage, from the probe) — p = 1 rows;
+  (f) with --profile: `pipeloom profile --device cuda` in this process (every probe stage on the
+      GPU, ops timed by CUDA events), its fitted F and backward (B + W) of the first stage of n
+      layers against the same stage's forward and backward in a plain loop timed by
+      torch.cuda.Event — the profile's op times should be the GPU's own within 3 %;
   (e) MFU, PaLM's count (Chowdhery et al. 2022, app. B): 6N + 12·L·H·Q·T FLOPs a token, N every
       parameter (the input embedding included), L layers, H·Q the hidden size, T the sequence —
       beside pipeloom's own report's count (3 × the forward's matrix products as torch's
@@ -22,7 +26,7 @@ Step times are medians over the steps after the warm-up (compilation happens in 
 Goals on an H100/H200: p = 1 --compile ≤ 1.0 × the compiled loop; zb-h1 at p = 1 ≤ 1.02 × 1f1b;
 p = 4 in process ≤ 1.05 × p = 1; peak memory within 5 % of the plan; MFU (PaLM) ≥ 45 %.
 
-Usage: python bench/gpu.py [--quick] [--split-compile] [--json PATH] [--peak-tflops T]
+Usage: python bench/gpu.py [--quick] [--split-compile] [--profile] [--json PATH] [--peak-tflops T]
        (--quick: the 2-minute subset on a ~130M model, eager only;
         --split-compile: also p = 4 zb-v compiled both ways a split backward survives compilation —
         pipeloom's custom op (one graph a stage) and a graph break at each linear — a few minutes more;
@@ -223,12 +227,56 @@ def _line(row: Row) -> str:
     )
 
 
+def profile_against_a_plain_loop(device: str, smoke: bool) -> None:
+    """(f): the profile's op times on this device against the same ops in a plain loop."""
+    from pipeloom.models.llama import build_stages, llama_config
+    from pipeloom.profile.profiler import profile_model
+    from pipeloom.runtime.clocks import clock_for
+    from pipeloom.tune.presets import ModelSpec
+
+    model = (
+        ModelSpec("tiny", hidden=64, layers=4, heads=4, ffn=128, vocab=256, seq_len=64, gated=True)
+        if smoke
+        else ModelSpec("llama-0.3b", hidden=1024, layers=8, heads=16, ffn=2816, vocab=32000, seq_len=1024, gated=True)
+    )
+    sizes, counts = (1, 2), (1, 2)
+    began = time.perf_counter()
+    profile = profile_model(model, sizes, counts, steps=6, max_rounds=3, device=device, allow_busy=not smoke)
+    print(f"\n(f) profile --device {device}: {time.perf_counter() - began:.0f} s; {profile.device.description}")
+    print(f"{'op of the first stage':<28}{'profile ms':>12}{'plain loop ms':>15}{'ratio':>8}")
+    clock, where = clock_for(torch.device(device)), torch.device(device)
+    torch.set_num_threads(1)  # on a CPU, as the profile's ranks run (its default --threads)
+    for mbs in sizes:
+        for layers in counts:
+            stage = build_stages(llama_config(model, 2 * layers, mbs), 2, seed=0)[0].to(where)
+            tokens = torch.randint(0, model.vocab, (mbs, model.seq_len), device=where)
+            forward, backward = [], []
+            for _ in range(12):
+                a = clock.mark()
+                out = stage(tokens)
+                b = clock.mark()
+                out.float().square().mean().backward()
+                c = clock.mark()
+                forward.append((a, b))
+                backward.append((b, c))
+            if where.type == "cuda":
+                torch.cuda.synchronize()
+            fits = profile.plain.fits[mbs]
+            for name, marks, kinds in (("F", forward, ("F",)), ("B + W", backward, ("B", "W"))):
+                loop = statistics.median(1e3 * clock.seconds(x, y) for x, y in marks[2:])
+                fitted = sum(fits[kind].per_layer * layers + fits[kind].at("first") for kind in kinds)
+                print(f"{f'{name}, mbs {mbs}, {layers} layer(s)':<28}{fitted:>12.3f}{loop:>15.3f}{fitted / loop:>8.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the 2-minute subset: a ~130M model, eager only")
     parser.add_argument("--smoke", action="store_true", help="a tiny model on any device: checks the script")
     parser.add_argument(
         "--split-compile", action="store_true", help="also p=4 zb-v compiled as one graph a stage and with breaks"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="also (f): `profile --device cuda` against a plain loop's events"
     )
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak (default: by its name)")
     parser.add_argument("--json", help="also write the rows here")
@@ -266,6 +314,8 @@ def main() -> None:
         with graph_breaks_at_split_linears():
             what = "p=4 zb-v --compile, breaks at linears"
             bench.pipeloom("b", what, "zb-v", 4, baseline="p=4 zb-v in process", compile=True)
+    if args.profile:
+        profile_against_a_plain_loop(device, args.smoke)
     print(f"\n{time.perf_counter() - began:.0f} s in all")
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(row) for row in bench.rows], indent=1))

@@ -419,6 +419,16 @@ def test_tune_refusals_are_one_line(capsys, tmp_path, monkeypatch, argv, message
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_profile_on_a_gpu_this_machine_lacks_is_refused_in_one_line(capsys, tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: `bench/gpu.py` profiles on it")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, "profile", "--model", str(EXAMPLES / "tiny-llama.json"), "--device", "cuda")
+    assert code == 2 and out == "" and err == "pipeloom: error: profile --device cuda: torch sees no CUDA device here\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_plan_runs_enough_steps_to_tell_its_error_from_the_noise():
     from argparse import Namespace
 

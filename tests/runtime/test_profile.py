@@ -191,3 +191,43 @@ def test_a_sliced_probe_trains_as_the_whole_one_and_its_slices_pool_into_the_fit
     timed_steps, plain_fs, slices = 2, 2, 2  # 4 steps, 2 left out as warm-up; the checkpointed Fs are not sampled
     assert len(taken["F@0"]) == timed_steps * plain_fs * slices and len(taken["R@1"]) == timed_steps * 2 * slices
     assert len(taken["M_B@0"]) == plain_fs * slices and min(taken["M_W@1"]) > 0
+
+
+def test_a_profile_taken_in_one_process_forks_no_rank_and_prices_its_ops_one_after_another(monkeypatch):
+    """What `profile --device cuda` does on its one GPU, here on the CPU: every stage of each probe
+    in this process (no rank forked, no link between ranks), the links those of one process, the
+    replicas' wait none, and the per-op overhead fitted against the ops run one after another."""
+    from pipeloom.profile import profiler
+    from pipeloom.profile.profiler import profile_model
+    from pipeloom.runtime import local
+    from pipeloom.tune.presets import model_from_config
+    from pipeloom.tune.profiled import ProfiledCostModel
+
+    def no_fork(*args, **kwargs):
+        raise AssertionError("a rank was forked")
+
+    monkeypatch.setattr(local, "run_local", no_fork)
+    monkeypatch.setattr(profiler, "measure_links", no_fork)
+    profile = profile_model(
+        model_from_config(MODEL), (1,), (1, 2), steps=3, max_rounds=2, in_process=True, allow_busy=True
+    )
+    assert profile.device.kind == "cpu" and "one process" in profile.device.description
+    assert profile.replica_skew == {} and list(profile.layouts) == [Layout()]
+    assert Profile.from_dict(profile.to_dict()) == profile
+    fits = profile.plain.fits[1]
+    assert fits["F"].per_layer + fits["F"].at("first") > 0 and fits["M_B"].per_layer > 0
+    cost_model = ProfiledCostModel(profile)
+    assert cost_model.stage_costs([1, 1], 1, 2, 1).comm == profile.links.p2p.ms(4 * 1 * 16 * 32)  # one activation
+    assert profile.links.allreduce == profile.links.reduce_scatter  # the replicas' sum: an add
+
+
+def test_the_overhead_of_ops_run_one_after_another_is_what_their_sum_leaves_over():
+    from pipeloom.costs import Costs
+    from pipeloom.profile.overheads import serial_op_overhead_ms
+    from pipeloom.profile.probe_rounds import probe_schedule
+
+    schedule = probe_schedule(2)  # per device 4 F (2 checkpointed), 2 R, 4 B, 4 W
+    costs = Costs(F=2.0, B=3.0, W=1.0, R=2.0, comm=5.0)
+    serial = 2 * (4 * 2.0 + 2 * 2.0 + 4 * 3.0 + 4 * 1.0)  # in one process no message waits: the comm is not paid
+    assert schedule.num_ops == 28
+    assert serial_op_overhead_ms(schedule, costs, serial + 0.25 * 28) == pytest.approx(0.25)

@@ -61,6 +61,13 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: each probe's ranks forked, timed by the host's clock (default); cuda: every stage of a probe on "
+        "this one GPU in one process, each op timed by CUDA events (dense models, no --tp, not fp16)",
+    )
+    parser.add_argument(
         "--tp",
         type=int,
         default=1,
@@ -156,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
         allow_busy=args.allow_busy or os.environ.get(ALLOW_BUSY_ENV) == "1",
         tensor_parallel=layouts,
         slices=slices,
+        device=args.device,
     )
     if workload_for is not None:
         profile = dataclasses.replace(profile, source=args.model)

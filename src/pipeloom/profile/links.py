@@ -8,6 +8,12 @@ all-reduce of ZeRO-0's gradients, the reduce-scatter of ZeRO-1/2's (`zero.sum_in
 gloo an all-reduce) and the all-gather of their new weights. dp = 2 is the most ranks a probe
 forks; the tuner scales a collective to other dp by the ring algorithm: dp − 1 latencies and
 2(dp − 1)/dp of the bytes per rank.
+
+A profile taken in one process (`profile --device cuda`: every stage and replica of a plan on the
+one GPU) has no ranks to send between: a message is handed over as it is, and the replicas'
+gradients are summed in place (`gradients.reduce_in_process`). There `in_process_links` times
+what those cost on the device — a copy for p2p and the all-gather, an add for the all-reduce and
+the reduce-scatter — by its own clock (CUDA events on a GPU), at the same two sizes.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch.distributed as dist
 from pipeloom.profile_format import Link, Links
 from pipeloom.runtime.zero import sum_into_shard
 
-__all__ = ["ping_seconds", "measure_links"]
+__all__ = ["ping_seconds", "measure_links", "in_process_links"]
 
 _SMALL, _LARGE = 16, 4 * 2**20
 """fp32 elements of the two sizes measured: 64 bytes (latency), 16 MiB (bandwidth)."""
@@ -84,6 +90,29 @@ def measure_links(sizes: tuple[int, ...] = (_SMALL, _LARGE), repeats: int = 9) -
     rows = [values[i : i + len(sizes)] for i in range(0, len(values), len(sizes))]
     collectives = {name: _line(nbytes, row) for name, row in zip(COLLECTIVES, rows[1:])}
     return Links(p2p=_line(nbytes, rows[0]), dp=2, **collectives)
+
+
+def in_process_links(device: torch.device, sizes: tuple[int, ...] = (_SMALL, _LARGE), repeats: int = 9) -> Links:
+    """What a plan run in one process on `device` pays to move its bytes: a copy (p2p, the
+    all-gather) and an add (the all-reduce, the reduce-scatter: the replicas' sums)."""
+    from pipeloom.runtime.clocks import clock_for
+
+    clock = clock_for(device)
+    rows: dict[str, list[float]] = {"copy": [], "add": []}
+    for elements in sizes:
+        source, target = torch.ones(elements, device=device), torch.zeros(elements, device=device)
+        for name, work in (("copy", target.copy_), ("add", target.add_)):
+            marks = []
+            for _ in range(repeats + 1):  # the first one warms the allocator and the kernel up
+                began = clock.mark()
+                work(source)
+                marks.append((began, clock.mark()))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the events are read once the device has passed them
+            rows[name].append(statistics.median(1e3 * clock.seconds(a, b) for a, b in marks[1:]))
+    nbytes = [4 * n for n in sizes]
+    copy, add = _line(nbytes, rows["copy"]), _line(nbytes, rows["add"])
+    return Links(p2p=copy, allreduce=add, reduce_scatter=add, all_gather=copy, dp=2)
 
 
 def _line(nbytes: list[int], ms: list[float]) -> Link:

@@ -19,7 +19,7 @@ from pipeloom.costs import Costs
 from pipeloom.ir.schedule import Schedule
 from pipeloom.sim.simulate import simulate
 
-__all__ = ["op_overhead_ms", "linear_fit", "with_op_overhead"]
+__all__ = ["op_overhead_ms", "serial_op_overhead_ms", "linear_fit", "with_op_overhead"]
 
 _STEPS = 40
 """Bisection steps: ε to well below a microsecond."""
@@ -54,6 +54,13 @@ def op_overhead_ms(schedule: Schedule, costs: Costs, measured_pipeline: float) -
         else:
             high = middle
     return (low + high) / 2
+
+
+def serial_op_overhead_ms(schedule: Schedule, costs: Costs, measured_pipeline: float) -> float:
+    """The ε per op when every op of `schedule` ran one after another in one process (a probe in
+    process: on one GPU its stages share the device): the measured pipeline less the ops' own
+    times, over their number."""
+    return (measured_pipeline - sum(simulate(schedule, costs).busy_time)) / schedule.num_ops
 
 
 def _flat(value) -> list[float]:

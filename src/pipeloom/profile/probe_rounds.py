@@ -29,6 +29,7 @@ __all__ = [
     "measure_probes",
     "probe_schedule",
     "probe_train_spec",
+    "run_probe",
     "runs_by_turns",
     "samples",
     "speed_samples",
@@ -104,10 +105,12 @@ def probe_train_spec(
     tp: int = 1,
     sequence_parallel: bool = False,
     slices: int = 1,
+    device: str | None = None,
 ):
     """The probe at micro-batch size `mbs`: `stages` stages of `layers` layers (`probe_schedule`,
     its micro-batches in `slices`), of `model`'s decoder or of `workload_for(layers × stages,
-    mbs)`'s model, each stage on `tp` tensor-parallel ranks (`tp_probes`)."""
+    mbs)`'s model, each stage on `tp` tensor-parallel ranks (`tp_probes`), on `device` (None: the
+    CPU)."""
     from pipeloom.runtime.training import TrainSpec
 
     return TrainSpec(
@@ -121,6 +124,7 @@ def probe_train_spec(
         tp=tp,
         sequence_parallel=sequence_parallel,
         separate_w=True,  # each W right after its B: timed apart, not folded into the B
+        device=device,
     )
 
 
@@ -132,6 +136,7 @@ def measure_probes(
     op_variation: list[float],
     between_rounds: Callable[[], None] | None = None,
     min_rounds: int = 1,
+    in_process: bool = False,
 ) -> dict[tuple[int, int], Probe]:
     """The probes (micro-batch size, layers per stage) → their TrainSpec, measured by turns: a
     round of each, then another of each that has not settled, up to `max_rounds` — so a busy
@@ -140,8 +145,8 @@ def measure_probes(
     no check, for ops whose collectives wait inside them). Each op's own variation
     (`speed.op_ratios`) goes into `op_variation`. `between_rounds` runs after each round: what
     takes turns with the probes (a bench's runs) falls in the same spells of the machine; each
-    probe runs at least `min_rounds` rounds (at most `max_rounds`), settled or not."""
-    from pipeloom.runtime.local import run_local
+    probe runs at least `min_rounds` rounds (at most `max_rounds`), settled or not. `in_process`:
+    every rank in this process (`run_probe`)."""
     from pipeloom.runtime.probe import probe_spec
 
     keys = list(specs)
@@ -154,15 +159,28 @@ def measure_probes(
 
     while todo := [key for key in keys if wanted(key)]:
         for key in todo:
-            results = run_local(specs[key], probe=probes[key])
+            results = run_probe(specs[key], probes[key], in_process)
             while busy is not None and not busy.clean_round(results):
-                results = run_local(specs[key], probe=probes[key])
+                results = run_probe(specs[key], probes[key], in_process)
             series[key].add(samples(results))
             rounds[key].append(results)
             tick()
         if between_rounds is not None:
             between_rounds()
     return {key: steady_probe(key, specs[key].schedule, rounds[key], series[key], op_variation) for key in keys}
+
+
+def run_probe(spec, probe=None, in_process: bool = False) -> list:
+    """One round of a probe: its ranks forked (`run_local`, as plans run on CPU ranks), or all in
+    this process (`run_in_process`: every stage on the one GPU, as a plan runs there, the ops timed
+    by the device's events)."""
+    if in_process:
+        from pipeloom.runtime.in_process import run_in_process
+
+        return run_in_process(spec)
+    from pipeloom.runtime.local import run_local
+
+    return run_local(spec, probe=probe)
 
 
 def runs_by_turns(
@@ -172,14 +190,12 @@ def runs_by_turns(
     slow spell falls on one round of several; a round `busy` finds contended is run again (None:
     no check, for ops whose collectives wait inside them); `between_rounds` runs after each round
     (as `measure_probes`')."""
-    from pipeloom.runtime.local import run_local
-
     out: dict[object, list] = {key: [] for key in specs}
     for _ in range(rounds):
         for key, spec in specs.items():
-            results = run_local(spec)
+            results = run_probe(spec)
             while busy is not None and not busy.clean_round(results):
-                results = run_local(spec)
+                results = run_probe(spec)
             out[key].append(results)
         if between_rounds is not None:
             between_rounds()

@@ -22,17 +22,19 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
+
+import torch
 
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError, RuntimeFault
 from pipeloom.models.llama import build_stages, llama_config
 from pipeloom.profile.contention import Contention
 from pipeloom.profile.ep_probes import EP, expert_exchange
-from pipeloom.profile.links import measure_links, ping_seconds
-from pipeloom.profile.overheads import linear_fit, op_overhead_ms
+from pipeloom.profile.links import in_process_links, measure_links, ping_seconds
+from pipeloom.profile.overheads import linear_fit, op_overhead_ms, serial_op_overhead_ms
 from pipeloom.profile.probe_rounds import (
     OP_KINDS,
     Probe,
@@ -81,6 +83,8 @@ def profile_model(
     between_rounds: Callable[[Layout], None] | None = None,
     min_rounds: int = 1,
     slices: Sequence[int] = (),
+    device: str = "cpu",
+    in_process: bool | None = None,
 ) -> Profile:
     """The profile (`profile_format.Profile`). `workload_for(layers, micro-batch
     size)` builds another model to probe (a Hugging Face one: `models.hf.hf_workload`); by
@@ -96,11 +100,20 @@ def profile_model(
     the plain ones', then each tensor-parallel one's, then, for a mixture of experts, the
     expert-parallel one's (`ep_probes`): runs that take turns with the rounds of the probes that
     price them see the machine at the speed those measured; every probe then runs at least
-    `min_rounds` rounds, so that the turns last as long as the runs."""
+    `min_rounds` rounds, so that the turns last as long as the runs. On `device` "cuda" the probes
+    run `in_process` (by default there; on a CPU the ranks are forked): every stage of a probe on
+    the one GPU, each op timed by the device's events, the links those of one process
+    (`links.in_process_links`); tensor and expert parallelism, which need ranks, are refused, and
+    the replicas' wait for each other is none (they run one after the other)."""
+    in_process = device == "cuda" if in_process is None else in_process
+    if in_process:
+        _check_in_process(device, tensor_parallel, workload_for, dtype)
     probes = [(mbs, n) for mbs in micro_batches for n in layer_counts]
     total = len(probes) * max_rounds * (1 + len(tensor_parallel) + len(slices)) + 1
     busy = Contention(allow=allow_busy)
+    checked = busy if device == "cpu" else None  # a GPU's kernels run beside their host thread's CPU time
     shape = (model, steps, threads, workload_for, dtype)
+    on_device = None if device == "cpu" else device
     done = [0]
 
     def tick() -> None:
@@ -108,22 +121,14 @@ def profile_model(
         if progress:
             progress(min(done[0], total - 1), total)
 
+    turns = _Turns(checked, tick, max_rounds, between_rounds, min_rounds, in_process)
     plain, measured, warnings = _plain_layout(
-        {key: probe_train_spec(*shape, *key) for key in probes},
-        Layout(),
-        busy,
-        tick,
-        micro_batches,
-        max_rounds,
-        between_rounds,
-        min_rounds,
+        {key: probe_train_spec(*shape, *key, device=on_device) for key in probes}, Layout(), micro_batches, turns
     )
     layouts = {Layout(): plain}
     for count in slices:
-        sliced_specs = {key: probe_train_spec(*shape, *key, slices=count) for key in probes}
-        layouts[Layout(slices=count)] = _plain_layout(
-            sliced_specs, Layout(slices=count), busy, tick, micro_batches, max_rounds, between_rounds, min_rounds
-        )[0]
+        sliced_specs = {key: probe_train_spec(*shape, *key, slices=count, device=on_device) for key in probes}
+        layouts[Layout(slices=count)] = _plain_layout(sliced_specs, Layout(slices=count), micro_batches, turns)[0]
     layouts |= tensor_parallel_fits(
         tensor_parallel, shape, micro_batches, layer_counts, max_rounds, tick, between_rounds, min_rounds
     )
@@ -131,29 +136,33 @@ def profile_model(
         progress(total, total)
     profile = Profile(
         model=model,
-        device=DeviceInfo("cpu", f"cpu, {threads} thread(s) per rank, {dtype}", threads),
+        device=_device_info(device, threads, dtype, in_process),
         dtype=dtype,
         params=_params(model, workload_for),
         static_bytes_per_param=STATIC_BYTES_PER_PARAM,
-        links=measure_links(),
+        links=in_process_links(torch.device(device)) if in_process else measure_links(),
         overheads=Overheads(),
         layouts=layouts,
     )
-    profile = replace(profile, overheads=_runtime_overheads(profile, measured))
+    profile = replace(profile, overheads=_runtime_overheads(profile, measured, in_process))
     paired_rounds = min(SKEW_ROUNDS, max_rounds)  # the dp = 2 probes' rounds, by turns
-    skew = replica_skews(
-        profile,
-        model,
-        max(micro_batches),
-        max(layer_counts),
-        steps,
-        threads,
-        workload_for,
-        dtype,
-        busy,
-        rounds=paired_rounds,
+    skew = (
+        {}
+        if in_process
+        else replica_skews(
+            profile,
+            model,
+            max(micro_batches),
+            max(layer_counts),
+            steps,
+            threads,
+            workload_for,
+            dtype,
+            busy,
+            rounds=paired_rounds,
+        )
     )
-    if workload_for is not None and getattr(workload_for(1, 1), "experts", None) is not None:
+    if not in_process and workload_for is not None and getattr(workload_for(1, 1), "experts", None) is not None:
         ep_turns = None if between_rounds is None else partial(between_rounds, Layout(ep=EP))
         layout, exchange = expert_exchange(
             micro_batches,
@@ -170,7 +179,7 @@ def profile_model(
         profile,
         layouts=layouts,
         replica_skew=skew,
-        noise=_noise(measured, busy),
+        noise=_noise(measured, checked),
         warnings=tuple(warnings + [text for text in [busy.warning()] if text]),
     )
     try:  # what `tune` will refuse is never written: the fits are constrained, this is the proof
@@ -183,25 +192,54 @@ def profile_model(
     return profile
 
 
+@dataclass(frozen=True)
+class _Turns:
+    """How the probes of every layout take their rounds (`probe_rounds.measure_probes`)."""
+
+    busy: Contention | None
+    """Judges each round's contention (None: not judged, on a GPU)."""
+    tick: Callable[[], None]
+    max_rounds: int
+    between_rounds: Callable[[Layout], None] | None
+    min_rounds: int
+    in_process: bool
+
+
+def _check_in_process(device: str, tensor_parallel: Sequence[tuple[int, bool]], workload_for, dtype: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("profile --device cuda: torch sees no CUDA device here")
+    if dtype == "fp16":
+        raise ConfigError("profile: fp16's loss scaling is measured on ranks of their own, not in one process")
+    if tensor_parallel:
+        raise ConfigError("profile: tensor parallelism is measured on ranks of their own, not in one process (--tp)")
+    if workload_for is not None and getattr(workload_for(1, 1), "experts", None) is not None:
+        raise ConfigError(
+            "profile: a mixture of experts' all-to-alls are measured on ranks of their own, not in one process"
+        )
+
+
+def _device_info(device: str, threads: int, dtype: str, in_process: bool) -> DeviceInfo:
+    if device == "cuda":
+        return DeviceInfo("cuda", f"{torch.cuda.get_device_name()}, every stage in one process, {dtype}")
+    where = "every rank in one process" if in_process else "per rank"
+    return DeviceInfo("cpu", f"cpu, {threads} thread(s) {where}, {dtype}", threads)
+
+
 def _plain_layout(
-    specs: dict[tuple[int, int], Any],
-    layout: Layout,
-    busy: Contention,
-    tick: Callable[[], None],
-    micro_batches: Sequence[int],
-    max_rounds: int,
-    between_rounds: Callable[[Layout], None] | None,
-    min_rounds: int,
+    specs: dict[tuple[int, int], Any], layout: Layout, micro_batches: Sequence[int], turns: _Turns
 ) -> tuple[LayoutProfile, dict[tuple[int, int], Probe], list[str]]:
     """Two-stage probes (`specs`: (micro-batch size, layers) → TrainSpec) measured by turns and
     fitted: the layout's measurements, the probes, and what their fits warn of."""
     op_variation: list[float] = []  # each op's time over its median, its step's speed taken out
-    turns = None if between_rounds is None else partial(between_rounds, layout)
-    measured = measure_probes(specs, max_rounds, busy, tick, op_variation, turns, min_rounds)
+    hook = None if turns.between_rounds is None else partial(turns.between_rounds, layout)
+    measured = measure_probes(
+        specs, turns.max_rounds, turns.busy, turns.tick, op_variation, hook, turns.min_rounds, turns.in_process
+    )
     fits = _fits(measured, micro_batches)
     # a size cheaper per sample than a smaller one is what larger GEMMs do, unless a busy spell
     # slowed the smaller: busy rounds are dropped, so only where they were kept (allowed) is it suspect
-    suspect = busy.allow and busy.contended
+    busy = turns.busy
+    suspect = busy is not None and busy.allow and busy.contended
     warnings = falling_per_sample(fits, _noise_margin(measured), describe=True) if suspect else []
     return (
         LayoutProfile(
@@ -257,14 +295,16 @@ def _noise_margin(measured: dict) -> float:
     return max(0.03, 3 * statistics.median(errors))
 
 
-def _runtime_overheads(profile: Profile, measured: dict) -> Overheads:
-    """Per-op overhead, optimizer step and step overhead, from every probe's phases."""
+def _runtime_overheads(profile: Profile, measured: dict, in_process: bool) -> Overheads:
+    """Per-op overhead, optimizer step and step overhead, from every probe's phases (a probe run
+    `in_process` ran its ops one after another)."""
     model = ProfiledCostModel(profile)
     epsilons, optimizer, rest = [], [], []
+    fit = serial_op_overhead_ms if in_process else op_overhead_ms
     for (mbs, n), probe in measured.items():
         p = probe.schedule.num_devices
         costs = _probe_costs(probe, p, model.stage_costs([n] * p, mbs, p, 1))
-        epsilons.append(op_overhead_ms(probe.schedule, costs, probe.median("pipeline")))
+        epsilons.append(fit(probe.schedule, costs, probe.median("pipeline")))
         optimizer.append((model.stage_params([n] * p)[0], probe.median("optimizer")))
         rest.append(probe.median("overhead"))
     base, per_param = linear_fit(optimizer)
@@ -285,9 +325,9 @@ def _probe_costs(probe: Probe, p: int, fitted: Costs) -> Costs:
     return replace(fitted, **times)
 
 
-def _noise(measured: dict, busy: Contention) -> Noise:
+def _noise(measured: dict, busy: Contention | None) -> Noise:
     """How noisy the machine was: the op times' spread over probes, the rounds they took, and
-    what the contention check saw."""
+    what the contention check saw (None: nothing judged, on a GPU)."""
     spreads = [probe.spread for probe in measured.values()]
     return Noise(
         median_spread=statistics.median(spreads),
@@ -296,7 +336,7 @@ def _noise(measured: dict, busy: Contention) -> Noise:
         probes=len(measured),
         steady_share=statistics.median(probe.steady for probe in measured.values()),
         unsettled=sum(1 for probe in measured.values() if not all(m.stable for m in probe.values.values())),
-        **busy.summary(),
+        **(busy.summary() if busy is not None else {}),
     )
 
 
