@@ -666,3 +666,30 @@ def test_the_stash_counts_what_a_b_leaves_for_its_w_as_the_simulator_does(schedu
     assert any(p > q for p, q in zip(predicted, without))  # the pending W raise some device's peak
     for record in records:
         assert record.stash[-1][1] == 0  # every W freed what its B left
+
+
+def test_a_budgeted_schedule_told_what_its_bs_leave_for_their_ws_keeps_its_limit_as_measured():
+    """zb-auto under a limit between its W-free and W-full peaks: given the bytes a B leaves
+    queued for its W (measured here, as `profile` does), the schedule it builds peaks within the
+    limit on every device as the runtime's stash record measures it, and as predicted to the
+    byte; built believing a W frees nothing, it peaks above the limit when run."""
+    p, m = 2, 6
+    probe = run_in_process(tiny_spec(build_schedule("zb-h1", p, m), steps=1, separate_w=True))
+    forward = [probe[s].records[0].entry_bytes[f"{s}F0"] for s in range(p)]
+    pending = [max(probe[s].records[0].pending_w_bytes.values()) for s in range(p)]
+    costs = Costs(F=1, B=1, W=1, M_B=forward, M_W=pending)
+    w_free = Costs(F=1, B=1, W=1, M_B=forward)
+    unlimited = build_schedule("zb-auto", p, m, costs=costs)
+    full, free = (simulate(unlimited, c).peak_activation_memory for c in (costs, w_free))
+    limit = [(a + b) / 2 for a, b in zip(full, free)]
+    assert all(b < a for a, b in zip(full, free))  # the pending W are what separates the two
+
+    def measured(schedule) -> list[int]:
+        return [result.records[0].peak_stash_bytes for result in run_in_process(tiny_spec(schedule, steps=1))]
+
+    budgeted = build_schedule("zb-auto", p, m, costs=costs, mem_limit=limit)
+    peaks = measured(budgeted)
+    assert peaks == simulate(budgeted, costs).peak_activation_memory
+    assert all(peak <= bound for peak, bound in zip(peaks, limit))
+    believed = build_schedule("zb-auto", p, m, costs=w_free, mem_limit=limit)
+    assert any(peak > bound for peak, bound in zip(measured(believed), limit))
