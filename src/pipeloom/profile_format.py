@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pipeloom.errors import ConfigError
@@ -328,24 +328,13 @@ class Profile:
             "model": self.model.to_dict(),
             "device": {"kind": self.device.kind, "description": self.device.description},
             "dtype": self.dtype,
-            "params": {
-                "layer": self.params.layer,
-                "first": self.params.first,
-                "last": self.params.last,
-                "experts": self.params.experts,
-            },
+            "params": asdict(self.params),
             "static_bytes_per_param": self.static_bytes_per_param,
-            "links": {"dp": self.links.dp}
-            | {
-                name: {"latency_ms": link.latency_ms, "bytes_per_ms": link.bytes_per_ms}
-                for name in ("p2p", "allreduce", "reduce_scatter", "all_gather")
-                if (link := getattr(self.links, name)) is not None
-            },
-            "overheads": {"op_ms": self.overheads.op_ms, "step": _linear_dict(self.overheads.step)}
-            | ({"optimizer": _linear_dict(self.overheads.optimizer)} if self.overheads.optimizer else {}),
+            "links": _present(asdict(self.links)),
+            "overheads": _present(asdict(self.overheads)),
             "layouts": {layout.key: measured.to_dict() for layout, measured in self.layouts.items()},
             "replica_skew": {str(zero): share for zero, share in self.replica_skew.items()},
-            "noise": {name: getattr(self.noise, name) for name in Noise.__dataclass_fields__},
+            "noise": asdict(self.noise),
             "warnings": list(self.warnings),
         }
         if self.device.threads is not None:
@@ -422,8 +411,9 @@ def _two_stage(key: str) -> bool:
     return layout.tp == 1 and layout.ep == 1
 
 
-def _linear_dict(cost: LinearCost) -> dict[str, float]:
-    return {"base_ms": cost.base_ms, "per_param_ms": cost.per_param_ms}
+def _present(fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields that hold a value (a link or an optimizer fit not measured is left out)."""
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 # -- reading, entry by entry ---------------------------------------------------------------------
