@@ -28,6 +28,17 @@ from pipeloom.runtime.training import TrainSpec  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(autouse=True)
+def vector_instructions_from_the_cpu_flags():
+    """Inductor takes the vector instructions the CPU's flags name (TORCHINDUCTOR_VEC_ISA_OK)
+    instead of compiling a test program for each: 7.6 s of a cold cache here, for nothing these
+    tests check."""
+    import torch._inductor.config
+
+    with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
+        yield
+
+
 def _assert_same_training(eager, compiled, what: str, lr: float, steps: int) -> None:
     """Inductor sums in its own order: ulps apart in the gradients, which AdamW's normalised
     update turns into up to lr × 1e-3 of a weight a step where a gradient is near zero."""
