@@ -9,8 +9,9 @@ a NaN slips through arithmetic silently, `max(0.0, nan)` being 0). The first bad
 in the error.
 
 What a profile measured is keyed by its `Layout` — how a probe's ranks shared its stage (plain,
-a stage over tp ranks with or without sequence parallelism, replicas sharing out the experts) —
-so the cost model selects the measurements of a plan's layout rather than adjusting another's.
+a stage over tp ranks with or without sequence parallelism, replicas sharing out the experts) and
+in how many slices it ran each micro-batch — so the cost model selects the measurements of a
+plan's layout rather than adjusting another's.
 A `pipeloom.profile/1` file (the untyped dict of earlier versions) is converted on read.
 """
 
