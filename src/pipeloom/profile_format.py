@@ -391,10 +391,7 @@ class Profile:
                 optimizer=None if optimizer is None else _linear(optimizer, "overheads.optimizer"),
                 step=_linear(overheads.get("step", {"base_ms": 0.0}), "overheads.step"),
             ),
-            layouts={
-                Layout.from_key(key): _layout_profile(value, f"layouts.{key}", fitted=_two_stage(key))
-                for key, value in layouts.items()
-            },
+            layouts=_layouts(layouts),
             replica_skew={
                 _size(zero, "replica_skew", "a ZeRO level", minimum=0): _non_negative(share, f"replica_skew.{zero}")
                 for zero, share in _mapping(data.get("replica_skew", {}), "replica_skew").items()
@@ -405,11 +402,15 @@ class Profile:
         )
 
 
-def _two_stage(key: str) -> bool:
-    """Whether the layout's probes ran two stages (plain, sliced), whose fits hold every
-    position, or one (tp, ep), whose hold the single stage's."""
-    layout = Layout.from_key(key)
-    return layout.tp == 1 and layout.ep == 1
+def _layouts(layouts: Mapping[str, Any]) -> dict[Layout, LayoutProfile]:
+    """Each layout's measurements by its key. A layout whose probes ran two stages (plain,
+    sliced) has fits at every position; one over tp ranks or expert replicas ran one stage, and
+    has the single stage's."""
+    out = {}
+    for key, value in layouts.items():
+        layout = Layout.from_key(key)
+        out[layout] = _layout_profile(value, f"layouts.{key}", fitted=layout.tp == 1 and layout.ep == 1)
+    return out
 
 
 def _present(fields: dict[str, Any]) -> dict[str, Any]:

@@ -147,7 +147,6 @@ def run(args: argparse.Namespace) -> int:
         )
     check_writable(args.output)
     from pipeloom.profile.profiler import profile_model
-    from pipeloom.static_memory import compute_bytes
     from pipeloom.tune.profiled import ProfiledCostModel, profile_costs_keys
 
     profile = profile_model(
@@ -167,15 +166,15 @@ def run(args: argparse.Namespace) -> int:
     )
     if workload_for is not None:
         profile = dataclasses.replace(profile, source=args.model)
-    data = profile.to_dict() | profile_costs_keys(ProfiledCostModel(profile))
+    priced = ProfiledCostModel(profile)
+    data = profile.to_dict() | profile_costs_keys(priced)
     Path(args.output).write_text(json.dumps(data, indent=1) + "\n")
-    p2p = profile.links.p2p
     for size, fit in profile.plain.fits.items():
         activation = fit["M_B"].per_layer / 2**20
         print(
             f"mbs {size}: per layer F {fit['F'].per_layer:.3f} ms, B {fit['B'].per_layer:.3f} ms, "
             f"W {fit['W'].per_layer:.3f} ms, R {fit['R'].per_layer:.3f} ms, activations {activation:.2f} MiB; "
-            f"p2p {p2p.ms(compute_bytes(profile.dtype) * size * model.seq_len * model.hidden):.3f} ms"
+            f"p2p {priced.p2p_ms(size):.3f} ms"
         )
     for layout, measured in profile.layouts.items():
         for size, exchange in measured.exchange.items():

@@ -150,7 +150,8 @@ def measure_probes(
     from pipeloom.runtime.probe import probe_spec
 
     keys = list(specs)
-    probes = {key: probe_spec(spec) for key, spec in specs.items()}  # the same boundaries every round
+    # the same boundaries every forked round (a run in process probes its own)
+    probes = {key: None if in_process else probe_spec(spec) for key, spec in specs.items()}
     series = {key: Series(floor=SETTLED_MS) for key in keys}
     rounds: dict[tuple[int, int], list] = {key: [] for key in keys}
 

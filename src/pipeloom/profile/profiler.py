@@ -106,8 +106,9 @@ def profile_model(
     (`links.in_process_links`); tensor and expert parallelism, which need ranks, are refused, and
     the replicas' wait for each other is none (they run one after the other)."""
     in_process = device == "cuda" if in_process is None else in_process
+    mixture = workload_for is not None and getattr(workload_for(1, 1), "experts", None) is not None
     if in_process:
-        _check_in_process(device, tensor_parallel, workload_for, dtype)
+        _check_in_process(device, tensor_parallel, mixture, dtype)
     probes = [(mbs, n) for mbs in micro_batches for n in layer_counts]
     total = len(probes) * max_rounds * (1 + len(tensor_parallel) + len(slices)) + 1
     busy = Contention(allow=allow_busy)
@@ -162,7 +163,7 @@ def profile_model(
             rounds=paired_rounds,
         )
     )
-    if not in_process and workload_for is not None and getattr(workload_for(1, 1), "experts", None) is not None:
+    if mixture and not in_process:
         ep_turns = None if between_rounds is None else partial(between_rounds, Layout(ep=EP))
         layout, exchange = expert_exchange(
             micro_batches,
@@ -205,14 +206,14 @@ class _Turns:
     in_process: bool
 
 
-def _check_in_process(device: str, tensor_parallel: Sequence[tuple[int, bool]], workload_for, dtype: str) -> None:
+def _check_in_process(device: str, tensor_parallel: Sequence[tuple[int, bool]], mixture: bool, dtype: str) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("profile --device cuda: torch sees no CUDA device here")
     if dtype == "fp16":
         raise ConfigError("profile: fp16's loss scaling is measured on ranks of their own, not in one process")
     if tensor_parallel:
         raise ConfigError("profile: tensor parallelism is measured on ranks of their own, not in one process (--tp)")
-    if workload_for is not None and getattr(workload_for(1, 1), "experts", None) is not None:
+    if mixture:
         raise ConfigError(
             "profile: a mixture of experts' all-to-alls are measured on ranks of their own, not in one process"
         )

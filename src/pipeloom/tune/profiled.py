@@ -165,7 +165,7 @@ class ProfiledCostModel:
         by_size = self.fits if fits is None else fits
         return at_size({size: fit[key].at(field) for size, fit in by_size.items()}, micro_batch)
 
-    def _p2p(self, micro_batch: float) -> float:
+    def p2p_ms(self, micro_batch: float) -> float:
         """An activation of the micro-batch, in the compute type, over the measured link."""
         return self.links.p2p.ms(self._activation_bytes(micro_batch))
 
@@ -236,7 +236,7 @@ class ProfiledCostModel:
             R=value["R"],
             a2a_F=exchange["F"],
             a2a_B=exchange["B"],
-            comm=self._p2p(size / self.tp),  # each tensor-parallel rank sends its sequence shard
+            comm=self.p2p_ms(size / self.tp),  # each tensor-parallel rank sends its sequence shard
             M_B=value["M_B"],
             M_W=value["M_W"],
             M_ckpt=value["M_ckpt"],
