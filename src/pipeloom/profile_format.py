@@ -165,12 +165,16 @@ class ExpertExchange:
 class LayoutProfile:
     """What the probes of one layout measured: fits per micro-batch size and kind (F, B, W, R in
     ms; M_B, M_W, M_ckpt in bytes), how their speed varied, the relative standard error of each
-    op kind's medians, and (expert parallelism) the exchanges per size."""
+    op kind's medians, the layers a stage its probes ran, and (expert parallelism) the exchanges
+    per size."""
 
     fits: Mapping[int, Mapping[str, Fit]] = field(default_factory=dict)
     speed: Speed = Speed()
     confidence: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
     exchange: Mapping[int, ExpertExchange] = field(default_factory=dict)
+    layers: tuple[int, ...] = ()
+    """The layer counts a stage of its probes held, ascending (empty: not recorded, a profile
+    from before they were)."""
 
     @property
     def sizes(self) -> list[int]:
@@ -191,6 +195,8 @@ class LayoutProfile:
             out["confidence"] = {str(size): dict(errors) for size, errors in self.confidence.items()}
         if self.exchange:
             out["exchange"] = {str(size): value.to_dict() for size, value in self.exchange.items()}
+        if self.layers:
+            out["layers"] = list(self.layers)
         return out
 
 
@@ -531,7 +537,16 @@ def _layout_profile(value: Any, where: str, fitted: bool) -> LayoutProfile:
         exchange={
             _size(size, f"{where}.exchange"): _exchange(v, f"{where}.exchange[{size}]") for size, v in exchange.items()
         },
+        layers=_layer_counts(measured.get("layers", []), f"{where}.layers"),
     )
+
+
+def _layer_counts(value: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in value):
+        raise ConfigError(f"profile: {where} must be a list of layer counts, got {value!r}; {_ADVICE}")
+    if any(n < 1 for n in value):
+        raise ConfigError(f"profile: {where} holds {min(value)}: a probe's stage holds at least one layer; {_ADVICE}")
+    return tuple(sorted(set(value)))
 
 
 def _exchange(value: Any, where: str) -> ExpertExchange:

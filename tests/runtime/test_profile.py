@@ -64,6 +64,7 @@ def test_profile_simulate_tune_train(tmp_path, capsys):
     assert typed.noise.probes == 4 and typed.noise.rounds >= 2 * 4 and 0 <= typed.noise.median_spread
     fits = typed.plain.fits
     assert sorted(fits) == [1, 2] and list(typed.layouts) == [Layout()]
+    assert typed.plain.layers == (1, 2)  # what a plan's stages may hold before it is marked as extrapolated
     for size in (1, 2):
         # a layer's time may fit as 0 when the machine's jitter swamps it (a busy machine), never below
         assert fits[size]["F"].per_layer >= 0 and fits[size]["F"].at("first") + fits[size]["F"].per_layer > 0

@@ -166,6 +166,7 @@ def test_profile_tune_and_train_a_hugging_face_model(capsys, tmp_path, llama):
     facts = json.loads(profile.read_text())
     assert facts["source"] == f"hf:{llama}" and facts["params"]["first"] == 512 * 32
     measured = facts["layouts"]["tp2"]["fits"]["1"]  # its ops on one stage over two ranks, as `tune --tp 2` prices them
+    assert facts["layouts"]["tp2"]["layers"] == facts["layouts"]["plain"]["layers"] == [1, 2]
     assert (
         set(measured) == {"F", "B", "W", "R", "M_B", "M_ckpt"}
         and measured["F"]["per_layer"] + measured["F"]["single"] > 0

@@ -1,8 +1,11 @@
 """A plan's band from the profile's confidence, and near-ties broken by robustness."""
 
+import dataclasses
+
 import pytest
 
-from pipeloom.tune.confidence import band, figure_errors, sensitivities, tied
+from pipeloom.profile_format import Layout
+from pipeloom.tune.confidence import band, figure_errors, lever, sensitivities, tied
 from pipeloom.tune.profiled import ProfiledCostModel
 from pipeloom.tune.search import tune
 
@@ -23,8 +26,16 @@ def test_figure_errors_take_the_worse_neighbour_and_nothing_without_a_profile():
     model = ProfiledCostModel(data)
     assert figure_errors(model, 1) == {"F": 0.01, "B": 0.05}
     assert figure_errors(model, 2) == {"F": 0.03, "B": 0.05}  # between 1 and 4: the worse of the two
-    assert figure_errors(model, 8) == {"F": 0.03, "B": 0.02}
+    # beyond the sizes profiled, a line through 1 and 4 knows 8 less than 4 by √(1/2 + 5.5²/4.5)
+    assert figure_errors(model, 8) == pytest.approx({"F": 0.03 * 7.2222**0.5, "B": 0.02 * 7.2222**0.5}, rel=1e-4)
     assert figure_errors(ProfiledCostModel(profile()), 2) == {}  # an older profile: no band
+
+
+def test_a_fit_knows_less_the_further_beyond_its_points():
+    assert lever([1, 2, 4], 2) == lever([1, 2, 4], 4) == 1.0  # within the points: as measured
+    assert lever([1, 2], 4) == pytest.approx((1 / 2 + 2.5**2 / 0.5) ** 0.5 / (1 / 2 + 0.5**2 / 0.5) ** 0.5)
+    assert lever([1, 2], 8) > lever([1, 2], 4) > 1 and lever([2, 4], 1) > 1
+    assert lever([2], 4) == 2.0 and lever([], 4) == 1.0  # one point: no slope, the error grows with the distance
 
 
 def test_a_band_is_what_moving_each_figure_by_its_error_does_to_the_step():
@@ -92,9 +103,41 @@ def test_plans_priced_beyond_the_profile_rank_after_the_measured_ones_and_say_so
     assert result.extrapolation_note.startswith("plans priced beyond what the profile measured are ranked after")
     assert f"{leader.candidate.label} would be" in result.extrapolation_note
     assert "micro-batch size 1 (profiled: 2)" in result.extrapolation_note
+    # so noisy that the guesses at mbs 1 tie with the measured leader, and need less memory: the
+    # near-tie was settled before the guesses were ranked last, and its note named one of them first
+    data["confidence"] = {"2": {kind: 0.05 for kind in "FBWR"}}
+    noisy = tune(ProfiledCostModel(data), 2, 1e9, 8, keep=6, **space)
+    assert not noisy.ranked[0].extrapolated and noisy.ranked[0].step_time <= noisy.ranked[1].step_time
+    assert not noisy.tie_note or noisy.ranked[0].candidate.label in noisy.tie_note.rpartition("ranked ")[2]
     only_guesses = tune(model, 2, 1e9, 8, keep=4, **dict(space, micro_batches=[1]))
     assert all(e.extrapolated for e in only_guesses.ranked)
     assert only_guesses.extrapolation_note.startswith("every ranked plan is priced beyond what the profile measured")
+
+
+def test_a_stage_of_more_layers_than_the_probes_held_is_marked_and_its_band_widened():
+    """The probes held 2 and 4 layers a stage: the 8-layer model on one stage (pp 1) is priced by
+    extrapolating the per-layer fits twice their range, so it is marked, ranked after the
+    measured plans, and its band widened by how little a line through 2 and 4 knows at 8."""
+    data = profile()
+    data["confidence"] = {size: {kind: 0.02 for kind in "FBWR"} for size in ("1", "2")}
+    unrecorded = ProfiledCostModel(data)  # a profile from before the layer counts were kept
+    measured = unrecorded.profile
+    plain = dataclasses.replace(measured.plain, layers=(2, 4))
+    model = ProfiledCostModel(dataclasses.replace(measured, layouts={**measured.layouts, Layout(): plain}))
+    assert model.extrapolations(2, 1, [4, 4]) == [] and model.extrapolations(2, 1, [2, 2, 2, 2]) == []
+    assert model.extrapolations(2, 1, [8]) == ["8 layers a stage (profiled: 2, 4)"]
+    assert unrecorded.extrapolations(2, 1, [8]) == []
+    space = dict(SPACE, pp_values=[1, 2], micro_batches=[2])
+    result = tune(model, 2, 1e9, 8, keep=6, **space)
+    flags = [bool(e.extrapolated) for e in result.ranked]
+    assert flags == sorted(flags) and True in flags and not flags[0]
+    assert all(e.extrapolated == ("8 layers a stage (profiled: 2, 4)",) for e in result.ranked if e.candidate.pp == 1)
+    before = tune(unrecorded, 2, 1e9, 8, keep=6, **space)
+    width = {e.candidate.label: w for e, w in zip(before.ranked, before.bands)}
+    for evaluation, widened in zip(result.ranked, result.bands):
+        factor = lever([2, 4], 8) if evaluation.extrapolated else 1.0
+        assert widened == pytest.approx(factor * width[evaluation.candidate.label])
+    assert lever([2, 4], 8) == pytest.approx((1 / 2 + 5**2 / 2) ** 0.5 / (1 / 2 + 1**2 / 2) ** 0.5)
 
 
 def test_a_near_tie_never_ranks_first_a_plan_slower_than_the_fastest_plans_band():

@@ -70,9 +70,15 @@ def format_1() -> dict:
 
 
 def test_a_profile_reads_back_what_it_wrote_through_json():
+    import dataclasses
+
     typed = Profile.from_dict(format_1())
+    typed = dataclasses.replace(
+        typed, layouts={**typed.layouts, Layout(): dataclasses.replace(typed.plain, layers=(1, 2))}
+    )
     written = json.loads(json.dumps(typed.to_dict()))
     assert written["format"] == PROFILE_FORMAT and set(written["layouts"]) == {"plain", "tp2", "ep2"}
+    assert written["layouts"]["plain"]["layers"] == [1, 2] and "layers" not in written["layouts"]["tp2"]
     assert Profile.from_dict(written) == typed
 
 
@@ -143,6 +149,8 @@ def test_layout_keys_name_every_layout_and_refuse_others():
         (lambda p: p["layouts"].pop("plain"), "layouts has no 'plain'"),
         (lambda p: p["layouts"].update(cp2={}), r"layout 'cp2', not plain or tpN\[\+sp\], epN, sN"),
         (lambda p: p.pop("links"), "it has no 'links'"),
+        (lambda p: p["layouts"]["plain"].update(layers=[0, 2]), r"layouts\.plain\.layers holds 0"),
+        (lambda p: p["layouts"]["plain"].update(layers="1,2"), r"layouts\.plain\.layers must be a list"),
     ],
 )
 def test_a_bad_entry_of_a_format_2_profile_is_named_by_its_place(change, message):

@@ -247,6 +247,7 @@ def _plain_layout(
             fits=fits,
             speed=speed_of((steps for probe in measured.values() for steps in probe.busy), op_variation),
             confidence=_confidence(measured, micro_batches),
+            layers=tuple(sorted({n for _, n in specs})),
         ),
         measured,
         warnings,

@@ -73,5 +73,7 @@ def tensor_parallel_fits(
             for mbs in micro_batches
         }
         speed = speed_of((busy for probe in measured.values() for busy in probe.busy), op_variation)
-        out[Layout(tp, sequence_parallel)] = LayoutProfile(fits=fits, speed=speed)
+        out[Layout(tp, sequence_parallel)] = LayoutProfile(
+            fits=fits, speed=speed, layers=tuple(sorted(set(layer_counts)))
+        )
     return out

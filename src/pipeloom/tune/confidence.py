@@ -14,6 +14,7 @@ optimizer and step overhead come from fits of their own and are left as predicte
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 
 from pipeloom.passes.offload import simulate_offload
@@ -21,28 +22,61 @@ from pipeloom.provenance import byte_size
 from pipeloom.sim.simulate import simulate
 from pipeloom.tune.evaluation import Evaluation
 
-__all__ = ["figure_errors", "sensitivities", "band", "tied", "robustness", "measured_first"]
+__all__ = [
+    "figure_errors",
+    "lever",
+    "sensitivities",
+    "band",
+    "tied",
+    "robustness",
+    "measured_first",
+    "note_extrapolations",
+]
 
 _KINDS = ("F", "B", "W", "R")
 _Z = 2.0
 """Standard errors per side of a band: about 95 % for normal errors."""
 
 
-def figure_errors(cost_model, micro_batch: int) -> dict[str, float]:
+def figure_errors(cost_model, micro_batch: int, partition: Sequence[int] = ()) -> dict[str, float]:
     """Relative standard error per op kind at `micro_batch` (a size between two profiled ones
-    takes the worse of the two); {} for a cost model that measured nothing (analytic)."""
+    takes the worse of the two) for a plan of `partition` (layers per stage), widened where the
+    plan lies beyond what the profile measured (`lever`); {} for a cost model that measured
+    nothing (analytic)."""
     profile = getattr(cost_model, "profile", None)
-    confidence = profile.plain.confidence if profile is not None else {}
-    if not confidence:
+    if profile is None or not profile.plain.confidence:
         return {}
+    confidence = profile.plain.confidence
     sizes = sorted(confidence)
     below = max([size for size in sizes if size <= micro_batch], default=sizes[0])
     above = min([size for size in sizes if size >= micro_batch], default=sizes[-1])
+    layers = profile.plain.layers
+    widened = lever(sizes, micro_batch) * max((lever(layers, n) for n in partition), default=1.0)
     return {
-        kind: max(confidence[below].get(kind, 0.0), confidence[above].get(kind, 0.0))
+        kind: widened * max(confidence[below].get(kind, 0.0), confidence[above].get(kind, 0.0))
         for kind in _KINDS
         if kind in confidence[below] or kind in confidence[above]
     }
+
+
+def lever(measured: Sequence[int], x: float) -> float:
+    """How much less a line fitted through the `measured` points knows at `x` than at the nearest
+    end of them: 1 within them; beyond, the ratio of the fit's standard error of prediction there,
+    √(1/k + (x − x̄)² / Σ(xᵢ − x̄)²), to that at the end (a single point gives no slope: its error
+    taken to grow with the distance, 1 + |x − end| / end)."""
+    points = sorted(measured)
+    if not points or points[0] <= x <= points[-1]:
+        return 1.0
+    end = points[0] if x < points[0] else points[-1]
+    if len(points) == 1:
+        return 1 + abs(x - end) / end
+    mean = sum(points) / len(points)
+    spread = sum((point - mean) ** 2 for point in points)
+
+    def error(at: float) -> float:
+        return math.sqrt(1 / len(points) + (at - mean) ** 2 / spread)
+
+    return error(x) / error(end)
 
 
 def sensitivities(evaluation: Evaluation, errors: dict[str, float]) -> dict[tuple[int, str], float]:
@@ -100,14 +134,21 @@ def settle_near_ties(result, cost_model) -> None:
     band — put the most robust of the tied plans first, noting why (`result.tie_note`). Nothing
     changes for a cost model that measured nothing."""
     ranked = result.ranked
-    moves = {id(e): sensitivities(e, figure_errors(cost_model, e.candidate.micro_batch)) for e in ranked}
+    moves = {id(e): sensitivities(e, figure_errors(cost_model, e.candidate.micro_batch, e.partition)) for e in ranked}
     result.bands = [band(moves[id(e)]) for e in ranked]
     if not any(result.bands):
         return
     fastest, fastest_band = ranked[0], result.bands[0]
     # within the noise of their difference, and never slower than the fastest plan's own band: a
-    # plan whose figures are poorly known is not thereby as fast as a well-known one
-    close = [e for e in ranked if tied(fastest, e, moves) and e.step_time - fastest.step_time <= fastest_band]
+    # plan whose figures are poorly known is not thereby as fast as a well-known one; and of the
+    # leader's kind, measured or not (`measured_first` ranked the guesses after)
+    close = [
+        e
+        for e in ranked
+        if tied(fastest, e, moves)
+        and e.step_time - fastest.step_time <= fastest_band
+        and bool(e.extrapolated) == bool(fastest.extrapolated)
+    ]
     if len(close) < 2:
         return
     chosen = min(close, key=robustness)
@@ -136,20 +177,26 @@ def settle_near_ties(result, cost_model) -> None:
 
 def measured_first(result, cost_model, leader=None) -> None:
     """Mark the ranked plans priced beyond what the profile measured (`extrapolations`: a
-    micro-batch size or slices it never ran) and keep them after the measured ones (the search
-    ranked each group apart, `tune.search.tune`), saying so (`result.extrapolation_note`) when
-    the fastest of them (`leader`) would beat the first measured plan, or when every plan is
-    one. Nothing changes for a cost model that measured nothing."""
+    micro-batch size, slices or layers a stage it never ran), and the fastest of those the search
+    set aside (`leader`), and keep them after the measured ones (the search ranked each group
+    apart, `tune.search.tune`). Nothing changes for a cost model that measured nothing."""
     reasons_of = getattr(cost_model, "extrapolations", None)
     if reasons_of is None:
         return
     ranked = result.ranked
     for evaluation in [*ranked, *([leader] if leader is not None else [])]:
-        evaluation.extrapolated = tuple(reasons_of(evaluation.candidate.micro_batch, evaluation.candidate.slices))
+        candidate = evaluation.candidate
+        evaluation.extrapolated = tuple(reasons_of(candidate.micro_batch, candidate.slices, evaluation.partition))
     order = sorted(range(len(ranked)), key=lambda i: bool(ranked[i].extrapolated))  # stable: by step within each
     bands = result.bands or [0.0] * len(ranked)
     result.ranked, result.bands = [ranked[i] for i in order], [bands[i] for i in order]
-    if leader is None:
+
+
+def note_extrapolations(result, leader=None) -> None:
+    """Say so (`result.extrapolation_note`) when the fastest plan priced beyond the profile
+    (`leader`, marked by `measured_first`) would beat the first measured plan, or when every
+    ranked plan is such a guess."""
+    if leader is None or not leader.extrapolated:
         return
     why = "; ".join(leader.extrapolated)
     first = result.ranked[0]

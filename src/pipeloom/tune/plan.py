@@ -229,7 +229,7 @@ def repriced(plan: Plan, cost_model: CostModel) -> Plan:
         plan.chunks, plan.slices, plan.passes, plan.zero,
     )  # fmt: skip
     evaluation = evaluate_schedule(candidate, cost_model, list(plan.partition), plan.schedule)
-    moves = sensitivities(evaluation, figure_errors(cost_model, plan.micro_batch_size))
+    moves = sensitivities(evaluation, figure_errors(cost_model, plan.micro_batch_size, plan.partition))
     assert evaluation.costs is not None, "evaluate_schedule simulates the schedule"
     return replace(
         plan,

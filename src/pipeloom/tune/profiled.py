@@ -34,7 +34,7 @@ from typing import Any
 from pipeloom.costs import Costs, CostValue
 from pipeloom.errors import ConfigError
 from pipeloom.files import read_json
-from pipeloom.profile_format import Fit, LayoutProfile, Profile
+from pipeloom.profile_format import Fit, Layout, LayoutProfile, Profile
 from pipeloom.static_memory import collective_bytes, compute_bytes, static_bytes
 from pipeloom.tune.ep_layout import compute_per_layer, replicas_wait, stash_per_layer
 from pipeloom.tune.presets import ModelSpec
@@ -136,10 +136,11 @@ class ProfiledCostModel:
             sent.append(self.tp_bytes(names, size))
         return times, sent
 
-    def extrapolations(self, micro_batch: int, slices: int = 1) -> list[str]:
-        """Why a plan at `micro_batch` (in `slices` slices) is priced beyond what the profile
-        measured — a size outside its micro-batch sizes (a slice is priced as a micro-batch
-        1/slices the size), slices it never ran, a tensor-parallel layout it never ran — or []."""
+    def extrapolations(self, micro_batch: int, slices: int = 1, partition: Sequence[int] = ()) -> list[str]:
+        """Why a plan at `micro_batch` (in `slices` slices, `partition`: layers per stage) is
+        priced beyond what the profile measured — a size outside its micro-batch sizes (a slice
+        is priced as a micro-batch 1/slices the size), slices it never ran, a tensor-parallel
+        layout it never ran, a stage holding more or fewer layers than its probes did — or []."""
         sliced = self._sliced(slices)
         sizes = sliced.sizes if sliced else self.sizes
         size = micro_batch / slices
@@ -151,7 +152,21 @@ class ProfiledCostModel:
             reasons.append(f"micro-batch size {micro_batch} (profiled{where}: {', '.join(map(str, sizes))})")
         if self.tp > 1 and not self._tp_fits:
             reasons.append(f"tp {self.tp} (never profiled: its collectives estimated)")
+        probed = self.measured_layout(slices).layers
+        beyond = sorted({n for n in partition if probed and not probed[0] <= n <= probed[-1]})
+        if beyond:
+            counts = ", ".join(map(str, beyond))
+            reasons.append(f"{counts} layers a stage (profiled: {', '.join(map(str, probed))})")
         return reasons
+
+    def measured_layout(self, slices: int = 1) -> LayoutProfile:
+        """The measurements that price a plan's ops: the probes run in its slices, or on its
+        tensor-parallel ranks, where the profile has them; else the plain ones."""
+        sliced = self._sliced(slices)
+        if sliced is not None:
+            return sliced
+        measured = self.profile.layout(Layout(self.tp, self.sequence_parallel)) if self._tp_fits else None
+        return measured if measured is not None else self.profile.plain
 
     def _sliced(self, slices: int) -> LayoutProfile | None:
         """The probes run in `slices` slices (`profile --slices`), which price a sliced plan's

@@ -38,7 +38,7 @@ from pipeloom.tune.candidate_run import (
     simulate_candidate,
     simulate_task,
 )
-from pipeloom.tune.confidence import measured_first, settle_near_ties
+from pipeloom.tune.confidence import measured_first, note_extrapolations, settle_near_ties
 from pipeloom.tune.cost_model import CostModel
 from pipeloom.tune.evaluation import Evaluation, TuneResult, offload_lanes, packed, restore
 from pipeloom.tune.measures import static_options
@@ -165,7 +165,11 @@ def tune(
 
         def guessed(item) -> bool:
             candidate = item[0].candidate
-            return bool(beyond(candidate.micro_batch, candidate.slices)) if beyond is not None else False
+            return (
+                bool(beyond(candidate.micro_batch, candidate.slices, item[0].partition))
+                if beyond is not None
+                else False
+            )
 
         measured = rank([item for item in prepared if not guessed(item)])
         extrapolated = rank([item for item in prepared if guessed(item)])
@@ -190,8 +194,9 @@ def tune(
         restore(leader)
         apply_speed_noise([leader], cost_model)
     result = TuneResult(ranked, rejected, global_batch, memory, evaluated, pruned, host_memory)
-    settle_near_ties(result, cost_model)
     measured_first(result, cost_model, leader)
+    settle_near_ties(result, cost_model)
+    note_extrapolations(result, leader)
     return result
 
 
