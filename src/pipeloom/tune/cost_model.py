@@ -69,6 +69,12 @@ class CostModel(Protocol):
 
     def replica_skew(self, dp: int, zero: int = 0) -> float: ...
 
+    @property
+    def sync_overlaps_compute(self) -> bool:
+        """Whether a stage's gradient sync, started as its last backward ends, runs beside the
+        device's later ops (`measures.StaticOption.stage_sync`) or takes their time."""
+        ...
+
     def to_dict(self) -> dict: ...
 
     def __hash__(self) -> int: ...  # the tuner caches stage costs per model (`measures`)
@@ -191,6 +197,11 @@ class AnalyticCostModel:
     def step_overhead_time(self) -> float:
         """Not modelled: on a GPU, loading a batch and launching kernels hide under the compute."""
         return 0.0
+
+    @property
+    def sync_overlaps_compute(self) -> bool:
+        """A GPU's collectives run on their own streams and links beside the kernels (NCCL)."""
+        return True
 
     def replica_skew(self, dp: int, zero: int = 0) -> float:
         """Not modelled: GPU replicas run their pipelines in near lockstep."""

@@ -34,7 +34,8 @@ class StaticOption:
     """Per stage, its gradients' sum over the replicas (ZeRO-0's all-reduce, ZeRO-1's reduce-
     scatter), which the runtime starts as the stage's last backward ends
     (`pipeloom.sim.grad_sync`): the step pays only what the pipeline does not hide. Empty: the
-    sync runs after the pipeline (`allreduce_time`; ZeRO-2's)."""
+    sync runs after the pipeline (`allreduce_time`: ZeRO-2's, and any where the cost model's sync
+    takes the compute's time, `CostModel.sync_overlaps_compute`)."""
 
     @property
     def sync_floor(self) -> float:
@@ -82,7 +83,7 @@ def static_options(
                     time - (cost_model.gather_time(params[s], candidate.pp, replicas) if zero else 0.0)
                     for s, time in enumerate(per_stage)
                 )
-                if zero < 2 and replicas > 1
+                if zero < 2 and replicas > 1 and cost_model.sync_overlaps_compute
                 else (),
             )
         )
