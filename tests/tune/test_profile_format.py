@@ -115,6 +115,22 @@ def test_a_format_1_profile_prices_every_plan_as_the_same_profile_in_format_2(tp
     assert models[0].layer_memory(2, 2) == models[1].layer_memory(2, 2)
 
 
+def test_an_expert_parallel_group_the_profile_never_ran_is_marked():
+    """The profile's experts were shared out over two replicas: ep 2 is priced as measured, ep 4
+    from those exchanges, and a profile without them prices no all-to-all at all."""
+    import dataclasses
+
+    measured = ProfiledCostModel(format_1())
+    for ep, reasons in ((1, []), (2, []), (4, ["ep 4 (profiled: ep 2)"])):
+        measured.model = dataclasses.replace(measured.model, expert_parallel=ep)
+        assert measured.extrapolations(1) == reasons
+    data = format_1()
+    del data["a2a"]
+    unmeasured = ProfiledCostModel(data)
+    unmeasured.model = dataclasses.replace(unmeasured.model, expert_parallel=2)
+    assert unmeasured.extrapolations(1) == ["ep 2 (never profiled: no all-to-all priced)"]
+
+
 def test_layout_keys_name_every_layout_and_refuse_others():
     for layout in (Layout(), Layout(2), Layout(4, True), Layout(ep=2), Layout(2, ep=4), Layout(slices=4)):
         assert Layout.from_key(layout.key) == layout

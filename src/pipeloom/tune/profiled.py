@@ -139,8 +139,9 @@ class ProfiledCostModel:
     def extrapolations(self, micro_batch: int, slices: int = 1, partition: Sequence[int] = ()) -> list[str]:
         """Why a plan at `micro_batch` (in `slices` slices, `partition`: layers per stage) is
         priced beyond what the profile measured — a size outside its micro-batch sizes (a slice
-        is priced as a micro-batch 1/slices the size), slices it never ran, a tensor-parallel
-        layout it never ran, a stage holding more or fewer layers than its probes did — or []."""
+        is priced as a micro-batch 1/slices the size), slices it never ran, a tensor- or
+        expert-parallel group it never ran, a stage holding more or fewer layers than its probes
+        did — or []."""
         sliced = self._sliced(slices)
         sizes = sliced.sizes if sliced else self.sizes
         size = micro_batch / slices
@@ -152,6 +153,10 @@ class ProfiledCostModel:
             reasons.append(f"micro-batch size {micro_batch} (profiled{where}: {', '.join(map(str, sizes))})")
         if self.tp > 1 and not self._tp_fits:
             reasons.append(f"tp {self.tp} (never profiled: its collectives estimated)")
+        ep = self.model.expert_parallel
+        if ep > 1 and self.model.num_experts and ep != self.expert_ep:
+            profiled = f"profiled: ep {self.expert_ep}" if self.exchange else "never profiled: no all-to-all priced"
+            reasons.append(f"ep {ep} ({profiled})")
         probed = self.measured_layout(slices).layers
         beyond = sorted({n for n in partition if probed and not probed[0] <= n <= probed[-1]})
         if beyond:
