@@ -55,6 +55,7 @@ from fidelity_report import report
 from pipeloom.errors import RuntimeFault
 from pipeloom.models.llama import llama_config
 from pipeloom.profile.ep_probes import EP
+from pipeloom.profile.probe_rounds import Turns
 from pipeloom.profile.profiler import profile_model
 from pipeloom.profile_format import Layout, Profile
 from pipeloom.runtime.local import run_local
@@ -230,7 +231,7 @@ def describe(profile: Profile) -> None:
 def dense_group(reuse: str | None, steps: int, lean: ProcessPoolExecutor) -> Group:
     """One tuned plan per row of PLANS, from a profile of examples/tiny-llama.json."""
     model = load_model(MODEL)
-    profiling = {"micro_batches": (1, 2, 4), "layer_counts": (1, 2, 4), "steps": PROBE_STEPS, "max_rounds": 6}
+    profiling = {"micro_batches": (1, 2, 4), "layer_counts": (1, 2, 4), "steps": PROBE_STEPS, "turns": Turns(6)}
     if reuse:
         profile = Profile.from_dict(json.loads(Path(reuse).read_text()))
     else:
@@ -280,7 +281,7 @@ def hf_groups(directory: Path, steps: int, lean: ProcessPoolExecutor) -> list[Gr
             "micro_batches": (1, 2),
             "layer_counts": (1, 2, 4),  # the plans run 4 layers a stage: read between probes, not beyond
             "steps": PROBE_STEPS,
-            "max_rounds": 4,
+            "turns": Turns(4),
             "workload_for": partial(hf_workload_at, source),
             "tensor_parallel": layouts,
         }
@@ -379,7 +380,6 @@ def profile_by_turns(
     as the op times they are priced by (a tensor- or expert-parallel plan's ops by its layout's
     probes, run minutes after the plain ones). The profile, and per plan its rounds' results."""
     runs: list[list] = [[] for _ in plans]
-    profiling = profiling | {"max_rounds": max(rounds, profiling["max_rounds"]), "min_rounds": rounds}
     probed = {Layout(), *(Layout(tp, sp) for tp, sp in profiling.get("tensor_parallel", ()))}
     if model.num_experts:
         probed.add(Layout(ep=EP))  # `profile_model` measures a mixture of experts' exchanges
@@ -391,7 +391,8 @@ def profile_by_turns(
             if (of is None or mine == of) and len(done) < rounds:
                 done.append(run_built(spec))
 
-    profile = profile_model(model, **profiling, between_rounds=plan_rounds)
+    turns = Turns(max(rounds, profiling["turns"].max_rounds), rounds, between_rounds=plan_rounds)
+    profile = profile_model(model, **(profiling | {"turns": turns}))
     while any(len(done) < rounds for done in runs):  # those the probes, settled sooner, left
         plan_rounds(None)
     return profile, runs

@@ -244,16 +244,17 @@ def test_the_profile_measures_the_exchanges_and_the_stash_with_the_experts_share
     a B, and the bytes an F stashes on the probed stage (with ep = 2 less than on one rank here:
     the cost model moves every stage's stash by the difference, `ProfiledCostModel`)."""
     from pipeloom.profile.ep_probes import expert_exchange
+    from pipeloom.profile.probe_rounds import ProbeModel, Turns
     from pipeloom.profile_format import Layout
 
     directory = model_dir(tmp_path, "mixtral")
-    turns: list[int] = []
+    turns: list[Layout] = []
     workload_for = lambda n, mbs: hf_workload(directory, 0, mbs, SEQ, layers=n)  # noqa: E731
-    layout, measured = expert_exchange(
-        (1,), 1, 2, 1, workload_for, "fp32", rounds=1, between_rounds=lambda: turns.append(1)
-    )
-    assert turns == [1]  # what takes turns with the probes ran after their round
-    assert layout == Layout(ep=2) and not measured.fits  # the layout's own speed (too few steps here to fill it)
+    probed = ProbeModel(None, steps=2, workload_for=workload_for)
+    rounds = Turns(between_rounds=turns.append).fixed(1).of(Layout(ep=2))
+    measured = expert_exchange(probed, (1,), 1, rounds)
+    assert turns == [Layout(ep=2)]  # what takes turns with the probes ran after their round, told their layout
+    assert not measured.fits  # the layout's own speed (too few steps here to fill it)
     exchange = measured.exchange[1]
     assert exchange.layers == 1 and exchange.F >= 0 and exchange.B >= 0 and exchange.M_B and exchange.M_B > 0
     assert exchange.F_op and exchange.F_op > 0 and exchange.BW_op and exchange.BW_op > 0  # whole ops, exchanges inside

@@ -167,7 +167,7 @@ def test_a_sliced_probe_trains_as_the_whole_one_and_its_slices_pool_into_the_fit
 
     import torch
 
-    from pipeloom.profile.probe_rounds import probe_schedule, probe_train_spec, samples
+    from pipeloom.profile.probe_rounds import ProbeModel, probe_schedule, samples
     from pipeloom.runtime.in_process import run_in_process
     from pipeloom.tune.presets import model_from_config
 
@@ -178,8 +178,7 @@ def test_a_sliced_probe_trains_as_the_whole_one_and_its_slices_pool_into_the_fit
     ]
     model = model_from_config(MODEL)
     whole, halves = (
-        run_in_process(replace(probe_train_spec(model, 4, 1, None, "fp32", 2, 1, slices=s), record_gradients=True))
-        for s in (1, 2)
+        run_in_process(replace(ProbeModel(model, steps=4).spec(2, 1, slices=s), record_gradients=True)) for s in (1, 2)
     )
     assert halves[0].losses == pytest.approx(whole[0].losses, rel=1e-5)
     assert all(result.gradients for result in whole)
@@ -199,6 +198,7 @@ def test_a_profile_taken_in_one_process_forks_no_rank_and_prices_its_ops_one_aft
     in this process (no rank forked, no link between ranks), the links those of one process, the
     replicas' wait none, and the per-op overhead fitted against the ops run one after another."""
     from pipeloom.profile import profiler
+    from pipeloom.profile.probe_rounds import Turns
     from pipeloom.profile.profiler import profile_model
     from pipeloom.runtime import local
     from pipeloom.tune.presets import model_from_config
@@ -210,7 +210,7 @@ def test_a_profile_taken_in_one_process_forks_no_rank_and_prices_its_ops_one_aft
     monkeypatch.setattr(local, "run_local", no_fork)
     monkeypatch.setattr(profiler, "measure_links", no_fork)
     profile = profile_model(
-        model_from_config(MODEL), (1,), (1, 2), steps=3, max_rounds=2, in_process=True, allow_busy=True
+        model_from_config(MODEL), (1,), (1, 2), steps=3, turns=Turns(max_rounds=2), in_process=True, allow_busy=True
     )
     assert profile.device.kind == "cpu" and "one process" in profile.device.description
     assert profile.replica_skew == {} and list(profile.layouts) == [Layout()]

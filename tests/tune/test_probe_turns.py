@@ -1,4 +1,4 @@
-"""The profile's probes taking turns with other runs (`probe_rounds.measure_probes`): where the
+"""The profile's probes taking turns with other runs (`probe_rounds.run_by_turns`): where the
 hook falls, and that `min_rounds` keeps settled probes going."""
 
 from types import SimpleNamespace
@@ -20,9 +20,8 @@ def _measure(monkeypatch, min_rounds: int, max_rounds: int) -> list[str]:
     monkeypatch.setattr(probe_rounds, "samples", lambda results: {"F@0": [1.0, 1.0]})  # settles at once
     monkeypatch.setattr(probe_rounds, "steady_probe", lambda key, schedule, rounds, series, variation: len(rounds))
     specs = {name: SimpleNamespace(name=name, schedule=None) for name in "ab"}
-    measured = probe_rounds.measure_probes(
-        specs, max_rounds, None, lambda: None, [], lambda: events.append("|"), min_rounds=min_rounds
-    )
+    turns = probe_rounds.Turns(max_rounds, min_rounds, between_rounds=lambda layout: events.append("|"))
+    measured = probe_rounds.measure_probes(specs, turns, [])
     assert all(count == len(events) // 3 for count in measured.values())
     return events
 
@@ -40,12 +39,14 @@ def test_tensor_parallel_probes_tell_the_hook_their_layout_and_keep_their_own_sp
     """What takes turns with a layout's probes is told which layout ran (a plan is measured
     beside the probes that price it), and each layout's op variation is its own."""
     from pipeloom.profile import tp_probes
+    from pipeloom.profile.probe_rounds import Turns
     from pipeloom.profile_format import Layout
 
     turns: list[Layout] = []
 
-    def measure_probes(specs, max_rounds, busy, tick, op_variation, hook, min_rounds):
-        hook()
+    def measure_probes(specs, rounds, op_variation):
+        assert rounds.busy is None  # their ops wait inside collectives: no round is judged busy
+        rounds.between_rounds(rounds.layout)
         op_variation.extend([1.0 + k / 100 for k in range(40)] if specs[1, 1] else [1.0] * 40)
         return {
             key: SimpleNamespace(
@@ -55,9 +56,12 @@ def test_tensor_parallel_probes_tell_the_hook_their_layout_and_keep_their_own_sp
         }
 
     monkeypatch.setattr(tp_probes, "measure_probes", measure_probes)
-    monkeypatch.setattr(tp_probes, "probe_train_spec", lambda *args, tp, sequence_parallel, **kw: sequence_parallel)
-    shape = (None, 3, 1, lambda layers, mbs: None, "fp32")
-    layouts = tp_probes.tensor_parallel_fits([(2, False), (2, True)], shape, [1], [1, 2], 3, lambda: None, turns.append)
+    probed = SimpleNamespace(
+        workload_for=lambda layers, mbs: None, spec=lambda *a, sequence_parallel, **kw: sequence_parallel
+    )
+    layouts = tp_probes.tensor_parallel_fits(
+        [(2, False), (2, True)], probed, [1], [1, 2], Turns(3, between_rounds=turns.append)
+    )
     assert turns == [Layout(2, False), Layout(2, True)]
     tp2, tp2sp = layouts[Layout(2)], layouts[Layout(2, True)]
     assert tp2.fits[1]["F"].per_layer == 2.0 and len(layouts) == 2

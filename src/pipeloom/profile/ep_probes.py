@@ -15,14 +15,14 @@ and its medians are over steady steps only (`probe_rounds.steady_records`), as t
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
 
 from pipeloom.ir.ops import OpKind
 from pipeloom.ir.text import parse_op
-from pipeloom.profile.probe_rounds import runs_by_turns, speed_samples, stashed_bytes, steady_records
+from pipeloom.profile.probe_rounds import ProbeModel, Turns, run_by_turns, speed_samples, stashed_bytes, steady_records
 from pipeloom.profile.replica_skew import step_tail
 from pipeloom.profile.speed import speed_of
-from pipeloom.profile_format import ExpertExchange, Layout, LayoutProfile
+from pipeloom.profile_format import ExpertExchange, LayoutProfile
+from pipeloom.schedules.registry import build_schedule
 
 __all__ = ["EP", "expert_exchange"]
 
@@ -30,49 +30,27 @@ EP = 2
 """The expert-parallel group the profile measures: two ranks, one all-to-all partner each."""
 
 
-def expert_exchange(
-    micro_batches,
-    layers,
-    steps,
-    threads,
-    workload_for,
-    dtype,
-    rounds: int = 3,
-    between_rounds: Callable[[], None] | None = None,
-) -> tuple[Layout, LayoutProfile]:
-    """A mixture of experts' dispatch and combine, per MoE layer and micro-batch size, and the
-    layout's speed (`speed.speed_of`). Measured on one stage of `layers` layers trained by
-    two data-parallel replicas that share out the experts (--ep 2). ms per layer of an F (a2a_F:
-    the counts, the tokens out and back) and of a B (a2a_B: their gradients); the bytes an F
-    stashes there (M_B) and an F's and a BW's whole time (F_op, BW_op), which sharing the experts
-    out changes (the cost model takes the difference from the tp = 1 fits per layer:
-    `ProfiledCostModel`); rank 0's step beyond its pipeline (tail_ms: the mean of its gradient
-    sync, optimizer and the rest, where it waits for its partner) and its pipeline (pipeline_ms,
-    median), from which the cost model takes the replicas' wait (`replica_skew`). The sizes take
-    turns for `rounds` rounds, pooled, `between_rounds` called after each: one run's exchanges
-    wait on its partner's pace, and single runs put a step's in flight at 28 to 39 ms here. No
-    round is judged busy by its wall over CPU time: these ops wait inside their exchanges."""
-    from pipeloom.runtime.training import TrainSpec
-    from pipeloom.schedules.registry import build_schedule
-
+def expert_exchange(probed: ProbeModel, micro_batches, layers: int, turns: Turns) -> LayoutProfile:
+    """The expert-parallel layout (`Layout(ep=EP)`): a mixture of experts' dispatch and combine,
+    per MoE layer and micro-batch size, and the layout's speed (`speed.speed_of`). Measured on
+    one stage of `layers` layers trained by two data-parallel replicas that share out the
+    experts (--ep 2). ms per layer of an F (a2a_F: the counts, the tokens out and back) and of a
+    B (a2a_B: their gradients); the bytes an F stashes there (M_B) and an F's and a BW's whole
+    time (F_op, BW_op), which sharing the experts out changes (the cost model takes the
+    difference from the tp = 1 fits per layer: `ProfiledCostModel`); rank 0's step beyond its
+    pipeline (tail_ms: the mean of its gradient sync, optimizer and the rest, where it waits for
+    its partner) and its pipeline (pipeline_ms, median), from which the cost model takes the
+    replicas' wait (`replica_skew`). The sizes take `turns` (no round judged busy by its wall
+    over CPU time: these ops wait inside their exchanges), pooled: one run's exchanges wait on
+    its partner's pace, and single runs put a step's in flight at 28 to 39 ms here."""
     m = 2
-    specs = {
-        mbs: TrainSpec(
-            build_schedule("1f1b", 1, m),
-            workload=workload_for(layers, mbs),
-            steps=steps,
-            dp=EP,
-            ep=EP,
-            threads=threads,
-            dtype=dtype,
-        )
-        for mbs in micro_batches
-    }
+    schedule = build_schedule("1f1b", 1, m)
+    specs = {mbs: probed.spec(mbs, layers, stages=1, schedule=schedule, dp=EP, ep=EP) for mbs in micro_batches}
     out: dict[int, ExpertExchange] = {}
     busy: list[list[float]] = []  # per size and rank, its time in ops each steady step
     op_variation: list[float] = []
     per_op = m * layers
-    measured = runs_by_turns(specs, rounds, between_rounds=between_rounds)
+    measured, _ = run_by_turns(specs, turns)
     for mbs in micro_batches:
         runs = measured[mbs]
         flags, kept_by_rank = steady_records(runs)
@@ -94,4 +72,4 @@ def expert_exchange(
             tail_ms=tail,
             pipeline_ms=pipeline,
         )
-    return Layout(ep=EP), LayoutProfile(speed=speed_of(busy, op_variation), exchange=out)
+    return LayoutProfile(speed=speed_of(busy, op_variation), exchange=out)

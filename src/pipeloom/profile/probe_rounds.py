@@ -1,6 +1,9 @@
-"""A probe's rounds turned into measurements: op times, stashed bytes and step phases.
+"""The one runner of the profile's probes, and a probe's rounds turned into measurements: op
+times, stashed bytes and step phases.
 
-The profiler runs each probe (micro-batch size, layers per stage) in rounds of a few steps;
+Every probe — of any layout: two stages, slices, a stage over tp ranks, dp replicas, replicas
+sharing out experts — is a TrainSpec of `ProbeModel`, run in rounds of a few steps by
+`run_by_turns` under one policy (`Turns`), which also runs what a bench measures beside them;
 `samples` reads one round, `Series` decides when the rounds have settled, and `steady_probe`
 measures the probe over the steps that ran at the machine's own speed (`speed.steady_steps`).
 """
@@ -8,8 +11,9 @@ measures the probe over the steps that ran at the machine's own speed (`speed.st
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from itertools import compress
+from typing import Any
 
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
@@ -19,18 +23,21 @@ from pipeloom.passes.split_backward import split_backward
 from pipeloom.profile.contention import Contention
 from pipeloom.profile.speed import op_ratios, steady_rounds, step_busy, timed_steps
 from pipeloom.profile.stability import Series
+from pipeloom.profile_format import Layout
 from pipeloom.schedules.registry import build_schedule
+from pipeloom.tune.presets import ModelSpec
 
 __all__ = [
     "OP_KINDS",
     "PHASES",
     "SETTLED_MS",
     "Probe",
+    "ProbeModel",
+    "Turns",
     "measure_probes",
     "probe_schedule",
-    "probe_train_spec",
+    "run_by_turns",
     "run_probe",
-    "runs_by_turns",
     "samples",
     "speed_samples",
     "stashed_bytes",
@@ -93,82 +100,110 @@ def probe_schedule(p: int, slices: int = 1) -> Schedule:
     return replace(split.with_devices(devices, name="probe"), num_slices=slices)
 
 
-def probe_train_spec(
-    model,
-    steps: int,
-    threads: int,
-    workload_for,
-    dtype: str,
-    mbs: int,
-    layers: int,
-    stages: int = 2,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-    slices: int = 1,
-    device: str | None = None,
-):
-    """The probe at micro-batch size `mbs`: `stages` stages of `layers` layers (`probe_schedule`,
-    its micro-batches in `slices`), of `model`'s decoder or of `workload_for(layers × stages,
-    mbs)`'s model, each stage on `tp` tensor-parallel ranks (`tp_probes`), on `device` (None: the
-    CPU)."""
-    from pipeloom.runtime.training import TrainSpec
+@dataclass(frozen=True)
+class ProbeModel:
+    """What every probe trains: `model`'s decoder, or `workload_for(layers, micro-batch size)`'s
+    model (a Hugging Face one), `steps` steps a round on `threads` threads a rank, in `dtype`, on
+    `device` (None: the CPU)."""
 
-    return TrainSpec(
-        probe_schedule(stages, slices),
-        config=llama_config(model, layers * stages, mbs),
-        steps=steps,
-        layer_counts=(layers,) * stages,
-        threads=threads,
-        workload=workload_for(layers * stages, mbs) if workload_for else None,
-        dtype=dtype,
-        tp=tp,
-        sequence_parallel=sequence_parallel,
-        separate_w=True,  # each W right after its B: timed apart, not folded into the B
-        device=device,
-    )
+    model: ModelSpec | None
+    steps: int
+    threads: int = 1
+    workload_for: Callable[[int, int], Any] | None = None
+    dtype: str = "fp32"
+    device: str | None = None
+
+    def spec(self, mbs: int, layers: int, stages: int = 2, schedule: Schedule | None = None, **parallel: Any):
+        """A run of `stages` stages of `layers` layers at micro-batch size `mbs`: by default the
+        probe schedule (`probe_schedule`, its micro-batches in `slices`), each W right after its B
+        (timed apart, not folded into it); `parallel`: the TrainSpec's layout (tp,
+        sequence_parallel, dp, zero, ep, slices)."""
+        from pipeloom.runtime.training import TrainSpec
+
+        slices = parallel.pop("slices", 1)
+        model = (
+            {"workload": self.workload_for(layers * stages, mbs)}
+            if self.workload_for
+            else {"config": llama_config(self.model, layers * stages, mbs)}
+        )
+        return TrainSpec(
+            schedule or probe_schedule(stages, slices),
+            **model,
+            steps=self.steps,
+            layer_counts=(layers,) * stages,
+            threads=self.threads,
+            dtype=self.dtype,
+            separate_w=schedule is None,
+            device=self.device,
+            **parallel,
+        )
 
 
-def measure_probes(
-    specs: dict,
-    max_rounds: int,
-    busy: Contention | None,
-    tick: Callable[[], None],
-    op_variation: list[float],
-    between_rounds: Callable[[], None] | None = None,
-    min_rounds: int = 1,
-    in_process: bool = False,
-) -> dict[tuple[int, int], Probe]:
-    """The probes (micro-batch size, layers per stage) → their TrainSpec, measured by turns: a
-    round of each, then another of each that has not settled, up to `max_rounds` — so a busy
-    spell falls on one round of several probes, not every round of one. A round `busy` finds
-    contended is dropped and run again (`Contention` refuses once the machine stays busy; None:
-    no check, for ops whose collectives wait inside them). Each op's own variation
-    (`speed.op_ratios`) goes into `op_variation`. `between_rounds` runs after each round: what
-    takes turns with the probes (a bench's runs) falls in the same spells of the machine; each
-    probe runs at least `min_rounds` rounds (at most `max_rounds`), settled or not. `in_process`:
+def _nothing(*_: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Turns:
+    """How runs take their rounds (`run_by_turns`): a round of each at a time, so a slow spell of
+    the machine falls on one round of several runs, not every round of one; each run again until
+    its medians settle (`stability.Series`), at least `min_rounds` and at most `max_rounds`
+    rounds. A round `busy` finds contended is dropped and run again (`Contention` refuses once
+    the machine stays busy; None: not judged — a GPU's ops, or ops that wait inside their
+    collectives). `between_rounds(layout)` runs after each round: what takes turns with the
+    probes of `layout` (a bench's runs) falls in the same spells of the machine. `in_process`:
     every rank in this process (`run_probe`)."""
+
+    max_rounds: int = 4
+    min_rounds: int = 1
+    busy: Contention | None = None
+    tick: Callable[[], None] = _nothing
+    between_rounds: Callable[[Layout], None] | None = None
+    layout: Layout = Layout()
+    in_process: bool = False
+
+    def of(self, layout: Layout, busy: Contention | None = None) -> Turns:
+        """These turns for the probes of `layout`, their rounds judged by `busy`."""
+        return replace(self, layout=layout, busy=busy)
+
+    def fixed(self, rounds: int) -> Turns:
+        """Exactly `rounds` rounds, settled or not, outside the progress count."""
+        return replace(self, max_rounds=rounds, min_rounds=rounds, tick=_nothing)
+
+
+def run_by_turns(specs: dict, turns: Turns) -> tuple[dict[Any, list], dict[Any, Series]]:
+    """Each spec's rounds (key → its rounds' results), taken by `turns`, and the series that
+    decided when each had settled."""
     from pipeloom.runtime.probe import probe_spec
 
-    keys = list(specs)
     # the same boundaries every forked round (a run in process probes its own)
-    probes = {key: None if in_process else probe_spec(spec) for key, spec in specs.items()}
-    series = {key: Series(floor=SETTLED_MS) for key in keys}
-    rounds: dict[tuple[int, int], list] = {key: [] for key in keys}
+    probes = {key: None if turns.in_process else probe_spec(spec) for key, spec in specs.items()}
+    series = {key: Series(floor=SETTLED_MS) for key in specs}
+    rounds: dict[Any, list] = {key: [] for key in specs}
 
     def wanted(key) -> bool:
-        return (not series[key].settled or series[key].rounds < min_rounds) and series[key].rounds < max_rounds
+        done = len(rounds[key])
+        return done < turns.max_rounds and (done < turns.min_rounds or not series[key].settled)
 
-    while todo := [key for key in keys if wanted(key)]:
+    while todo := [key for key in specs if wanted(key)]:
         for key in todo:
-            results = run_probe(specs[key], probes[key], in_process)
-            while busy is not None and not busy.clean_round(results):
-                results = run_probe(specs[key], probes[key], in_process)
+            results = run_probe(specs[key], probes[key], turns.in_process)
+            while turns.busy is not None and not turns.busy.clean_round(results):
+                results = run_probe(specs[key], probes[key], turns.in_process)
             series[key].add(samples(results))
             rounds[key].append(results)
-            tick()
-        if between_rounds is not None:
-            between_rounds()
-    return {key: steady_probe(key, specs[key].schedule, rounds[key], series[key], op_variation) for key in keys}
+            turns.tick()
+        if turns.between_rounds is not None:
+            turns.between_rounds(turns.layout)
+    return rounds, series
+
+
+def measure_probes(specs: dict, turns: Turns, op_variation: list[float]) -> dict[tuple[int, int], Probe]:
+    """The probes (micro-batch size, layers per stage) → their TrainSpec, run by `turns` and
+    measured over their steady steps (`steady_probe`); each op's own variation
+    (`speed.op_ratios`) goes into `op_variation`."""
+    rounds, series = run_by_turns(specs, turns)
+    return {key: steady_probe(key, specs[key].schedule, rounds[key], series[key], op_variation) for key in specs}
 
 
 def run_probe(spec, probe=None, in_process: bool = False) -> list:
@@ -182,25 +217,6 @@ def run_probe(spec, probe=None, in_process: bool = False) -> list:
     from pipeloom.runtime.local import run_local
 
     return run_local(spec, probe=probe)
-
-
-def runs_by_turns(
-    specs: dict, rounds: int, busy: Contention | None = None, between_rounds: Callable[[], None] | None = None
-) -> dict[object, list]:
-    """Each spec's `rounds` runs (key → its rounds' results), a round of each at a time, so a
-    slow spell falls on one round of several; a round `busy` finds contended is run again (None:
-    no check, for ops whose collectives wait inside them); `between_rounds` runs after each round
-    (as `measure_probes`')."""
-    out: dict[object, list] = {key: [] for key in specs}
-    for _ in range(rounds):
-        for key, spec in specs.items():
-            results = run_probe(spec)
-            while busy is not None and not busy.clean_round(results):
-                results = run_probe(spec)
-            out[key].append(results)
-        if between_rounds is not None:
-            between_rounds()
-    return out
 
 
 def stashed_bytes(entry_bytes: dict[str, int], checkpointed: bool = False) -> list[float]:

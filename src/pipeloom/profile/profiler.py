@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from functools import partial
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -35,13 +34,7 @@ from pipeloom.profile.contention import Contention
 from pipeloom.profile.ep_probes import EP, expert_exchange
 from pipeloom.profile.links import in_process_links, measure_links, ping_seconds
 from pipeloom.profile.overheads import linear_fit, op_overhead_ms, serial_op_overhead_ms
-from pipeloom.profile.probe_rounds import (
-    OP_KINDS,
-    Probe,
-    measure_probes,
-    probe_schedule,
-    probe_train_spec,
-)
+from pipeloom.profile.probe_rounds import OP_KINDS, Probe, ProbeModel, Turns, measure_probes, probe_schedule
 from pipeloom.profile.replica_skew import SKEW_ROUNDS, replica_skews
 from pipeloom.profile.speed import speed_of
 from pipeloom.profile.stability import falling_per_sample
@@ -64,6 +57,8 @@ from pipeloom.tune.profiled import ProfiledCostModel
 __all__ = ["profile_model", "ping_seconds", "probe_schedule"]
 
 _POSITIONS = {0: "first", 1: "last"}
+DEFAULT_TURNS = Turns()
+"""Up to 4 rounds a probe, nothing run between them."""
 STATIC_BYTES_PER_PARAM = 16
 """fp32 weights, gradients and AdamW's two moments: what the runtime holds per parameter."""
 
@@ -77,11 +72,9 @@ def profile_model(
     progress: Callable[[int, int], None] | None = None,
     workload_for: Callable[[int, int], object] | None = None,
     dtype: str = "fp32",
-    max_rounds: int = 4,
+    turns: Turns = DEFAULT_TURNS,
     allow_busy: bool = False,
     tensor_parallel: Sequence[tuple[int, bool]] = (),
-    between_rounds: Callable[[Layout], None] | None = None,
-    min_rounds: int = 1,
     slices: Sequence[int] = (),
     device: str = "cpu",
     in_process: bool | None = None,
@@ -89,18 +82,19 @@ def profile_model(
     """The profile (`profile_format.Profile`). `workload_for(layers, micro-batch
     size)` builds another model to probe (a Hugging Face one: `models.hf.hf_workload`); by
     default it is the built-in LLaMA-style decoder of `model`'s shape. Each probe runs `steps`
-    steps a round (its warm-up left out: `speed.timed_steps`), in as many rounds (at most `max_rounds`) as
-    its medians take to settle (`stability.Series`), the probes taking turns. RuntimeFault if
-    the machine is too busy to measure (`contention.Contention`), unless `allow_busy`.
+    steps a round (its warm-up left out: `speed.timed_steps`), in as many rounds as its medians
+    take to settle, the probes taking `turns` (`probe_rounds.Turns`: at most `max_rounds`, and
+    what runs between their rounds). RuntimeFault if the machine is too busy to measure
+    (`contention.Contention`), unless `allow_busy`.
     `tensor_parallel`: (tp, sequence parallel) layouts whose ops are measured too (`tp_probes`);
     `slices`: slice counts (svpp, terapipe) the plain probes run again in, each micro-batch's
     sequence cut into that many causal slices, fitted as the plain probes are (a slice's op, the
     median over the slices).
-    `between_rounds` is called after each round of the probes with their layout (`Layout`):
-    the plain ones', then each tensor-parallel one's, then, for a mixture of experts, the
-    expert-parallel one's (`ep_probes`): runs that take turns with the rounds of the probes that
-    price them see the machine at the speed those measured; every probe then runs at least
-    `min_rounds` rounds, so that the turns last as long as the runs. On `device` "cuda" the probes
+    `turns.between_rounds` is called after each round of the probes with their layout: the plain
+    ones', then each tensor-parallel one's, then, for a mixture of experts, the expert-parallel
+    one's (`ep_probes`): runs that take turns with the rounds of the probes that price them (a
+    bench's plans) see the machine at the speed those measured; every probe then runs at least
+    `turns.min_rounds` rounds, so that the turns last as long as the runs. On `device` "cuda" the probes
     run `in_process` (by default there; on a CPU the ranks are forked): every stage of a probe on
     the one GPU, each op timed by the device's events, the links those of one process
     (`links.in_process_links`); tensor and expert parallelism, which need ranks, are refused, and
@@ -110,11 +104,11 @@ def profile_model(
     if in_process:
         _check_in_process(device, tensor_parallel, mixture, dtype)
     probes = [(mbs, n) for mbs in micro_batches for n in layer_counts]
+    max_rounds, min_rounds = turns.max_rounds, turns.min_rounds
     total = len(probes) * max_rounds * (1 + len(tensor_parallel) + len(slices)) + 1
     busy = Contention(allow=allow_busy)
     checked = busy if device == "cpu" else None  # a GPU's kernels run beside their host thread's CPU time
-    shape = (model, steps, threads, workload_for, dtype)
-    on_device = None if device == "cpu" else device
+    probed = ProbeModel(model, steps, threads, workload_for, dtype, None if device == "cpu" else device)
     done = [0]
 
     def tick() -> None:
@@ -122,17 +116,13 @@ def profile_model(
         if progress:
             progress(min(done[0], total - 1), total)
 
-    turns = _Turns(checked, tick, max_rounds, between_rounds, min_rounds, in_process)
-    plain, measured, warnings = _plain_layout(
-        {key: probe_train_spec(*shape, *key, device=on_device) for key in probes}, Layout(), micro_batches, turns
-    )
+    turns = replace(turns, busy=None, tick=tick, layout=Layout(), in_process=in_process)
+    plain, measured, warnings = _two_stage_layout(probed, probes, turns.of(Layout(), checked), micro_batches)
     layouts = {Layout(): plain}
     for count in slices:
-        sliced_specs = {key: probe_train_spec(*shape, *key, slices=count, device=on_device) for key in probes}
-        layouts[Layout(slices=count)] = _plain_layout(sliced_specs, Layout(slices=count), micro_batches, turns)[0]
-    layouts |= tensor_parallel_fits(
-        tensor_parallel, shape, micro_batches, layer_counts, max_rounds, tick, between_rounds, min_rounds
-    )
+        sliced = Layout(slices=count)
+        layouts[sliced] = _two_stage_layout(probed, probes, turns.of(sliced, checked), micro_batches)[0]
+    layouts |= tensor_parallel_fits(tensor_parallel, probed, micro_batches, layer_counts, turns)
     if progress:
         progress(total, total)
     profile = Profile(
@@ -147,35 +137,12 @@ def profile_model(
     )
     profile = replace(profile, overheads=_runtime_overheads(profile, measured, in_process))
     paired_rounds = min(SKEW_ROUNDS, max_rounds)  # the dp = 2 probes' rounds, by turns
-    skew = (
-        {}
-        if in_process
-        else replica_skews(
-            profile,
-            model,
-            max(micro_batches),
-            max(layer_counts),
-            steps,
-            threads,
-            workload_for,
-            dtype,
-            busy,
-            rounds=paired_rounds,
-        )
-    )
+    largest = (max(micro_batches), max(layer_counts))
+    skew_turns = replace(turns.fixed(paired_rounds), busy=busy, between_rounds=None)
+    skew = {} if in_process else replica_skews(profile, probed, *largest, skew_turns)
     if mixture and not in_process:
-        ep_turns = None if between_rounds is None else partial(between_rounds, Layout(ep=EP))
-        layout, exchange = expert_exchange(
-            micro_batches,
-            max(layer_counts),
-            steps,
-            threads,
-            workload_for,
-            dtype,
-            rounds=max(paired_rounds, min_rounds),
-            between_rounds=ep_turns,
-        )
-        layouts[layout] = exchange
+        ep_turns = turns.fixed(max(paired_rounds, min_rounds)).of(Layout(ep=EP))
+        layouts[Layout(ep=EP)] = expert_exchange(probed, micro_batches, max(layer_counts), ep_turns)
     profile = replace(
         profile,
         layouts=layouts,
@@ -191,19 +158,6 @@ def profile_model(
             "profile again on a quieter machine, or with more --steps"
         ) from None
     return profile
-
-
-@dataclass(frozen=True)
-class _Turns:
-    """How the probes of every layout take their rounds (`probe_rounds.measure_probes`)."""
-
-    busy: Contention | None
-    """Judges each round's contention (None: not judged, on a GPU)."""
-    tick: Callable[[], None]
-    max_rounds: int
-    between_rounds: Callable[[Layout], None] | None
-    min_rounds: int
-    in_process: bool
 
 
 def _check_in_process(device: str, tensor_parallel: Sequence[tuple[int, bool]], mixture: bool, dtype: str) -> None:
@@ -226,16 +180,15 @@ def _device_info(device: str, threads: int, dtype: str, in_process: bool) -> Dev
     return DeviceInfo("cpu", f"cpu, {threads} thread(s) {where}, {dtype}", threads)
 
 
-def _plain_layout(
-    specs: dict[tuple[int, int], Any], layout: Layout, micro_batches: Sequence[int], turns: _Turns
+def _two_stage_layout(
+    probed: ProbeModel, probes: Sequence[tuple[int, int]], turns: Turns, micro_batches: Sequence[int]
 ) -> tuple[LayoutProfile, dict[tuple[int, int], Probe], list[str]]:
-    """Two-stage probes (`specs`: (micro-batch size, layers) → TrainSpec) measured by turns and
-    fitted: the layout's measurements, the probes, and what their fits warn of."""
+    """The two-stage probes (micro-batch size, layers) of `turns.layout` (plain, or in slices)
+    measured by turns and fitted: the layout's measurements, the probes, and what their fits
+    warn of."""
+    specs = {(mbs, n): probed.spec(mbs, n, slices=turns.layout.slices) for mbs, n in probes}
     op_variation: list[float] = []  # each op's time over its median, its step's speed taken out
-    hook = None if turns.between_rounds is None else partial(turns.between_rounds, layout)
-    measured = measure_probes(
-        specs, turns.max_rounds, turns.busy, turns.tick, op_variation, hook, turns.min_rounds, turns.in_process
-    )
+    measured = measure_probes(specs, turns, op_variation)
     fits = _fits(measured, micro_batches)
     # a size cheaper per sample than a smaller one is what larger GEMMs do, unless a busy spell
     # slowed the smaller: busy rounds are dropped, so only where they were kept (allowed) is it suspect
@@ -247,7 +200,7 @@ def _plain_layout(
             fits=fits,
             speed=speed_of((steps for probe in measured.values() for steps in probe.busy), op_variation),
             confidence=_confidence(measured, micro_batches),
-            layers=tuple(sorted({n for _, n in specs})),
+            layers=tuple(sorted({n for _, n in probes})),
         ),
         measured,
         warnings,

@@ -23,9 +23,7 @@ from __future__ import annotations
 import statistics
 from itertools import compress
 
-from pipeloom.models.llama import llama_config
-from pipeloom.profile.contention import Contention
-from pipeloom.profile.probe_rounds import runs_by_turns, steady_records
+from pipeloom.profile.probe_rounds import ProbeModel, Turns, run_by_turns, steady_records
 from pipeloom.profile.speed import timed_steps
 from pipeloom.schedules.registry import build_schedule
 from pipeloom.tune.profiled import ProfiledCostModel
@@ -37,29 +35,13 @@ SKEW_ROUNDS = 3
 _ZERO_LEVELS = (0, 1)
 
 
-def replica_skews(
-    profile, model, mbs, layers, steps, threads, workload_for, dtype, busy: Contention, rounds: int = SKEW_ROUNDS
-) -> dict[int, float]:
+def replica_skews(profile, probed: ProbeModel, mbs: int, layers: int, turns: Turns) -> dict[int, float]:
     """{0: share, 1: share}: the mean wait of rank 0 at ZeRO-0's and ZeRO-1's gradient sync
     and the loss's all-reduce, over its pipeline, on one stage of `layers` layers at micro-batch
-    size `mbs`, in `rounds` rounds of each."""
-    from pipeloom.runtime.training import TrainSpec
-
-    specs = {
-        zero: TrainSpec(
-            build_schedule("1f1b", 1, 4),
-            config=llama_config(model, layers, mbs),
-            steps=steps,
-            layer_counts=(layers,),
-            dp=2,
-            zero=zero,
-            threads=threads,
-            workload=workload_for(layers, mbs) if workload_for else None,
-            dtype=dtype,
-        )
-        for zero in _ZERO_LEVELS
-    }
-    measured = runs_by_turns(specs, rounds, busy)
+    size `mbs`, each level's rounds taken by `turns`."""
+    schedule = build_schedule("1f1b", 1, 4)
+    specs = {zero: probed.spec(mbs, layers, stages=1, schedule=schedule, dp=2, zero=zero) for zero in _ZERO_LEVELS}
+    measured, _ = run_by_turns(specs, turns)
     cost_model = ProfiledCostModel(profile)
     params = cost_model.stage_params([layers])[0]
     return {

@@ -19,11 +19,10 @@ speed (`speed.speed_of`), which `tune.speed_noise` draws from for that layout's 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from functools import partial
+from collections.abc import Sequence
 
 from pipeloom.errors import ConfigError
-from pipeloom.profile.probe_rounds import measure_probes, probe_train_spec
+from pipeloom.profile.probe_rounds import ProbeModel, Turns, measure_probes
 from pipeloom.profile.speed import speed_of
 from pipeloom.profile_format import FIT_KINDS, Fit, Layout, LayoutProfile
 from pipeloom.tune.profile_fits import fit_positions
@@ -33,37 +32,30 @@ __all__ = ["tensor_parallel_fits"]
 
 def tensor_parallel_fits(
     layouts: Sequence[tuple[int, bool]],
-    shape: tuple,
+    probed: ProbeModel,
     micro_batches: Sequence[int],
     layer_counts: Sequence[int],
-    max_rounds: int,
-    tick: Callable[[], None],
-    between_rounds: Callable[[Layout], None] | None = None,
-    min_rounds: int = 1,
+    turns: Turns,
 ) -> dict[Layout, LayoutProfile]:
-    """Each (tp, sequence parallel) of `layouts` measured on one stage over tp ranks: per
-    micro-batch size, each pass (ms) and stash (bytes: M_B, M_ckpt) fitted over the layers (the
-    single stage's intercept), and the layout's speed. `shape`: the profiler's (model, steps,
-    threads, workload_for, dtype); the workload must be a Hugging Face model's (their
-    tensor-parallel plans are transformers'). `between_rounds` is called with the layout after
-    each round of its probes; `min_rounds`: as `measure_probes`'."""
-    model, steps, threads, workload_for, dtype = shape
+    """Each (tp, sequence parallel) of `layouts` measured on one stage over tp ranks, by `turns`
+    (no round judged busy: these ops wait inside their collectives): per micro-batch size, each
+    pass (ms) and stash (bytes: M_B, M_ckpt) fitted over the layers (the single stage's
+    intercept), and the layout's speed. The workload must be a Hugging Face model's (their
+    tensor-parallel plans are transformers')."""
     if not layouts:
         return {}
-    if workload_for is None:
+    if probed.workload_for is None:
         raise ConfigError("profile: tensor parallelism is measured on Hugging Face models (--model hf:DIR)")
     out = {}
     for tp, sequence_parallel in layouts:
+        layout = Layout(tp, sequence_parallel)
         specs = {
-            (mbs, n): probe_train_spec(
-                model, steps, threads, workload_for, dtype, mbs, n, stages=1, tp=tp, sequence_parallel=sequence_parallel
-            )
+            (mbs, n): probed.spec(mbs, n, stages=1, tp=tp, sequence_parallel=sequence_parallel)
             for mbs in micro_batches
             for n in layer_counts
         }
-        hook = None if between_rounds is None else partial(between_rounds, Layout(tp, sequence_parallel))
         op_variation: list[float] = []
-        measured = measure_probes(specs, max_rounds, None, tick, op_variation, hook, min_rounds)
+        measured = measure_probes(specs, turns.of(layout), op_variation)
         fits = {
             mbs: {
                 kind: Fit(**fit_positions([("single", n, measured[mbs, n].median(f"{kind}@0")) for n in layer_counts]))
@@ -73,7 +65,5 @@ def tensor_parallel_fits(
             for mbs in micro_batches
         }
         speed = speed_of((busy for probe in measured.values() for busy in probe.busy), op_variation)
-        out[Layout(tp, sequence_parallel)] = LayoutProfile(
-            fits=fits, speed=speed, layers=tuple(sorted(set(layer_counts)))
-        )
+        out[layout] = LayoutProfile(fits=fits, speed=speed, layers=tuple(sorted(set(layer_counts))))
     return out
