@@ -389,8 +389,7 @@ class ProfiledCostModel:
     def sync_overlaps_compute(self) -> bool:
         """Not on CPU ranks: gloo sums the gradients on the cores the ops run on, so a sync
         started under a device's later ops slows them by about what it would have added after
-        them (the demo's DualPipe plan, 12 steps three times each way: the pipeline 8–10 ms
-        longer with the sync overlapped, its sync phase 6–9 ms shorter, the step no shorter)."""
+        them (measured: docs/fidelity.md)."""
         return self.profile.device.kind != "cpu"
 
     def step_overhead_time(self) -> float:
