@@ -10,6 +10,7 @@ pytest.importorskip("torch")
 from pipeloom import ConfigError, build_schedule  # noqa: E402
 from pipeloom.errors import RuntimeFault  # noqa: E402
 from pipeloom.models.llama import LlamaConfig  # noqa: E402
+from pipeloom.runtime.in_process import run_in_process  # noqa: E402
 from pipeloom.runtime.local import run_local  # noqa: E402
 from pipeloom.runtime.training import TrainSpec, check_spec  # noqa: E402
 
@@ -22,7 +23,7 @@ def test_resume_continues_bit_identically(tmp_path):
     """Every step saved, and a resume from the last or from an earlier one continues the run that
     never saved, bit for bit (a split backward, replicas)."""
     schedule, dp = build_schedule("zb-h1", 2, 4), 2
-    whole = run_local(TrainSpec(schedule, config=CONFIG, steps=4, dp=dp))
+    whole = run_in_process(TrainSpec(schedule, config=CONFIG, steps=4, dp=dp))  # the forked ranks' bits
     first = run_local(TrainSpec(schedule, config=CONFIG, steps=2, dp=dp, save_every=1, save_dir=str(tmp_path)))
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-1", "step-2"]
     resumed = run_local(TrainSpec(schedule, config=CONFIG, steps=4, dp=dp, resume_dir=str(tmp_path)))

@@ -7,6 +7,7 @@ torch = pytest.importorskip("torch")
 from pipeloom import build_schedule  # noqa: E402
 from pipeloom.models.llama import LlamaConfig  # noqa: E402
 from pipeloom.passes import t_offload  # noqa: E402
+from pipeloom.runtime.in_process import run_in_process  # noqa: E402
 from pipeloom.runtime.local import run_local  # noqa: E402
 from pipeloom.runtime.training import TrainSpec, reference_training  # noqa: E402
 
@@ -19,7 +20,7 @@ def test_offloaded_stages_end_where_the_device_optimizer_would():
     schedule = build_schedule("tpipe", 2, 4)
     stages = t_offload(schedule).stages  # the deep chunk of each device
     assert stages == (2, 3)
-    plain = run_local(TrainSpec(schedule, config=CONFIG, steps=3))
+    plain = run_in_process(TrainSpec(schedule, config=CONFIG, steps=3))  # the forked ranks' bits, one process
     offloaded = run_local(TrainSpec(schedule, config=CONFIG, steps=3, offload_stages=stages))
     assert offloaded[0].losses == plain[0].losses
     for rank, result in enumerate(offloaded):
@@ -47,7 +48,7 @@ def test_offloaded_stages_of_data_parallel_replicas_end_where_the_device_optimiz
     """dp = 2 under ZeRO-0: the gradient buckets sum an offloaded stage's gradients out of its host
     store's buffer (which they leave to it), the rest in their own buffers, in place."""
     schedule = build_schedule("zb-h1", 2, 2)
-    plain = run_local(TrainSpec(schedule, config=CONFIG, steps=2, dp=2))
+    plain = run_in_process(TrainSpec(schedule, config=CONFIG, steps=2, dp=2))
     offloaded = run_local(TrainSpec(schedule, config=CONFIG, steps=2, dp=2, offload_stages=(1,)))
     assert offloaded[0].losses == plain[0].losses
     for rank, result in enumerate(offloaded):
