@@ -142,7 +142,7 @@ def profile_model(
     skew = {} if in_process else replica_skews(profile, probed, *largest, skew_turns)
     if mixture and not in_process:
         ep_turns = turns.fixed(max(paired_rounds, min_rounds)).of(Layout(ep=EP))
-        layouts[Layout(ep=EP)] = expert_exchange(probed, micro_batches, max(layer_counts), ep_turns)
+        layouts = {**layouts, Layout(ep=EP): expert_exchange(probed, micro_batches, max(layer_counts), ep_turns)}
     profile = replace(
         profile,
         layouts=layouts,

@@ -39,7 +39,7 @@ from pipeloom.static_memory import collective_bytes, compute_bytes, static_bytes
 from pipeloom.tune.ep_layout import compute_per_layer, replicas_wait, stash_per_layer
 from pipeloom.tune.presets import ModelSpec
 from pipeloom.tune.profile_fits import at_size
-from pipeloom.tune.tp_layout import activation_share, layer_collectives, measured_tp_fits, ring_bytes, stage_collectives
+from pipeloom.tune.tp_layout import activation_share, layer_collectives, ring_bytes, stage_collectives
 
 __all__ = ["ProfiledCostModel", "profile_costs_keys"]
 
@@ -66,7 +66,9 @@ class ProfiledCostModel:
         self.expert_ep, self.exchange = (expert[0], expert[1].exchange) if expert else (1, {})
         """The expert-parallel probe's group, and micro-batch size → its measured exchanges."""
         self.source = "profile"
-        self._tp_fits = measured_tp_fits(self.profile, tp, self.sequence_parallel)
+        measured = self.profile.layout(Layout(tp, self.sequence_parallel)) if tp > 1 else None
+        self._tp_layout = measured if measured is not None and measured.fits else None
+        """This layout's fits as measured on tp ranks (`profile.tp_probes`); None if not measured."""
         if tp > 1 and not self.links.collectives:
             raise ConfigError("the profile has no measured collectives to price tensor parallelism: profile again")
 
@@ -83,16 +85,15 @@ class ProfiledCostModel:
         """The tensor-parallel collectives of a stage's F and B (`tp_layout.stage_collectives`)."""
         return stage_collectives(self.tp, self.sequence_parallel, stage, stages, layers)
 
-    def tp_measured(self) -> dict[str, dict[int, Fit]] | None:
-        """The profile's measured tensor-parallel fits for this layout (`profile.tp_probes`):
-        pass or stash (M_B, M_ckpt) → micro-batch size → Fit; None if it measured none. Read
-        once: the layout is fixed when the model is made."""
-        return self._tp_fits
+    def tp_measured(self) -> LayoutProfile | None:
+        """The profile's measurements of this layout on tp ranks (`profile.tp_probes`); None if
+        it measured none. Read once: the layout is fixed when the model is made."""
+        return self._tp_layout
 
     def _tp_value(self, key: str, field: str, micro_batch: float) -> float:
-        """A measured tensor-parallel fit's `field` of `key` at `micro_batch` (`at_size`)."""
-        assert self._tp_fits is not None, "only read where the layout was measured"
-        return at_size({size: fit.at(field) for size, fit in self._tp_fits[key].items()}, micro_batch)
+        """A measured tensor-parallel fit's `field` of `key` at `micro_batch` (`_value`)."""
+        assert self._tp_layout is not None, "only read where the layout was measured"
+        return self._value(key, field, micro_batch, self._tp_layout.fits)
 
     def _tp_per_stage(self, key: str, counts: Sequence[int], size: float) -> list[float]:
         """A stage's op as measured on tp ranks: the measured slope per layer, and the single
@@ -151,7 +152,7 @@ class ProfiledCostModel:
         elif not sizes[0] <= micro_batch <= sizes[-1]:
             where = f" in {slices} slices" if sliced else ""
             reasons.append(f"micro-batch size {micro_batch} (profiled{where}: {', '.join(map(str, sizes))})")
-        if self.tp > 1 and not self._tp_fits:
+        if self.tp > 1 and not self._tp_layout:
             reasons.append(f"tp {self.tp} (never profiled: its collectives estimated)")
         ep = self.model.expert_parallel
         if ep > 1 and self.model.num_experts and ep != self.expert_ep:
@@ -167,11 +168,7 @@ class ProfiledCostModel:
     def measured_layout(self, slices: int = 1) -> LayoutProfile:
         """The measurements that price a plan's ops: the probes run in its slices, or on its
         tensor-parallel ranks, where the profile has them; else the plain ones."""
-        sliced = self._sliced(slices)
-        if sliced is not None:
-            return sliced
-        measured = self.profile.layout(Layout(self.tp, self.sequence_parallel)) if self._tp_fits else None
-        return measured if measured is not None else self.profile.plain
+        return self._sliced(slices) or self._tp_layout or self.profile.plain
 
     def _sliced(self, slices: int) -> LayoutProfile | None:
         """The probes run in `slices` slices (`profile --slices`), which price a sliced plan's
@@ -230,8 +227,8 @@ class ProfiledCostModel:
             per_stage["M_B"] = [m * share for m in per_stage["M_B"]]
             per_stage["M_W"] = [m * share for m in per_stage["M_W"]]
             per_stage["M_ckpt"] = [m / self.tp for m in per_stage["M_ckpt"]]
-        if self._tp_fits:
-            for key in self._tp_fits:
+        if self._tp_layout:
+            for key in self._tp_layout.kinds():
                 per_stage[key] = self._tp_per_stage(key, counts, size)
         elif self.tp > 1:
             for i, n in enumerate(counts):
@@ -298,8 +295,9 @@ class ProfiledCostModel:
         return [sum(kinds[op.kind.value][op.stage] for op in ops if op.kind.value in kinds) for ops in schedule.devices]
 
     def layer_time(self, micro_batch: int) -> float:
-        if self._tp_fits:
-            return sum(self._tp_value(key, "per_layer", micro_batch) for key in ("F", "B", "W") if key in self._tp_fits)
+        if self._tp_layout:
+            measured = self._tp_layout.kinds()
+            return sum(self._tp_value(key, "per_layer", micro_batch) for key in ("F", "B", "W") if key in measured)
         compute = sum(self._value(key, "per_layer", micro_batch) for key in ("F", "B", "W")) / self.tp
         layer = layer_collectives(self.tp, self.sequence_parallel)
         return compute + self._tp_time(layer["F"] + layer["B"], micro_batch)
@@ -314,7 +312,7 @@ class ProfiledCostModel:
         return max(0.0, extra("first")), max(0.0, extra("last"))
 
     def layer_memory(self, micro_batch: int, dp: int, zero: int = 0) -> tuple[float, float]:
-        if self._tp_fits and "M_B" in self._tp_fits:
+        if self._tp_layout and "M_B" in self._tp_layout.kinds():
             activations = self._tp_value("M_B", "per_layer", micro_batch)
         else:
             activations = self._value("M_B", "per_layer", micro_batch) * activation_share(

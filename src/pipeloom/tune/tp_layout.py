@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeloom.profile_format import Fit, Layout, Profile, Speed
+from pipeloom.profile_format import Layout, Profile, Speed
 
 __all__ = [
     "activation_share",
     "layer_collectives",
     "layout_speeds",
-    "measured_tp_fits",
     "ring_bytes",
     "stage_collectives",
 ]
@@ -72,12 +71,3 @@ def layout_speeds(profile: Profile, tp: int, sequence_parallel: bool, ep: int = 
     else on the plain probes'; empty where the profile has none."""
     layout = profile.layout(Layout(tp, sequence_parallel and tp > 1, ep if tp == 1 else 1))
     return layout.speed if layout and layout.speed.step else profile.plain.speed
-
-
-def measured_tp_fits(profile: Profile, tp: int, sequence_parallel: bool) -> dict[str, dict[int, Fit]] | None:
-    """The profile's fits of this layout measured on tp ranks (`profile.tp_probes`): pass or
-    stash → micro-batch size → Fit; None if it measured none."""
-    layout = profile.layout(Layout(tp, sequence_parallel)) if tp > 1 else None
-    if layout is None or not layout.fits:
-        return None
-    return {kind: {size: fits[kind] for size, fits in layout.fits.items()} for kind in layout.kinds()}
