@@ -29,12 +29,14 @@ import torch
 import torch.distributed as dist
 
 from pipeloom.profile_format import Link, Links
+from pipeloom.runtime.local import meet
 from pipeloom.runtime.zero import sum_into_shard
 
 __all__ = ["ping_seconds", "measure_links", "in_process_links"]
 
 _SMALL, _LARGE = 16, 4 * 2**20
 """fp32 elements of the two sizes measured: 64 bytes (latency), 16 MiB (bandwidth)."""
+_TIMEOUT_S = 120.0
 
 
 def ping_seconds(rank: int, tensor: torch.Tensor, repeats: int = 5) -> float:
@@ -84,7 +86,7 @@ def measure_links(sizes: tuple[int, ...] = (_SMALL, _LARGE), repeats: int = 9) -
         for process in processes:
             process.start()
         for process in processes:
-            process.join(120)
+            process.join(_TIMEOUT_S)
         values = [float(x) for x in Path(directory, "links").read_text().split()]
     nbytes = [4 * n for n in sizes]
     rows = [values[i : i + len(sizes)] for i in range(0, len(values), len(sizes))]
@@ -125,7 +127,7 @@ def _line(nbytes: list[int], ms: list[float]) -> Link:
 def _link_rank(rank: int, directory: str, sizes: tuple[int, ...], repeats: int) -> None:
     gc.freeze()  # the parent's heap stays out of this rank's collections (as `runtime.local`'s ranks)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank, world_size=2)
+    dist.init_process_group("gloo", store=meet(rank, directory, _TIMEOUT_S), rank=rank, world_size=2)
     seconds = [ping_seconds(rank, torch.zeros(n), repeats) for n in sizes]
     for name in COLLECTIVES:
         seconds += [collective_seconds(name, n, repeats) for n in sizes]

@@ -1,5 +1,5 @@
 """Start the ranks of a training run on this machine: forked processes on CPU, spawned ones on GPUs
-(one per GPU, as torchrun would), a FileStore rendezvous.
+(one per GPU, as torchrun would), meeting at a TCP store rank 0 serves (`meet`).
 
 Used by `pipeloom train --nproc N` and the tests. Each rank writes its `RankResult` to a file;
 the parent collects them, holding the run's output directories meanwhile (`run_outputs`). A rank
@@ -22,10 +22,12 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from pipeloom.errors import ConfigError, PipeloomError, RuntimeFault, Stopped
 from pipeloom.runtime import stuck_ranks
@@ -56,12 +58,12 @@ def _worker(
         signal.signal(number, signal.SIG_DFL)
     _end_with_the_launcher(os.getppid(), directory)
     stuck_ranks.arm(stuck_ranks.stack_file(directory, rank))
-    init_method = f"file://{directory}/store"
     os.environ["LOCAL_RANK"] = str(rank)  # one machine: rank r drives GPU r, as torchrun's would
     try:
         if not isinstance(spec, TrainSpec):
             spec = spec()
-        result = train_rank(spec, rank, world_size, init_method, probe=probe, tear_down=spec.resolved_backend != "gloo")
+        store = meet(rank, directory, spec.timeout_s)
+        result = train_rank(spec, rank, world_size, store, probe=probe, tear_down=spec.resolved_backend != "gloo")
         torch.save(result, f"{directory}/rank{rank}.pt")
     except ConfigError as error:  # bad input: the root cause, whatever its peers then report
         Path(f"{directory}/rank{rank}.error").write_text(error.summary)
@@ -72,6 +74,30 @@ def _worker(
     except BaseException:  # noqa: BLE001 - a crash must still end this rank with a reason on file
         Path(f"{directory}/rank{rank}.error").write_text(traceback.format_exc().strip().splitlines()[-1])
         sys.exit(_CRASH)
+
+
+def meet(rank: int, directory: str, timeout_s: float) -> dist.TCPStore:
+    """The store a run's ranks meet at: rank 0 serves it on a port of 127.0.0.1 the kernel picks
+    (no two runs race for one) and leaves the port in the run's directory, where the others wait
+    for it. A FileStore in that directory did the same, but its ranks poll the file for each key
+    of a peer's, and each process group a rank creates (a run's mesh makes a dozen) waited for a
+    poll. (A store the launcher served, which every rank it forks inherits open, left a rank
+    waiting for a peer's key until its timeout now and then.)"""
+    port_file = Path(directory, "store-port")
+    if rank == 0:
+        store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+        )
+        written = port_file.with_suffix(".partial")
+        written.write_text(str(store.port))
+        written.rename(port_file)  # whole or absent to a peer that reads it
+        return store
+    deadline = time.monotonic() + timeout_s
+    while not port_file.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeFault(f"rank {rank}: rank 0 opened no store within {timeout_s:g} s")
+        time.sleep(0.002)
+    return dist.TCPStore("127.0.0.1", int(port_file.read_text()), is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 def _end_with_the_launcher(launcher: int, directory: str) -> None:

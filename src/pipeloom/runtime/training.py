@@ -41,12 +41,13 @@ def train_rank(
     spec: TrainSpec,
     rank: int,
     world_size: int,
-    init_method: str,
+    rendezvous: str | dist.Store,
     gather: bool = False,
     probe: StageProbe | None = None,
     tear_down: bool = True,
 ) -> RankResult:
-    """Run `spec` as one rank of the process group; ranks return their own results, and with
+    """Run `spec` as one rank of the process group, met at `rendezvous` (an init method such as
+    "env://", or a store); ranks return their own results, and with
     `gather` rank 0's result also carries every rank's (`all_results`). `probe`: the stage
     boundaries, when the launcher probed them once for all ranks.
 
@@ -60,9 +61,10 @@ def train_rank(
         keep_freed_memory()  # steps re-use their host memory instead of faulting it in anew
     if spec.torch_device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count()))))
+    meet = {"store": rendezvous} if isinstance(rendezvous, dist.Store) else {"init_method": rendezvous}
     dist.init_process_group(
         spec.resolved_backend,
-        init_method=init_method,
+        **meet,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=spec.timeout_s),
