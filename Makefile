@@ -55,8 +55,10 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy $(CORE)
 	$(VENV)/bin/mypy src/pipeloom
 
+# Bytecode is written even where PYTHONDONTWRITEBYTECODE is set: every worker, and every rank a test
+# spawns, would otherwise compile pipeloom (and pytest rewrite the tests) anew.
 test: lint
-	$(PY) -m pytest -n auto --dist worksteal
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n auto --dist worksteal
 
 bench: $(STAMP)
 	$(PY) bench/sim_speed.py
