@@ -47,9 +47,9 @@ def train_rank(
     tear_down: bool = True,
 ) -> RankResult:
     """Run `spec` as one rank of the process group, met at `rendezvous` (an init method such as
-    "env://", or a store); ranks return their own results, and with
-    `gather` rank 0's result also carries every rank's (`all_results`). `probe`: the stage
-    boundaries, when the launcher probed them once for all ranks.
+    "env://", or a store); ranks return their own results, and with `gather` rank 0's result
+    also carries every rank's (`all_results`). `probe`: the stage boundaries, when the launcher
+    probed them once for all ranks.
 
     `tear_down=False` leaves the process group up, for a process that ends right after (the
     launcher's gloo ranks): gloo's event loop sees a shutdown only at its next 10 ms poll, and a
