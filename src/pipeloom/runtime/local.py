@@ -36,7 +36,7 @@ from pipeloom.runtime.probe import check_probe_fits, probe_spec
 from pipeloom.runtime.run_outputs import remove_partials, spec_outputs
 from pipeloom.runtime.training import RankResult, TrainSpec, check_spec, train_rank
 
-__all__ = ["run_deadline_s", "run_local"]
+__all__ = ["leave", "meet", "run_deadline_s", "run_local"]
 
 
 def _worker(
@@ -65,6 +65,7 @@ def _worker(
         store = meet(rank, directory, spec.timeout_s)
         result = train_rank(spec, rank, world_size, store, probe=probe, tear_down=spec.resolved_backend != "gloo")
         torch.save(result, f"{directory}/rank{rank}.pt")
+        leave(store, rank, world_size)
     except ConfigError as error:  # bad input: the root cause, whatever its peers then report
         Path(f"{directory}/rank{rank}.error").write_text(error.summary)
         sys.exit(_BAD_INPUT)
@@ -98,6 +99,21 @@ def meet(rank: int, directory: str, timeout_s: float) -> dist.TCPStore:
             raise RuntimeFault(f"rank {rank}: rank 0 opened no store within {timeout_s:g} s")
         time.sleep(0.002)
     return dist.TCPStore("127.0.0.1", int(port_file.read_text()), is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def leave(store: dist.TCPStore, rank: int, world_size: int) -> None:
+    """A rank's last word to `meet`'s store: rank 0, which serves it, waits until every rank has
+    left, so that no peer still finishing (its last collectives, its results) finds the store
+    gone with it. A peer that fails instead is stopped by the launcher, which stops rank 0 too."""
+    if store.add("ranks left", 1) == world_size:
+        store.set("every rank left", "1")
+    if rank == 0:
+        while True:
+            try:
+                store.wait(["every rank left"], timedelta(seconds=1))
+                return
+            except dist.DistStoreError:  # a slow peer: the launcher ends a run that never finishes
+                continue
 
 
 def _end_with_the_launcher(launcher: int, directory: str) -> None:
