@@ -104,16 +104,13 @@ def meet(rank: int, directory: str, timeout_s: float) -> dist.TCPStore:
 def leave(store: dist.TCPStore, rank: int, world_size: int) -> None:
     """A rank's last word to `meet`'s store: rank 0, which serves it, waits until every rank has
     left, so that no peer still finishing (its last collectives, its results) finds the store
-    gone with it. A peer that fails instead is stopped by the launcher, which stops rank 0 too."""
+    gone with it. Rank 0 waits without a timeout of its own (each one ending would print c10d's
+    warning): a peer that fails or overruns the run's deadline is stopped by the launcher, which
+    stops rank 0 too, and a launcher gone ends its ranks (`_end_with_the_launcher`)."""
     if store.add("ranks left", 1) == world_size:
         store.set("every rank left", "1")
     if rank == 0:
-        while True:
-            try:
-                store.wait(["every rank left"], timedelta(seconds=1))
-                return
-            except dist.DistStoreError:  # a slow peer: the launcher ends a run that never finishes
-                continue
+        store.wait(["every rank left"], timedelta(days=1))
 
 
 def _end_with_the_launcher(launcher: int, directory: str) -> None:
