@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from pipeloom.profile_format import Link, Links
-from pipeloom.runtime.local import leave, meet
+from pipeloom.runtime.local import meeting
 from pipeloom.runtime.zero import sum_into_shard
 
 __all__ = ["ping_seconds", "measure_links", "in_process_links"]
@@ -127,12 +127,11 @@ def _line(nbytes: list[int], ms: list[float]) -> Link:
 def _link_rank(rank: int, directory: str, sizes: tuple[int, ...], repeats: int) -> None:
     gc.freeze()  # the parent's heap stays out of this rank's collections (as `runtime.local`'s ranks)
     torch.set_num_threads(1)
-    store = meet(rank, directory, _TIMEOUT_S)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    seconds = [ping_seconds(rank, torch.zeros(n), repeats) for n in sizes]
-    for name in COLLECTIVES:
-        seconds += [collective_seconds(name, n, repeats) for n in sizes]
-    if rank == 0:
-        Path(directory, "links").write_text(" ".join(str(1e3 * s) for s in seconds))
-    dist.destroy_process_group()
-    leave(store, rank, 2)
+    with meeting(rank, 2, directory, _TIMEOUT_S) as store:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+        seconds = [ping_seconds(rank, torch.zeros(n), repeats) for n in sizes]
+        for name in COLLECTIVES:
+            seconds += [collective_seconds(name, n, repeats) for n in sizes]
+        if rank == 0:
+            Path(directory, "links").write_text(" ".join(str(1e3 * s) for s in seconds))
+        dist.destroy_process_group()

@@ -1,5 +1,5 @@
 """Start the ranks of a training run on this machine: forked processes on CPU, spawned ones on GPUs
-(one per GPU, as torchrun would), meeting at a TCP store rank 0 serves (`meet`).
+(one per GPU, as torchrun would), meeting at a TCP store rank 0 serves (`meeting`).
 
 Used by `pipeloom train --nproc N` and the tests. Each rank writes its `RankResult` to a file;
 the parent collects them, holding the run's output directories meanwhile (`run_outputs`). A rank
@@ -36,7 +36,7 @@ from pipeloom.runtime.probe import check_probe_fits, probe_spec
 from pipeloom.runtime.run_outputs import remove_partials, spec_outputs
 from pipeloom.runtime.training import RankResult, TrainSpec, check_spec, train_rank
 
-__all__ = ["leave", "meet", "run_deadline_s", "run_local"]
+__all__ = ["meeting", "run_deadline_s", "run_local"]
 
 
 def _worker(
@@ -62,10 +62,9 @@ def _worker(
     try:
         if not isinstance(spec, TrainSpec):
             spec = spec()
-        store = meet(rank, directory, spec.timeout_s)
-        result = train_rank(spec, rank, world_size, store, probe=probe, tear_down=spec.resolved_backend != "gloo")
-        torch.save(result, f"{directory}/rank{rank}.pt")
-        leave(store, rank, world_size)
+        with meeting(rank, world_size, directory, spec.timeout_s) as store:
+            result = train_rank(spec, rank, world_size, store, probe=probe, tear_down=spec.resolved_backend != "gloo")
+            torch.save(result, f"{directory}/rank{rank}.pt")
     except ConfigError as error:  # bad input: the root cause, whatever its peers then report
         Path(f"{directory}/rank{rank}.error").write_text(error.summary)
         sys.exit(_BAD_INPUT)
@@ -77,13 +76,20 @@ def _worker(
         sys.exit(_CRASH)
 
 
-def meet(rank: int, directory: str, timeout_s: float) -> dist.TCPStore:
-    """The store a run's ranks meet at: rank 0 serves it on a port of 127.0.0.1 the kernel picks
-    (no two runs race for one) and leaves the port in the run's directory, where the others wait
-    for it. A FileStore in that directory did the same, but its ranks poll the file for each key
-    of a peer's, and each process group a rank creates (a run's mesh makes a dozen) waited for a
-    poll. (A store the launcher served, which every rank it forks inherits open, left a rank
-    waiting for a peer's key until its timeout now and then.)"""
+@contextmanager
+def meeting(rank: int, world_size: int, directory: str, timeout_s: float) -> Iterator[dist.TCPStore]:
+    """The store a run's ranks meet at, for the block: rank 0 serves it on a port of 127.0.0.1
+    the kernel picks (no two runs race for one) and leaves the port in the run's directory,
+    where the others wait for it. A FileStore in that directory did the same, but its ranks poll
+    the file for each key of a peer's, and each process group a rank creates (a run's mesh makes
+    a dozen) waited for a poll. (A store the launcher served, which every rank it forks inherits
+    open, left a rank waiting for a peer's key until its timeout now and then.)
+
+    A block that ends normally says so in the store, and rank 0 then waits until every rank has,
+    so that no peer still finishing (its last collectives, its results) finds the store gone
+    with it. It waits without a timeout of its own (each one ending would print c10d's
+    warning): a peer that fails or overruns the run's deadline is stopped by the launcher, which
+    stops rank 0 too, and a launcher gone ends its ranks (`_end_with_the_launcher`)."""
     port_file = Path(directory, "store-port")
     if rank == 0:
         store = dist.TCPStore(
@@ -92,21 +98,15 @@ def meet(rank: int, directory: str, timeout_s: float) -> dist.TCPStore:
         written = port_file.with_suffix(".partial")
         written.write_text(str(store.port))
         written.rename(port_file)  # whole or absent to a peer that reads it
-        return store
-    deadline = time.monotonic() + timeout_s
-    while not port_file.exists():
-        if time.monotonic() > deadline:
-            raise RuntimeFault(f"rank {rank}: rank 0 opened no store within {timeout_s:g} s")
-        time.sleep(0.002)
-    return dist.TCPStore("127.0.0.1", int(port_file.read_text()), is_master=False, timeout=timedelta(seconds=timeout_s))
-
-
-def leave(store: dist.TCPStore, rank: int, world_size: int) -> None:
-    """A rank's last word to `meet`'s store: rank 0, which serves it, waits until every rank has
-    left, so that no peer still finishing (its last collectives, its results) finds the store
-    gone with it. Rank 0 waits without a timeout of its own (each one ending would print c10d's
-    warning): a peer that fails or overruns the run's deadline is stopped by the launcher, which
-    stops rank 0 too, and a launcher gone ends its ranks (`_end_with_the_launcher`)."""
+    else:
+        deadline = time.monotonic() + timeout_s
+        while not port_file.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeFault(f"rank {rank}: rank 0 opened no store within {timeout_s:g} s")
+            time.sleep(0.002)
+        port = int(port_file.read_text())
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    yield store
     if store.add("ranks left", 1) == world_size:
         store.set("every rank left", "1")
     if rank == 0:
