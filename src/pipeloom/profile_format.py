@@ -12,15 +12,18 @@ What a profile measured is keyed by its `Layout` — how a probe's ranks shared 
 a stage over tp ranks with or without sequence parallelism, replicas sharing out the experts) and
 in how many slices it ran each micro-batch — so the cost model selects the measurements of a
 plan's layout rather than adjusting another's.
-A `pipeloom.profile/1` file (the untyped dict of earlier versions) is converted on read.
+A `pipeloom.profile/1` file (the untyped dict of earlier versions) is refused with the command
+that measures a new one.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import types
+import typing
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any
 
 from pipeloom.errors import ConfigError
@@ -28,7 +31,6 @@ from pipeloom.tune.presets import ModelSpec, model_from_config
 
 __all__ = [
     "PROFILE_FORMAT",
-    "PROFILE_FORMAT_1",
     "FIT_KINDS",
     "TIME_KINDS",
     "POSITIONS",
@@ -48,7 +50,6 @@ __all__ = [
 ]
 
 PROFILE_FORMAT = "pipeloom.profile/2"
-PROFILE_FORMAT_1 = "pipeloom.profile/1"
 TIME_KINDS = ("F", "B", "W", "R")
 """The passes a fit prices, in ms."""
 FIT_KINDS = (*TIME_KINDS, "M_B", "M_ckpt")
@@ -106,21 +107,10 @@ class Fit:
 
     def at(self, position: str) -> float:
         """The intercept at `position` ("per_layer" for the slope); KeyError where not measured."""
-        value = {
-            "per_layer": self.per_layer,
-            "single": self.single,
-            "first": self.first,
-            "last": self.last,
-            "middle": self.middle,
-        }[position]
+        value = getattr(self, position) if position in ("per_layer", *POSITIONS) else None
         if value is None:
             raise KeyError(position)
         return value
-
-    def to_dict(self) -> dict[str, float]:
-        out = {"per_layer": self.per_layer}
-        out.update({position: value for position in POSITIONS if (value := getattr(self, position)) is not None})
-        return out
 
 
 @dataclass(frozen=True)
@@ -132,12 +122,6 @@ class Speed:
     step: tuple[float, ...] = ()
     op: tuple[float, ...] = ()
     op_mean: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"step": list(self.step), "op": list(self.op)}
-        if self.op_mean is not None:
-            out["op_mean"] = self.op_mean
-        return out
 
 
 @dataclass(frozen=True)
@@ -155,10 +139,6 @@ class ExpertExchange:
     BW_op: float | None = None
     tail_ms: float | None = None
     pipeline_ms: float | None = None
-
-    def to_dict(self) -> dict[str, float]:
-        names = ("F", "B", "layers", "M_B", "F_op", "BW_op", "tail_ms", "pipeline_ms")
-        return {name: value for name in names if (value := getattr(self, name)) is not None}
 
 
 @dataclass(frozen=True)
@@ -183,21 +163,6 @@ class LayoutProfile:
     def kinds(self) -> set[str]:
         """The kinds fitted at every micro-batch size."""
         return set.intersection(*(set(kinds) for kinds in self.fits.values())) if self.fits else set()
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "fits": {
-                str(size): {kind: fit.to_dict() for kind, fit in by_kind.items()} for size, by_kind in self.fits.items()
-            },
-            "speed": self.speed.to_dict(),
-        }
-        if self.confidence:
-            out["confidence"] = {str(size): dict(errors) for size, errors in self.confidence.items()}
-        if self.exchange:
-            out["exchange"] = {str(size): value.to_dict() for size, value in self.exchange.items()}
-        if self.layers:
-            out["layers"] = list(self.layers)
-        return out
 
 
 @dataclass(frozen=True)
@@ -268,8 +233,8 @@ class Params:
 class DeviceInfo:
     """Where the profile was taken: "cpu" or "cuda", described for people."""
 
-    kind: str
-    description: str
+    kind: str = "cpu"
+    description: str = ""
     threads: int | None = None
 
 
@@ -330,101 +295,98 @@ class Profile:
         return self.layouts.get(Layout(slices=slices)) if slices > 1 else None
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "format": PROFILE_FORMAT,
-            "model": self.model.to_dict(),
-            "device": {"kind": self.device.kind, "description": self.device.description},
-            "dtype": self.dtype,
-            "params": asdict(self.params),
-            "static_bytes_per_param": self.static_bytes_per_param,
-            "links": _present(asdict(self.links)),
-            "overheads": _present(asdict(self.overheads)),
-            "layouts": {layout.key: measured.to_dict() for layout, measured in self.layouts.items()},
-            "replica_skew": {str(zero): share for zero, share in self.replica_skew.items()},
-            "noise": asdict(self.noise),
-            "warnings": list(self.warnings),
-        }
-        if self.device.threads is not None:
-            out["device"]["threads"] = self.device.threads
-        if self.source:
-            out["source"] = self.source
-        return out
+        return {"format": PROFILE_FORMAT, **_plain(self), "model": self.model.to_dict()}
 
     @classmethod
     def from_dict(cls, data: Any) -> Profile:
-        """The profile in `data` (a `pipeloom.profile/2` dict, or a `/1` one, converted),
-        checked: ConfigError naming the first entry missing, not a number, not finite,
-        negative, or (a bandwidth) not positive."""
-        if not isinstance(data, Mapping) or data.get("format") not in (PROFILE_FORMAT, PROFILE_FORMAT_1):
+        """The profile in `data` (a `pipeloom.profile/2` dict), checked: ConfigError naming the
+        first entry missing, not a number, not finite, negative, or (a bandwidth, a speed factor)
+        not positive."""
+        if isinstance(data, Mapping) and data.get("format") == "pipeloom.profile/1":
+            raise ConfigError(
+                "a pipeloom.profile/1 file, written by an earlier pipeloom: measure this machine again "
+                "(`pipeloom profile --model M --output profile.json`)"
+            )
+        if not isinstance(data, Mapping) or data.get("format") != PROFILE_FORMAT:
             raise ConfigError(f"not a {PROFILE_FORMAT} file (run `pipeloom profile` to make one)")
-        if data["format"] == PROFILE_FORMAT_1:
-            data = _from_format_1(data)
         for key in ("model", "layouts", "params", "links"):
             if key not in data:
                 raise ConfigError(f"profile is incomplete: it has no {key!r} (run `pipeloom profile` to make one)")
         layouts = _mapping(data["layouts"], "layouts")
         if "plain" not in layouts:
             raise ConfigError(f"profile is incomplete: layouts has no 'plain' measurements; {_ADVICE}")
-        device = data.get("device") or {}
-        params = _mapping(data["params"], "params")
-        links = _mapping(data["links"], "links")
-        overheads = _mapping(data.get("overheads", {}), "overheads")
-        optimizer = overheads.get("optimizer")
         return cls(
             model=model_from_config(data["model"]),
-            device=DeviceInfo(
-                str(device.get("kind", "cpu")), str(device.get("description", "")), device.get("threads")
-            ),
+            device=_read(DeviceInfo, data.get("device", {}), "device"),
             dtype=str(data.get("dtype", "fp32")),
-            params=Params(
-                **{
-                    name: _non_negative(params.get(name, 0.0 if name == "experts" else None), f"params.{name}")
-                    for name in ("layer", "first", "last", "experts")
-                }
-            ),
+            params=_read(Params, data["params"], "params"),
             static_bytes_per_param=_non_negative(data.get("static_bytes_per_param"), "static_bytes_per_param"),
-            links=Links(
-                p2p=_link(links.get("p2p"), "links.p2p"),
-                **{
-                    name: _link(links[name], f"links.{name}")
-                    for name in ("allreduce", "reduce_scatter", "all_gather")
-                    if links.get(name) is not None
-                },
-                dp=int(_positive(links.get("dp", 2), "links.dp")),
-            ),
-            overheads=Overheads(
-                op_ms=_non_negative(overheads.get("op_ms", 0.0), "overheads.op_ms"),
-                optimizer=None if optimizer is None else _linear(optimizer, "overheads.optimizer"),
-                step=_linear(overheads.get("step", {"base_ms": 0.0}), "overheads.step"),
-            ),
-            layouts=_layouts(layouts),
-            replica_skew={
-                _size(zero, "replica_skew", "a ZeRO level", minimum=0): _non_negative(share, f"replica_skew.{zero}")
-                for zero, share in _mapping(data.get("replica_skew", {}), "replica_skew").items()
-            },
-            noise=_noise(_mapping(data.get("noise", {}), "noise")),
+            links=_read(Links, data["links"], "links"),
+            overheads=_read(Overheads, data.get("overheads", {}), "overheads"),
+            layouts={Layout.from_key(key): _layout_profile(key, value) for key, value in layouts.items()},
+            replica_skew=_by_key(data.get("replica_skew", {}), "replica_skew", _non_negative, "a ZeRO level", 0),
+            noise=_read(Noise, data.get("noise", {}), "noise"),
             warnings=tuple(str(text) for text in data.get("warnings", ())),
             source=data.get("source"),
         )
 
 
-def _layouts(layouts: Mapping[str, Any]) -> dict[Layout, LayoutProfile]:
-    """Each layout's measurements by its key. A layout whose probes ran two stages (plain,
-    sliced) has fits at every position; one over tp ranks or expert replicas ran one stage, and
-    has the single stage's."""
-    out = {}
-    for key, value in layouts.items():
-        layout = Layout.from_key(key)
-        out[layout] = _layout_profile(value, f"layouts.{key}", fitted=layout.tp == 1 and layout.ep == 1)
-    return out
-
-
-def _present(fields: dict[str, Any]) -> dict[str, Any]:
-    """The fields that hold a value (a link or an optimizer fit not measured is left out)."""
-    return {name: value for name, value in fields.items() if value is not None}
+def _plain(value: Any) -> Any:
+    """`value` as JSON data: a dataclass as the object of its fields that hold a value, a layout
+    by its key, every map's keys as text, a tuple as a list."""
+    if isinstance(value, Layout):
+        return value.key
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(v) for f in fields(value) if (v := getattr(value, f.name)) is not None}
+    if isinstance(value, Mapping):
+        return {str(_plain(key)): _plain(v) for key, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value
 
 
 # -- reading, entry by entry ---------------------------------------------------------------------
+
+_POSITIVE = frozenset({"bytes_per_ms", "dp", "step", "op", "op_mean", "layers"})
+"""Fields that must be above zero: a bandwidth, a group, a speed factor, a stage's layers."""
+
+
+def _read(cls: type, value: Any, where: str) -> Any:
+    """The dataclass `cls` from the JSON object `value`, each field checked by its type: a
+    number finite and not negative (positive where `_POSITIVE`), a missing field its default."""
+    data = _mapping(value, where)
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for entry in fields(cls):
+        if data.get(entry.name) is None:
+            if entry.default is MISSING and entry.default_factory is MISSING:
+                raise ConfigError(f"profile: {where}.{entry.name} is missing; {_ADVICE}")
+            continue
+        out[entry.name] = _entry(hints[entry.name], data[entry.name], f"{where}.{entry.name}", entry.name)
+    return cls(**out)
+
+
+def _entry(kind: Any, value: Any, where: str, name: str) -> Any:
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        kind = next(option for option in typing.get_args(kind) if option is not type(None))
+    if isinstance(kind, type) and is_dataclass(kind):
+        return _read(kind, value, where)
+    if typing.get_origin(kind) is tuple:
+        if not isinstance(value, list):
+            raise ConfigError(f"profile: {where} must be a list, got {value!r}; {_ADVICE}")
+        return tuple(_entry(typing.get_args(kind)[0], item, where, name) for item in value)
+    if kind is str:
+        return str(value)
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"profile: {where} must be true or false, got {value!r}; {_ADVICE}")
+        return value
+    number = (_positive if name in _POSITIVE else _non_negative)(value, where)
+    if kind is int:
+        if number != int(number):
+            raise ConfigError(f"profile: {where} is {value!r}, not a whole number; {_ADVICE}")
+        return int(number)
+    return number
 
 
 def _number(value: Any, where: str) -> float:
@@ -455,27 +417,15 @@ def _mapping(value: Any, where: str) -> Mapping[str, Any]:
     return value
 
 
-def _size(key: Any, where: str, what: str = "a micro-batch size", minimum: int = 1) -> int:
-    if not (isinstance(key, str) and key.isdigit() and int(key) >= minimum):
-        bound = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ConfigError(f"profile: {where} has {what} {key!r}, not {bound}; {_ADVICE}")
-    return int(key)
-
-
-def _link(value: Any, where: str) -> Link:
-    link = _mapping(value, where)
-    return Link(
-        _non_negative(link.get("latency_ms"), f"{where}.latency_ms"),
-        _positive(link.get("bytes_per_ms"), f"{where}.bytes_per_ms"),
-    )
-
-
-def _linear(value: Any, where: str) -> LinearCost:
-    fit = _mapping(value, where)
-    return LinearCost(
-        _non_negative(fit.get("base_ms"), f"{where}.base_ms"),
-        _non_negative(fit.get("per_param_ms", 0.0), f"{where}.per_param_ms"),
-    )
+def _by_key(value: Any, where: str, read: Any, what: str = "a micro-batch size", minimum: int = 1) -> dict[int, Any]:
+    """A map keyed by integers (micro-batch sizes, ZeRO levels), each value `read(value, place)`."""
+    out = {}
+    for key, entry in _mapping(value, where).items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) >= minimum):
+            bound = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            raise ConfigError(f"profile: {where} has {what} {key!r}, not {bound}; {_ADVICE}")
+        out[int(key)] = read(entry, f"{where}[{key}]" if minimum == 1 else f"{where}.{key}")
+    return out
 
 
 def _fit(value: Any, where: str, positions: tuple[str, ...]) -> Fit:
@@ -486,57 +436,43 @@ def _fit(value: Any, where: str, positions: tuple[str, ...]) -> Fit:
     return Fit(**(optional | present))
 
 
-def _fits(value: Any, where: str, fitted: bool) -> dict[int, dict[str, Fit]]:
-    """Micro-batch size → kind → Fit; a two-stage layout (`fitted`: plain, sliced) has every
-    kind of `FIT_KINDS` at every position."""
-    if not isinstance(value, Mapping) or (fitted and not value):
+def _kinds(by_kind: Any, where: str, fitted: bool) -> dict[str, Fit]:
+    """Kind → Fit at one micro-batch size; a two-stage layout (`fitted`: plain, sliced) has every
+    kind of `FIT_KINDS` at every position, a one-stage one (over tp ranks) the single stage's."""
+    by_kind = _mapping(by_kind, where)
+    unknown = set(by_kind) - set(FIT_KINDS) - set(_OPTIONAL_KINDS)
+    if unknown:
         raise ConfigError(
-            f"profile: {where}: `fits` must map micro-batch sizes to measurements, got {value!r}; {_ADVICE}"
+            f"profile: {where} has {sorted(unknown)}, not among {[*FIT_KINDS, *_OPTIONAL_KINDS]}; {_ADVICE}"
         )
-    out: dict[int, dict[str, Fit]] = {}
-    for size, by_kind in value.items():
-        here = f"{where}.fits[{size}]" if where else f"fits[{size}]"
-        number = _size(size, f"{where}.fits" if where else "fits")
-        if not isinstance(by_kind, Mapping):
-            raise ConfigError(f"profile: {here} must hold the measured fits, got {by_kind!r}; {_ADVICE}")
-        positions = POSITIONS if fitted else ("single",)
-        kinds = [*FIT_KINDS, *(kind for kind in _OPTIONAL_KINDS if kind in by_kind)] if fitted else list(by_kind)
-        unknown = set(by_kind) - set(FIT_KINDS) - set(_OPTIONAL_KINDS)
-        if unknown:
-            raise ConfigError(
-                f"profile: {here} has {sorted(unknown)}, not among {[*FIT_KINDS, *_OPTIONAL_KINDS]}; {_ADVICE}"
-            )
-        out[number] = {kind: _fit(by_kind.get(kind), f"{here}.{kind}", positions) for kind in kinds}
-    return out
+    kinds = [*FIT_KINDS, *(kind for kind in _OPTIONAL_KINDS if kind in by_kind)] if fitted else list(by_kind)
+    positions = POSITIONS if fitted else ("single",)
+    return {kind: _fit(by_kind.get(kind), f"{where}.{kind}", positions) for kind in kinds}
 
 
-def _speed(value: Any, where: str) -> Speed:
-    speed = _mapping(value, where)
-
-    def factors(name: str) -> tuple[float, ...]:
-        return tuple(_positive(v, f"{where}.{name}") for v in speed.get(name) or ())
-
-    mean = speed.get("op_mean")
-    return Speed(factors("step"), factors("op"), None if mean is None else _positive(mean, f"{where}.op_mean"))
-
-
-def _layout_profile(value: Any, where: str, fitted: bool) -> LayoutProfile:
+def _layout_profile(key: str, value: Any) -> LayoutProfile:
+    where = f"layouts.{key}"
     measured = _mapping(value, where)
-    confidence = _mapping(measured.get("confidence", {}), f"{where}.confidence")
-    exchange = _mapping(measured.get("exchange", {}), f"{where}.exchange")
+    layout = Layout.from_key(key)
+    fitted = layout.tp == 1 and layout.ep == 1
+    fits = measured.get("fits", {})
+    if not isinstance(fits, Mapping) or (fitted and not fits):
+        raise ConfigError(
+            f"profile: {where}: `fits` must map micro-batch sizes to measurements, got {fits!r}; {_ADVICE}"
+        )
     return LayoutProfile(
-        fits=_fits(measured.get("fits", {}), where, fitted),
-        speed=_speed(measured.get("speed", {}), f"{where}.speed"),
-        confidence={
-            _size(size, f"{where}.confidence"): {
-                kind: _non_negative(error, f"{where}.confidence[{size}].{kind}")
-                for kind, error in _mapping(errors, f"{where}.confidence[{size}]").items()
-            }
-            for size, errors in confidence.items()
-        },
-        exchange={
-            _size(size, f"{where}.exchange"): _exchange(v, f"{where}.exchange[{size}]") for size, v in exchange.items()
-        },
+        fits=_by_key(fits, f"{where}.fits", lambda v, place: _kinds(v, place, fitted)),
+        speed=_read(Speed, measured.get("speed", {}), f"{where}.speed"),
+        confidence=_by_key(
+            measured.get("confidence", {}),
+            f"{where}.confidence",
+            lambda errors, place: {
+                kind: _non_negative(e, f"{place}.{kind}") for kind, e in _mapping(errors, place).items()
+            },
+        ),
+        exchange=_by_key(
+            measured.get("exchange", {}), f"{where}.exchange", lambda v, place: _read(ExpertExchange, v, place)
+        ),
         layers=_layer_counts(measured.get("layers", []), f"{where}.layers"),
     )
 
@@ -547,84 +483,3 @@ def _layer_counts(value: Any, where: str) -> tuple[int, ...]:
     if any(n < 1 for n in value):
         raise ConfigError(f"profile: {where} holds {min(value)}: a probe's stage holds at least one layer; {_ADVICE}")
     return tuple(sorted(set(value)))
-
-
-def _exchange(value: Any, where: str) -> ExpertExchange:
-    entry = _mapping(value, where)
-    optional = {
-        name: _non_negative(entry[name], f"{where}.{name}")
-        for name in ("M_B", "F_op", "BW_op", "tail_ms", "pipeline_ms")
-        if entry.get(name) is not None
-    }
-    layers = entry.get("layers")
-    return ExpertExchange(
-        F=_non_negative(entry.get("F"), f"{where}.F"),
-        B=_non_negative(entry.get("B"), f"{where}.B"),
-        layers=None if layers is None else int(_positive(layers, f"{where}.layers")),
-        **optional,
-    )
-
-
-def _noise(noise: Mapping[str, Any]) -> Noise:
-    known = {name: noise[name] for name in Noise.__dataclass_fields__ if noise.get(name) is not None}
-    return Noise(**known)
-
-
-def _without(value: Any, key: str) -> Any:
-    return {k: v for k, v in value.items() if k != key} if isinstance(value, Mapping) else value
-
-
-# -- pipeloom.profile/1 ---------------------------------------------------------------------------
-
-
-def _from_format_1(old: Mapping[str, Any]) -> dict[str, Any]:
-    """A `/1` profile (the flat dict of earlier versions) as `/2`: its fits, speeds and
-    confidence under the plain layout, `tensor_parallel[*]` under "tpN[+sp]", `a2a` under
-    "ep2", the links and overheads grouped. Only the reading moves; no number changes (a `/1`
-    file without a p2p link keeps its bandwidth, latency 0)."""
-
-    def speed(source: Mapping[str, Any]) -> dict[str, Any]:
-        return {"step": source.get("step_speed") or [], "op": source.get("op_speed") or []} | (
-            {"op_mean": source["op_speed_mean"]} if source.get("op_speed_mean") is not None else {}
-        )
-
-    if "fits" not in old:
-        raise ConfigError("profile is incomplete: it has no 'fits' (run `pipeloom profile` to make one)")
-    fits = old["fits"]
-    if isinstance(fits, Mapping):  # each size's p2p time: the p2p link prices it now
-        fits = {size: _without(by_kind, "p2p_ms") for size, by_kind in fits.items()}
-    layouts: dict[str, Any] = {"plain": {"fits": fits, "speed": speed(old), "confidence": old.get("confidence") or {}}}
-    tp_speeds = old.get("tensor_parallel_speed") or {}
-    tp_fits = _mapping(old.get("tensor_parallel", {}), "tensor_parallel")
-    for key in {*tp_fits, *tp_speeds}:
-        layouts["tp" + key] = {"fits": tp_fits.get(key, {}), "speed": speed(tp_speeds.get(key) or {})}
-    if "a2a" in old or old.get("expert_parallel_speed"):
-        a2a = _mapping(old.get("a2a", {}), "a2a")
-        exchange = {size: value for size, value in a2a.items() if size != "ep"}
-        layouts[f"ep{a2a.get('ep', 2)}"] = {
-            "exchange": exchange,
-            "speed": speed(old.get("expert_parallel_speed") or {}),
-        }
-    p2p = old.get("p2p") or {"latency_ms": 0.0, "bytes_per_ms": old.get("p2p_bandwidth")}
-    links = {"p2p": p2p} | {name: old[name] for name in ("allreduce", "reduce_scatter", "all_gather") if name in old}
-    if isinstance(old.get("allreduce"), Mapping):
-        links["dp"] = old["allreduce"].get("dp", 2)
-    overheads = {"op_ms": old.get("op_overhead_ms", 0.0), "step": old.get("step_overhead", {"base_ms": 0.0})}
-    if old.get("optimizer") is not None:
-        overheads["optimizer"] = old["optimizer"]
-    device = str(old.get("device", ""))
-    return {
-        "format": PROFILE_FORMAT,
-        "model": old.get("model"),
-        "device": {"kind": "cuda" if device.startswith("cuda") else "cpu", "description": device},
-        "dtype": old.get("dtype", "fp32"),
-        "params": old.get("params"),
-        "static_bytes_per_param": old.get("static_bytes_per_param"),
-        "links": links,
-        "overheads": overheads,
-        "layouts": layouts,
-        "replica_skew": old.get("replica_skew") or {},
-        "noise": old.get("noise") or {},
-        "warnings": old.get("warnings") or [],
-        "source": old.get("source"),
-    }

@@ -113,7 +113,7 @@ def test_pp2_tp2_trains_like_one_process(tmp_path, token_file, schedule, sequenc
 
 def planner_for(sequence_parallel: bool):
     """The profiled cost model of this LLaMA (its fits do not matter for the collectives' bytes)."""
-    from pipeloom.profile_format import PROFILE_FORMAT_1 as PROFILE_FORMAT
+    from pipeloom.profile_format import PROFILE_FORMAT
     from pipeloom.tune.presets import model_from_config
     from pipeloom.tune.profiled import ProfiledCostModel
 
@@ -123,11 +123,10 @@ def planner_for(sequence_parallel: bool):
     profile = {
         "format": PROFILE_FORMAT,
         "model": model,
-        "fits": {"2": {key: zero for key in ("F", "B", "W", "R", "M_B", "M_ckpt")}},
+        "layouts": {"plain": {"fits": {"2": {key: zero for key in ("F", "B", "W", "R", "M_B", "M_ckpt")}}}},
         "params": {"layer": 1, "first": 1, "last": 1},
         "static_bytes_per_param": 16,
-        "p2p_bandwidth": 1e5,
-        **{name: line for name in ("p2p", "allreduce", "reduce_scatter", "all_gather")},
+        "links": {name: line for name in ("p2p", "allreduce", "reduce_scatter", "all_gather")},
     }
     return ProfiledCostModel(profile, tp=2, sequence_parallel=sequence_parallel)
 

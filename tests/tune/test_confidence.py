@@ -9,20 +9,20 @@ from pipeloom.tune.confidence import band, figure_errors, lever, sensitivities, 
 from pipeloom.tune.profiled import ProfiledCostModel
 from pipeloom.tune.search import tune
 
-from .test_profiled import profile
+from .test_profiled import plain, profile
 
 SPACE = dict(schemes=["1f1b", "zb-h1", "gpipe"], pp_values=[2], micro_batches=[1, 2], layouts=False)
 
 
 def _with_confidence(error: float) -> ProfiledCostModel:
     data = profile()
-    data["confidence"] = {size: {kind: error for kind in "FBWR"} for size in ("1", "2")}
+    plain(data)["confidence"] = {size: {kind: error for kind in "FBWR"} for size in ("1", "2")}
     return ProfiledCostModel(data)
 
 
 def test_figure_errors_take_the_worse_neighbour_and_nothing_without_a_profile():
     data = profile()
-    data["confidence"] = {"1": {"F": 0.01, "B": 0.05}, "4": {"F": 0.03, "B": 0.02}}
+    plain(data)["confidence"] = {"1": {"F": 0.01, "B": 0.05}, "4": {"F": 0.03, "B": 0.02}}
     model = ProfiledCostModel(data)
     assert figure_errors(model, 1) == {"F": 0.01, "B": 0.05}
     assert figure_errors(model, 2) == {"F": 0.03, "B": 0.05}  # between 1 and 4: the worse of the two
@@ -89,7 +89,7 @@ def test_plans_priced_beyond_the_profile_rank_after_the_measured_ones_and_say_so
     the fits, a sliced one as micro-batches of 1/s the size. Those rank after every measured
     plan, marked, and the note names the fastest of them and what it rests on."""
     data = profile()
-    data["fits"] = {"2": data["fits"]["2"]}
+    plain(data)["fits"] = {"2": plain(data)["fits"]["2"]}
     model = ProfiledCostModel(data)
     assert model.extrapolations(2) == [] and model.extrapolations(1) == ["micro-batch size 1 (profiled: 2)"]
     assert model.extrapolations(2, slices=4)[0].startswith("4 slices (never profiled")
@@ -105,7 +105,7 @@ def test_plans_priced_beyond_the_profile_rank_after_the_measured_ones_and_say_so
     assert "micro-batch size 1 (profiled: 2)" in result.extrapolation_note
     # so noisy that the guesses at mbs 1 tie with the measured leader, and need less memory: the
     # near-tie was settled before the guesses were ranked last, and its note named one of them first
-    data["confidence"] = {"2": {kind: 0.05 for kind in "FBWR"}}
+    plain(data)["confidence"] = {"2": {kind: 0.05 for kind in "FBWR"}}
     noisy = tune(ProfiledCostModel(data), 2, 1e9, 8, keep=6, **space)
     assert not noisy.ranked[0].extrapolated and noisy.ranked[0].step_time <= noisy.ranked[1].step_time
     assert not noisy.tie_note or noisy.ranked[0].candidate.label in noisy.tie_note.rpartition("ranked ")[2]
@@ -119,11 +119,11 @@ def test_a_stage_of_more_layers_than_the_probes_held_is_marked_and_its_band_wide
     extrapolating the per-layer fits twice their range, so it is marked, ranked after the
     measured plans, and its band widened by how little a line through 2 and 4 knows at 8."""
     data = profile()
-    data["confidence"] = {size: {kind: 0.02 for kind in "FBWR"} for size in ("1", "2")}
+    plain(data)["confidence"] = {size: {kind: 0.02 for kind in "FBWR"} for size in ("1", "2")}
     unrecorded = ProfiledCostModel(data)  # a profile from before the layer counts were kept
     measured = unrecorded.profile
-    plain = dataclasses.replace(measured.plain, layers=(2, 4))
-    model = ProfiledCostModel(dataclasses.replace(measured, layouts={**measured.layouts, Layout(): plain}))
+    recorded = dataclasses.replace(measured.plain, layers=(2, 4))
+    model = ProfiledCostModel(dataclasses.replace(measured, layouts={**measured.layouts, Layout(): recorded}))
     assert model.extrapolations(2, 1, [4, 4]) == [] and model.extrapolations(2, 1, [2, 2, 2, 2]) == []
     assert model.extrapolations(2, 1, [8]) == ["8 layers a stage (profiled: 2, 4)"]
     assert unrecorded.extrapolations(2, 1, [8]) == []
@@ -148,7 +148,7 @@ def test_a_near_tie_never_ranks_first_a_plan_slower_than_the_fastest_plans_band(
     from pipeloom.cli.tune import _explain
 
     data = profile()
-    data["confidence"] = {"1": {kind: 0.3 for kind in "FBWR"}, "2": {kind: 0.0001 for kind in "FBWR"}}
+    plain(data)["confidence"] = {"1": {kind: 0.3 for kind in "FBWR"}, "2": {kind: 0.0001 for kind in "FBWR"}}
     model = ProfiledCostModel(data)
     result = tune(model, 2, 1e9, 8, keep=6, **SPACE)
     assert result.best.candidate.label == "zb-h1 pp=2 dp=1 mbs=2" and result.tie_note == ""

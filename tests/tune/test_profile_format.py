@@ -1,5 +1,5 @@
-"""The typed profile (`pipeloom.profile/2`): what is written is what is read, a `/1` file prices
-every plan as it did, and a bad entry is named by its place in the file."""
+"""The typed profile (`pipeloom.profile/2`): what is written is what is read, and a bad entry is
+named by its place in the file."""
 
 import json
 import math
@@ -21,69 +21,58 @@ from .test_profiled import MODEL, fit, links, profile
 STEADY = [0.9 + 0.01 * k for k in range(21)]
 
 
-def format_1() -> dict:
-    """A `/1` profile with every part: fits with M_W, links, overheads, speeds, confidence, a
+def every_part() -> dict:
+    """A profile with every part: fits with M_W, links, overheads, speeds, confidence, a
     tensor-parallel layout, an expert-parallel one and the replicas' skew."""
     data = profile() | links()
-    model = MODEL | {"num_experts": 4, "num_experts_per_tok": 2}
+    plain = data["layouts"]["plain"]
     for size in ("1", "2"):
-        data["fits"][size]["M_W"] = fit(300.0 * int(size), 10.0, 20.0)
+        plain["fits"][size]["M_W"] = fit(300.0 * int(size), 10.0, 20.0)
     single = {"per_layer": 2.0, "single": 1.0}
-    data |= {
-        "model": model,
-        "params": {"layer": 1000, "first": 500, "last": 600, "experts": 400},
-        "step_speed": STEADY,
-        "op_speed": STEADY,
-        "op_speed_mean": 1.01,
+    plain |= {
+        "speed": {"step": STEADY, "op": STEADY, "op_mean": 1.01},
         "confidence": {"1": {"F": 0.01, "B": 0.02}, "2": {"F": 0.03}},
-        "tensor_parallel": {"2": {size: {kind: single for kind in ("F", "B", "W", "R")} for size in ("1", "2")}},
-        "tensor_parallel_speed": {"2": {"step_speed": STEADY, "op_speed": STEADY}},
-        "a2a": {
-            "ep": 2,
-            "1": {
-                "F": 0.1,
-                "B": 0.2,
-                "layers": 2,
-                "M_B": 2500.0,
-                "F_op": 5.0,
-                "BW_op": 9.0,
-                "tail_ms": 4.0,
-                "pipeline_ms": 50.0,
-            },
-            "2": {
-                "F": 0.2,
-                "B": 0.3,
-                "layers": 2,
-                "M_B": 4500.0,
-                "F_op": 8.0,
-                "BW_op": 15.0,
-                "tail_ms": 6.0,
-                "pipeline_ms": 90.0,
+    }
+    exchange = {"F": 0.1, "B": 0.2, "layers": 2, "M_B": 2500.0, "F_op": 5.0, "BW_op": 9.0}
+    data["layouts"] |= {
+        "tp2": {
+            "fits": {size: {kind: single for kind in ("F", "B", "W", "R")} for size in ("1", "2")},
+            "speed": {"step": STEADY, "op": STEADY},
+        },
+        "ep2": {
+            "exchange": {
+                "1": exchange | {"tail_ms": 4.0, "pipeline_ms": 50.0},
+                "2": exchange
+                | {"F": 0.2, "B": 0.3, "M_B": 4500.0, "F_op": 8.0, "BW_op": 15.0, "tail_ms": 6.0}
+                | {"pipeline_ms": 90.0},
             },
         },
+    }
+    return data | {
+        "model": MODEL | {"num_experts": 4, "num_experts_per_tok": 2},
+        "params": {"layer": 1000, "first": 500, "last": 600, "experts": 400},
         "replica_skew": {"0": 0.05, "1": 0.07},
-        "noise": {"median_spread": 0.02, "worst_spread": 0.05, "rounds": 8, "probes": 4, "remeasured_sizes": []},
-        "device": "cpu, 1 thread(s) per rank, fp32",
+        "noise": {"median_spread": 0.02, "worst_spread": 0.05, "rounds": 8, "probes": 4},
+        "device": {"kind": "cpu", "description": "cpu, 1 thread(s) per rank, fp32", "threads": 1},
         "source": "hf:./my-model",
     }
-    return data
 
 
 def test_a_profile_reads_back_what_it_wrote_through_json():
     import dataclasses
 
-    typed = Profile.from_dict(format_1())
+    typed = Profile.from_dict(every_part())
     typed = dataclasses.replace(
         typed, layouts={**typed.layouts, Layout(): dataclasses.replace(typed.plain, layers=(1, 2))}
     )
     written = json.loads(json.dumps(typed.to_dict()))
     assert written["format"] == PROFILE_FORMAT and set(written["layouts"]) == {"plain", "tp2", "ep2"}
-    assert written["layouts"]["plain"]["layers"] == [1, 2] and "layers" not in written["layouts"]["tp2"]
+    assert written["layouts"]["plain"]["layers"] == [1, 2] and written["layouts"]["tp2"]["layers"] == []
     assert Profile.from_dict(written) == typed
 
 
-def test_a_format_1_profile_becomes_typed_parts_keyed_by_layout():
-    typed = Profile.from_dict(format_1())
+def test_a_profile_s_parts_are_typed_and_keyed_by_layout():
+    typed = Profile.from_dict(every_part())
     assert set(typed.layouts) == {Layout(), Layout(tp=2), Layout(ep=2)}
     assert typed.plain.fits[2]["F"] == Fit(2.0, 1.5, first=0.5, last=1.5, middle=0.5)
     assert typed.plain.fits[1]["M_W"].per_layer == 300.0 and typed.plain.confidence[2] == {"F": 0.03}
@@ -93,26 +82,7 @@ def test_a_format_1_profile_becomes_typed_parts_keyed_by_layout():
     assert typed.expert_parallel[1].exchange[1] == ExpertExchange(0.1, 0.2, 2, 2500.0, 5.0, 9.0, 4.0, 50.0)
     assert typed.links.allreduce is not None and typed.links.dp == 2 and typed.replica_skew == {0: 0.05, 1: 0.07}
     assert typed.params.experts == 400 and typed.source == "hf:./my-model" and typed.noise.rounds == 8
-
-
-@pytest.mark.parametrize("tp, sequence_parallel, ep", [(1, False, 1), (2, False, 1), (2, True, 1), (1, False, 2)])
-def test_a_format_1_profile_prices_every_plan_as_the_same_profile_in_format_2(tp, sequence_parallel, ep):
-    """Only the reading moved: stage costs, collectives, the optimizer and the replicas' wait of a
-    `/1` file and of its `/2` rewrite are the same numbers, for each layout they measured."""
-    import dataclasses
-
-    old = format_1()
-    new = json.loads(json.dumps(Profile.from_dict(old).to_dict()))
-    assert new["format"] == PROFILE_FORMAT
-    models = [ProfiledCostModel(data, tp, sequence_parallel) for data in (old, new)]
-    for model in models:
-        model.model = dataclasses.replace(model.model, expert_parallel=ep)
-    a, b = (model.stage_costs([2, 3], 2, 2, 2, zero=1) for model in models)
-    assert a == b and a.F[0] > 0
-    for probe in (lambda m: m.allreduce_time(1e6, 2, 4), lambda m: m.optimizer_time(1e6, 2, 1)):
-        assert probe(models[0]) == probe(models[1]) > 0
-    assert models[0].replica_skew(4) == models[1].replica_skew(4)
-    assert models[0].layer_memory(2, 2) == models[1].layer_memory(2, 2)
+    assert typed.device.threads == 1 and typed.noise.wall_over_cpu is None
 
 
 def test_an_expert_parallel_group_the_profile_never_ran_is_marked():
@@ -120,12 +90,12 @@ def test_an_expert_parallel_group_the_profile_never_ran_is_marked():
     from those exchanges, and a profile without them prices no all-to-all at all."""
     import dataclasses
 
-    measured = ProfiledCostModel(format_1())
+    measured = ProfiledCostModel(every_part())
     for ep, reasons in ((1, []), (2, []), (4, ["ep 4 (profiled: ep 2)"])):
         measured.model = dataclasses.replace(measured.model, expert_parallel=ep)
         assert measured.extrapolations(1) == reasons
-    data = format_1()
-    del data["a2a"]
+    data = every_part()
+    del data["layouts"]["ep2"]
     unmeasured = ProfiledCostModel(data)
     unmeasured.model = dataclasses.replace(unmeasured.model, expert_parallel=2)
     assert unmeasured.extrapolations(1) == ["ep 2 (never profiled: no all-to-all priced)"]
@@ -167,10 +137,13 @@ def test_layout_keys_name_every_layout_and_refuse_others():
         (lambda p: p.pop("links"), "it has no 'links'"),
         (lambda p: p["layouts"]["plain"].update(layers=[0, 2]), r"layouts\.plain\.layers holds 0"),
         (lambda p: p["layouts"]["plain"].update(layers="1,2"), r"layouts\.plain\.layers must be a list"),
+        (lambda p: p["noise"].update(busy_allowed="yes"), r"noise\.busy_allowed must be true or false"),
+        (lambda p: p["links"]["p2p"].pop("latency_ms"), r"links\.p2p\.latency_ms is missing"),
+        (lambda p: p["layouts"]["ep2"]["exchange"]["1"].update(layers=1.5), r"layers is 1\.5, not a whole number"),
     ],
 )
 def test_a_bad_entry_of_a_format_2_profile_is_named_by_its_place(change, message):
-    data = json.loads(json.dumps(Profile.from_dict(format_1()).to_dict()))
+    data = json.loads(json.dumps(Profile.from_dict(every_part()).to_dict()))
     change(data)
     with pytest.raises(ConfigError, match=message):
         Profile.from_dict(data)

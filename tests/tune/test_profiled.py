@@ -6,7 +6,7 @@ import math
 import pytest
 
 from pipeloom import ConfigError
-from pipeloom.profile_format import PROFILE_FORMAT_1 as PROFILE_FORMAT
+from pipeloom.profile_format import PROFILE_FORMAT
 from pipeloom.tune.profile_fits import fit_positions
 from pipeloom.tune.profiled import ProfiledCostModel
 from pipeloom.tune.search import tune
@@ -34,17 +34,27 @@ def profile():
             "R": fit(1.1 * size, 0.5, 1.5),
             "M_B": fit(1000.0 * size, 100.0, 4000.0),
             "M_ckpt": fit(0.0, 50.0 * size, 50.0 * size),
-            "p2p_ms": 0.1 * size,
         }
     return {
         "format": PROFILE_FORMAT,
         "model": MODEL,
-        "fits": fits,
+        "layouts": {"plain": {"fits": fits}},
         "params": {"layer": 1000, "first": 500, "last": 600},
         "static_bytes_per_param": 16,
-        "p2p_bandwidth": 1e6,
-        "step_overhead": {"base_ms": 2.0, "per_param_ms": 0.0},
+        "links": {"p2p": {"latency_ms": 0.0, "bytes_per_ms": 1e6}},
+        "overheads": {"step": {"base_ms": 2.0, "per_param_ms": 0.0}},
     }
+
+
+def plain(data: dict) -> dict:
+    """The plain layout's part of a profile dict."""
+    return data["layouts"]["plain"]
+
+
+def with_speed(data: dict, layout: str = "plain", **speed) -> dict:
+    """`data` with `speed` (step, op, op_mean quantiles) set on `layout`'s measurements."""
+    data["layouts"].setdefault(layout, {}).setdefault("speed", {}).update(speed)
+    return data
 
 
 def test_fit_positions_shares_one_slope():
@@ -134,6 +144,10 @@ def test_a_sliced_plan_is_priced_from_the_probes_run_in_its_slices_where_the_pro
 def test_bad_profiles_are_refused():
     with pytest.raises(ConfigError, match="not a pipeloom.profile/2"):
         ProfiledCostModel({"format": "other"})
+    with pytest.raises(
+        ConfigError, match=r"a pipeloom\.profile/1 file, .*: measure this machine again \(`pipeloom profile"
+    ):
+        ProfiledCostModel({"format": "pipeloom.profile/1", "model": MODEL, "fits": {}})
     with pytest.raises(ConfigError, match="incomplete"):
         ProfiledCostModel({"format": PROFILE_FORMAT, "model": MODEL})
     with pytest.raises(ConfigError, match="--tp must be at least 1"):
@@ -145,13 +159,17 @@ def test_measured_runtime_overheads_are_priced():
     latency + bytes / bandwidth, the dp = 2 all-reduce scales by the ring, and the optimizer and
     the rest of a step are apart."""
     measured = profile() | {
-        "op_overhead_ms": 0.25,
-        "p2p": {"latency_ms": 0.5, "bytes_per_ms": 1e6},
-        "allreduce": {"latency_ms": 1.0, "bytes_per_ms": 2e6, "dp": 2},
-        "reduce_scatter": {"latency_ms": 2.0, "bytes_per_ms": 1e6, "dp": 2},
-        "all_gather": {"latency_ms": 0.5, "bytes_per_ms": 4e6, "dp": 2},
-        "optimizer": {"base_ms": 1.0, "per_param_ms": 1e-3},
-        "step_overhead": {"base_ms": 3.0, "per_param_ms": 0.0},
+        "links": {
+            "p2p": {"latency_ms": 0.5, "bytes_per_ms": 1e6},
+            "allreduce": {"latency_ms": 1.0, "bytes_per_ms": 2e6},
+            "reduce_scatter": {"latency_ms": 2.0, "bytes_per_ms": 1e6},
+            "all_gather": {"latency_ms": 0.5, "bytes_per_ms": 4e6},
+        },
+        "overheads": {
+            "op_ms": 0.25,
+            "optimizer": {"base_ms": 1.0, "per_param_ms": 1e-3},
+            "step": {"base_ms": 3.0, "per_param_ms": 0.0},
+        },
     }
     plain, model = ProfiledCostModel(profile()), ProfiledCostModel(measured)
     for key in ("F", "B", "W", "R"):
@@ -172,13 +190,9 @@ def test_measured_runtime_overheads_are_priced():
 
 
 def links():
+    """Measured collectives (over dp = 2), to merge into a profile dict."""
     line = {"latency_ms": 0.1, "bytes_per_ms": 1e5}
-    return {
-        "p2p": line,
-        "allreduce": {**line, "dp": 2},
-        "reduce_scatter": {**line, "dp": 2},
-        "all_gather": {**line, "dp": 2},
-    }
+    return {"links": {name: line for name in ("p2p", "allreduce", "reduce_scatter", "all_gather")}}
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
@@ -208,9 +222,8 @@ def test_ops_measured_on_tensor_parallel_ranks_are_priced_as_measured():
     another layout, not measured, keeps the split-and-add estimate."""
     data = {**profile(), **links()}
     measured = {kind: {"per_layer": 4.0 * k, "single": 3.0 * k} for k, kind in enumerate("FBWR", start=1)}
-    data["tensor_parallel"] = {
-        "2": {"1": measured, "2": {k: {f: 2 * v for f, v in fit.items()} for k, fit in measured.items()}}
-    }
+    tp2 = {"1": measured, "2": {k: {f: 2 * v for f, v in fit.items()} for k, fit in measured.items()}}
+    data["layouts"]["tp2"] = {"fits": tp2}
     split = ProfiledCostModel(data, tp=2)
     single = split.stage_costs([3], 2, 1, 1)
     assert single.F == pytest.approx([3 * 8.0 + 6.0]) and single.W == pytest.approx([3 * 24.0 + 18.0])
@@ -220,14 +233,14 @@ def test_ops_measured_on_tensor_parallel_ranks_are_priced_as_measured():
     assert split.layer_time(1) == pytest.approx(4.0 + 8.0 + 12.0)
     unmeasured = ProfiledCostModel({**profile(), **links()}, tp=2).stage_costs([3], 2, 1, 1)
     assert single.M_B == pytest.approx(unmeasured.M_B)  # no stash measured: the estimate's share
-    data["tensor_parallel"]["2"]["2"]["M_B"] = {"per_layer": 700.0, "single": 900.0}
-    data["tensor_parallel"]["2"]["1"]["M_B"] = {"per_layer": 350.0, "single": 450.0}
+    tp2["2"]["M_B"] = {"per_layer": 700.0, "single": 900.0}
+    tp2["1"]["M_B"] = {"per_layer": 350.0, "single": 450.0}
     stashed = ProfiledCostModel(data, tp=2)
     assert stashed.stage_costs([3], 2, 1, 1).M_B == pytest.approx([3 * 700.0 + 900.0])  # the stash as measured
     assert stashed.layer_memory(2, 1)[0] == pytest.approx(700.0)
     estimated = ProfiledCostModel(data, tp=2, sequence_parallel=True)  # "2+sp" was not measured
     assert estimated.stage_costs([3], 2, 1, 1).F != single.F
-    data["tensor_parallel"]["2"]["1"]["F"]["single"] = -1.0
+    tp2["1"]["F"]["single"] = -1.0
     with pytest.raises(ConfigError, match=r"layouts\.tp2\.fits\[1\]\.F\.single is -1.0"):
         ProfiledCostModel(data, tp=2)
 
@@ -241,7 +254,7 @@ def test_sharing_the_experts_out_changes_the_stash_by_what_was_measured():
     data = profile()
     data["model"] = {**MODEL, "num_experts": 4, "num_experts_per_tok": 2}
     fitted = 1000.0 * 2 * 4 + 4000.0  # M_B at micro-batch 2 on a single stage of 4 layers (the dearer end)
-    data["a2a"] = {"ep": 2, "2": {"F": 0.1, "B": 0.2, "M_B": fitted - 4 * 300.0, "layers": 4}}
+    data["layouts"]["ep2"] = {"exchange": {"2": {"F": 0.1, "B": 0.2, "M_B": fitted - 4 * 300.0, "layers": 4}}}
     whole = ProfiledCostModel(data)
     shared = ProfiledCostModel(data)
     shared.model = dataclasses.replace(shared.model, expert_parallel=2)
@@ -264,7 +277,7 @@ def test_sharing_the_experts_out_adds_the_measured_compute_beyond_the_exchanges(
     whole = ProfiledCostModel(data)
     fitted = {kind: whole.stage_costs([4], 2, 1, 1).stage_value(kind, 0) for kind in ("F", "B", "W")}
     exchange = {"F": 0.1, "B": 0.2, "layers": 4, "M_B": 4 * 1000.0 + 4000.0}
-    data["a2a"] = {"ep": 2, "2": exchange}
+    data["layouts"]["ep2"] = {"exchange": {"2": exchange}}
     shared = ProfiledCostModel(data)
     shared.model = dataclasses.replace(shared.model, expert_parallel=2)
     before = shared.stage_costs([3, 5], 2, 2, 2)
@@ -320,13 +333,14 @@ def test_expert_parallel_replicas_wait_as_their_probes_did():
         + shared.step_overhead_time()
     )
     probe = {"F": 0.1, "B": 0.2, "layers": 8, "pipeline_ms": 100.0}
-    data["a2a"] = {"ep": 2, "1": probe | {"tail_ms": expected + 9.0}, "2": probe | {"tail_ms": expected + 3.0}}
+    exchange = {"1": probe | {"tail_ms": expected + 9.0}, "2": probe | {"tail_ms": expected + 3.0}}
+    data["layouts"]["ep2"] = {"exchange": exchange}
     measured = ProfiledCostModel(data)
     measured.model = shared.model
     assert measured.replica_skew(2) == pytest.approx(0.03)  # at the largest size measured
     assert measured.replica_skew(4) == pytest.approx(0.03 * math.sqrt(2))
     assert ProfiledCostModel(data).replica_skew(2) == 0.0  # without --ep: the dense probes' (none here)
-    data["a2a"]["2"]["tail_ms"] = expected - 1.0  # faster than priced: no negative wait
+    exchange["2"]["tail_ms"] = expected - 1.0  # faster than priced: no negative wait
     measured = ProfiledCostModel(data)
     measured.model = shared.model
     assert measured.replica_skew(2) == 0.0
@@ -340,15 +354,18 @@ def test_tensor_parallelism_needs_measured_collectives():
 @pytest.mark.parametrize(
     "change, message",
     [
-        (lambda p: p["fits"]["1"]["F"].update(per_layer=float("nan")), r"fits\[1\]\.F\.per_layer is nan"),
-        (lambda p: p["fits"]["2"]["B"].update(first=-1.25), r"fits\[2\]\.B\.first is -1.25: .* cannot be negative"),
-        (lambda p: p["fits"]["1"]["M_B"].update(last="4000"), r"fits\[1\]\.M_B\.last must be a number"),
-        (lambda p: p.update(fits={}), "`fits` must map micro-batch sizes"),
-        (lambda p: p.update(fits="1,2"), "`fits` must map micro-batch sizes"),
-        (lambda p: p["fits"].update({"0": p["fits"]["1"]}), "size '0', not a positive integer"),
-        (lambda p: p["fits"]["1"].pop("W"), r"fits\[1\]\.W is missing"),
-        (lambda p: p.update(p2p_bandwidth=0), r"links\.p2p\.bytes_per_ms is 0: it must be positive"),
-        (lambda p: p["step_overhead"].update(base_ms=-2.0), r"overheads\.step\.base_ms is -2\.0"),
+        (lambda p: plain(p)["fits"]["1"]["F"].update(per_layer=float("nan")), r"fits\[1\]\.F\.per_layer is nan"),
+        (
+            lambda p: plain(p)["fits"]["2"]["B"].update(first=-1.25),
+            r"fits\[2\]\.B\.first is -1.25: .* cannot be negative",
+        ),
+        (lambda p: plain(p)["fits"]["1"]["M_B"].update(last="4000"), r"fits\[1\]\.M_B\.last must be a number"),
+        (lambda p: plain(p).update(fits={}), "`fits` must map micro-batch sizes"),
+        (lambda p: plain(p).update(fits="1,2"), "`fits` must map micro-batch sizes"),
+        (lambda p: plain(p)["fits"].update({"0": plain(p)["fits"]["1"]}), "size '0', not a positive integer"),
+        (lambda p: plain(p)["fits"]["1"].pop("W"), r"fits\[1\]\.W is missing"),
+        (lambda p: p["links"]["p2p"].update(bytes_per_ms=0), r"links\.p2p\.bytes_per_ms is 0: it must be positive"),
+        (lambda p: p["overheads"]["step"].update(base_ms=-2.0), r"overheads\.step\.base_ms is -2\.0"),
     ],
 )
 def test_a_profile_with_a_bad_number_is_refused_by_name(change, message):
@@ -367,7 +384,7 @@ def test_the_cli_refuses_a_bad_profile_in_one_line(tmp_path, capsys):
     from pipeloom.cli import main
 
     bad = profile()
-    bad["fits"]["1"]["F"]["per_layer"] = float("nan")
+    plain(bad)["fits"]["1"]["F"]["per_layer"] = float("nan")
     (tmp_path / "profile.json").write_text(json.dumps(bad))
     argv = ["tune", "--costs", str(tmp_path / "profile.json"), "--devices", "2", "--memory", "1GiB"]
     assert main(argv + ["--global-batch", "4", "--output", str(tmp_path / "plan.json")]) == 2
@@ -383,7 +400,8 @@ def test_chimera_s_twin_copies_wait_for_each_other_at_the_gradient_sync_as_repli
     ops run on, and the whole sync is paid after it. Either way the copies wait for each other."""
     from pipeloom.tune.search import tune
 
-    data = {**profile(), **links(), "replica_skew": {"0": 0.1, "1": 0.1}, "device": device}
+    data = {**profile(), **links(), "replica_skew": {"0": 0.1, "1": 0.1}, "device": {"description": device}}
+    data["device"]["kind"] = "cuda" if device.startswith("cuda") else "cpu"
     model = ProfiledCostModel(data)
     best = tune(model, 2, 1e12, 8, schemes=["chimera"], pp_values=[2], micro_batches=[2], static_measures=False).best
     from pipeloom.sim import exposed_sync
@@ -405,6 +423,6 @@ def test_the_bytes_a_b_leaves_for_its_w_are_priced_as_measured_and_none_from_an_
     assert tuple(older.M_W) == (0.0, 0.0)
     data = profile()
     for size in ("1", "2"):
-        data["fits"][size]["M_W"] = fit(300.0 * int(size), 10.0, 20.0)
+        plain(data)["fits"][size]["M_W"] = fit(300.0 * int(size), 10.0, 20.0)
     costs = ProfiledCostModel(data).stage_costs([2, 2], 2, pp=2, dp=1)
     assert costs.M_W == pytest.approx([2 * 600.0 + 10.0, 2 * 600.0 + 20.0])  # per layer, plus each end's

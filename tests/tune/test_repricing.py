@@ -6,7 +6,7 @@ from pipeloom.tune.plan import plan_from_evaluation, repriced
 from pipeloom.tune.profiled import ProfiledCostModel
 from pipeloom.tune.search import tune
 
-from .test_profiled import profile
+from .test_profiled import plain, profile, with_speed
 from .test_speed_noise import JUMPY
 
 PASS_KINDS = ("F", "B", "W", "R")
@@ -28,7 +28,7 @@ def _plan(data: dict, memory: float = 1e9, **space):
     ],
 )
 def test_a_plan_priced_under_its_own_profile_predicts_what_tune_did(space):
-    data = profile() | {"step_speed": JUMPY}
+    data = with_speed(profile(), step=JUMPY)
     plan, cost_model = _plan(data, **space)
     _same(plan, cost_model)
 
@@ -41,10 +41,10 @@ def test_a_plan_priced_under_its_own_profile_predicts_what_tune_did(space):
     ],
 )
 def test_a_plan_a_memory_limit_shaped_is_priced_with_its_measure(space, static, activations, taken):
-    data = profile() | {"step_speed": JUMPY}
-    plain, _ = _plan(data, **space, static_measures=False)
-    memory = static * max(plain.predicted["static_memory"]) + activations * max(
-        plain.predicted["peak_activation_memory"]
+    data = with_speed(profile(), step=JUMPY)
+    unshaped, _ = _plan(data, **space, static_measures=False)
+    memory = static * max(unshaped.predicted["static_memory"]) + activations * max(
+        unshaped.predicted["peak_activation_memory"]
     )
     plan, cost_model = _plan(data, memory, **space)
     assert {"zero": plan.zero, "passes": plan.passes} == taken
@@ -59,10 +59,10 @@ def _same(plan, cost_model) -> None:
 
 
 def test_ops_a_tenth_dearer_make_the_same_schedule_s_pipeline_a_tenth_longer():
-    free_p2p = {"p2p": {"latency_ms": 0.0, "bytes_per_ms": 1e300}}  # only the ops take time
+    free_p2p = {"links": {"p2p": {"latency_ms": 0.0, "bytes_per_ms": 1e300}}}  # only the ops take time
     plan, _ = _plan(profile() | free_p2p, schemes=["zb-h1"], pp_values=[2])
     slower = profile() | free_p2p
-    for fits in slower["fits"].values():
+    for fits in plain(slower)["fits"].values():
         for kind in PASS_KINDS:
             fits[kind] = {position: 1.1 * value for position, value in fits[kind].items()}
     again = repriced(plan, ProfiledCostModel(slower)).predicted

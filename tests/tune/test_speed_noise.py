@@ -11,7 +11,7 @@ from pipeloom.tune.search import tune
 from pipeloom.tune.speed_noise import mean_matched, noisy_pipeline, winsorized
 from pipeloom.tune.tp_layout import layout_speeds
 
-from .test_profiled import links, profile
+from .test_profiled import links, profile, with_speed
 
 SPACE = dict(micro_batches=[2], layouts=False, keep=3)
 STEADY = [1.0] * QUANTILES
@@ -19,9 +19,7 @@ JUMPY = [0.8 + 0.4 * k / (QUANTILES - 1) for k in range(QUANTILES)]  # uniform Â
 
 
 def _model(quantiles) -> ProfiledCostModel:
-    data = profile()
-    data["step_speed"] = quantiles
-    return ProfiledCostModel(data)
+    return ProfiledCostModel(with_speed(profile(), step=quantiles))
 
 
 def test_quantiles_are_each_step_over_its_series_median():
@@ -50,8 +48,7 @@ def test_a_pipeline_waits_for_whichever_rank_was_slow():
 
 def test_skewed_op_times_lengthen_even_one_device_s_median_step():
     skewed = [1.0] * (QUANTILES - 6) + [1.1, 1.2, 1.3, 1.4, 1.5, 9.0]  # slow ops slower than fast ones fast
-    data = profile()
-    data["step_speed"], data["op_speed"] = STEADY, skewed
+    data = with_speed(profile(), step=STEADY, op=skewed)
     alone = tune(ProfiledCostModel(data), 2, 1e9, 8, schemes=["1f1b"], pp_values=[1], **SPACE).best
     assert alone.noise_time > 0
     assert winsorized(skewed)[-1] == 1.5 and winsorized(skewed)[0] == 1.0  # the top bin: one op in twenty
@@ -64,8 +61,7 @@ def test_a_tensor_parallel_plan_draws_from_its_own_layout_s_speeds():
     """Collective waits inside a tp op vary and skew it: a layout measured on tp ranks keeps its
     own quantiles (`profile.tp_probes`), and its plans draw from them, not from the plain probes'."""
     skewed = [1.0] * (QUANTILES - 6) + [1.1, 1.2, 1.3, 1.4, 1.5, 9.0]
-    data = {**profile(), **links(), "step_speed": STEADY, "op_speed": STEADY}
-    data["tensor_parallel_speed"] = {"2": {"step_speed": STEADY, "op_speed": skewed}}
+    data = with_speed(with_speed(profile() | links(), step=STEADY, op=STEADY), "tp2", step=STEADY, op=skewed)
     plain = ProfiledCostModel(data, tp=2, sequence_parallel=True)  # "2+sp" not measured: the plain probes'
     assert speeds(data, 2, True) == (STEADY, STEADY, None)
     assert speeds(data, 2, False) == (STEADY, skewed, None)
@@ -79,15 +75,11 @@ def test_an_expert_parallel_plan_draws_from_its_own_layout_s_speeds():
     """All-to-all waits inside the ops of replicas that share out the experts vary and skew them
     too (`profile.ep_probes`): an ep > 1 plan draws from that layout's quantiles, others do not."""
     skewed = [1.0] * (QUANTILES - 6) + [1.1, 1.2, 1.3, 1.4, 1.5, 9.0]
-    data = {
-        **profile(),
-        "step_speed": STEADY,
-        "op_speed": STEADY,
-        "expert_parallel_speed": {"step_speed": STEADY, "op_speed": skewed},
-    }
+    data = with_speed(with_speed(profile(), step=STEADY, op=STEADY), "ep2", step=STEADY, op=skewed)
     assert speeds(data, 1, False, ep=2) == (STEADY, skewed, None)
     assert speeds(data, 1, False) == (STEADY, STEADY, None)
-    assert speeds({**data, "expert_parallel_speed": {}}, 1, False, ep=2) == (STEADY, STEADY, None)
+    data["layouts"]["ep2"]["speed"] = {}
+    assert speeds(data, 1, False, ep=2) == (STEADY, STEADY, None)
 
 
 def speeds(data: dict, tp: int, sequence_parallel: bool, ep: int = 1) -> tuple[list, list, float | None]:
@@ -99,13 +91,13 @@ def speeds(data: dict, tp: int, sequence_parallel: bool, ep: int = 1) -> tuple[l
 def test_one_device_s_ops_draw_the_mean_factor_the_profile_measured():
     """A step adds up many ops, so it carries their mean factor: the draws are scaled to it."""
     skewed = [1.0] * (QUANTILES - 6) + [1.1, 1.2, 1.3, 1.4, 1.5, 9.0]
-    data = {**profile(), "step_speed": STEADY, "op_speed": skewed}
+    data = with_speed(profile(), step=STEADY, op=skewed)
     alone = tune(ProfiledCostModel(data), 2, 1e9, 8, schemes=["1f1b"], pp_values=[1], **SPACE).best
     drawn = noisy_pipeline(alone, STEADY, op_quantiles=skewed)
     assert noisy_pipeline(alone, STEADY, op_quantiles=skewed, op_mean=1.05) == pytest.approx(
         drawn * 1.05 / (sum(winsorized(skewed)) - (1.0 + 1.5) / 2) * (QUANTILES - 1)
     )  # one device, no messages: the makespan scales with every op
-    even = data | {"op_speed": JUMPY, "op_speed_mean": 1.03}
+    even = with_speed(profile(), step=STEADY, op=JUMPY, op_mean=1.03)
     measured = tune(ProfiledCostModel(even), 2, 1e9, 8, schemes=["1f1b"], pp_values=[1], **SPACE).best
     assert noisy_pipeline(measured, STEADY, op_quantiles=JUMPY, op_mean=1.0) == noisy_pipeline(
         measured, STEADY, op_quantiles=JUMPY
