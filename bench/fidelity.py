@@ -14,7 +14,7 @@ tensor- and expert-parallel ops wait inside collectives, and vary more) for `--s
 `speed.timed_steps`), taking turns so that a slow spell of the machine falls on one round of
 several plans — and taking turns with the rounds of a second profile of the model, measured the
 same way (each plan with the probes that price its ops: a tensor- or expert-parallel plan with
-its layout's, `profile.tp_probes`, `profile.ep_probes`):
+its layout's, `profile.layouts`):
 this machine's speed drifts by ±5–10 % over minutes (shared host), so a profile taken
 before the runs predicts them only as well as the machine holds still. Each plan's own schedule is
 priced again under that second profile (`tune.plan.repriced`): the prediction the table checks.
@@ -54,7 +54,7 @@ from fidelity_report import report
 
 from pipeloom.errors import RuntimeFault
 from pipeloom.models.llama import llama_config
-from pipeloom.profile.ep_probes import EP
+from pipeloom.profile.layouts import EP
 from pipeloom.profile.probe_rounds import Turns
 from pipeloom.profile.profiler import profile_model
 from pipeloom.profile_format import Layout, Profile
@@ -270,7 +270,7 @@ def hf_groups(directory: Path, steps: int, lean: ProcessPoolExecutor) -> list[Gr
 
     (directory / "config.json").write_text(json.dumps(MIXTRAL))
     groups = []
-    tensor_parallel = [(2, False), (2, True)]  # measured on tp ranks (`profile.tp_probes`)
+    tensor_parallel = [(2, False), (2, True)]  # measured on tp ranks (`profile.layouts`)
     for source, name, tunings, layouts in (
         (HF_LLAMA, "hf-llama-tiny", [{"tp": 2, "sequence_parallel": sp} for _, sp in tensor_parallel], tensor_parallel),
         (directory, "mixtral-tiny", [{"ep": 1, "pp_values": [2]}, {"ep": 2, "pp_values": [1]}], []),

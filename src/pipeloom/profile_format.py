@@ -37,7 +37,7 @@ __all__ = [
     "Layout",
     "Fit",
     "Speed",
-    "ExpertExchange",
+    "ReplicaWait",
     "LayoutProfile",
     "Link",
     "Links",
@@ -53,9 +53,10 @@ PROFILE_FORMAT = "pipeloom.profile/2"
 TIME_KINDS = ("F", "B", "W", "R")
 """The passes a fit prices, in ms."""
 FIT_KINDS = (*TIME_KINDS, "M_B", "M_ckpt")
-"""What every micro-batch size of a fitted layout holds (M_W, the bytes a B leaves queued for
-its W, is optional: profiles before it was measured have none)."""
-_OPTIONAL_KINDS = ("M_W",)
+"""What every micro-batch size of a two-stage layout holds."""
+_OPTIONAL_KINDS = ("M_W", "a2a_F", "a2a_B")
+"""M_W: the bytes a B leaves queued for its W; a2a_F, a2a_B: the expert all-to-alls in flight in
+a forward and a backward (ms), where the experts were shared out."""
 POSITIONS = ("first", "last", "middle", "single")
 _ADVICE = "profile again (`pipeloom profile`), or correct the file"
 
@@ -125,33 +126,27 @@ class Speed:
 
 
 @dataclass(frozen=True)
-class ExpertExchange:
-    """One micro-batch size on the expert-parallel probe (one stage of `layers` layers, two
-    replicas sharing out its experts): the all-to-alls' ms per layer of an F and of a B, the
-    bytes an F stashed, an F's and a BW's whole time, and rank 0's step beyond its pipeline
-    (its wait for the other replica) beside its pipeline. Older profiles measured only F and B."""
+class ReplicaWait:
+    """Rank 0 of two data-parallel replicas of one stage of `layers` layers: its step beyond its
+    pipeline (gradient sync, optimizer and the rest, where it waits for the other replica; the
+    mean over steps) and its pipeline (the median), in ms."""
 
-    F: float
-    B: float
-    layers: int | None = None
-    M_B: float | None = None
-    F_op: float | None = None
-    BW_op: float | None = None
-    tail_ms: float | None = None
-    pipeline_ms: float | None = None
+    tail_ms: float
+    pipeline_ms: float
+    layers: int
 
 
 @dataclass(frozen=True)
 class LayoutProfile:
-    """What the probes of one layout measured: fits per micro-batch size and kind (F, B, W, R in
-    ms; M_B, M_W, M_ckpt in bytes), how their speed varied, the relative standard error of each
-    op kind's medians, the layers a stage its probes ran, and (expert parallelism) the exchanges
-    per size."""
+    """What the probes of one layout measured: fits per micro-batch size and kind (F, B, W, R and
+    the all-to-alls in flight in ms; M_B, M_W, M_ckpt in bytes), how their speed varied, the
+    relative standard error of each op kind's medians, the layers a stage its probes ran, and
+    its replicas' wait at the gradient sync by ZeRO level (0; 1 for ZeRO-1/2)."""
 
     fits: Mapping[int, Mapping[str, Fit]] = field(default_factory=dict)
     speed: Speed = Speed()
     confidence: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
-    exchange: Mapping[int, ExpertExchange] = field(default_factory=dict)
+    waits: Mapping[int, ReplicaWait] = field(default_factory=dict)
     layers: tuple[int, ...] = ()
     """The layer counts a stage of its probes held, ascending (empty: not recorded, a profile
     from before they were)."""
@@ -268,8 +263,6 @@ class Profile:
     layouts: Mapping[Layout, LayoutProfile]
     """Always "plain"; "tpN[+sp]" with `profile --tp`; "ep2" for a mixture of experts; "sN" with
     `profile --slices`."""
-    replica_skew: Mapping[int, float] = field(default_factory=dict)
-    """ZeRO level (0; 1 for ZeRO-1/2) → the replicas' wait at the gradient sync over the pipeline."""
     noise: Noise = Noise()
     warnings: tuple[str, ...] = ()
     source: str | None = None
@@ -324,7 +317,6 @@ class Profile:
             links=_read(Links, data["links"], "links"),
             overheads=_read(Overheads, data.get("overheads", {}), "overheads"),
             layouts={Layout.from_key(key): _layout_profile(key, value) for key, value in layouts.items()},
-            replica_skew=_by_key(data.get("replica_skew", {}), "replica_skew", _non_negative, "a ZeRO level", 0),
             noise=_read(Noise, data.get("noise", {}), "noise"),
             warnings=tuple(str(text) for text in data.get("warnings", ())),
             source=data.get("source"),
@@ -347,8 +339,9 @@ def _plain(value: Any) -> Any:
 
 # -- reading, entry by entry ---------------------------------------------------------------------
 
-_POSITIVE = frozenset({"bytes_per_ms", "dp", "step", "op", "op_mean", "layers"})
-"""Fields that must be above zero: a bandwidth, a group, a speed factor, a stage's layers."""
+_POSITIVE = frozenset({"bytes_per_ms", "dp", "step", "op", "op_mean", "layers", "pipeline_ms"})
+"""Fields that must be above zero: a bandwidth, a group, a speed factor, a stage's layers, a
+pipeline's time (a share is taken of it)."""
 
 
 def _read(cls: type, value: Any, where: str) -> Any:
@@ -470,8 +463,12 @@ def _layout_profile(key: str, value: Any) -> LayoutProfile:
                 kind: _non_negative(e, f"{place}.{kind}") for kind, e in _mapping(errors, place).items()
             },
         ),
-        exchange=_by_key(
-            measured.get("exchange", {}), f"{where}.exchange", lambda v, place: _read(ExpertExchange, v, place)
+        waits=_by_key(
+            measured.get("waits", {}),
+            f"{where}.waits",
+            lambda v, place: _read(ReplicaWait, v, place),
+            "a ZeRO level",
+            0,
         ),
         layers=_layer_counts(measured.get("layers", []), f"{where}.layers"),
     )

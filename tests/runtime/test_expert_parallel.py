@@ -239,23 +239,24 @@ def test_an_exchange_counts_as_hidden_only_what_the_paired_op_ran_while_it_was_i
     assert traffic.exposed_s == (10 - 4) + (10 - 2) + 5 and traffic.flights == []
 
 
-def test_the_profile_measures_the_exchanges_and_the_stash_with_the_experts_shared_out(tmp_path):
-    """`ep_probes.expert_exchange`: per micro-batch size, the all-to-alls' ms per layer of an F and
-    a B, and the bytes an F stashes on the probed stage (with ep = 2 less than on one rank here:
-    the cost model moves every stage's stash by the difference, `ProfiledCostModel`)."""
-    from pipeloom.profile.ep_probes import expert_exchange
+def test_the_profile_measures_the_ops_apart_from_their_exchanges_with_the_experts_shared_out(tmp_path):
+    """`layouts.measure_layout` of `Layout(ep=2)`: one stage over two replicas sharing out its
+    experts, each op's compute fitted apart from the all-to-alls in flight in it (`a2a_F`,
+    `a2a_B`), the stash as it is there; and the replicas' wait on such replicas."""
+    from pipeloom.profile.layouts import measure_layout, replica_waits
     from pipeloom.profile.probe_rounds import ProbeModel, Turns
     from pipeloom.profile_format import Layout
 
     directory = model_dir(tmp_path, "mixtral")
     turns: list[Layout] = []
     workload_for = lambda n, mbs: hf_workload(directory, 0, mbs, SEQ, layers=n)  # noqa: E731
-    probed = ProbeModel(None, steps=2, workload_for=workload_for)
-    rounds = Turns(between_rounds=turns.append).fixed(1).of(Layout(ep=2))
-    measured = expert_exchange(probed, (1,), 1, rounds)
+    probed = ProbeModel(None, steps=3, workload_for=workload_for)
+    rounds = Turns(between_rounds=turns.append).fixed(1)
+    measured, probes = measure_layout(Layout(ep=2), probed, (1,), (1, 2), rounds)
     assert turns == [Layout(ep=2)]  # what takes turns with the probes ran after their round, told their layout
-    assert not measured.fits  # the layout's own speed (too few steps here to fill it)
-    exchange = measured.exchange[1]
-    assert exchange.layers == 1 and exchange.F >= 0 and exchange.B >= 0 and exchange.M_B and exchange.M_B > 0
-    assert exchange.F_op and exchange.F_op > 0 and exchange.BW_op and exchange.BW_op > 0  # whole ops, exchanges inside
-    assert exchange.tail_ms and exchange.tail_ms > 0 and exchange.pipeline_ms  # the step beyond its pipeline
+    fits = measured.fits[1]
+    assert {"F", "B", "W", "R", "M_B", "M_W", "a2a_F", "a2a_B"} <= fits.keys()
+    assert fits["a2a_F"].per_layer + fits["a2a_F"].single > 0 and fits["M_B"].per_layer > 0
+    assert all(probe.median("a2a_F@0") > 0 for probe in probes.values())
+    waits = replica_waits(Layout(ep=2), probed, 1, 1, Turns().fixed(1))
+    assert list(waits) == [0] and waits[0].pipeline_ms > 0 and waits[0].layers == 1

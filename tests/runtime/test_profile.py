@@ -10,7 +10,8 @@ from types import SimpleNamespace  # noqa: E402
 
 from pipeloom.cli import main  # noqa: E402
 from pipeloom.errors import ConfigError  # noqa: E402
-from pipeloom.profile.replica_skew import _skew  # noqa: E402
+from pipeloom.profile.layouts import step_tail  # noqa: E402
+from pipeloom.profile.probe_rounds import steady_records  # noqa: E402
 from pipeloom.profile_format import Layout, Profile  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -154,8 +155,9 @@ def test_the_replica_wait_is_a_mean_over_steady_steps_after_the_warm_up():
             result([120, 110, 100, 100, 100], [0] * 5),
         ],
     ]
-    # expected 16 ms (10 collective + 5 optimizer + 1 the rest); waits 4, 0 and 2, 0, 0 over a 100 ms pipeline
-    assert _skew(rounds, expected_ms=16.0) == pytest.approx(1.2 / 100)
+    # 16 ms without a wait (10 collective + 5 optimizer + 1 the rest); waits 4, 0 and 2, 0, 0
+    tail, pipeline = step_tail(rounds, steady_records(rounds)[0])
+    assert tail == pytest.approx(16.0 + 1.2) and pipeline == pytest.approx(100.0)
 
 
 def test_a_sliced_probe_trains_as_the_whole_one_and_its_slices_pool_into_the_fits():
@@ -213,7 +215,7 @@ def test_a_profile_taken_in_one_process_forks_no_rank_and_prices_its_ops_one_aft
         model_from_config(MODEL), (1,), (1, 2), steps=3, turns=Turns(max_rounds=2), in_process=True, allow_busy=True
     )
     assert profile.device.kind == "cpu" and "one process" in profile.device.description
-    assert profile.replica_skew == {} and list(profile.layouts) == [Layout()]
+    assert profile.plain.waits == {} and list(profile.layouts) == [Layout()]
     assert Profile.from_dict(profile.to_dict()) == profile
     fits = profile.plain.fits[1]
     assert fits["F"].per_layer + fits["F"].at("first") > 0 and fits["M_B"].per_layer > 0

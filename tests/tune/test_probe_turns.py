@@ -37,8 +37,9 @@ def test_settled_probes_go_on_for_min_rounds_but_never_past_max_rounds(monkeypat
 
 def test_tensor_parallel_probes_tell_the_hook_their_layout_and_keep_their_own_speeds(monkeypatch):
     """What takes turns with a layout's probes is told which layout ran (a plan is measured
-    beside the probes that price it), and each layout's op variation is its own."""
-    from pipeloom.profile import tp_probes
+    beside the probes that price it), each layout's op variation is its own, and a stage over tp
+    ranks is fitted at the single stage's position from its first rank."""
+    from pipeloom.profile import layouts
     from pipeloom.profile.probe_rounds import Turns
     from pipeloom.profile_format import Layout
 
@@ -50,20 +51,33 @@ def test_tensor_parallel_probes_tell_the_hook_their_layout_and_keep_their_own_sp
         op_variation.extend([1.0 + k / 100 for k in range(40)] if specs[1, 1] else [1.0] * 40)
         return {
             key: SimpleNamespace(
-                busy=[[100.0, 110.0, 120.0] * 4], values={"F@0": None}, median=lambda _, n=key[1]: 2.0 * n
+                busy=[[100.0, 110.0, 120.0] * 4],
+                values=dict.fromkeys(("F@0", "F@1"), SimpleNamespace(relative_error=0.01)),
+                median=lambda key, n=key[1]: 2.0 * n if key == "F@0" else 99.0,
             )
             for key in specs
         }
 
-    monkeypatch.setattr(tp_probes, "measure_probes", measure_probes)
-    probed = SimpleNamespace(
-        workload_for=lambda layers, mbs: None, spec=lambda *a, sequence_parallel, **kw: sequence_parallel
-    )
-    layouts = tp_probes.tensor_parallel_fits(
-        [(2, False), (2, True)], probed, [1], [1, 2], Turns(3, between_rounds=turns.append)
-    )
+    monkeypatch.setattr(layouts, "measure_probes", measure_probes)
+    probed = SimpleNamespace(spec=lambda *a, sequence_parallel, **kw: sequence_parallel)
+    measured = {
+        layout: layouts.measure_layout(layout, probed, [1], [1, 2], Turns(3, between_rounds=turns.append))[0]
+        for layout in (Layout(2, False), Layout(2, True))
+    }
     assert turns == [Layout(2, False), Layout(2, True)]
-    tp2, tp2sp = layouts[Layout(2)], layouts[Layout(2, True)]
-    assert tp2.fits[1]["F"].per_layer == 2.0 and len(layouts) == 2
+    tp2, tp2sp = measured[Layout(2)], measured[Layout(2, True)]
+    assert tp2.fits[1]["F"].per_layer == 2.0 and tp2.fits[1]["F"].single == 0.0 and tp2.fits[1]["F"].first is None
     assert tp2.speed.op[-1] == 1.0 and tp2sp.speed.op[-1] == pytest.approx(1.39)
     assert tp2.speed.step[0] == pytest.approx(100 / 110)
+
+
+def test_an_op_s_exchanges_in_flight_are_sampled_apart_from_its_compute():
+    """A step's all-to-alls in flight, shared evenly over its forwards (F and R) and its backwards:
+    each op's sample is its compute, the exchanges their own samples."""
+    ops = [("0F0", 0.0, 0.010), ("0F1c", 0.010, 0.018), ("0B0", 0.02, 0.04), ("0R1", 0.04, 0.05), ("0B1", 0.05, 0.07)]
+    record = SimpleNamespace(ops=ops, entry_bytes={}, pending_w_bytes={}, a2a_ms=9.0, a2a_forward_ms=3.0)
+    result = SimpleNamespace(records=[record] * 3, phase_seconds=[dict.fromkeys(probe_rounds.PHASES, 0.0)] * 3)
+    taken = probe_rounds.samples([result])
+    assert taken["a2a_F@0"] == [1.0] and taken["a2a_B@0"] == [3.0]  # 3 ms over 3 forwards, 6 over 2 backwards
+    assert taken["F@0"] == pytest.approx([9.0]) and taken["R@0"] == pytest.approx([9.0])  # 0F1c: not sampled
+    assert taken["B@0"] == pytest.approx([17.0, 17.0])

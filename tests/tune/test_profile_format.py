@@ -9,10 +9,10 @@ import pytest
 from pipeloom import ConfigError
 from pipeloom.profile_format import (
     PROFILE_FORMAT,
-    ExpertExchange,
     Fit,
     Layout,
     Profile,
+    ReplicaWait,
 )
 from pipeloom.tune.profiled import ProfiledCostModel
 
@@ -23,35 +23,31 @@ STEADY = [0.9 + 0.01 * k for k in range(21)]
 
 def every_part() -> dict:
     """A profile with every part: fits with M_W, links, overheads, speeds, confidence, a
-    tensor-parallel layout, an expert-parallel one and the replicas' skew."""
+    tensor-parallel layout, an expert-parallel one and the replicas' waits."""
     data = profile() | links()
     plain = data["layouts"]["plain"]
     for size in ("1", "2"):
         plain["fits"][size]["M_W"] = fit(300.0 * int(size), 10.0, 20.0)
     single = {"per_layer": 2.0, "single": 1.0}
+    wait = {"tail_ms": 6.0, "pipeline_ms": 90.0}
     plain |= {
         "speed": {"step": STEADY, "op": STEADY, "op_mean": 1.01},
         "confidence": {"1": {"F": 0.01, "B": 0.02}, "2": {"F": 0.03}},
     }
-    exchange = {"F": 0.1, "B": 0.2, "layers": 2, "M_B": 2500.0, "F_op": 5.0, "BW_op": 9.0}
+    plain["waits"] = {"0": {"tail_ms": 4.0, "pipeline_ms": 50.0, "layers": 2}, "1": {**wait, "layers": 2}}
     data["layouts"] |= {
         "tp2": {
             "fits": {size: {kind: single for kind in ("F", "B", "W", "R")} for size in ("1", "2")},
             "speed": {"step": STEADY, "op": STEADY},
         },
         "ep2": {
-            "exchange": {
-                "1": exchange | {"tail_ms": 4.0, "pipeline_ms": 50.0},
-                "2": exchange
-                | {"F": 0.2, "B": 0.3, "M_B": 4500.0, "F_op": 8.0, "BW_op": 15.0, "tail_ms": 6.0}
-                | {"pipeline_ms": 90.0},
-            },
+            "fits": {size: {kind: single for kind in ("F", "B", "W", "R", "a2a_F", "a2a_B")} for size in ("1", "2")},
+            "waits": {"0": {**wait, "layers": 3}},
         },
     }
     return data | {
         "model": MODEL | {"num_experts": 4, "num_experts_per_tok": 2},
         "params": {"layer": 1000, "first": 500, "last": 600, "experts": 400},
-        "replica_skew": {"0": 0.05, "1": 0.07},
         "noise": {"median_spread": 0.02, "worst_spread": 0.05, "rounds": 8, "probes": 4},
         "device": {"kind": "cpu", "description": "cpu, 1 thread(s) per rank, fp32", "threads": 1},
         "source": "hf:./my-model",
@@ -79,8 +75,10 @@ def test_a_profile_s_parts_are_typed_and_keyed_by_layout():
     assert typed.plain.speed.step == tuple(STEADY) and typed.plain.speed.op_mean == 1.01
     assert typed.layout(Layout(tp=2)).fits[1]["F"] == Fit(2.0, 1.0)  # one stage: its single intercept
     assert typed.expert_parallel is not None and typed.expert_parallel[0] == 2
-    assert typed.expert_parallel[1].exchange[1] == ExpertExchange(0.1, 0.2, 2, 2500.0, 5.0, 9.0, 4.0, 50.0)
-    assert typed.links.allreduce is not None and typed.links.dp == 2 and typed.replica_skew == {0: 0.05, 1: 0.07}
+    assert typed.expert_parallel[1].fits[2]["a2a_B"] == Fit(2.0, 1.0)
+    assert typed.expert_parallel[1].waits == {0: ReplicaWait(6.0, 90.0, 3)}
+    assert typed.plain.waits[1] == ReplicaWait(6.0, 90.0, 2) and typed.plain.waits[0].pipeline_ms == 50.0
+    assert typed.links.allreduce is not None and typed.links.dp == 2
     assert typed.params.experts == 400 and typed.source == "hf:./my-model" and typed.noise.rounds == 8
     assert typed.device.threads == 1 and typed.noise.wall_over_cpu is None
 
@@ -123,15 +121,19 @@ def test_layout_keys_name_every_layout_and_refuse_others():
         ),
         (lambda p: p["layouts"]["plain"]["fits"]["1"].update(Q={}), r"layouts\.plain\.fits\[1\] has \['Q'\]"),
         (
-            lambda p: p["layouts"]["ep2"]["exchange"]["1"].update(F="0.1"),
-            r"layouts\.ep2\.exchange\[1\]\.F must be a number",
+            lambda p: p["layouts"]["ep2"]["fits"]["1"]["a2a_F"].update(per_layer="0.1"),
+            r"layouts\.ep2\.fits\[1\]\.a2a_F\.per_layer must be a number",
         ),
         (
             lambda p: p["layouts"]["plain"]["speed"].update(step=[1.0, 0.0]),
             r"layouts\.plain\.speed\.step is 0\.0: it must be positive",
         ),
         (lambda p: p["links"]["allreduce"].update(bytes_per_ms=0), r"links\.allreduce\.bytes_per_ms is 0"),
-        (lambda p: p["replica_skew"].update({"x": 0.1}), r"replica_skew has a ZeRO level 'x'"),
+        (lambda p: p["layouts"]["plain"]["waits"].update({"x": {}}), r"layouts\.plain\.waits has a ZeRO level 'x'"),
+        (
+            lambda p: p["layouts"]["plain"]["waits"]["0"].update(pipeline_ms=0.0),
+            r"layouts\.plain\.waits\.0\.pipeline_ms is 0\.0: it must be positive",
+        ),
         (lambda p: p["layouts"].pop("plain"), "layouts has no 'plain'"),
         (lambda p: p["layouts"].update(cp2={}), r"layout 'cp2', not plain or tpN\[\+sp\], epN, sN"),
         (lambda p: p.pop("links"), "it has no 'links'"),
@@ -139,7 +141,7 @@ def test_layout_keys_name_every_layout_and_refuse_others():
         (lambda p: p["layouts"]["plain"].update(layers="1,2"), r"layouts\.plain\.layers must be a list"),
         (lambda p: p["noise"].update(busy_allowed="yes"), r"noise\.busy_allowed must be true or false"),
         (lambda p: p["links"]["p2p"].pop("latency_ms"), r"links\.p2p\.latency_ms is missing"),
-        (lambda p: p["layouts"]["ep2"]["exchange"]["1"].update(layers=1.5), r"layers is 1\.5, not a whole number"),
+        (lambda p: p["layouts"]["ep2"]["waits"]["0"].update(layers=1.5), r"layers is 1\.5, not a whole number"),
     ],
 )
 def test_a_bad_entry_of_a_format_2_profile_is_named_by_its_place(change, message):

@@ -7,6 +7,7 @@ import pytest
 
 from pipeloom import ConfigError
 from pipeloom.profile_format import PROFILE_FORMAT
+from pipeloom.schedules.registry import build_schedule
 from pipeloom.tune.profile_fits import fit_positions
 from pipeloom.tune.profiled import ProfiledCostModel
 from pipeloom.tune.search import tune
@@ -245,105 +246,81 @@ def test_ops_measured_on_tensor_parallel_ranks_are_priced_as_measured():
         ProfiledCostModel(data, tp=2)
 
 
-def test_sharing_the_experts_out_changes_the_stash_by_what_was_measured():
-    """The profile's ep = 2 probe (one stage of L layers) stashed `M_B` bytes per F; the fits
-    give another figure for that stage. The difference per layer moves every stage's stash with
-    ep > 1, at each micro-batch size (proportional beyond a single measured one)."""
+def sharing_experts(data: dict) -> ProfiledCostModel:
+    """The cost model of `data`'s mixture of experts with its experts shared out over ep = 2."""
     import dataclasses
 
-    data = profile()
+    model = ProfiledCostModel(data)
+    model.model = dataclasses.replace(model.model, expert_parallel=2)
+    return model
+
+
+def moe_profile() -> dict:
+    """A mixture of experts (800 of a layer's 1000 parameters routed experts) with measured links,
+    and its ops, stash and exchanges measured on replicas sharing out the experts (`ep2`)."""
+    data = {**profile(), **links()}
     data["model"] = {**MODEL, "num_experts": 4, "num_experts_per_tok": 2}
-    fitted = 1000.0 * 2 * 4 + 4000.0  # M_B at micro-batch 2 on a single stage of 4 layers (the dearer end)
-    data["layouts"]["ep2"] = {"exchange": {"2": {"F": 0.1, "B": 0.2, "M_B": fitted - 4 * 300.0, "layers": 4}}}
-    whole = ProfiledCostModel(data)
-    shared = ProfiledCostModel(data)
-    shared.model = dataclasses.replace(shared.model, expert_parallel=2)
+    data["params"] = {**data["params"], "experts": 800}
+    shared = {"F": 3.0, "B": 4.0, "W": 1.0, "R": 3.0, "M_B": 700.0, "M_ckpt": 40.0, "a2a_F": 0.5, "a2a_B": 0.25}
+    data["layouts"]["ep2"] = {
+        "fits": {
+            size: {kind: {"per_layer": value * int(size), "single": 2 * value} for kind, value in shared.items()}
+            for size in ("1", "2")
+        }
+    }
+    return data
+
+
+def test_an_expert_parallel_plan_is_priced_as_its_replicas_measured_it():
+    """The ep = 2 probes ran one stage over two replicas sharing out its experts: with --ep 2 each
+    op's compute, its stash and its all-to-alls in flight are theirs (slope, and the single
+    stage's intercept, scaled at another position as the plain one is); without, the plain fits."""
+    data = moe_profile()
+    whole, shared = ProfiledCostModel(data), sharing_experts(data)
     plain, spread = whole.stage_costs([3, 5], 2, 2, 2), shared.stage_costs([3, 5], 2, 2, 2)
-    assert spread.M_B == pytest.approx([plain.M_B[0] - 3 * 300.0, plain.M_B[1] - 5 * 300.0])
-    assert shared.stage_costs([3, 5], 1, 2, 2).M_B[0] == pytest.approx(
-        whole.stage_costs([3, 5], 1, 2, 2).M_B[0] - 450.0
-    )
-    assert shared.layer_memory(2, 2)[0] == pytest.approx(whole.layer_memory(2, 2)[0] - 300.0)
-
-
-def test_sharing_the_experts_out_adds_the_measured_compute_beyond_the_exchanges():
-    """The ep = 2 probe's lone F and BW took `F_op`, `BW_op` ms on its stage of L layers; less
-    their all-to-alls and what the fits give for that stage, the rest per layer is what sharing
-    the experts out adds to every F, R and B. A profile without those times prices none."""
-    import dataclasses
-
-    data = profile()
-    data["model"] = {**MODEL, "num_experts": 4, "num_experts_per_tok": 2}
-    whole = ProfiledCostModel(data)
-    fitted = {kind: whole.stage_costs([4], 2, 1, 1).stage_value(kind, 0) for kind in ("F", "B", "W")}
-    exchange = {"F": 0.1, "B": 0.2, "layers": 4, "M_B": 4 * 1000.0 + 4000.0}
-    data["layouts"]["ep2"] = {"exchange": {"2": exchange}}
-    shared = ProfiledCostModel(data)
-    shared.model = dataclasses.replace(shared.model, expert_parallel=2)
-    before = shared.stage_costs([3, 5], 2, 2, 2)
-    assert before.F == ProfiledCostModel(profile()).stage_costs([3, 5], 2, 2, 2).F  # no op times: no shift
-    exchange |= {"F_op": fitted["F"] + 4 * 0.1 + 4 * 0.5, "BW_op": fitted["B"] + fitted["W"] + 4 * 0.2 + 4 * 0.25}
-    shared = ProfiledCostModel(data)
-    shared.model = dataclasses.replace(shared.model, expert_parallel=2)
-    after = shared.stage_costs([3, 5], 2, 2, 2)
-    assert after.F == pytest.approx([before.F[0] + 3 * 0.5, before.F[1] + 5 * 0.5])
-    assert after.R == pytest.approx([before.R[0] + 3 * 0.5, before.R[1] + 5 * 0.5])
-    assert after.B == pytest.approx([before.B[0] + 3 * 0.25, before.B[1] + 5 * 0.25])
-    assert after.W == before.W
-    assert whole.stage_costs([3, 5], 2, 2, 2).F == before.F  # without --ep the experts stay whole
+    assert plain.F == ProfiledCostModel(profile()).stage_costs([3, 5], 2, 2, 2).F and plain.a2a_F == 0.0
+    # plain F intercepts at micro-batch 2: first 0.5, last 1.5, single 1.5 — measured single 6.0 scales them by 4
+    assert spread.F == pytest.approx([3 * 6.0 + 2.0, 5 * 6.0 + 6.0])
+    assert spread.M_B == pytest.approx([3 * 1400.0 + 1400.0 * 100 / 4000, 5 * 1400.0 + 1400.0])
+    assert spread.a2a_F == pytest.approx([3 * 1.0 + 1.0, 5 * 1.0 + 1.0])  # no plain exchange: single everywhere
+    assert spread.a2a_B == pytest.approx([3 * 0.5 + 0.5, 5 * 0.5 + 0.5])
+    assert shared.layer_memory(2, 2)[0] == pytest.approx(1400.0) and shared.extrapolations(2) == []
+    two_steps = shared.a2a_step(build_schedule("1f1b", 2, 2), [3, 5], 2)  # each device: 2 F and 2 B
+    assert two_steps == pytest.approx([2 * 4.0 + 2 * 2.0, 2 * 6.0 + 2 * 3.0])
 
 
 def test_experts_shared_out_over_every_replica_sync_no_gradients():
     """At dp = EP each replica holds its own experts: only the rest of the stage is all-reduced
     (the runtime sums an expert's gradient over the replicas holding it, none here)."""
-    import dataclasses
-
-    from pipeloom.tune.search import tune
-
-    data = {**profile(), **links()}
-    data["model"] = {**MODEL, "num_experts": 4, "num_experts_per_tok": 2}
-    data["params"] = {**data["params"], "experts": 800}  # of the layer's 1000
-    shared = ProfiledCostModel(data)
-    shared.model = dataclasses.replace(shared.model, expert_parallel=2)
+    data = moe_profile()
+    shared = sharing_experts(data)
     assert shared.expert_params([3, 5]) == pytest.approx([3 * 400.0, 5 * 400.0])
     best = tune(shared, 2, 1e12, 8, schemes=["1f1b"], pp_values=[1], micro_batches=[2], static_measures=False).best
     dense = shared.stage_params([8])[0] - shared.expert_params([8])[0]  # 8 layers of 200 (+ both ends)
     assert best.allreduce_time == pytest.approx(shared.allreduce_time(dense, 1, 2))
-    data["replica_skew"] = {"0": 0.1, "1": 0.1}  # the replicas wait inside the all-to-alls instead
-    assert ProfiledCostModel(data).replica_skew(2) == pytest.approx(0.1)
-    skewed = ProfiledCostModel(data)
-    skewed.model = shared.model
-    assert skewed.replica_skew(2) == 0.0  # nor did the expert-parallel probes measure a wait
 
 
-def test_expert_parallel_replicas_wait_as_their_probes_did():
-    """The wait is rank 0's step beyond its pipeline on the ep = 2 probes, less the dense
-    gradients' all-reduce, the AdamW step over what a rank holds and the step overhead."""
-    import dataclasses
-
-    data = {**profile(), **links()}
-    data["model"] = {**MODEL, "num_experts": 4, "num_experts_per_tok": 2}
-    data["params"] = {**data["params"], "experts": 800}
-    shared = ProfiledCostModel(data)
-    shared.model = dataclasses.replace(shared.model, expert_parallel=2)
-    held = shared.stage_params([8])[0]  # 8 layers of 200 dense and 400 of the experts (+ both ends)
-    expected = (
-        shared.allreduce_time(held - shared.expert_params([8])[0], 1, 2)
-        + shared.optimizer_time(held, 2)
-        + shared.step_overhead_time()
-    )
-    probe = {"F": 0.1, "B": 0.2, "layers": 8, "pipeline_ms": 100.0}
-    exchange = {"1": probe | {"tail_ms": expected + 9.0}, "2": probe | {"tail_ms": expected + 3.0}}
-    data["layouts"]["ep2"] = {"exchange": exchange}
-    measured = ProfiledCostModel(data)
-    measured.model = shared.model
-    assert measured.replica_skew(2) == pytest.approx(0.03)  # at the largest size measured
+def test_replicas_wait_as_their_probes_did():
+    """The wait is rank 0's step beyond its pipeline on two replicas, less the gradients'
+    collectives, the AdamW step over what a rank holds and the step overhead: the plain probes'
+    for a dense layout, those sharing out the experts' under --ep (whose replicas wait inside
+    the all-to-alls instead)."""
+    data = moe_profile()
+    shared = sharing_experts(data)
+    held = 8 * 600.0 + 500 + 600  # 200 dense and 400 of the experts a layer (+ both ends)
+    expected = shared.allreduce_time(8 * 200.0 + 1100, 1, 2) + shared.optimizer_time(held, 2)
+    data["layouts"]["ep2"]["waits"] = {"0": {"tail_ms": expected + 3.0, "pipeline_ms": 100.0, "layers": 8}}
+    measured = sharing_experts(data)
+    assert measured.replica_skew(2) == pytest.approx(0.03) and measured.replica_skew(2, zero=1) == pytest.approx(0.03)
     assert measured.replica_skew(4) == pytest.approx(0.03 * math.sqrt(2))
-    assert ProfiledCostModel(data).replica_skew(2) == 0.0  # without --ep: the dense probes' (none here)
-    exchange["2"]["tail_ms"] = expected - 1.0  # faster than priced: no negative wait
-    measured = ProfiledCostModel(data)
-    measured.model = shared.model
-    assert measured.replica_skew(2) == 0.0
+    assert ProfiledCostModel(data).replica_skew(2) == 0.0  # without --ep: the plain probes' (none here)
+    dense = ProfiledCostModel(data).allreduce_time(8 * 1000.0 + 1100, 1, 2, 1)
+    dense += ProfiledCostModel(data).optimizer_time(8 * 1000.0 + 1100, 2, 1)
+    data["layouts"]["plain"]["waits"] = {"1": {"tail_ms": dense + 5.0, "pipeline_ms": 50.0, "layers": 8}}
+    assert ProfiledCostModel(data).replica_skew(2, zero=1) == pytest.approx(0.1)
+    assert ProfiledCostModel(data).replica_skew(2, zero=0) == 0.0  # ZeRO-0 not measured
+    data["layouts"]["ep2"]["waits"]["0"]["tail_ms"] = expected - 1.0  # faster than priced: no negative wait
+    assert sharing_experts(data).replica_skew(2) == 0.0
 
 
 def test_tensor_parallelism_needs_measured_collectives():
@@ -400,8 +377,10 @@ def test_chimera_s_twin_copies_wait_for_each_other_at_the_gradient_sync_as_repli
     ops run on, and the whole sync is paid after it. Either way the copies wait for each other."""
     from pipeloom.tune.search import tune
 
-    data = {**profile(), **links(), "replica_skew": {"0": 0.1, "1": 0.1}, "device": {"description": device}}
+    data = {**profile(), **links(), "device": {"description": device}}
     data["device"]["kind"] = "cuda" if device.startswith("cuda") else "cpu"
+    wait = {"tail_ms": 40.0, "pipeline_ms": 100.0, "layers": 4}
+    data["layouts"]["plain"]["waits"] = {"0": wait, "1": wait}
     model = ProfiledCostModel(data)
     best = tune(model, 2, 1e12, 8, schemes=["chimera"], pp_values=[2], micro_batches=[2], static_measures=False).best
     from pipeloom.sim import exposed_sync
@@ -413,7 +392,8 @@ def test_chimera_s_twin_copies_wait_for_each_other_at_the_gradient_sync_as_repli
     assert 0 < exposed < sequential  # some of it under the pipeline, never more
     assert model.sync_overlaps_compute == device.startswith("cuda")
     paid = exposed if model.sync_overlaps_compute else sequential
-    assert best.allreduce_time == pytest.approx(paid + 0.1 * best.pipeline_time)
+    assert model.replica_skew(2) > 0.1
+    assert best.allreduce_time == pytest.approx(paid + model.replica_skew(2) * best.pipeline_time)
 
 
 def test_the_bytes_a_b_leaves_for_its_w_are_priced_as_measured_and_none_from_an_older_profile():

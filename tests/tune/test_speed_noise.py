@@ -5,11 +5,9 @@ from types import SimpleNamespace
 import pytest
 
 from pipeloom.profile.speed import QUANTILES, op_ratios, speed_quantiles, steady_steps, timed_steps
-from pipeloom.profile_format import Profile
 from pipeloom.tune.profiled import ProfiledCostModel
 from pipeloom.tune.search import tune
 from pipeloom.tune.speed_noise import mean_matched, noisy_pipeline, winsorized
-from pipeloom.tune.tp_layout import layout_speeds
 
 from .test_profiled import links, profile, with_speed
 
@@ -59,9 +57,10 @@ def test_skewed_op_times_lengthen_even_one_device_s_median_step():
 
 def test_a_tensor_parallel_plan_draws_from_its_own_layout_s_speeds():
     """Collective waits inside a tp op vary and skew it: a layout measured on tp ranks keeps its
-    own quantiles (`profile.tp_probes`), and its plans draw from them, not from the plain probes'."""
+    own quantiles (`profile.layouts`), and its plans draw from them, not from the plain probes'."""
     skewed = [1.0] * (QUANTILES - 6) + [1.1, 1.2, 1.3, 1.4, 1.5, 9.0]
     data = with_speed(with_speed(profile() | links(), step=STEADY, op=STEADY), "tp2", step=STEADY, op=skewed)
+    data["layouts"]["tp2"]["fits"] = {"2": {kind: {"per_layer": 1.0, "single": 0.5} for kind in "FBWR"}}
     plain = ProfiledCostModel(data, tp=2, sequence_parallel=True)  # "2+sp" not measured: the plain probes'
     assert speeds(data, 2, True) == (STEADY, STEADY, None)
     assert speeds(data, 2, False) == (STEADY, skewed, None)
@@ -73,9 +72,11 @@ def test_a_tensor_parallel_plan_draws_from_its_own_layout_s_speeds():
 
 def test_an_expert_parallel_plan_draws_from_its_own_layout_s_speeds():
     """All-to-all waits inside the ops of replicas that share out the experts vary and skew them
-    too (`profile.ep_probes`): an ep > 1 plan draws from that layout's quantiles, others do not."""
+    too: an ep > 1 plan draws from that layout's quantiles, others do not."""
     skewed = [1.0] * (QUANTILES - 6) + [1.1, 1.2, 1.3, 1.4, 1.5, 9.0]
     data = with_speed(with_speed(profile(), step=STEADY, op=STEADY), "ep2", step=STEADY, op=skewed)
+    data["model"] = data["model"] | {"num_experts": 4, "num_experts_per_tok": 2}
+    data["layouts"]["ep2"]["fits"] = {"2": {kind: {"per_layer": 1.0, "single": 0.5} for kind in "FBWR"}}
     assert speeds(data, 1, False, ep=2) == (STEADY, skewed, None)
     assert speeds(data, 1, False) == (STEADY, STEADY, None)
     data["layouts"]["ep2"]["speed"] = {}
@@ -84,7 +85,11 @@ def test_an_expert_parallel_plan_draws_from_its_own_layout_s_speeds():
 
 def speeds(data: dict, tp: int, sequence_parallel: bool, ep: int = 1) -> tuple[list, list, float | None]:
     """The step and op quantiles and the op mean a plan of this layout draws from."""
-    speed = layout_speeds(Profile.from_dict(data), tp, sequence_parallel, ep)
+    import dataclasses
+
+    cost_model = ProfiledCostModel(data, tp, sequence_parallel)
+    cost_model.model = dataclasses.replace(cost_model.model, expert_parallel=ep)
+    speed = cost_model.layout_speed()
     return list(speed.step), list(speed.op), speed.op_mean
 
 

@@ -178,15 +178,13 @@ def run(args: argparse.Namespace) -> int:
             f"p2p {priced.p2p_ms(size):.3f} ms"
         )
     for layout, measured in profile.layouts.items():
-        for size, exchange in measured.exchange.items():
-            print(
-                f"mbs {size}: expert all-to-all (ep {layout.ep}) {exchange.F:.3f} ms per layer in F, "
-                f"{exchange.B:.3f} ms in B"
-            )
-        what = (
-            f"in {layout.slices} slices, per slice" if layout.slices > 1 else "(collectives and their waits included)"
-        )
         for size, fit in measured.fits.items() if layout != Layout() else ():
+            what = "(waits in collectives included)"
+            if layout.slices > 1:
+                what = f"in {layout.slices} slices, per slice"
+            elif "a2a_F" in fit and "a2a_B" in fit:
+                what = f"beside all-to-alls in flight {fit['a2a_F'].per_layer:.3f} ms in F, "
+                what += f"{fit['a2a_B'].per_layer:.3f} ms in B"
             print(
                 f"mbs {size} on {layout.key}: per layer F {fit['F'].per_layer:.3f} ms, "
                 f"B {fit['B'].per_layer:.3f} ms, W {fit['W'].per_layer:.3f} ms {what}"

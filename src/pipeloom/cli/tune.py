@@ -221,7 +221,7 @@ def _cost_model(args: argparse.Namespace):
                 f"2.5x fast; `profile {layout}` measures them",
                 file=sys.stderr,
             )
-        if args.ep > 1 and not profiled.exchange:
+        if args.ep > 1 and profiled.expert_layout is None:
             raise ConfigError(
                 f"{args.costs} measured no expert all-to-all: profile the MoE model with `profile --model hf:DIR`"
             )

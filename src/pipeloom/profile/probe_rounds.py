@@ -267,15 +267,20 @@ def _kept(steps: list, kept: Sequence[bool] | None) -> list:
 def samples(results, kept: Sequence[bool] | None = None) -> dict[str, list[float]]:
     """One round's samples, its warm-up left out (and the steps not `kept`): op times (ms) by
     "kind@rank", stashed bytes ("M_B@rank", "M_ckpt@rank"), the bytes a B leaves queued for its W
-    ("M_W@rank") and rank 0's step phases (ms)."""
+    ("M_W@rank") and rank 0's step phases (ms). Where experts are shared out, each op's time is
+    its compute, and the all-to-alls in flight in it are apart ("a2a_F@rank", "a2a_B@rank")."""
     out: dict[str, list[float]] = {}
     for rank, result in enumerate(results):
         for record in _kept(timed_steps(result.records), kept):
+            exchange = _exchange_per_op(record)
             for text, start, end in record.ops:
                 op = parse_op(text)
                 if op.kind is OpKind.F and op.microbatch % 2:
                     continue  # a checkpointed F stashes nothing: 8 % cheaper than the F a plan runs
-                out.setdefault(f"{op.kind.value}@{rank}", []).append(1e3 * (end - start))
+                out.setdefault(f"{op.kind.value}@{rank}", []).append(1e3 * (end - start) - exchange.get(op.kind, 0.0))
+            if exchange:
+                out.setdefault(f"a2a_F@{rank}", []).append(exchange[OpKind.F])
+                out.setdefault(f"a2a_B@{rank}", []).append(exchange[OpKind.B])
         entries = result.records[-1].entry_bytes
         out[f"M_B@{rank}"] = stashed_bytes(entries)
         out[f"M_ckpt@{rank}"] = stashed_bytes(entries, checkpointed=True)
@@ -284,3 +289,17 @@ def samples(results, kept: Sequence[bool] | None = None) -> dict[str, list[float
         for phase in PHASES:
             out.setdefault(phase, []).append(1e3 * phases[phase])
     return out
+
+
+def _exchange_per_op(record) -> dict[OpKind, float]:
+    """The ms of expert all-to-alls in flight in each forward (F, R) and backward (B, BW) op of
+    a step: the step's, shared evenly, every forward (or backward) crossing the same layers'
+    exchanges; {} where no experts were shared out."""
+    if not getattr(record, "a2a_ms", 0.0):
+        return {}
+    kinds = [parse_op(text).kind for text, _, _ in record.ops]
+    forwards = sum(kind in (OpKind.F, OpKind.R) for kind in kinds)
+    backwards = sum(kind in (OpKind.B, OpKind.BW) for kind in kinds)
+    forward = record.a2a_forward_ms / forwards if forwards else 0.0
+    backward = (record.a2a_ms - record.a2a_forward_ms) / backwards if backwards else 0.0
+    return {OpKind.F: forward, OpKind.R: forward, OpKind.B: backward, OpKind.BW: backward}

@@ -31,32 +31,17 @@ from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError, RuntimeFault
 from pipeloom.models.llama import build_stages, llama_config
 from pipeloom.profile.contention import Contention
-from pipeloom.profile.ep_probes import EP, expert_exchange
+from pipeloom.profile.layouts import EP, REPLICA_ROUNDS, measure_layout, noise_margin, replica_waits
 from pipeloom.profile.links import in_process_links, measure_links, ping_seconds
 from pipeloom.profile.overheads import linear_fit, op_overhead_ms, serial_op_overhead_ms
-from pipeloom.profile.probe_rounds import OP_KINDS, Probe, ProbeModel, Turns, measure_probes, probe_schedule
-from pipeloom.profile.replica_skew import SKEW_ROUNDS, replica_skews
-from pipeloom.profile.speed import speed_of
+from pipeloom.profile.probe_rounds import OP_KINDS, Probe, ProbeModel, Turns, probe_schedule
 from pipeloom.profile.stability import falling_per_sample
-from pipeloom.profile.tp_probes import tensor_parallel_fits
-from pipeloom.profile_format import (
-    DeviceInfo,
-    Fit,
-    Layout,
-    LayoutProfile,
-    LinearCost,
-    Noise,
-    Overheads,
-    Params,
-    Profile,
-)
+from pipeloom.profile_format import DeviceInfo, Layout, LinearCost, Noise, Overheads, Params, Profile
 from pipeloom.tune.presets import ModelSpec
-from pipeloom.tune.profile_fits import fit_positions
 from pipeloom.tune.profiled import ProfiledCostModel
 
 __all__ = ["profile_model", "ping_seconds", "probe_schedule"]
 
-_POSITIONS = {0: "first", 1: "last"}
 DEFAULT_TURNS = Turns()
 """Up to 4 rounds a probe, nothing run between them."""
 STATIC_BYTES_PER_PARAM = 16
@@ -103,9 +88,11 @@ def profile_model(
     mixture = workload_for is not None and getattr(workload_for(1, 1), "experts", None) is not None
     if in_process:
         _check_in_process(device, tensor_parallel, mixture, dtype)
-    probes = [(mbs, n) for mbs in micro_batches for n in layer_counts]
-    max_rounds, min_rounds = turns.max_rounds, turns.min_rounds
-    total = len(probes) * max_rounds * (1 + len(tensor_parallel) + len(slices)) + 1
+    if tensor_parallel and workload_for is None:
+        raise ConfigError("profile: tensor parallelism is measured on Hugging Face models (--model hf:DIR)")
+    ranked = [Layout(tp, sequence_parallel) for tp, sequence_parallel in tensor_parallel]
+    ranked += [Layout(ep=EP)] if mixture and not in_process else []
+    total = len(micro_batches) * len(layer_counts) * turns.max_rounds * (1 + len(slices) + len(ranked)) + 1
     busy = Contention(allow=allow_busy)
     checked = busy if device == "cpu" else None  # a GPU's kernels run beside their host thread's CPU time
     probed = ProbeModel(model, steps, threads, workload_for, dtype, None if device == "cpu" else device)
@@ -116,13 +103,24 @@ def profile_model(
         if progress:
             progress(min(done[0], total - 1), total)
 
-    turns = replace(turns, busy=None, tick=tick, layout=Layout(), in_process=in_process)
-    plain, measured, warnings = _two_stage_layout(probed, probes, turns.of(Layout(), checked), micro_batches)
+    turns = replace(turns, busy=checked, tick=tick, in_process=in_process)
+    plain, measured = measure_layout(Layout(), probed, micro_batches, layer_counts, turns)
     layouts = {Layout(): plain}
-    for count in slices:
-        sliced = Layout(slices=count)
-        layouts[sliced] = _two_stage_layout(probed, probes, turns.of(sliced, checked), micro_batches)[0]
-    layouts |= tensor_parallel_fits(tensor_parallel, probed, micro_batches, layer_counts, turns)
+    for layout in [Layout(slices=count) for count in slices] + ranked:
+        # the ops of tp and ep ranks wait inside their collectives: no round of theirs is judged busy
+        judged = replace(turns, busy=None) if layout in ranked else turns
+        layouts[layout] = measure_layout(layout, probed, micro_batches, layer_counts, judged)[0]
+    # a size cheaper per sample than a smaller one is what larger GEMMs do, unless a busy spell
+    # slowed the smaller: busy rounds are dropped, so only where they were kept (allowed) is it suspect
+    suspect = busy.allow and busy.contended and checked is not None
+    warnings = falling_per_sample(plain.fits, noise_margin(measured), describe=True) if suspect else []
+    if not in_process:  # the replicas' waits, at the plans' size: the least fixed cost per pipeline ms
+        largest = (max(micro_batches), max(layer_counts))
+        paired = replace(turns.fixed(min(REPLICA_ROUNDS, turns.max_rounds)), between_rounds=None)
+        for layout in [Layout(), *(layout for layout in ranked if layout.ep > 1)]:
+            judged = paired if layout.ep == 1 else replace(paired, busy=None)
+            waits = replica_waits(layout, probed, *largest, judged)
+            layouts[layout] = replace(layouts[layout], waits=waits)
     if progress:
         progress(total, total)
     profile = Profile(
@@ -134,22 +132,10 @@ def profile_model(
         links=in_process_links(torch.device(device)) if in_process else measure_links(),
         overheads=Overheads(),
         layouts=layouts,
-    )
-    profile = replace(profile, overheads=_runtime_overheads(profile, measured, in_process))
-    paired_rounds = min(SKEW_ROUNDS, max_rounds)  # the dp = 2 probes' rounds, by turns
-    largest = (max(micro_batches), max(layer_counts))
-    skew_turns = replace(turns.fixed(paired_rounds), busy=busy, between_rounds=None)
-    skew = {} if in_process else replica_skews(profile, probed, *largest, skew_turns)
-    if mixture and not in_process:
-        ep_turns = turns.fixed(max(paired_rounds, min_rounds)).of(Layout(ep=EP))
-        layouts = {**layouts, Layout(ep=EP): expert_exchange(probed, micro_batches, max(layer_counts), ep_turns)}
-    profile = replace(
-        profile,
-        layouts=layouts,
-        replica_skew=skew,
         noise=_noise(measured, checked),
         warnings=tuple(warnings + [text for text in [busy.warning()] if text]),
     )
+    profile = replace(profile, overheads=_runtime_overheads(profile, measured, in_process))
     try:  # what `tune` will refuse is never written: the fits are constrained, this is the proof
         Profile.from_dict(profile.to_dict())
     except ConfigError as error:
@@ -178,76 +164,6 @@ def _device_info(device: str, threads: int, dtype: str, in_process: bool) -> Dev
         return DeviceInfo("cuda", f"{torch.cuda.get_device_name()}, every stage in one process, {dtype}")
     where = "every rank in one process" if in_process else "per rank"
     return DeviceInfo("cpu", f"cpu, {threads} thread(s) {where}, {dtype}", threads)
-
-
-def _two_stage_layout(
-    probed: ProbeModel, probes: Sequence[tuple[int, int]], turns: Turns, micro_batches: Sequence[int]
-) -> tuple[LayoutProfile, dict[tuple[int, int], Probe], list[str]]:
-    """The two-stage probes (micro-batch size, layers) of `turns.layout` (plain, or in slices)
-    measured by turns and fitted: the layout's measurements, the probes, and what their fits
-    warn of."""
-    specs = {(mbs, n): probed.spec(mbs, n, slices=turns.layout.slices) for mbs, n in probes}
-    op_variation: list[float] = []  # each op's time over its median, its step's speed taken out
-    measured = measure_probes(specs, turns, op_variation)
-    fits = _fits(measured, micro_batches)
-    # a size cheaper per sample than a smaller one is what larger GEMMs do, unless a busy spell
-    # slowed the smaller: busy rounds are dropped, so only where they were kept (allowed) is it suspect
-    busy = turns.busy
-    suspect = busy is not None and busy.allow and busy.contended
-    warnings = falling_per_sample(fits, _noise_margin(measured), describe=True) if suspect else []
-    return (
-        LayoutProfile(
-            fits=fits,
-            speed=speed_of((steps for probe in measured.values() for steps in probe.busy), op_variation),
-            confidence=_confidence(measured, micro_batches),
-            layers=tuple(sorted({n for _, n in probes})),
-        ),
-        measured,
-        warnings,
-    )
-
-
-def _fits(measured: dict[tuple[int, int], Probe], micro_batches: Sequence[int]) -> dict[int, dict[str, Fit]]:
-    fits = {}
-    for mbs in micro_batches:
-        samples: dict[str, list[tuple[str, int, float]]] = {}
-        for (run_mbs, n), probe in measured.items():
-            if run_mbs != mbs:
-                continue
-            for key in probe.values:
-                kind, _, rank = key.partition("@")
-                if rank:
-                    samples.setdefault(kind, []).append((_POSITIONS[int(rank)], n, probe.median(key)))
-        fits[mbs] = {kind: Fit(**fit_positions(points)) for kind, points in samples.items()}
-    return fits
-
-
-def _confidence(measured: dict[tuple[int, int], Probe], micro_batches: Sequence[int]) -> dict[int, dict[str, float]]:
-    """Per micro-batch size and op kind, how far to trust its times: the relative standard error
-    of their medians (the median over the probes and ranks that measured them). `tune` turns it
-    into a band around each plan's step time."""
-    out: dict[int, dict[str, float]] = {}
-    for mbs in micro_batches:
-        errors: dict[str, list[float]] = {}
-        for (size, _), probe in measured.items():
-            for key, value in probe.values.items():
-                kind = key.split("@")[0]
-                if size == mbs and kind in OP_KINDS:
-                    errors.setdefault(kind, []).append(value.relative_error)
-        out[mbs] = {kind: statistics.median(values) for kind, values in errors.items()}
-    return out
-
-
-def _noise_margin(measured: dict) -> float:
-    """How much cheaper per sample a larger micro-batch may look before it is suspect: three
-    standard errors of the probes' op-time medians, at least 3 %."""
-    errors = [
-        m.relative_error
-        for probe in measured.values()
-        for key, m in probe.values.items()
-        if key.split("@")[0] in OP_KINDS
-    ]
-    return max(0.03, 3 * statistics.median(errors))
 
 
 def _runtime_overheads(profile: Profile, measured: dict, in_process: bool) -> Overheads:

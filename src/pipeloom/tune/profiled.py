@@ -34,9 +34,8 @@ from typing import Any
 from pipeloom.costs import Costs, CostValue
 from pipeloom.errors import ConfigError
 from pipeloom.files import read_json
-from pipeloom.profile_format import Fit, Layout, LayoutProfile, Profile
+from pipeloom.profile_format import Fit, Layout, LayoutProfile, Profile, ReplicaWait, Speed
 from pipeloom.static_memory import collective_bytes, compute_bytes, static_bytes
-from pipeloom.tune.ep_layout import compute_per_layer, replicas_wait, stash_per_layer
 from pipeloom.tune.presets import ModelSpec
 from pipeloom.tune.profile_fits import at_size
 from pipeloom.tune.tp_layout import activation_share, layer_collectives, ring_bytes, stage_collectives
@@ -63,8 +62,9 @@ class ProfiledCostModel:
         self.overheads = self.profile.overheads
         self.compute = compute_bytes(self.profile.dtype)
         expert = self.profile.expert_parallel
-        self.expert_ep, self.exchange = (expert[0], expert[1].exchange) if expert else (1, {})
-        """The expert-parallel probe's group, and micro-batch size → its measured exchanges."""
+        self.expert_ep: int = expert[0] if expert else 1
+        self.expert_layout: LayoutProfile | None = expert[1] if expert else None
+        """The expert-parallel probes' group and their measurements (`Layout(ep=...)`), if any."""
         self.source = "profile"
         measured = self.profile.layout(Layout(tp, self.sequence_parallel)) if tp > 1 else None
         self._tp_layout = measured if measured is not None and measured.fits else None
@@ -86,22 +86,36 @@ class ProfiledCostModel:
         return stage_collectives(self.tp, self.sequence_parallel, stage, stages, layers)
 
     def tp_measured(self) -> LayoutProfile | None:
-        """The profile's measurements of this layout on tp ranks (`profile.tp_probes`); None if
-        it measured none. Read once: the layout is fixed when the model is made."""
+        """The profile's measurements of this layout on tp ranks (`profile --tp`); None if it
+        measured none. Read once: the layout is fixed when the model is made."""
         return self._tp_layout
 
-    def _tp_value(self, key: str, field: str, micro_batch: float) -> float:
-        """A measured tensor-parallel fit's `field` of `key` at `micro_batch` (`_value`)."""
-        assert self._tp_layout is not None, "only read where the layout was measured"
-        return self._value(key, field, micro_batch, self._tp_layout.fits)
+    @property
+    def _sharing_experts(self) -> bool:
+        return self.model.expert_parallel > 1 and bool(self.model.num_experts)
 
-    def _tp_per_stage(self, key: str, counts: Sequence[int], size: float) -> list[float]:
-        """A stage's op as measured on tp ranks: the measured slope per layer, and the single
-        stage's measured intercept — at another position, the tp = 1 intercept there scaled as
-        the single stage's was (the embedding's and the head's share of it)."""
-        slope = self._tp_value(key, "per_layer", size)
-        single = self._tp_value(key, "single", size)
-        alone = self._value(key, "single", size)
+    def ranks_layout(self) -> LayoutProfile | None:
+        """The measurements of the plan's ranks where the profile has them: on its tp ranks, or
+        (experts shared out, tp = 1) on replicas sharing out the experts; None where the plain
+        probes price its ops."""
+        if self.tp > 1:
+            return self._tp_layout
+        expert = self.expert_layout
+        return expert if self._sharing_experts and expert is not None and expert.fits else None
+
+    def layout_speed(self) -> Speed:
+        """How a rank's step and an op vary from step to step on the plan's ranks: collective waits
+        inside their ops vary and skew them, so measured on those ranks where the profile did."""
+        ranks = self.ranks_layout()
+        return ranks.speed if ranks and ranks.speed.step else self.profile.plain.speed
+
+    def _ranks_per_stage(self, layout: LayoutProfile, key: str, counts: Sequence[int], size: float) -> list[float]:
+        """A stage's op as measured on the plan's ranks (one stage): the measured slope per layer,
+        and the single stage's measured intercept — at another position, the plain intercept
+        there scaled as the single stage's was (the embedding's and the head's share of it)."""
+        slope = self._value(key, "per_layer", size, layout.fits)
+        single = self._value(key, "single", size, layout.fits)
+        alone = self._value(key, "single", size) if key in self.profile.plain.kinds() else 0.0
         out = []
         for i, n in enumerate(counts):
             position = self._position(i, len(counts))
@@ -155,9 +169,11 @@ class ProfiledCostModel:
         if self.tp > 1 and not self._tp_layout:
             reasons.append(f"tp {self.tp} (never profiled: its collectives estimated)")
         ep = self.model.expert_parallel
-        if ep > 1 and self.model.num_experts and ep != self.expert_ep:
-            profiled = f"profiled: ep {self.expert_ep}" if self.exchange else "never profiled: no all-to-all priced"
-            reasons.append(f"ep {ep} ({profiled})")
+        if self._sharing_experts and (ep != self.expert_ep or self.tp > 1):
+            profiled = (
+                f"profiled: ep {self.expert_ep}" if self.expert_layout else "never profiled: no all-to-all priced"
+            )
+            reasons.append(f"ep {ep} ({profiled}{', not with tp' if self.expert_layout and self.tp > 1 else ''})")
         probed = self.measured_layout(slices).layers
         beyond = sorted({n for n in partition if probed and not probed[0] <= n <= probed[-1]})
         if beyond:
@@ -167,8 +183,8 @@ class ProfiledCostModel:
 
     def measured_layout(self, slices: int = 1) -> LayoutProfile:
         """The measurements that price a plan's ops: the probes run in its slices, or on its
-        tensor-parallel ranks, where the profile has them; else the plain ones."""
-        return self._sliced(slices) or self._tp_layout or self.profile.plain
+        ranks (`ranks_layout`), where the profile has them; else the plain ones."""
+        return self._sliced(slices) or self.ranks_layout() or self.profile.plain
 
     def _sliced(self, slices: int) -> LayoutProfile | None:
         """The probes run in `slices` slices (`profile --slices`), which price a sliced plan's
@@ -227,20 +243,15 @@ class ProfiledCostModel:
             per_stage["M_B"] = [m * share for m in per_stage["M_B"]]
             per_stage["M_W"] = [m * share for m in per_stage["M_W"]]
             per_stage["M_ckpt"] = [m / self.tp for m in per_stage["M_ckpt"]]
-        if self._tp_layout:
-            for key in self._tp_layout.kinds():
-                per_stage[key] = self._tp_per_stage(key, counts, size)
+        if ranks := self.ranks_layout():
+            for key in ranks.kinds() & per_stage.keys():
+                per_stage[key] = self._ranks_per_stage(ranks, key, counts, size)
         elif self.tp > 1:
             for i, n in enumerate(counts):
                 collectives = self.tp_collectives(i, len(counts), n)
                 forward, backward = self._tp_time(collectives["F"], size), self._tp_time(collectives["B"], size)
                 for key, extra in (("F", forward), ("R", forward), ("B", backward), ("W", 0.0)):
                     per_stage[key][i] = per_stage[key][i] / self.tp + extra
-        if shift := self._ep_stash_per_layer(size):
-            per_stage["M_B"] = [max(0.0, m + n * shift) for m, n in zip(per_stage["M_B"], counts)]
-        if compute := self._ep_compute_per_layer(size):
-            for key, extra in (("F", compute["F"]), ("R", compute["F"]), ("B", compute["BW"])):
-                per_stage[key] = [max(0.0, t + n * extra) for t, n in zip(per_stage[key], counts)]
         # With slices, per-slice entries: Costs would otherwise share a stage's value out evenly.
         value: dict[str, CostValue] = {
             key: [[v] * slices for v in values] if slices > 1 else values for key, values in per_stage.items()
@@ -264,25 +275,13 @@ class ProfiledCostModel:
         )  # no host link measured: offload is left out, not guessed
 
     def _exchange(self, counts: Sequence[int], micro_batch: float) -> dict[str, CostValue]:
-        """Per stage, the expert all-to-alls an F and a B wait for: the measured per-layer time at
-        this micro-batch size (linear between the profiled sizes) times the stage's layers; none
-        for a dense model, without expert parallelism, or from a profile that measured none."""
-        if not self.exchange or not self.model.num_experts or self.model.expert_parallel == 1:
+        """Per stage, the expert all-to-alls in flight in an F and in a B, as the expert-parallel
+        probes measured them; none for a dense model, without expert parallelism, or from a
+        profile that measured none."""
+        expert = self.expert_layout
+        if not self._sharing_experts or expert is None or not {"a2a_F", "a2a_B"} <= expert.kinds():
             return {"F": 0.0, "B": 0.0}
-        return {
-            "F": [n * at_size({size: v.F for size, v in self.exchange.items()}, micro_batch) for n in counts],
-            "B": [n * at_size({size: v.B for size, v in self.exchange.items()}, micro_batch) for n in counts],
-        }
-
-    def _ep_stash_per_layer(self, micro_batch: float) -> float:
-        if self.model.expert_parallel == 1 or not self.model.num_experts:
-            return 0.0
-        return stash_per_layer(self.exchange, self._value, micro_batch)
-
-    def _ep_compute_per_layer(self, micro_batch: float) -> dict[str, float]:
-        if self.model.expert_parallel == 1 or not self.model.num_experts:
-            return {}
-        return compute_per_layer(self.exchange, self._value, micro_batch)
+        return {kind: self._ranks_per_stage(expert, f"a2a_{kind}", counts, micro_batch) for kind in ("F", "B")}
 
     def a2a_step(self, schedule, partition: Sequence[int], micro_batch: int) -> list[float]:
         """Per device, the ms of one step's expert all-to-alls in flight (F and R: a2a_F; B and
@@ -295,9 +294,11 @@ class ProfiledCostModel:
         return [sum(kinds[op.kind.value][op.stage] for op in ops if op.kind.value in kinds) for ops in schedule.devices]
 
     def layer_time(self, micro_batch: int) -> float:
-        if self._tp_layout:
-            measured = self._tp_layout.kinds()
-            return sum(self._tp_value(key, "per_layer", micro_batch) for key in ("F", "B", "W") if key in measured)
+        if ranks := self.ranks_layout():
+            measured = ranks.kinds()
+            return sum(
+                self._value(key, "per_layer", micro_batch, ranks.fits) for key in ("F", "B", "W") if key in measured
+            )
         compute = sum(self._value(key, "per_layer", micro_batch) for key in ("F", "B", "W")) / self.tp
         layer = layer_collectives(self.tp, self.sequence_parallel)
         return compute + self._tp_time(layer["F"] + layer["B"], micro_batch)
@@ -312,13 +313,13 @@ class ProfiledCostModel:
         return max(0.0, extra("first")), max(0.0, extra("last"))
 
     def layer_memory(self, micro_batch: int, dp: int, zero: int = 0) -> tuple[float, float]:
-        if self._tp_layout and "M_B" in self._tp_layout.kinds():
-            activations = self._tp_value("M_B", "per_layer", micro_batch)
+        ranks = self.ranks_layout()
+        if ranks and "M_B" in ranks.kinds():
+            activations = self._value("M_B", "per_layer", micro_batch, ranks.fits)
         else:
             activations = self._value("M_B", "per_layer", micro_batch) * activation_share(
                 self.tp, self.sequence_parallel
             )
-        activations = max(0.0, activations + self._ep_stash_per_layer(micro_batch))
         return activations, self._static(self.params.layer / self.tp, dp, zero)
 
     def stage_params(self, counts: Sequence[int]) -> list[float]:
@@ -370,18 +371,25 @@ class ProfiledCostModel:
     def replica_skew(self, dp: int, zero: int = 0) -> float:
         """Share of the pipeline the dp replicas' collectives wait for the slowest one: measured
         at dp = 2, and grown for more replicas as the expected maximum of dp noisy pipelines
-        (≈ √(2 ln dp)) grows. Under expert parallelism the replicas exchange tokens at every MoE
-        layer and wait for each other there, inside the all-to-alls, so the dense probes' skew
-        (15–26 ms added to a Mixtral's gradient sync at dp = EP = 2, against 3.5–6.2 ms
-        measured) is not theirs: theirs is measured on the expert-parallel probes
-        (`ep_layout.replicas_wait`)."""
-        if dp == 1:
+        (≈ √(2 ln dp)) grows. Replicas that share out the experts exchange tokens at every MoE
+        layer and wait for each other there, so theirs is measured on such replicas."""
+        layout, ep = (self.expert_layout, self.expert_ep) if self._sharing_experts else (self.profile.plain, 1)
+        waits = layout.waits if layout and dp > 1 else {}
+        level = min(zero, 1) if min(zero, 1) in waits else 0  # replicas sharing experts ran ZeRO-0 only
+        if level not in waits:
             return 0.0
-        if self.model.expert_parallel > 1:
-            measured = replicas_wait(self)
-        else:
-            measured = self.profile.replica_skew.get(min(zero, 1), 0.0)
-        return measured * math.sqrt(math.log(dp) / math.log(2))
+        return self._wait_share(waits[level], ep, level) * math.sqrt(math.log(dp) / math.log(2))
+
+    def _wait_share(self, wait: ReplicaWait, ep: int, zero: int) -> float:
+        """Rank 0's step beyond its pipeline on two replicas of one stage, less what this model
+        prices there — the gradients' collectives (a routed expert's stay on the replica that holds
+        it), the AdamW step over what a rank holds and the rest of a step — over its pipeline."""
+        params, layers = self.params, wait.layers
+        experts = params.experts if ep > 1 else 0.0  # shared out: 1/ep of them held, none synced
+        synced = layers * (params.layer - experts) + params.first + params.last
+        held = synced + layers * experts / ep
+        expected = self.allreduce_time(synced, 1, 2, zero) + self.optimizer_time(held, 2, zero)
+        return max(0.0, wait.tail_ms - expected - self.step_overhead_time()) / wait.pipeline_ms
 
     @property
     def sync_overlaps_compute(self) -> bool:

@@ -21,7 +21,6 @@ from collections.abc import Sequence
 
 from pipeloom.ir.walk import run
 from pipeloom.tune.evaluation import Evaluation
-from pipeloom.tune.tp_layout import layout_speeds
 
 __all__ = ["DRAWS", "noisy_pipeline", "apply_speed_noise", "mean_matched", "winsorized"]
 
@@ -64,13 +63,11 @@ def noisy_pipeline(
 def apply_speed_noise(ranked: list[Evaluation], cost_model) -> None:
     """Add each ranked plan's speed-noise cost to its pipeline (`Evaluation.noise_time`) and sort
     the ranking again; plans with offload lanes keep theirs (the lanes are timed on the host).
-    The quantiles are the cost model's layout's (`tp_layout.layout_speeds`)."""
-    profile = getattr(cost_model, "profile", None)
-    if profile is None:  # an analytic cost model: nothing measured
+    The quantiles are those of the plan's ranks (`ProfiledCostModel.layout_speed`)."""
+    layout_speed = getattr(cost_model, "layout_speed", None)
+    if layout_speed is None:  # an analytic cost model: nothing measured
         return
-    tp, sequence_parallel = getattr(cost_model, "tp", 1), getattr(cost_model, "sequence_parallel", False)
-    ep = getattr(getattr(cost_model, "model", None), "expert_parallel", 1)
-    speed = layout_speeds(profile, tp, sequence_parallel, ep)
+    speed = layout_speed()
     quantiles, ops, op_mean = list(speed.step), list(speed.op), speed.op_mean
     if not quantiles:
         return

@@ -1,6 +1,6 @@
 """What Megatron's tensor-parallel layout (`pipeloom.runtime.tensor_parallel`) does to a stage,
 as the profiled cost model prices it: which collectives its ops run, the bytes a rank sends for
-them, a rank's share of the activations, and the profile's measurements of the layout.
+them, and a rank's share of the activations.
 
 Pure functions of (tp, sequence parallel): the layout is fixed when a cost model is made.
 """
@@ -9,12 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeloom.profile_format import Layout, Profile, Speed
-
 __all__ = [
     "activation_share",
     "layer_collectives",
-    "layout_speeds",
     "ring_bytes",
     "stage_collectives",
 ]
@@ -62,12 +59,3 @@ def activation_share(tp: int, sequence_parallel: bool) -> float:
     if tp == 1:
         return 1.0
     return 1 / tp if sequence_parallel else (10 + 24 / tp) / 34
-
-
-def layout_speeds(profile: Profile, tp: int, sequence_parallel: bool, ep: int = 1) -> Speed:
-    """How much a rank's step and an op vary from step to step (`profile.speed`), as measured on
-    this layout's ranks where the profile did — tp ranks (`profile.tp_probes`), replicas sharing
-    out the experts (`profile.ep_probes`): collective waits inside the ops vary and skew them —
-    else on the plain probes'; empty where the profile has none."""
-    layout = profile.layout(Layout(tp, sequence_parallel and tp > 1, ep if tp == 1 else 1))
-    return layout.speed if layout and layout.speed.step else profile.plain.speed

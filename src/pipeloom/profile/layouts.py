@@ -1,0 +1,138 @@
+"""Every layout's probes, measured one way: run by the probe runner, fitted by one fit.
+
+A layout (`profile_format.Layout`) is how a probe's ranks share its stage. The plain probes run
+two stages of n layers, the first with the embedding and the last with the head and loss (with
+`--slices`, each micro-batch in slices); a tensor-parallel layout runs one stage over tp ranks;
+an expert-parallel one, one stage over ep data-parallel replicas that share out its experts.
+Each runs the probe schedule (`probe_rounds.probe_schedule`) at every micro-batch size and layer
+count, and each pass, stash and exchange is fitted as value = slope·n + intercept[position]
+(`fit_positions`), at the positions the layout's stages hold: first and last, or the single
+one. A layout's ops are its own, the waits inside their collectives included, which nothing
+in the plain ops predicts (`docs/fidelity.md`); its speed and confidence are its own too. The
+replicas' wait at the gradient sync is measured on two replicas of one stage (`replica_waits`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from itertools import compress
+from typing import Any
+
+from pipeloom.profile.probe_rounds import (
+    OP_KINDS,
+    Probe,
+    ProbeModel,
+    Turns,
+    measure_probes,
+    run_by_turns,
+    steady_records,
+)
+from pipeloom.profile.speed import speed_of, timed_steps
+from pipeloom.profile_format import Fit, Layout, LayoutProfile, ReplicaWait
+from pipeloom.schedules.registry import build_schedule
+from pipeloom.tune.profile_fits import fit_positions
+
+__all__ = ["EP", "REPLICA_ROUNDS", "measure_layout", "replica_waits", "step_tail", "noise_margin"]
+
+EP = 2
+"""The expert-parallel group the profile measures: two ranks, one all-to-all partner each."""
+REPLICA_ROUNDS = 3
+"""Rounds of the replicas' probes, by turns: a slow spell falls on one round of each."""
+
+
+def stages_of(layout: Layout) -> int:
+    """Two stages for the plain and sliced probes; one over the ranks of tp or ep."""
+    return 1 if layout.tp > 1 or layout.ep > 1 else 2
+
+
+def measure_layout(
+    layout: Layout, probed: ProbeModel, micro_batches: Sequence[int], layer_counts: Sequence[int], turns: Turns
+) -> tuple[LayoutProfile, dict[tuple[int, int], Probe]]:
+    """`layout`'s probes (micro-batch size, layers a stage) run by `turns` and fitted; and the
+    probes. A Hugging Face model's tensor-parallel plan is transformers', so tp needs one."""
+    parallel: dict[str, Any] = {"slices": layout.slices}
+    if layout.tp > 1:
+        parallel = {"stages": 1, "tp": layout.tp, "sequence_parallel": layout.sequence_parallel}
+    elif layout.ep > 1:
+        parallel = {"stages": 1, "dp": layout.ep, "ep": layout.ep}
+    specs = {(mbs, n): probed.spec(mbs, n, **parallel) for mbs in micro_batches for n in layer_counts}
+    op_variation: list[float] = []
+    measured = measure_probes(specs, turns.of(layout, turns.busy), op_variation)
+    busy = (steps for probe in measured.values() for steps in probe.busy)
+    return (
+        LayoutProfile(
+            fits=fits(measured, micro_batches, stages_of(layout)),
+            speed=speed_of(busy, op_variation),
+            confidence=confidence(measured, micro_batches),
+            layers=tuple(sorted(set(layer_counts))),
+        ),
+        measured,
+    )
+
+
+def fits(measured: dict[tuple[int, int], Probe], micro_batches: Sequence[int], stages: int) -> dict:
+    """Micro-batch size → kind → Fit over the probes' layer counts, each rank's medians at its
+    stage's position (the first rank of each stage; the others are its tp or dp peers)."""
+    positions = {0: "single"} if stages == 1 else {0: "first", 1: "last"}
+    out = {}
+    for mbs in micro_batches:
+        points: dict[str, list[tuple[str, int, float]]] = {}
+        for (size, n), probe in measured.items():
+            for key in probe.values if size == mbs else ():
+                kind, _, rank = key.partition("@")
+                if rank and int(rank) in positions:
+                    points.setdefault(kind, []).append((positions[int(rank)], n, probe.median(key)))
+        out[mbs] = {kind: Fit(**fit_positions(points[kind])) for kind in points}
+    return out
+
+
+def confidence(measured: dict[tuple[int, int], Probe], micro_batches: Sequence[int]) -> dict[int, dict[str, float]]:
+    """Per micro-batch size and op kind, the relative standard error of the probes' medians (the
+    median over the probes and ranks that measured it): `tune` turns it into a plan's band."""
+    out: dict[int, dict[str, float]] = {}
+    for mbs in micro_batches:
+        errors: dict[str, list[float]] = {}
+        for (size, _), probe in measured.items():
+            for key, value in probe.values.items() if size == mbs else ():
+                if (kind := key.split("@")[0]) in OP_KINDS:
+                    errors.setdefault(kind, []).append(value.relative_error)
+        out[mbs] = {kind: statistics.median(values) for kind, values in errors.items()}
+    return out
+
+
+def noise_margin(measured: dict[tuple[int, int], Probe]) -> float:
+    """How much cheaper per sample a larger micro-batch may look before it is suspect: three
+    standard errors of the probes' op-time medians, at least 3 %."""
+    errors = [
+        m.relative_error
+        for probe in measured.values()
+        for key, m in probe.values.items()
+        if key.split("@")[0] in OP_KINDS
+    ]
+    return max(0.03, 3 * statistics.median(errors))
+
+
+def replica_waits(layout: Layout, probed: ProbeModel, mbs: int, layers: int, turns: Turns) -> dict[int, ReplicaWait]:
+    """ZeRO level → rank 0's wait on two replicas of one stage of `layers` layers at micro-batch
+    size `mbs` (1F1B over 4 micro-batches), steady steps only: of the plain layout at ZeRO-0 and
+    ZeRO-1, of the expert-parallel one (its replicas sharing out the experts) at ZeRO-0."""
+    schedule = build_schedule("1f1b", 1, 4)
+    shared = {"dp": layout.ep, "ep": layout.ep} if layout.ep > 1 else {"dp": 2}
+    levels = (0,) if layout.ep > 1 else (0, 1)
+    specs = {zero: probed.spec(mbs, layers, stages=1, schedule=schedule, zero=zero, **shared) for zero in levels}
+    rounds, _ = run_by_turns(specs, turns)
+    return {zero: ReplicaWait(*step_tail(rounds[zero], steady_records(rounds[zero])[0]), layers) for zero in levels}
+
+
+def step_tail(rounds: list, kept: list[list[bool]]) -> tuple[float, float]:
+    """Rank 0's step beyond its pipeline — gradient sync, optimizer and the rest, where it waits
+    for the other replica — its mean over the steps `kept` of `rounds` (a wait is short and
+    heavy-tailed: a rank waits only in the steps where it was the faster), in ms; and its median
+    pipeline (ms)."""
+    tails, pipelines = [], []
+    for results, flags in zip(rounds, kept):
+        for phases in compress(timed_steps(results[0].phase_seconds), flags):
+            tails.append(1e3 * (phases["allreduce"] + phases["optimizer"] + phases["overhead"]))
+            pipelines.append(1e3 * phases["pipeline"])
+    return statistics.fmean(tails), statistics.median(pipelines)
