@@ -4,9 +4,8 @@ and all that `tune` reads of it.
 A profile is measured once (`pipeloom.profile`, torch) and read by every later plan
 (`pipeloom.tune.profiled`, torch-free), often on another day, so the two sides meet only here:
 frozen dataclasses with `to_dict`/`from_dict`, the file checked entry by entry as it is read
-(a file is something a user can edit, and a busy machine once wrote a negative time into one:
-a NaN slips through arithmetic silently, `max(0.0, nan)` being 0). The first bad entry is named
-in the error.
+(a file is something a user can edit, and a NaN slips through arithmetic silently,
+`max(0.0, nan)` being 0). The first bad entry is named in the error.
 
 What a profile measured is keyed by its `Layout` — how a probe's ranks shared its stage (plain,
 a stage over tp ranks with or without sequence parallelism, replicas sharing out the experts) and

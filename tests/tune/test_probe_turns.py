@@ -18,7 +18,7 @@ def _measure(monkeypatch, min_rounds: int, max_rounds: int) -> list[str]:
     monkeypatch.setattr("pipeloom.runtime.local.run_local", run_local)
     monkeypatch.setattr("pipeloom.runtime.probe.probe_spec", lambda spec: None)
     monkeypatch.setattr(probe_rounds, "samples", lambda results: {"F@0": [1.0, 1.0]})  # settles at once
-    monkeypatch.setattr(probe_rounds, "steady_probe", lambda key, schedule, rounds, series, variation: len(rounds))
+    monkeypatch.setattr(probe_rounds, "steady_probe", lambda schedule, rounds, series, variation: len(rounds))
     specs = {name: SimpleNamespace(name=name, schedule=None) for name in "ab"}
     turns = probe_rounds.Turns(max_rounds, min_rounds, between_rounds=lambda layout: events.append("|"))
     measured = probe_rounds.measure_probes(specs, turns, [])

@@ -2,11 +2,11 @@
 
 On a CPU each rank computes its ops on one thread, so an op's wall time equals the CPU time its
 thread ran — unless the scheduler gave the core to someone else meanwhile. The ratio of the two,
-over a round's ops, is a direct reading of contention that needs no second run to compare with:
-measured here at 1.01–1.03 on an idle 2-core machine, 1.4–1.6 with one CPU-bound process beside
-two ranks and 1.8–2.0 with two. Rounds above `BUSY` are dropped and run again (a spike passes);
-when busy rounds keep coming the profile refuses rather than fit a machine that is not the one
-the plans will run on (`allow`: keep them, and say so). Torch-free: it reads the runtime's records (`StepRecord.op_cpu`).
+over a round's ops, reads contention directly, with no second run to compare with. Rounds above
+`BUSY` are dropped and run again (a spike passes); when busy rounds keep coming the profile
+refuses rather than fit a machine that is not the one the plans will run on (`allow`: keep them,
+and say so). The ratios seen idle and busy are in `docs/fidelity.md`. Torch-free: it reads the
+runtime's records (`StepRecord.op_cpu`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pipeloom.profile.speed import timed_steps
 __all__ = ["BUSY", "Contention", "wall_over_cpu"]
 
 BUSY = 1.10
-"""Wall over CPU time above which a round counts as contended: over three times the idle machine's
-excess (at most 3 % measured), a quarter of what one busy neighbour adds (40–60 %)."""
+"""Wall over CPU time above which a round counts as contended: well above an idle machine's
+excess, well below what one busy neighbour adds (`docs/fidelity.md`)."""
 REFUSE_AFTER = 3
 """Busy rounds after which, if they outnumber the clean ones, the machine is called busy."""
 

@@ -1,5 +1,5 @@
 """The one runner of the profile's probes, and a probe's rounds turned into measurements: op
-times, stashed bytes and step phases.
+times, stashed bytes, exchanges and step phases.
 
 Every probe — of any layout: two stages, slices, a stage over tp ranks, dp replicas, replicas
 sharing out experts — is a TrainSpec of `ProbeModel`, run in rounds of a few steps by
@@ -22,28 +22,13 @@ from pipeloom.models.llama import llama_config
 from pipeloom.passes.split_backward import split_backward
 from pipeloom.profile.contention import Contention
 from pipeloom.profile.speed import op_ratios, steady_rounds, step_busy, timed_steps
-from pipeloom.profile.stability import Series
+from pipeloom.profile.stability import Measured, Series
 from pipeloom.profile_format import Layout
 from pipeloom.schedules.registry import build_schedule
 from pipeloom.tune.presets import ModelSpec
 
-__all__ = [
-    "OP_KINDS",
-    "PHASES",
-    "SETTLED_MS",
-    "Probe",
-    "ProbeModel",
-    "Turns",
-    "measure_probes",
-    "probe_schedule",
-    "run_by_turns",
-    "run_probe",
-    "samples",
-    "speed_samples",
-    "stashed_bytes",
-    "steady_probe",
-    "steady_records",
-]
+__all__ = ["OP_KINDS", "PHASES", "Probe", "ProbeModel", "Turns", "measure_probes", "probe_schedule", "run_by_turns"]
+__all__ += ["samples", "steady_probe", "steady_records"]
 
 OP_KINDS = ("F", "B", "W", "R")
 PHASES = ("pipeline", "allreduce", "optimizer", "overhead")
@@ -51,15 +36,16 @@ SETTLED_MS = 0.1
 """A median that moves by less than this (ms) has settled, however small it is."""
 
 
+@dataclass(frozen=True)
 class Probe:
-    """One probe's measurements: (kind, rank) → Measured, and the probe's schedule and shape."""
+    """One probe's measurements over its steady steps: "kind@rank" → Measured; its schedule; per
+    rank, its time in ops (ms) in each steady step; the share of its timed steps that were steady
+    (`speed.steady_steps`)."""
 
-    def __init__(self, mbs: int, layers: int, schedule: Schedule, values: dict, busy: list[list[float]], steady: float):
-        self.mbs, self.layers, self.schedule, self.values = mbs, layers, schedule, values
-        self.busy = busy
-        """Per rank, its time in ops in each steady step measured (ms)."""
-        self.steady = steady
-        """The share of its timed steps that were steady (`speed.steady_steps`)."""
+    schedule: Schedule
+    values: dict[str, Measured]
+    busy: list[list[float]]
+    steady: float
 
     def median(self, key: str) -> float:
         return self.values[key].median
@@ -203,7 +189,7 @@ def measure_probes(specs: dict, turns: Turns, op_variation: list[float]) -> dict
     measured over their steady steps (`steady_probe`); each op's own variation
     (`speed.op_ratios`) goes into `op_variation`."""
     rounds, series = run_by_turns(specs, turns)
-    return {key: steady_probe(key, specs[key].schedule, rounds[key], series[key], op_variation) for key in specs}
+    return {key: steady_probe(specs[key].schedule, rounds[key], series[key], op_variation) for key in specs}
 
 
 def run_probe(spec, probe=None, in_process: bool = False) -> list:
@@ -219,24 +205,21 @@ def run_probe(spec, probe=None, in_process: bool = False) -> list:
     return run_local(spec, probe=probe)
 
 
-def stashed_bytes(entry_bytes: dict[str, int], checkpointed: bool = False) -> list[float]:
-    """What each F of a step stashed (`StepRecord.entry_bytes`): plain ones, or with
-    `checkpointed` those that kept only their inputs (their text ends in "c")."""
-    return [v for text, v in entry_bytes.items() if "F" in text and text.endswith("c") == checkpointed]
-
-
-def steady_probe(key: tuple[int, int], schedule: Schedule, rounds: list, series: Series, op_variation) -> Probe:
+def steady_probe(schedule: Schedule, rounds: list, series: Series, op_variation: list[float]) -> Probe:
     """The probe measured over its steady steps only (`speed.steady_steps`, over every round):
     its rounds decided when it had settled, but which of their steps fell in a slow spell of the
-    machine is luck, and it would move the medians by up to 30 %."""
+    machine is luck, which would move the medians."""
     kept_steps, kept = steady_records(rounds)
     steady = Series(floor=SETTLED_MS)
     for results, kept_flags in zip(rounds, kept_steps):
         if any(kept_flags):
             steady.add(samples(results, kept_flags))
-    busy = speed_samples(kept, op_variation)
+    busy = []  # per rank, its time in ops each kept step, every round's together; and each op's own variation
+    for rounds_kept in kept:
+        busy.append([time for records in rounds_kept for time in step_busy(records)])
+        op_variation.extend(ratio for records in rounds_kept for ratio in op_ratios(records))
     measured = {key: replace(m, rounds=series.rounds, stable=series.settled) for key, m in steady.measured().items()}
-    return Probe(key[0], key[1], schedule, measured, busy, sum(map(sum, kept_steps)) / sum(map(len, kept_steps)))
+    return Probe(schedule, measured, busy, sum(map(sum, kept_steps)) / sum(map(len, kept_steps)))
 
 
 def steady_records(rounds: list) -> tuple[list[list[bool]], list[list[list]]]:
@@ -247,17 +230,6 @@ def steady_records(rounds: list) -> tuple[list[list[bool]], list[list[list]]]:
     flags = steady_rounds([[step_busy(timed_steps(results[rank].records)) for rank in ranks] for results in rounds])
     kept = [[_kept(timed_steps(results[rank].records), keep) for results, keep in zip(rounds, flags)] for rank in ranks]
     return flags, kept
-
-
-def speed_samples(kept: list[list[list]], op_variation: list[float]) -> list[list[float]]:
-    """Per rank, its time in ops (ms) in each of its `kept` steps (`steady_records`), every
-    round's together: one series of `speed.speed_quantiles`; each op's own variation within its
-    round (`speed.op_ratios`) goes into `op_variation`."""
-    busy = []
-    for rounds_kept in kept:
-        busy.append([time for records in rounds_kept for time in step_busy(records)])
-        op_variation.extend(ratio for records in rounds_kept for ratio in op_ratios(records))
-    return busy
 
 
 def _kept(steps: list, kept: Sequence[bool] | None) -> list:
@@ -281,9 +253,9 @@ def samples(results, kept: Sequence[bool] | None = None) -> dict[str, list[float
             if exchange:
                 out.setdefault(f"a2a_F@{rank}", []).append(exchange[OpKind.F])
                 out.setdefault(f"a2a_B@{rank}", []).append(exchange[OpKind.B])
-        entries = result.records[-1].entry_bytes
-        out[f"M_B@{rank}"] = stashed_bytes(entries)
-        out[f"M_ckpt@{rank}"] = stashed_bytes(entries, checkpointed=True)
+        stashed = [(text.endswith("c"), v) for text, v in result.records[-1].entry_bytes.items() if "F" in text]
+        out[f"M_B@{rank}"] = [v for checkpointed, v in stashed if not checkpointed]  # a checkpointed F's text ends in c
+        out[f"M_ckpt@{rank}"] = [v for checkpointed, v in stashed if checkpointed]
         out[f"M_W@{rank}"] = [float(v) for v in result.records[-1].pending_w_bytes.values()]
     for phases in _kept(timed_steps(results[0].phase_seconds), kept):
         for phase in PHASES:

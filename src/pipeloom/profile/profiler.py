@@ -1,21 +1,15 @@
-"""Measure the real model on this machine and fit per-layer linear models (Mario §5.2).
+"""Measure the real model on this machine, as the plans will run it (Mario §5.2).
 
-Each probe trains the LLaMA-style decoder for a few steps with the pipeloom runtime on two forked
-gloo ranks, as the plans will run: two stages of n layers each, the first carrying the embedding,
-the last the head and loss. Its schedule runs every pass the simulator knows — F, B and W split,
-and every other micro-batch checkpointed so that R and a checkpointed F's stash appear too. The
-probes take turns, a round of each at a time, each repeated until its medians settle
-(`stability`); a round in which another process took the cores (wall against CPU time,
-`contention`) is dropped and run again, and a machine that stays busy is refused. A step that
-ran in a slow spell of the host — ops still on the CPU, but a quarter or more slower, for
-seconds — is left out of every median (`speed.steady_steps`). The profile records how noisy the
-machine was. From the runtime's records (op start/end, bytes each F and R stashed) it fits, per
-micro-batch size and per pass, time = a·n + b_position with one slope a per layer and an
-intercept for the first and the last stage (`fit_positions` derives the middle and single ones).
-Activation bytes are fitted the same way. Where busy rounds were kept (allowed), a size that
-looks cheaper per sample than a smaller one is warned of. p2p and the gradient all-reduce are
-measured on their own (`links`), and the runtime's phases give what it adds beyond the ops: a
-per-op overhead, the optimizer step and the rest of a step (`overheads`).
+Each probe trains the model for a few steps with the pipeloom runtime on forked gloo ranks (or,
+`--device cuda`, every stage in this process on the one GPU); its schedule runs every pass the
+simulator knows — F, B and W split, every other micro-batch checkpointed so that R and a
+checkpointed F's stash appear too. Every layout a plan may hold is measured one way
+(`layouts`): the plain probes, and those in slices, on tp ranks, or on replicas sharing out a
+mixture's experts. The probes take turns, a round of each at a time, until their medians settle
+(`stability`); on a CPU a round in which another process took the cores is run again and a
+machine that stays busy is refused (`contention`); a step in a slow spell of the host is left out
+of every median (`speed.steady_steps`). p2p and the collectives are measured on their own
+(`links`), and the probes' phases give what the runtime adds beyond the ops (`overheads`).
 """
 
 from __future__ import annotations

@@ -1,26 +1,16 @@
-"""How much a rank's speed moves from step to step, as a distribution the tuner can draw from.
+"""How much a rank's speed moves from step to step, and which steps ran at the machine's own.
 
-On a shared or virtual machine a rank runs some steps markedly slower than others (measured
-here: a rank's ops summed over a step, 150 ms in most steps and 200 ms in one step of four) —
-the core's clock, a neighbour on the host, the cache. In a pipeline that costs more than the
-median op times say: each step waits for whichever rank was slow in it, so the median step is
-longer than the step of median ops (measured 2–7 % on two-stage plans, nothing on one stage).
-Ops vary within a step too (an op's time over its median with its step's speed taken out:
-about ±4 % between quartiles here, and skewed: slow ops are slower than fast ones are fast),
-and even one device's median step is longer than the sum of its median ops for it. The profile
-keeps both distributions as quantiles — a rank's step time over its median per probe and rank
-(`step_speed`), and an op's time over its median with its step's factor taken out (`op_speed`);
-`tune.speed_noise` draws from them.
+On a shared or virtual machine a rank runs some steps markedly slower than others, and some ops
+slower than others within a step. In a pipeline that costs more than the median op times say:
+each step waits for whichever rank was slow in it, and skewed op times make even one device's
+median step longer than the sum of its median ops. The profile keeps both as quantiles — a
+rank's step time over its median, and an op's over its median with its step's factor taken out
+— which `tune.speed_noise` draws from.
 
-The speed moves in spells, too: steps of one rank here ran at about 155 ms for a few seconds,
-then about 200 ms, then 240 ms, then 155 ms again, within one run and with the ops' wall time
-still their CPU time (a neighbour on the host taking the memory bandwidth and the shared cache:
-a cache-resident matmul timed between the runs did not follow it). Which share of a profile's or
-a run's steps falls in a slow spell is luck, so a median over all of them moves by up to 30 %
-from one run to the next. `steady_steps` keeps the steps that ran at the machine's own speed —
-within `STEADY_BAND` of each rank's fast level — and the profile, and the fidelity bench's
-measured steps, take their medians over those: the step a quiet machine gives, which the slow
-spells only lengthen. Torch-free.
+The speed also moves in spells of seconds, the ops still on the CPU (`docs/fidelity.md`), and
+which share of a probe's steps falls in a slow one is luck. `steady_steps` keeps the steps that
+ran at the machine's own speed — within `STEADY_BAND` of each rank's fast level — and every
+median of the profile, and of the benches' measured steps, is taken over those. Torch-free.
 """
 
 from __future__ import annotations
@@ -51,7 +41,7 @@ QUANTILES = 21
 
 STEADY_BAND = 0.15
 """How far beyond its rank's fast level a step may run and still be steady: the ops' own jitter
-within a spell (about ±5 % a step) passes, the next slower spell (+25–55 %) does not."""
+within a spell passes, the next slower spell does not (`docs/fidelity.md`)."""
 _MIN_STEADY = 3
 """Fewer steady steps than this is no median: the steps are all kept instead."""
 
@@ -88,9 +78,8 @@ def _lower_quartile(values: Sequence[float]) -> float:
 
 
 WARMUP_STEPS = 2
-"""Steps a round runs before it is timed: a run's first step is 12 % slower than its later ones
-and its second still 5 % (measured: the median over 8 runs of 12 steps), the allocator and the
-caches warming; a later step is within 1 % of the rest."""
+"""Steps a round runs before it is timed: the allocator and the caches warm over a run's first
+two steps, and a later one runs as the rest do (`docs/fidelity.md`)."""
 
 
 def warmup_steps(steps: int) -> int:

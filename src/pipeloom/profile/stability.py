@@ -5,23 +5,22 @@ probe read slower or faster than the next. Each probe is therefore a series of r
 is one run of a few training steps, its first step(s) left out as warm-up — and a quantity (an
 op's time, the optimizer's) is taken as the median of its rounds' medians. Rounds are added until
 the latest round's median agrees with the earlier rounds' — within `tolerance` of it, or within
-what noise alone would explain (twice the standard error of the difference) — or `max_rounds`
-have run. So there are always two rounds: one that ran wholly in a busy spell would look settled
-on its own. The spread (the
-interquartile range over the median) says how noisy the samples were, so a profile can report
-how far to trust it. This module imports no torch, so it is tested on a fake clock.
+what noise alone would explain (twice the standard error of the difference) — or the rounds run
+out. So there are always two rounds: one that ran wholly in a busy spell would look settled on
+its own. The spread (the interquartile range over the median) says how noisy the samples were,
+so a profile can report how far to trust it. Torch-free, so it is tested on a fake clock.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pipeloom.profile_format import Fit
 
-__all__ = ["Measured", "Series", "until_stable", "relative_spread", "falling_per_sample", "TOLERANCE"]
+__all__ = ["Measured", "Series", "relative_spread", "falling_per_sample", "TOLERANCE"]
 
 _SE_PER_IQR = 1.253 / 1.349
 """Standard error of a median per interquartile range, times √n (normal samples)."""
@@ -58,7 +57,8 @@ def relative_spread(samples: Sequence[float]) -> float:
 
 class Series:
     """The rounds of one probe so far: `add` one round's samples; `settled` once the latest round
-    agreed with the earlier ones (see `until_stable`). Several series can take turns — round 1
+    agreed with the earlier ones (`_agrees`: within `tolerance`, `floor` for quantities too small
+    to matter, or noise). Several series can take turns — round 1
     of every probe, then round 2 of each that has not settled — so a busy spell falls on one
     round of many probes, which their other rounds outvote, not on every round of one probe."""
 
@@ -90,25 +90,6 @@ class Series:
             )
             for key, values in self.kept.items()
         }
-
-
-def until_stable(
-    run_round: Callable[[], Mapping[str, Sequence[float]]],
-    *,
-    tolerance: float = TOLERANCE,
-    floor: float = 0.0,
-    max_rounds: int = 4,
-) -> dict[str, Measured]:
-    """Each quantity's median over rounds of `run_round()` (samples per quantity, warm-up already
-    left out), with as many rounds as it takes every median to settle — the latest round to
-    agree with the earlier ones within `tolerance`, noise, or `floor` (for quantities too small
-    to matter) — at most `max_rounds`."""
-    if max_rounds < 1:
-        raise ValueError(f"max_rounds must be at least 1, got {max_rounds}")
-    series = Series(tolerance, floor)
-    while series.rounds < max_rounds and not series.add(run_round()):
-        pass
-    return series.measured()
 
 
 def _standard_error(values: Sequence[float]) -> float:

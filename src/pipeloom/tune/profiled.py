@@ -1,27 +1,16 @@
 """Costs measured on this machine (`pipeloom profile`), as a cost model the tuner can use.
 
-A profile holds, per micro-batch size and per pass (F, B, W, R) and memory (M_B, M_ckpt), a slope
-per layer and an intercept per stage position (first: embedding; last: head and loss; middle:
-neither, taken as the cheaper end; single: both, taken as the dearer end). Other micro-batch sizes are interpolated linearly between the profiled
-ones (extrapolated past the ends). Static memory is the runtime's: 16 bytes per parameter (fp32
-weights, gradients and AdamW moments) under ZeRO-0, `pipeloom.static_memory`'s figures in the
-profile's compute type under ZeRO-1/2 and offload. M_W is what the probes' Bs left queued for
-their W (the split linears' inputs and output gradients), fitted as M_B is; a profile from
-before it was measured has none (0). What the runtime adds beyond the ops is priced as measured: a per-op
-overhead on every F, B, W and R; p2p as latency + bytes / bandwidth; the dp = 2 all-reduce, scaled
-to other dp by the ring; the optimizer step; and the rest of a step. The file also carries plain Costs keys — a two-device split of the
-model at the first profiled micro-batch size — so `simulate --costs profile.json` reads it too.
-
-With tp > 1 (Megatron's layout, `pipeloom.runtime.tensor_parallel`), from a profile that measured
-that layout on tp ranks (`profile --tp`, `pipeloom.profile.tp_probes`), each op is its measured
-time there — DTensor's dispatch and the collectives' waits included, which nothing below
-predicts (2.5× the estimate here) — and its stash the bytes measured there. Otherwise each op's measured compute is
-split over the tp ranks and its tensor-parallel collectives are added, priced from the same
-measured collectives (a tp group is a ring of tp ranks like a dp group): per layer two
-all-reduces of the activation forward and two backward (under sequence parallelism an all-gather
-and a reduce-scatter for each), one more on the embedding, on the head, and — without sequence
-parallelism — the all-gather of the sequence shards each stage receives. W is local. Weights,
-p2p bytes and, as Korthikanti et al. count them, activations shrink with tp.
+Each op, stash and exchange is read off the fits of the layout the plan's ranks hold (a slope per
+layer, an intercept per stage position; `profile_format`), interpolated linearly between the
+profiled micro-batch sizes: the plain probes', or those measured in the plan's slices, on its tp
+ranks, or on replicas sharing out its experts. Where the profile lacks the plan's layout the
+plain fits are adapted — a slice priced as a smaller micro-batch; under tp the compute split over
+the ranks and Megatron's collectives added from the measured links (`tp_layout`) — and `tune`
+marks the plan as beyond the profile (`extrapolations`). What the runtime adds beyond the ops is
+priced as measured: a per-op overhead, p2p as latency + bytes / bandwidth, the dp = 2 collectives
+scaled to other dp by the ring, the optimizer step, the rest of a step, and the replicas' wait.
+Static memory is `static_memory`'s. The file also carries plain Costs keys (two devices) so
+`simulate --costs profile.json` reads it too.
 """
 
 from __future__ import annotations
@@ -68,7 +57,7 @@ class ProfiledCostModel:
         self.source = "profile"
         measured = self.profile.layout(Layout(tp, self.sequence_parallel)) if tp > 1 else None
         self._tp_layout = measured if measured is not None and measured.fits else None
-        """This layout's fits as measured on tp ranks (`profile.tp_probes`); None if not measured."""
+        """This layout's fits as measured on tp ranks (`profile --tp`); None if not measured."""
         if tp > 1 and not self.links.collectives:
             raise ConfigError("the profile has no measured collectives to price tensor parallelism: profile again")
 

@@ -9,8 +9,9 @@ under `DRAWS` draws of one speed factor per device and one per op, from the prof
 (from one seed for every plan, so that their order reflects their schedules, not the dice; the
 devices' stratified, so that each sees every part of the distribution once; the ops' scaled to
 the mean factor the profile measured, which a step of many ops carries), and their pipeline
-takes the median makespan. A tensor-parallel plan draws from its layout's own quantiles. A profile without the quantiles changes nothing. `sim.replay` checks
-it against runs: each step's own ops replayed, the median of those against the median ops'.
+takes the median makespan. A plan draws from the quantiles of its ranks' layout. A profile without
+the quantiles changes nothing. `sim.replay` checks it against runs: each step's own ops replayed,
+the median of those against the median ops'.
 """
 
 from __future__ import annotations
@@ -92,9 +93,7 @@ def winsorized(quantiles: Sequence[float]) -> list[float]:
 def mean_matched(quantiles: list[float], mean: float | None) -> list[float]:
     """`quantiles` scaled so that a factor drawn from them (`_draw`, linear between them) has
     `mean` on average; unchanged without one. Many ops add up to a step, so their factors' mean is
-    what one device's median step carries, and 21 quantiles do not hold it (18 probe rounds here:
-    a rank's median step over the sum of its median ops was the ops' mean factor within 0.3 %,
-    0.997–1.046; the quantiles' average up to 2.3 % above that mean, winsorized up to 1.3 % below)."""
+    what one device's median step carries, and 21 quantiles do not hold it (`docs/fidelity.md`)."""
     if not mean or len(quantiles) < 2:
         return quantiles
     drawn = (sum(quantiles) - (quantiles[0] + quantiles[-1]) / 2) / (len(quantiles) - 1)
