@@ -100,8 +100,8 @@ PLANS = [  # tune keyword arguments; "activations" / "static": a memory limit of
 only checkpointing meets it; or of `static` × its static memory plus its activations: only
 sharding the optimizer state meets it."""
 LIMITS = ("activations", "static")
-PROBE_STEPS = 8
-"""Steps a probe's round runs: 6 timed after the 2 of warm-up, as many as a plan's round. A
+PROBE_STEPS = 6
+"""Steps a probe's round times (after its 2 of warm-up), as many as a plan's round. A
 round's fork and start cost as much as a few steps, so timed steps are cheaper had by the round
 than by more rounds. At 5 steps (3 timed), a tensor-parallel plan's prediction moved by 1.5–8 %
 (once 37 %) between a model's two profiles, minutes apart, in five runs of this bench."""

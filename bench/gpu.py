@@ -243,7 +243,7 @@ def profile_against_a_plain_loop(device: str, smoke: bool) -> None:
     sizes, counts = (1, 2), (1, 2)
     began = time.perf_counter()
     profile = profile_model(
-        model, sizes, counts, steps=6, turns=Turns(max_rounds=3), device=device, allow_busy=not smoke
+        model, sizes, counts, steps=4, turns=Turns(max_rounds=3), device=device, allow_busy=not smoke
     )
     print(f"\n(f) profile --device {device}: {time.perf_counter() - began:.0f} s; {profile.device.description}")
     print(f"{'op of the first stage':<28}{'profile ms':>12}{'plain loop ms':>15}{'ratio':>8}")

@@ -253,15 +253,15 @@ class Noise:
 @dataclass(frozen=True)
 class Profile:
     model: ModelSpec
-    device: DeviceInfo
-    dtype: str
     params: Params
     static_bytes_per_param: float
     links: Links
-    overheads: Overheads
     layouts: Mapping[Layout, LayoutProfile]
     """Always "plain"; "tpN[+sp]" with `profile --tp`; "ep2" for a mixture of experts; "sN" with
     `profile --slices`."""
+    device: DeviceInfo = DeviceInfo()
+    dtype: str = "fp32"
+    overheads: Overheads = Overheads()
     noise: Noise = Noise()
     warnings: tuple[str, ...] = ()
     source: str | None = None
@@ -304,22 +304,9 @@ class Profile:
         for key in ("model", "layouts", "params", "links"):
             if key not in data:
                 raise ConfigError(f"profile is incomplete: it has no {key!r} (run `pipeloom profile` to make one)")
-        layouts = _mapping(data["layouts"], "layouts")
-        if "plain" not in layouts:
+        if "plain" not in _mapping(data["layouts"], "layouts"):
             raise ConfigError(f"profile is incomplete: layouts has no 'plain' measurements; {_ADVICE}")
-        return cls(
-            model=model_from_config(data["model"]),
-            device=_read(DeviceInfo, data.get("device", {}), "device"),
-            dtype=str(data.get("dtype", "fp32")),
-            params=_read(Params, data["params"], "params"),
-            static_bytes_per_param=_non_negative(data.get("static_bytes_per_param"), "static_bytes_per_param"),
-            links=_read(Links, data["links"], "links"),
-            overheads=_read(Overheads, data.get("overheads", {}), "overheads"),
-            layouts={Layout.from_key(key): _layout_profile(key, value) for key, value in layouts.items()},
-            noise=_read(Noise, data.get("noise", {}), "noise"),
-            warnings=tuple(str(text) for text in data.get("warnings", ())),
-            source=data.get("source"),
-        )
+        return _read(cls, {key: value for key, value in data.items() if key != "format"}, "")
 
 
 def _plain(value: Any) -> Any:
@@ -350,20 +337,34 @@ def _read(cls: type, value: Any, where: str) -> Any:
     hints = typing.get_type_hints(cls)
     out = {}
     for entry in fields(cls):
+        place = f"{where}.{entry.name}" if where else entry.name
         if data.get(entry.name) is None:
             if entry.default is MISSING and entry.default_factory is MISSING:
-                raise ConfigError(f"profile: {where}.{entry.name} is missing; {_ADVICE}")
+                raise ConfigError(f"profile: {place} is missing; {_ADVICE}")
             continue
-        out[entry.name] = _entry(hints[entry.name], data[entry.name], f"{where}.{entry.name}", entry.name)
+        out[entry.name] = _entry(hints[entry.name], data[entry.name], place, entry.name)
     return cls(**out)
 
 
 def _entry(kind: Any, value: Any, where: str, name: str) -> Any:
-    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+    """`value` read as `kind` (`_read`'s checks); `name`: the field it is, or is within."""
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
         kind = next(option for option in typing.get_args(kind) if option is not type(None))
+        origin = typing.get_origin(kind)
+    if kind is ModelSpec:
+        return model_from_config(value)
     if isinstance(kind, type) and is_dataclass(kind):
         return _read(kind, value, where)
-    if typing.get_origin(kind) is tuple:
+    if origin is Mapping:
+        key, item = typing.get_args(kind)
+        entries = _mapping(value, where).items()
+        if key is Layout:
+            return {Layout.from_key(k): _layout_profile(k, v) for k, v in entries}
+        if key is str:
+            return {k: _entry(item, v, f"{where}.{k}", name) for k, v in entries}
+        return {_integer_key(k, where, name): _entry(item, v, f"{where}[{k}]", name) for k, v in entries}
+    if origin is tuple:
         if not isinstance(value, list):
             raise ConfigError(f"profile: {where} must be a list, got {value!r}; {_ADVICE}")
         return tuple(_entry(typing.get_args(kind)[0], item, where, name) for item in value)
@@ -379,6 +380,15 @@ def _entry(kind: Any, value: Any, where: str, name: str) -> Any:
             raise ConfigError(f"profile: {where} is {value!r}, not a whole number; {_ADVICE}")
         return int(number)
     return number
+
+
+def _integer_key(key: Any, where: str, name: str) -> int:
+    """A map's key: a micro-batch size (positive), or a ZeRO level (`waits`: from 0)."""
+    what, minimum = ("a ZeRO level", 0) if name == "waits" else ("a micro-batch size", 1)
+    if not (isinstance(key, str) and key.isdigit() and int(key) >= minimum):
+        bound = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ConfigError(f"profile: {where} has {what} {key!r}, not {bound}; {_ADVICE}")
+    return int(key)
 
 
 def _number(value: Any, where: str) -> float:
@@ -409,73 +419,24 @@ def _mapping(value: Any, where: str) -> Mapping[str, Any]:
     return value
 
 
-def _by_key(value: Any, where: str, read: Any, what: str = "a micro-batch size", minimum: int = 1) -> dict[int, Any]:
-    """A map keyed by integers (micro-batch sizes, ZeRO levels), each value `read(value, place)`."""
-    out = {}
-    for key, entry in _mapping(value, where).items():
-        if not (isinstance(key, str) and key.isdigit() and int(key) >= minimum):
-            bound = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-            raise ConfigError(f"profile: {where} has {what} {key!r}, not {bound}; {_ADVICE}")
-        out[int(key)] = read(entry, f"{where}[{key}]" if minimum == 1 else f"{where}.{key}")
-    return out
-
-
-def _fit(value: Any, where: str, positions: tuple[str, ...]) -> Fit:
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"profile: {where} is missing or not a fit, got {value!r}; {_ADVICE}")
-    present = {name: _non_negative(value.get(name), f"{where}.{name}") for name in ("per_layer", *positions)}
-    optional = {name: _non_negative(value[name], f"{where}.{name}") for name in POSITIONS if name in value}
-    return Fit(**(optional | present))
-
-
-def _kinds(by_kind: Any, where: str, fitted: bool) -> dict[str, Fit]:
-    """Kind → Fit at one micro-batch size; a two-stage layout (`fitted`: plain, sliced) has every
-    kind of `FIT_KINDS` at every position, a one-stage one (over tp ranks) the single stage's."""
-    by_kind = _mapping(by_kind, where)
-    unknown = set(by_kind) - set(FIT_KINDS) - set(_OPTIONAL_KINDS)
-    if unknown:
-        raise ConfigError(
-            f"profile: {where} has {sorted(unknown)}, not among {[*FIT_KINDS, *_OPTIONAL_KINDS]}; {_ADVICE}"
-        )
-    kinds = [*FIT_KINDS, *(kind for kind in _OPTIONAL_KINDS if kind in by_kind)] if fitted else list(by_kind)
-    positions = POSITIONS if fitted else ("single",)
-    return {kind: _fit(by_kind.get(kind), f"{where}.{kind}", positions) for kind in kinds}
-
-
 def _layout_profile(key: str, value: Any) -> LayoutProfile:
-    where = f"layouts.{key}"
-    measured = _mapping(value, where)
-    layout = Layout.from_key(key)
-    fitted = layout.tp == 1 and layout.ep == 1
-    fits = measured.get("fits", {})
-    if not isinstance(fits, Mapping) or (fitted and not fits):
-        raise ConfigError(
-            f"profile: {where}: `fits` must map micro-batch sizes to measurements, got {fits!r}; {_ADVICE}"
-        )
-    return LayoutProfile(
-        fits=_by_key(fits, f"{where}.fits", lambda v, place: _kinds(v, place, fitted)),
-        speed=_read(Speed, measured.get("speed", {}), f"{where}.speed"),
-        confidence=_by_key(
-            measured.get("confidence", {}),
-            f"{where}.confidence",
-            lambda errors, place: {
-                kind: _non_negative(e, f"{place}.{kind}") for kind, e in _mapping(errors, place).items()
-            },
-        ),
-        waits=_by_key(
-            measured.get("waits", {}),
-            f"{where}.waits",
-            lambda v, place: _read(ReplicaWait, v, place),
-            "a ZeRO level",
-            0,
-        ),
-        layers=_layer_counts(measured.get("layers", []), f"{where}.layers"),
-    )
-
-
-def _layer_counts(value: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in value):
-        raise ConfigError(f"profile: {where} must be a list of layer counts, got {value!r}; {_ADVICE}")
-    if any(n < 1 for n in value):
-        raise ConfigError(f"profile: {where} holds {min(value)}: a probe's stage holds at least one layer; {_ADVICE}")
-    return tuple(sorted(set(value)))
+    """A layout's measurements, read by their types, and whole: the kinds known, and a two-stage
+    layout's (plain, sliced) every kind of `FIT_KINDS` at every position of every size."""
+    layout, where = Layout.from_key(key), f"layouts.{key}"
+    two_stages = layout.tp == layout.ep == 1
+    known = {*FIT_KINDS, *_OPTIONAL_KINDS}
+    for size, by_kind in _mapping(_mapping(value, where).get("fits", {}), f"{where}.fits").items():
+        if isinstance(by_kind, Mapping) and (unknown := set(by_kind) - known):
+            raise ConfigError(
+                f"profile: {where}.fits[{size}] has {sorted(unknown)}, not among {sorted(known)}; {_ADVICE}"
+            )
+    measured = _read(LayoutProfile, value, where)
+    if two_stages and not measured.fits:
+        raise ConfigError(f"profile: {where}: `fits` must map micro-batch sizes to measurements; {_ADVICE}")
+    for size, by_kind in measured.fits.items():
+        for kind in FIT_KINDS if two_stages else ():
+            fit = by_kind.get(kind)
+            gap = next((f".{p}" for p in POSITIONS if getattr(fit, p) is None), None) if fit else ""
+            if gap is not None:
+                raise ConfigError(f"profile: {where}.fits[{size}].{kind}{gap} is missing; {_ADVICE}")
+    return measured

@@ -43,7 +43,7 @@ def test_profile_simulate_tune_train(tmp_path, capsys):
                 "--layers",
                 "1,2",
                 "--steps",
-                "2",
+                "1",
                 "--max-rounds",
                 "2",  # a quick profile: what is checked here is the flow, not the figures' settling
                 "--output",
@@ -180,7 +180,7 @@ def test_a_sliced_probe_trains_as_the_whole_one_and_its_slices_pool_into_the_fit
     ]
     model = model_from_config(MODEL)
     whole, halves = (
-        run_in_process(replace(ProbeModel(model, steps=4).spec(2, 1, slices=s), record_gradients=True)) for s in (1, 2)
+        run_in_process(replace(ProbeModel(model, steps=2).spec(2, 1, slices=s), record_gradients=True)) for s in (1, 2)
     )
     assert halves[0].losses == pytest.approx(whole[0].losses, rel=1e-5)
     assert all(result.gradients for result in whole)
@@ -190,7 +190,7 @@ def test_a_sliced_probe_trains_as_the_whole_one_and_its_slices_pool_into_the_fit
                 torch.testing.assert_close(b.gradients[stage][name], value, rtol=1e-4, atol=1e-6)
                 torch.testing.assert_close(b.parameters[stage][name], a.parameters[stage][name], rtol=1e-5, atol=1e-6)
     taken = samples(halves)
-    timed_steps, plain_fs, slices = 2, 2, 2  # 4 steps, 2 left out as warm-up; the checkpointed Fs are not sampled
+    timed_steps, plain_fs, slices = 2, 2, 2  # 2 timed after 2 of warm-up; the checkpointed Fs are not sampled
     assert len(taken["F@0"]) == timed_steps * plain_fs * slices and len(taken["R@1"]) == timed_steps * 2 * slices
     assert len(taken["M_B@0"]) == plain_fs * slices and min(taken["M_W@1"]) > 0
 
@@ -212,7 +212,7 @@ def test_a_profile_taken_in_one_process_forks_no_rank_and_prices_its_ops_one_aft
     monkeypatch.setattr(local, "run_local", no_fork)
     monkeypatch.setattr(profiler, "measure_links", no_fork)
     profile = profile_model(
-        model_from_config(MODEL), (1,), (1, 2), steps=3, turns=Turns(max_rounds=2), in_process=True, allow_busy=True
+        model_from_config(MODEL), (1,), (1, 2), steps=1, turns=Turns(max_rounds=2), in_process=True, allow_busy=True
     )
     assert profile.device.kind == "cpu" and "one process" in profile.device.description
     assert profile.plain.waits == {} and list(profile.layouts) == [Layout()]

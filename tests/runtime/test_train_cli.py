@@ -152,7 +152,7 @@ def test_profile_tune_and_train_a_hugging_face_model(capsys, tmp_path, llama):
                 "--seq-len",
                 "16",
                 "--steps",
-                "2",
+                "1",
                 "--max-rounds",
                 "2",
                 "--tp",

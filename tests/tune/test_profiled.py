@@ -338,7 +338,7 @@ def test_tensor_parallelism_needs_measured_collectives():
         ),
         (lambda p: plain(p)["fits"]["1"]["M_B"].update(last="4000"), r"fits\[1\]\.M_B\.last must be a number"),
         (lambda p: plain(p).update(fits={}), "`fits` must map micro-batch sizes"),
-        (lambda p: plain(p).update(fits="1,2"), "`fits` must map micro-batch sizes"),
+        (lambda p: plain(p).update(fits="1,2"), r"layouts\.plain\.fits must be a JSON object"),
         (lambda p: plain(p)["fits"].update({"0": plain(p)["fits"]["1"]}), "size '0', not a positive integer"),
         (lambda p: plain(p)["fits"]["1"].pop("W"), r"fits\[1\]\.W is missing"),
         (lambda p: p["links"]["p2p"].update(bytes_per_ms=0), r"links\.p2p\.bytes_per_ms is 0: it must be positive"),

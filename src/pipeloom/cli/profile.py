@@ -49,7 +49,10 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mbs", default="1,2", metavar="LIST", help="micro-batch sizes to measure (default 1,2)")
     parser.add_argument("--layers", default="1,2,3", metavar="LIST", help="layers per stage to measure (default 1,2,3)")
     parser.add_argument(
-        "--steps", type=int, default=4, help="steps per probe; the first two are warm-up, left out (default 4)"
+        "--steps",
+        type=int,
+        default=2,
+        help="timed steps per probe round, each round's two warm-up steps run before them (default 2)",
     )
     parser.add_argument(
         "--max-rounds",
@@ -127,8 +130,8 @@ def run(args: argparse.Namespace) -> int:
             "the built-in decoder is LLaMA-style (gated, without GQA); profile other models as --model hf:DIR"
         )
     sizes, layers = int_list(args.mbs, "--mbs"), int_list(args.layers, "--layers")
-    if len(layers) < 2 or min(layers) < 1 or not sizes or min(sizes) < 1 or args.steps < 2 or args.threads < 1:
-        raise ConfigError("profile needs at least two layer counts >= 1, micro-batch sizes >= 1 and --steps >= 2")
+    if len(layers) < 2 or min(layers) < 1 or not sizes or min(sizes) < 1 or args.steps < 1 or args.threads < 1:
+        raise ConfigError("profile needs at least two layer counts >= 1, micro-batch sizes >= 1 and --steps >= 1")
     if args.max_rounds < 2:
         raise ConfigError(
             f"--max-rounds must be at least 2 (a median settles between two rounds), got {args.max_rounds}"

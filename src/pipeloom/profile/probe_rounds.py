@@ -21,7 +21,7 @@ from pipeloom.ir.text import parse_op
 from pipeloom.models.llama import llama_config
 from pipeloom.passes.split_backward import split_backward
 from pipeloom.profile.contention import Contention
-from pipeloom.profile.speed import op_ratios, steady_rounds, step_busy, timed_steps
+from pipeloom.profile.speed import WARMUP_STEPS, op_ratios, steady_rounds, step_busy, timed_steps
 from pipeloom.profile.stability import Measured, Series
 from pipeloom.profile_format import Layout
 from pipeloom.schedules.registry import build_schedule
@@ -89,8 +89,9 @@ def probe_schedule(p: int, slices: int = 1) -> Schedule:
 @dataclass(frozen=True)
 class ProbeModel:
     """What every probe trains: `model`'s decoder, or `workload_for(layers, micro-batch size)`'s
-    model (a Hugging Face one), `steps` steps a round on `threads` threads a rank, in `dtype`, on
-    `device` (None: the CPU)."""
+    model (a Hugging Face one), `steps` timed steps a round (after `speed.WARMUP_STEPS` of
+    warm-up: a probe timing one step a round is at the mercy of that step) on `threads` threads a
+    rank, in `dtype`, on `device` (None: the CPU)."""
 
     model: ModelSpec | None
     steps: int
@@ -115,7 +116,7 @@ class ProbeModel:
         return TrainSpec(
             schedule or probe_schedule(stages, slices),
             **model,
-            steps=self.steps,
+            steps=self.steps + WARMUP_STEPS,
             layer_counts=(layers,) * stages,
             threads=self.threads,
             dtype=self.dtype,

@@ -46,7 +46,7 @@ def profile_model(
     model: ModelSpec,
     micro_batches: Sequence[int] = (1, 2),
     layer_counts: Sequence[int] = (1, 2, 3),
-    steps: int = 6,
+    steps: int = 4,
     threads: int = 1,
     progress: Callable[[int, int], None] | None = None,
     workload_for: Callable[[int, int], object] | None = None,
@@ -60,18 +60,18 @@ def profile_model(
 ) -> Profile:
     """The profile (`profile_format.Profile`). `workload_for(layers, micro-batch
     size)` builds another model to probe (a Hugging Face one: `models.hf.hf_workload`); by
-    default it is the built-in LLaMA-style decoder of `model`'s shape. Each probe runs `steps`
-    steps a round (its warm-up left out: `speed.timed_steps`), in as many rounds as its medians
+    default it is the built-in LLaMA-style decoder of `model`'s shape. Each probe times `steps`
+    steps a round (after its warm-up: `speed.timed_steps`), in as many rounds as its medians
     take to settle, the probes taking `turns` (`probe_rounds.Turns`: at most `max_rounds`, and
     what runs between their rounds). RuntimeFault if the machine is too busy to measure
     (`contention.Contention`), unless `allow_busy`.
-    `tensor_parallel`: (tp, sequence parallel) layouts whose ops are measured too (`tp_probes`);
+    `tensor_parallel`: (tp, sequence parallel) layouts whose ops are measured too;
     `slices`: slice counts (svpp, terapipe) the plain probes run again in, each micro-batch's
-    sequence cut into that many causal slices, fitted as the plain probes are (a slice's op, the
-    median over the slices).
+    sequence cut into that many causal slices (a slice's op, the median over the slices); a
+    mixture of experts is measured on replicas sharing out its experts too (`layouts`).
     `turns.between_rounds` is called after each round of the probes with their layout: the plain
-    ones', then each tensor-parallel one's, then, for a mixture of experts, the expert-parallel
-    one's (`ep_probes`): runs that take turns with the rounds of the probes that price them (a
+    ones', then each sliced, tensor-parallel and expert-parallel one's: runs that take turns with
+    the rounds of the probes that price them (a
     bench's plans) see the machine at the speed those measured; every probe then runs at least
     `turns.min_rounds` rounds, so that the turns last as long as the runs. On `device` "cuda" the probes
     run `in_process` (by default there; on a CPU the ranks are forked): every stage of a probe on

@@ -163,7 +163,7 @@ class ProfiledCostModel:
                 f"profiled: ep {self.expert_ep}" if self.expert_layout else "never profiled: no all-to-all priced"
             )
             reasons.append(f"ep {ep} ({profiled}{', not with tp' if self.expert_layout and self.tp > 1 else ''})")
-        probed = self.measured_layout(slices).layers
+        probed = sorted(set(self.measured_layout(slices).layers))
         beyond = sorted({n for n in partition if probed and not probed[0] <= n <= probed[-1]})
         if beyond:
             counts = ", ".join(map(str, beyond))
