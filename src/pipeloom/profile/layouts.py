@@ -7,8 +7,9 @@ an expert-parallel one, one stage over ep data-parallel replicas that share out 
 Each runs the probe schedule (`probe_rounds.probe_schedule`) at every micro-batch size and layer
 count, and each pass, stash and exchange is fitted as value = slope·n + intercept[position]
 (`fit_positions`), at the positions the layout's stages hold: first and last, or the single
-one. A layout's ops are its own, the waits inside their collectives included, which nothing
-in the plain ops predicts (`docs/fidelity.md`); its speed and confidence are its own too. The
+one. A layout's ops are its own, the waits inside their collectives included (where experts are
+shared out, the all-to-alls in flight fitted apart: `probe_rounds.samples`), which nothing in the
+plain ops predicts (`docs/fidelity.md`); its speed and confidence are its own too. The
 replicas' wait at the gradient sync is measured on two replicas of one stage (`replica_waits`).
 """
 
@@ -50,7 +51,7 @@ def measure_layout(
     layout: Layout, probed: ProbeModel, micro_batches: Sequence[int], layer_counts: Sequence[int], turns: Turns
 ) -> tuple[LayoutProfile, dict[tuple[int, int], Probe]]:
     """`layout`'s probes (micro-batch size, layers a stage) run by `turns` and fitted; and the
-    probes. A Hugging Face model's tensor-parallel plan is transformers', so tp needs one."""
+    probes."""
     parallel: dict[str, Any] = {"slices": layout.slices}
     if layout.tp > 1:
         parallel = {"stages": 1, "tp": layout.tp, "sequence_parallel": layout.sequence_parallel}

@@ -27,8 +27,19 @@ from pipeloom.profile_format import Layout
 from pipeloom.schedules.registry import build_schedule
 from pipeloom.tune.presets import ModelSpec
 
-__all__ = ["OP_KINDS", "PHASES", "Probe", "ProbeModel", "Turns", "measure_probes", "probe_schedule", "run_by_turns"]
-__all__ += ["samples", "steady_probe", "steady_records"]
+__all__ = [
+    "OP_KINDS",
+    "PHASES",
+    "Probe",
+    "ProbeModel",
+    "Turns",
+    "measure_probes",
+    "probe_schedule",
+    "run_by_turns",
+    "samples",
+    "steady_probe",
+    "steady_records",
+]
 
 OP_KINDS = ("F", "B", "W", "R")
 PHASES = ("pipeline", "allreduce", "optimizer", "overhead")
