@@ -295,9 +295,10 @@ class Profile:
         first entry missing, not a number, not finite, negative, or (a bandwidth, a speed factor)
         not positive."""
         if isinstance(data, Mapping) and data.get("format") == "pipeloom.profile/1":
+            model = data.get("source") or "MODEL"  # hf:DIR where it profiled one
             raise ConfigError(
                 "a pipeloom.profile/1 file, written by an earlier pipeloom: measure this machine again "
-                "(`pipeloom profile --model M --output profile.json`)"
+                f"(`pipeloom profile --model {model} --output profile.json`)"
             )
         if not isinstance(data, Mapping) or data.get("format") != PROFILE_FORMAT:
             raise ConfigError(f"not a {PROFILE_FORMAT} file (run `pipeloom profile` to make one)")

@@ -149,6 +149,8 @@ def test_bad_profiles_are_refused():
         ConfigError, match=r"a pipeloom\.profile/1 file, .*: measure this machine again \(`pipeloom profile"
     ):
         ProfiledCostModel({"format": "pipeloom.profile/1", "model": MODEL, "fits": {}})
+    with pytest.raises(ConfigError, match="`pipeloom profile --model hf:./mine --output profile.json`"):
+        ProfiledCostModel({"format": "pipeloom.profile/1", "model": MODEL, "source": "hf:./mine"})
     with pytest.raises(ConfigError, match="incomplete"):
         ProfiledCostModel({"format": PROFILE_FORMAT, "model": MODEL})
     with pytest.raises(ConfigError, match="--tp must be at least 1"):
