@@ -22,8 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = str(ROOT / "examples" / "tiny-llama.json")
 FLOWS = {  # the commands as the README and the Makefile give them
     "quick-start": [
-        ["profile", "--model", MODEL, "--mbs", "2", "--layers", "1,2", "--steps", "3", "--max-rounds", "2"]
-        + ["--output", "profile.json"],
+        ["profile", "--model", MODEL, "--mbs", "2", "--layers", "1,2", "--max-rounds", "2", "--output", "profile.json"],
         ["tune", "--costs", "profile.json", "--devices", "2", "--memory", "1GiB", "--global-batch", "8"]
         + ["--runnable", "--max-mbs", "2", "--output", "plan.json"],
         ["train", "--plan", "plan.json"],
