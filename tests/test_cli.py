@@ -410,6 +410,7 @@ TUNE = ["tune", "--model", "gpt3-13b", "--hardware", "h100", "--devices", "8", "
             "--slices 2,5: each slice count must be at least 2 and divide the sequence length (64 tokens)",
         ),
         (["profile", "--model", str(EXAMPLES / "tiny-llama.json"), "--slices", "1"], "must be at least 2"),
+        (["profile", "--model", str(EXAMPLES / "tiny-llama.json"), "--steps", "0"], "--steps >= 1"),
     ],
 )
 def test_tune_refusals_are_one_line(capsys, tmp_path, monkeypatch, argv, message):

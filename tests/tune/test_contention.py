@@ -7,6 +7,7 @@ import pytest
 
 from pipeloom.errors import RuntimeFault
 from pipeloom.profile.contention import BUSY, Contention, wall_over_cpu
+from pipeloom.profile_format import Noise
 
 
 def _results(stretch: float, ranks: int = 2, steps: int = 3):
@@ -30,7 +31,8 @@ def test_a_spike_is_dropped_and_a_busy_machine_refused():
     assert busy.clean_round(_results(1.02))
     assert not busy.clean_round(_results(1.5))  # dropped: run again
     assert busy.clean_round(_results(1.01)) and busy.clean_round(_results(1.03))
-    assert busy.summary()["busy_rounds"] == 1 and busy.summary()["wall_over_cpu"] == pytest.approx(1.02)
+    noise = busy.described(Noise())
+    assert noise.busy_rounds == 1 and noise.wall_over_cpu == pytest.approx(1.02) and noise.busy_limit == busy.busy
     assert not busy.clean_round(_results(1.6)) and not busy.clean_round(_results(1.7))  # 3 busy, 3 clean
     with pytest.raises(RuntimeFault, match=r"this machine is busy: in 4 of 7 probe runs the ops took 1\.6"):
         busy.clean_round(_results(1.9))

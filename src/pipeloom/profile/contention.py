@@ -15,9 +15,11 @@ import math
 import os
 import statistics
 from collections.abc import Sequence
+from dataclasses import replace
 
 from pipeloom.errors import RuntimeFault
 from pipeloom.profile.speed import timed_steps
+from pipeloom.profile_format import Noise
 
 __all__ = ["BUSY", "Contention", "wall_over_cpu"]
 
@@ -83,10 +85,14 @@ class Contention:
             "then says so)"
         )
 
-    def summary(self) -> dict:
-        return {
-            "wall_over_cpu": statistics.median(self.clean) if self.clean else 1.0,
-            "busy_rounds": len(self.contended),
-            "busy_limit": self.busy,
-            "busy_allowed": self.allow,
-        }
+    def described(self, noise: Noise) -> Noise:
+        """`noise` with what this check saw: the clean rounds' wall over CPU time, the busy rounds,
+        the limit, and whether busy rounds were kept."""
+        wall_over_cpu = statistics.median(self.clean) if self.clean else 1.0
+        return replace(
+            noise,
+            wall_over_cpu=wall_over_cpu,
+            busy_rounds=len(self.contended),
+            busy_limit=self.busy,
+            busy_allowed=self.allow,
+        )

@@ -194,15 +194,15 @@ def _noise(measured: dict, busy: Contention | None) -> Noise:
     """How noisy the machine was: the op times' spread over probes, the rounds they took, and
     what the contention check saw (None: nothing judged, on a GPU)."""
     spreads = [probe.spread for probe in measured.values()]
-    return Noise(
+    noise = Noise(
         median_spread=statistics.median(spreads),
         worst_spread=max(spreads),
         rounds=sum(probe.rounds for probe in measured.values()),
         probes=len(measured),
         steady_share=statistics.median(probe.steady for probe in measured.values()),
         unsettled=sum(1 for probe in measured.values() if not all(m.stable for m in probe.values.values())),
-        **(busy.summary() if busy is not None else {}),
     )
+    return busy.described(noise) if busy is not None else noise
 
 
 def _params(model: ModelSpec, workload_for=None) -> Params:
