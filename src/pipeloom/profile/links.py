@@ -1,5 +1,5 @@
 """What moving bytes between ranks costs on this machine: p2p and the data-parallel collectives
-(a mixture of experts' all-to-alls are timed inside its ops: `ep_probes`).
+(a mixture of experts' all-to-alls are timed beside its ops: `layouts`).
 
 Each is measured between two forked gloo ranks at two sizes — a tiny tensor for the latency and a
 large one for the bandwidth — and fitted as time = latency + bytes / bandwidth, bytes being the
