@@ -17,6 +17,7 @@ that measures a new one.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import types
@@ -335,7 +336,7 @@ def _read(cls: type, value: Any, where: str) -> Any:
     """The dataclass `cls` from the JSON object `value`, each field checked by its type: a
     number finite and not negative (positive where `_POSITIVE`), a missing field its default."""
     data = _mapping(value, where)
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     out = {}
     for entry in fields(cls):
         place = f"{where}.{entry.name}" if where else entry.name
@@ -345,6 +346,12 @@ def _read(cls: type, value: Any, where: str) -> Any:
             continue
         out[entry.name] = _entry(hints[entry.name], data[entry.name], place, entry.name)
     return cls(**out)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """`cls`'s field types, evaluated once (the annotations are strings)."""
+    return typing.get_type_hints(cls)
 
 
 def _entry(kind: Any, value: Any, where: str, name: str) -> Any:
