@@ -78,6 +78,11 @@ class Layout:
         parts += [f"s{self.slices}"] if self.slices > 1 else []
         return ",".join(parts) or "plain"
 
+    @property
+    def stages(self) -> int:
+        """The stages its probes run: one over the ranks of tp or ep, else two (first and last)."""
+        return 1 if self.tp > 1 or self.ep > 1 else 2
+
     @classmethod
     def from_key(cls, key: str) -> Layout:
         if key == "plain":
@@ -430,8 +435,7 @@ def _mapping(value: Any, where: str) -> Mapping[str, Any]:
 def _layout_profile(key: str, value: Any) -> LayoutProfile:
     """A layout's measurements, read by their types, and whole: the kinds known, and a two-stage
     layout's (plain, sliced) every kind of `FIT_KINDS` at every position of every size."""
-    layout, where = Layout.from_key(key), f"layouts.{key}"
-    two_stages = layout.tp == layout.ep == 1
+    where, two_stages = f"layouts.{key}", Layout.from_key(key).stages == 2
     known = {*FIT_KINDS, *_OPTIONAL_KINDS}
     for size, by_kind in _mapping(_mapping(value, where).get("fits", {}), f"{where}.fits").items():
         if isinstance(by_kind, Mapping) and (unknown := set(by_kind) - known):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from dataclasses import replace
 from itertools import compress
 from typing import Any
 
@@ -42,16 +43,12 @@ REPLICA_ROUNDS = 3
 """Rounds of the replicas' probes, by turns: a slow spell falls on one round of each."""
 
 
-def stages_of(layout: Layout) -> int:
-    """Two stages for the plain and sliced probes; one over the ranks of tp or ep."""
-    return 1 if layout.tp > 1 or layout.ep > 1 else 2
-
-
 def measure_layout(
     layout: Layout, probed: ProbeModel, micro_batches: Sequence[int], layer_counts: Sequence[int], turns: Turns
 ) -> tuple[LayoutProfile, dict[tuple[int, int], Probe]]:
     """`layout`'s probes (micro-batch size, layers a stage) run by `turns` and fitted; and the
-    probes."""
+    probes. Ops on tp or ep ranks wait inside their collectives by design, so no round of theirs
+    is judged busy by its wall against CPU time."""
     parallel: dict[str, Any] = {"slices": layout.slices}
     if layout.tp > 1:
         parallel = {"stages": 1, "tp": layout.tp, "sequence_parallel": layout.sequence_parallel}
@@ -59,11 +56,11 @@ def measure_layout(
         parallel = {"stages": 1, "dp": layout.ep, "ep": layout.ep}
     specs = {(mbs, n): probed.spec(mbs, n, **parallel) for mbs in micro_batches for n in layer_counts}
     op_variation: list[float] = []
-    measured = measure_probes(specs, turns.of(layout, turns.busy), op_variation)
+    measured = measure_probes(specs, turns.of(layout, turns.busy if layout.stages == 2 else None), op_variation)
     busy = (steps for probe in measured.values() for steps in probe.busy)
     return (
         LayoutProfile(
-            fits=fits(measured, micro_batches, stages_of(layout)),
+            fits=fits(measured, micro_batches, layout.stages),
             speed=speed_of(busy, op_variation),
             confidence=confidence(measured, micro_batches),
             layers=tuple(sorted(set(layer_counts))),
@@ -117,12 +114,13 @@ def noise_margin(measured: dict[tuple[int, int], Probe]) -> float:
 def replica_waits(layout: Layout, probed: ProbeModel, mbs: int, layers: int, turns: Turns) -> dict[int, ReplicaWait]:
     """ZeRO level → rank 0's wait on two replicas of one stage of `layers` layers at micro-batch
     size `mbs` (1F1B over 4 micro-batches), steady steps only: of the plain layout at ZeRO-0 and
-    ZeRO-1, of the expert-parallel one (its replicas sharing out the experts) at ZeRO-0."""
+    ZeRO-1, of the expert-parallel one (its replicas sharing out the experts, whose exchanges wait:
+    no round judged busy) at ZeRO-0."""
     schedule = build_schedule("1f1b", 1, 4)
     shared = {"dp": layout.ep, "ep": layout.ep} if layout.ep > 1 else {"dp": 2}
     levels = (0,) if layout.ep > 1 else (0, 1)
     specs = {zero: probed.spec(mbs, layers, stages=1, schedule=schedule, zero=zero, **shared) for zero in levels}
-    rounds, _ = run_by_turns(specs, turns)
+    rounds, _ = run_by_turns(specs, replace(turns, busy=None) if layout.ep > 1 else turns)
     return {zero: ReplicaWait(*step_tail(rounds[zero], steady_records(rounds[zero])[0]), layers) for zero in levels}
 
 

@@ -101,9 +101,7 @@ def profile_model(
     plain, measured = measure_layout(Layout(), probed, micro_batches, layer_counts, turns)
     layouts = {Layout(): plain}
     for layout in [Layout(slices=count) for count in slices] + ranked:
-        # the ops of tp and ep ranks wait inside their collectives: no round of theirs is judged busy
-        judged = replace(turns, busy=None) if layout in ranked else turns
-        layouts[layout] = measure_layout(layout, probed, micro_batches, layer_counts, judged)[0]
+        layouts[layout] = measure_layout(layout, probed, micro_batches, layer_counts, turns)[0]
     # a size cheaper per sample than a smaller one is what larger GEMMs do, unless a busy spell
     # slowed the smaller: busy rounds are dropped, so only where they were kept (allowed) is it suspect
     suspect = busy.allow and busy.contended and checked is not None
@@ -112,9 +110,7 @@ def profile_model(
         largest = (max(micro_batches), max(layer_counts))
         paired = replace(turns.fixed(min(REPLICA_ROUNDS, turns.max_rounds)), between_rounds=None)
         for layout in [Layout(), *(layout for layout in ranked if layout.ep > 1)]:
-            judged = paired if layout.ep == 1 else replace(paired, busy=None)
-            waits = replica_waits(layout, probed, *largest, judged)
-            layouts[layout] = replace(layouts[layout], waits=waits)
+            layouts[layout] = replace(layouts[layout], waits=replica_waits(layout, probed, *largest, paired))
     if progress:
         progress(total, total)
     profile = Profile(

@@ -80,10 +80,9 @@ def _worker(
 def meeting(rank: int, world_size: int, directory: str, timeout_s: float) -> Iterator[dist.TCPStore]:
     """The store a run's ranks meet at, for the block: rank 0 serves it on a port of 127.0.0.1
     the kernel picks (no two runs race for one) and leaves the port in the run's directory,
-    where the others wait for it. A FileStore in that directory did the same, but its ranks poll
-    the file for each key of a peer's, and each process group a rank creates (a run's mesh makes
-    a dozen) waited for a poll. (A store the launcher served, which every rank it forks inherits
-    open, left a rank waiting for a peer's key until its timeout now and then.)
+    where the others wait for it. A FileStore's ranks poll its file for each key of a peer's, and
+    each process group a rank creates (a run's mesh makes a dozen) would wait for a poll; a
+    store the launcher served would be inherited open by every rank it forks.
 
     A block that ends normally says so in the store, and rank 0 then waits until every rank has,
     so that no peer still finishing (its last collectives, its results) finds the store gone
