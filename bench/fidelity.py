@@ -245,7 +245,7 @@ def dense_group(reuse: str | None, steps: int, lean: ProcessPoolExecutor) -> Gro
 
         cost_model = ProfiledCostModel(profile)
         result = tune(cost_model, 2, memory, 8, **{k: v for k, v in options.items() if k not in LIMITS})
-        plan = plan_from_evaluation(result.best, result, model, cost_model.to_dict(), 1)
+        plan = plan_from_evaluation(result.best, result, model, cost_model.to_dict())
         spec = partial(
             TrainSpec,
             plan.schedule,
@@ -312,10 +312,10 @@ def hf_tuned(
     cost_model_of = partial(hf_cost_model, tp, sp, ep)
     cost_model = cost_model_of(profile)
     space = {"pp_values": tuning.get("pp_values", [1]), "micro_batches": [1, 2]}
-    result = tune(cost_model, 2, 2**30, 8, tp=tp, ep=ep, schemes=["1f1b"], static_measures=ep == 1, **space)
-    plan = plan_from_evaluation(result.best, result, cost_model.model, cost_model.to_dict(), tp)
+    result = tune(cost_model, 2, 2**30, 8, schemes=["1f1b"], static_measures=ep == 1, **space)
+    plan = plan_from_evaluation(result.best, result, cost_model.model, cost_model.to_dict())
     plan.predicted.update(collective_predictions(plan, cost_model))
-    label = f"{model.name} {result.best.candidate.label}{' +sp' if sp else ''}{f' ep={ep}' if ep > 1 else ''}"
+    label = f"{model.name} {result.best.candidate.label}{' +sp' if sp else ''}"
     return label, plan, cost_model_of
 
 

@@ -40,9 +40,11 @@ GIB = 2**30
 def run(title: str, model: str, hardware: str, devices: int, batch: int, goal: float, jobs: int, **space) -> None:
     cost_model = AnalyticCostModel(load_model(model), load_hardware(hardware), space.pop("tp", 1))
     memory = cost_model.hardware.memory
-    points = len(list(candidates(devices, batch, tp=cost_model.tp, num_layers=cost_model.model.layers, **space)))
+    points = len(
+        list(candidates(devices, batch, splits=[cost_model.split], num_layers=cost_model.model.layers, **space))
+    )
     began = time.perf_counter()
-    result = tune(cost_model, devices, memory, batch, tp=cost_model.tp, jobs=jobs, **space)
+    result = tune(cost_model, devices, memory, batch, jobs=jobs, **space)
     seconds = time.perf_counter() - began
     best = result.best
     print(f"\n{title}")

@@ -127,7 +127,7 @@ def test_tune_refuses_zero_jobs(capsys, tmp_path):
 def test_explain_says_in_one_line_why_no_pipeline(capsys, tmp_path):
     code, out, _ = run(
         capsys,
-        "tune", "--model", "zb-1.5b", "--hardware", "h100", "--devices", "2", "--global-batch", "8",
+        "tune", "--model", "zb-1.5b", "--hardware", "h100", "--devices", "2", "--global-batch", "8", "--tp", "1",
         "--pp", "1", "--schemes", "1f1b", "--explain", "--jobs", "1", "--output", str(tmp_path / "plan.json"),
     )  # fmt: skip
     assert code == 0

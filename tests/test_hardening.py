@@ -29,7 +29,7 @@ ZB_COSTS = "F=0.161,B=0.397,W=3.393,comm=1.355,R=2.631,M_B=1.559,M_W=1.393,M_ckp
         (["simulate", "1f1b", "-p", "4", "-m", "4", "--costs", "F=0,B=0"], "no work"),
         (  # a plan train would refuse
             ["tune", "--model", "gpt3-1.6b", "--hardware", "a100-40g", "--devices", "8", "--global-batch", "32"]
-            + ["--schemes", "1f1b", "--sequence-parallel"],
+            + ["--schemes", "1f1b", "--tp", "1", "--sequence-parallel"],
             "--sequence-parallel shards the sequence over a tensor-parallel group: add --tp N",
         ),
         (  # the plan train would refuse: it cannot cut 8 K/V heads over 16 ranks

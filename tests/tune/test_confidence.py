@@ -145,7 +145,7 @@ def test_a_near_tie_never_ranks_first_a_plan_slower_than_the_fastest_plans_band(
     mbs 1 is poorly known. The mbs-1 plans were ranked first as near-ties though slower than the
     fastest plan by many times its own band; and "why the others lost" then reported the faster
     plan as lost on time, −x %."""
-    from pipeloom.cli.tune import _explain
+    from pipeloom.cli.tune_explain import explain
 
     data = profile()
     plain(data)["confidence"] = {"1": {kind: 0.3 for kind in "FBWR"}, "2": {kind: 0.0001 for kind in "FBWR"}}
@@ -156,7 +156,7 @@ def test_a_near_tie_never_ranks_first_a_plan_slower_than_the_fastest_plans_band(
 
     noisy = tune(_with_confidence(0.3), 2, 1e9, 8, keep=6, **SPACE)  # both sizes ±30 %: a true near-tie
     assert noisy.best.step_time - noisy.ranked[1].step_time <= noisy.bands[1]
-    lost = _explain(noisy, 1e9, model).split("why the others lost:\n")[1].splitlines()
+    lost = explain(noisy, 1e9, model).split("why the others lost:\n")[1].splitlines()
     faster = [line for line in lost if "zb-h1 pp=2 dp=1 mbs=2:" in line][0]
     assert "near-tie, predicted" in faster and "faster, within the profile's noise of the first" in faster
     assert "which needs less peak memory (79.7 KiB against 86.1 KiB)" in faster

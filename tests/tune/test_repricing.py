@@ -15,7 +15,7 @@ PASS_KINDS = ("F", "B", "W", "R")
 def _plan(data: dict, memory: float = 1e9, **space):
     cost_model = ProfiledCostModel(data)
     result = tune(cost_model, 2, memory, 8, micro_batches=[2], layouts=False, **space)
-    return plan_from_evaluation(result.best, result, cost_model.model, cost_model.to_dict(), 1), cost_model
+    return plan_from_evaluation(result.best, result, cost_model.model, cost_model.to_dict()), cost_model
 
 
 @pytest.mark.parametrize(

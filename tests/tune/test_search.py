@@ -58,7 +58,7 @@ def test_infeasible_requests_name_the_binding_constraint():
 
 def test_plan_round_trips(tmp_path):
     result = tune(SMALL, 8, 24 * GIB, 16, **TINY_SPACE)
-    plan = plan_from_evaluation(result.best, result, SMALL.model, SMALL.to_dict(), 1)
+    plan = plan_from_evaluation(result.best, result, SMALL.model, SMALL.to_dict())
     plan.save(tmp_path / "plan.json")
     back = Plan.load(tmp_path / "plan.json")
     assert back.schedule.devices == plan.schedule.devices and back.partition == plan.partition
@@ -110,7 +110,7 @@ def test_the_layer_layout_is_chosen_with_the_schedule():
     chosen = tune(model, 64, 40 * GIB, 128, **space).best
     assert chosen.step_time < balanced.step_time * 0.99
     assert chosen.partition in partition_variants(balanced.partition) and sum(chosen.partition) == 128
-    plan = plan_from_evaluation(chosen, tune(model, 64, 40 * GIB, 128, **space), model.model, model.to_dict(), 1)
+    plan = plan_from_evaluation(chosen, tune(model, 64, 40 * GIB, 128, **space), model.model, model.to_dict())
     assert list(plan.partition) == chosen.partition
 
 

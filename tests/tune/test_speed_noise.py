@@ -65,7 +65,7 @@ def test_a_tensor_parallel_plan_draws_from_its_own_layout_s_speeds():
     assert speeds(data, 2, True) == (STEADY, STEADY, None)
     assert speeds(data, 2, False) == (STEADY, skewed, None)
     assert speeds(data, 1, False) == (STEADY, STEADY, None)
-    layout = {**SPACE, "schemes": ["1f1b"], "pp_values": [1], "tp": 2}
+    layout = {**SPACE, "schemes": ["1f1b"], "pp_values": [1]}  # the cost models price tp = 2
     assert tune(plain, 2, 1e9, 8, **layout).best.noise_time == pytest.approx(0.0, abs=1e-9)
     assert tune(ProfiledCostModel(data, tp=2), 2, 1e9, 8, **layout).best.noise_time > 0
 

@@ -82,7 +82,7 @@ def test_the_tuner_takes_a_static_measure_only_when_memory_is_short_or_it_is_fas
 def test_a_plan_carries_its_measures_to_the_runtime(tmp_path):
     cost_model = _model(160)
     result = tune(cost_model, 16, 40 * GIB, 64, schemes=["1f1b"], pp_values=[4], micro_batches=[1], keep=1)
-    plan = plan_from_evaluation(result.best, result, cost_model.model, cost_model.to_dict(), 1)
+    plan = plan_from_evaluation(result.best, result, cost_model.model, cost_model.to_dict())
     plan.save(tmp_path / "plan.json")
     loaded = Plan.load(tmp_path / "plan.json")
     assert loaded.offload_stages == (0, 1, 2, 3) and loaded.zero == 0

@@ -162,6 +162,26 @@ def int_list(text: str, what: str) -> list[int]:
         raise ConfigError(f"{what} must be comma-separated integers, got {text!r}") from None
 
 
+def parse_bandwidth(text: str, what: str) -> float:
+    """'450GB/s', '400Gb/s', '0.9TB/s' or a bare number of GB/s → bytes per second, or
+    ConfigError naming `what`."""
+    units = {"tb/s": 1e12, "gb/s": 1e9, "mb/s": 1e6}
+    lowered = text.strip().lower()
+    scale = 1e9
+    for unit, factor in units.items():
+        if lowered.endswith(unit):
+            scale = factor / (8 if text.strip()[-3] == "b" else 1)  # Gb/s: bits
+            lowered = lowered.removesuffix(unit)
+            break
+    try:
+        value = float(lowered) * scale
+    except ValueError:
+        raise ConfigError(f"{what} must be a bandwidth such as 450GB/s, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(f"{what} must be a positive bandwidth such as 450GB/s, got {text!r}")
+    return value
+
+
 def mem_limit_from_args(args: argparse.Namespace):
     """--mem-limit; a size in bytes only for costs in bytes (a file, or memory_unit=bytes)."""
     from pipeloom.budget import budget_from_flag

@@ -13,14 +13,15 @@ from functools import partial
 from pathlib import Path
 
 from pipeloom.budget import parse_memory_budget
-from pipeloom.cli.args import int_list
+from pipeloom.cli.args import int_list, parse_bandwidth
 from pipeloom.cli.output import add_quiet, num, progress_bar, table
 from pipeloom.cli.parser import add_command
 from pipeloom.errors import ConfigError
 from pipeloom.files import check_writable
 from pipeloom.tune.space import DEFAULT_SCHEMES, RUNNABLE_SCHEMES, SCHEMES, power_of_two_sizes
+from pipeloom.tune.topology import Split
 
-__all__ = ["register", "static_measures_line"]
+__all__ = ["register"]
 
 
 def register(commands) -> None:
@@ -56,21 +57,42 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--hardware", help="a hardware preset: a100-40g, a100-80g, h100, h200, rtx-4090")
     source.add_argument("--costs", metavar="PROFILE", help="a profile JSON written by `pipeloom profile`")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size, fixed (default 1)")
-    parser.add_argument(
+    split = parser.add_argument_group(
+        "how each stage's ranks are cut: searched by default; a value or a list (e.g. --tp 4 or --tp 2,4) constrains it"
+    )
+    split.add_argument(
+        "--tp",
+        metavar="LIST",
+        help="tensor-parallel sizes (default: every one that divides a node and the model's heads and MLP; "
+        "with --costs, those the profile measured)",
+    )
+    split.add_argument(
+        "--cp",
+        metavar="LIST",
+        help="context-parallel sizes: each stage's sequence cut over cp ranks (default: every one that leaves "
+        "each rank at least 1024 tokens; with --costs, 1)",
+    )
+    split.add_argument(
+        "--ep",
+        metavar="LIST",
+        help="expert-parallel sizes for a mixture-of-experts model: its experts shared out over EP data-parallel "
+        "replicas, whose all-to-alls the plan prices (default: every one up to a node that divides the experts; "
+        "with --costs, those the profile measured)",
+    )
+    split.add_argument(
         "--sequence-parallel",
         action="store_true",
-        help="with --tp and --costs: price sequence parallelism (all-gather / reduce-scatter for each all-reduce)",
+        help="price sequence parallelism under tp > 1 (all-gather / reduce-scatter for each all-reduce)",
     )
+    parser.add_argument("--seq-len", type=int, help="the training sequence length (default: the model's)")
+    topology = parser.add_argument_group("the cluster's shape (default: the hardware preset's)")
+    topology.add_argument("--gpus-per-node", type=int, metavar="N", help="GPUs per node, joined by NVLink")
+    topology.add_argument(
+        "--intra-bw", metavar="GB/s", help="bandwidth between GPUs of a node, per GPU and direction, e.g. 450GB/s"
+    )
+    topology.add_argument("--inter-bw", metavar="GB/s", help="network bandwidth between nodes, per GPU, e.g. 50GB/s")
     parser.add_argument(
         "--schemes", help=f"comma-separated among {', '.join(SCHEMES)} (default: {','.join(DEFAULT_SCHEMES)})"
-    )
-    parser.add_argument(
-        "--ep",
-        type=int,
-        default=1,
-        help="expert-parallel size for a mixture-of-experts model, fixed: its experts shared out over EP "
-        "data-parallel replicas, whose all-to-alls the plan prices (with --costs, as profiled; default 1)",
     )
     parser.add_argument("--runnable", action="store_true", help="only schemes the runtime executes today")
     parser.add_argument("--pp", metavar="LIST", help="pipeline sizes to try (default: every divisor)")
@@ -90,7 +112,8 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--explain",
         action="store_true",
-        help="say which static-memory measures the best plan needs and what they cost, and why the runner-ups lost",
+        help="say why the best plan's tp, cp and ep beat their neighbours, which static-memory measures it needs "
+        "and what they cost, and why the runner-ups lost",
     )
     parser.add_argument("--json", action="store_true", help="print the ranking as JSON")
     parser.add_argument(
@@ -106,11 +129,11 @@ def run(args: argparse.Namespace) -> int:
     from pipeloom.tune.search import tune
     from pipeloom.viz.plot import check_plot_path, has_matplotlib, pyplot
 
-    if args.sequence_parallel and args.tp < 2:  # as train refuses it: a plan it would not run
+    tps, cps, eps = (int_list(value, f"--{name}") if value else None for name, value in _split_flags(args))
+    if args.sequence_parallel and tps is not None and max(tps) < 2:  # as train refuses it: a plan it would not run
         raise ConfigError("--sequence-parallel shards the sequence over a tensor-parallel group: add --tp N (N > 1)")
     cost_model = _cost_model(args)
-    if args.tp > 1:  # as train would refuse the plan (the vocabulary: only the runtime needs it whole)
-        cost_model.model.check_tensor_parallel(args.tp, vocabulary=args.runnable)
+    splits = _splits(args, cost_model, tps, cps, eps)
     memory = _memory(args, cost_model)
     host_memory = _host_memory(args, cost_model)
     dtype = cost_model.profile.dtype if isinstance(cost_model, ProfiledCostModel) else None
@@ -135,31 +158,32 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"{' and '.join(existing)} already exist(s): pass --force to overwrite, or --output elsewhere"
         )
+    expert = any(split.ep > 1 for split in splits)
     result = tune(
         cost_model,
         args.devices,
         memory,
         args.global_batch,
-        tp=args.tp,
+        splits=splits,
         schemes=schemes,
         pp_values=int_list(args.pp, "--pp") if args.pp else None,
         micro_batches=power_of_two_sizes(args.max_mbs),
         keep=args.top,
         memory_passes=not args.no_memory_passes,
-        static_measures=not args.no_static_measures and not (args.runnable and args.ep > 1),  # EP runs ZeRO-0
-        ep=args.ep,
+        static_measures=not args.no_static_measures and not (args.runnable and expert),  # EP runs ZeRO-0
         progress=progress_bar("tune", args.quiet, "candidate"),
         jobs=args.jobs,
         host_memory=host_memory,
         refuse=partial(_train_refusal, cost_model, args, inputs, memory) if args.runnable else None,
     )
     best = result.best
-    plan = replace(plan_from_evaluation(best, result, cost_model.model, cost_model.to_dict(), args.tp), inputs=inputs)
-    if args.tp > 1 and isinstance(cost_model, ProfiledCostModel):  # measured collectives: the runtime checks them
-        times, sent = cost_model.tp_step(plan.schedule, plan.partition, plan.micro_batch_size)
+    priced = result.cost_model_of(best)
+    plan = replace(plan_from_evaluation(best, result, priced.model, priced.to_dict()), inputs=inputs)
+    if plan.tp > 1 and isinstance(priced, ProfiledCostModel):  # measured collectives: the runtime checks them
+        times, sent = priced.tp_step(plan.schedule, plan.partition, plan.micro_batch_size)
         plan.predicted["tp_comm_ms"], plan.predicted["tp_sent_bytes"] = times, sent
-    if args.ep > 1 and isinstance(cost_model, ProfiledCostModel):  # measured all-to-alls: the runtime reports them
-        plan.predicted["a2a_ms"] = cost_model.a2a_step(plan.schedule, plan.partition, plan.micro_batch_size)
+    if plan.model.expert_parallel > 1 and isinstance(priced, ProfiledCostModel):  # the runtime reports them
+        plan.predicted["a2a_ms"] = priced.a2a_step(plan.schedule, plan.partition, plan.micro_batch_size)
     plan.save(args.output)
     if plot:
         from pipeloom.viz.plot import plot_timeline
@@ -172,7 +196,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(_report(result, args, memory, cost_model))
     if args.explain:
-        print(_explain(result, memory, cost_model))
+        from pipeloom.cli.tune_explain import explain
+
+        print(explain(result, memory, priced))
     drawn = (
         f"its timeline to {plot}" if plot else "no timeline (matplotlib is not installed: pip install 'pipeloom[plot]')"
     )
@@ -190,9 +216,8 @@ def _train_refusal(cost_model, args: argparse.Namespace, inputs, memory: float, 
     from pipeloom.tune.plan import plan_from_evaluation
 
     lone = TuneResult([evaluation], [], args.global_batch, memory)
-    plan = replace(
-        plan_from_evaluation(evaluation, lone, cost_model.model, cost_model.to_dict(), args.tp), inputs=inputs
-    )
+    priced = cost_model.with_split(evaluation.candidate.split)
+    plan = replace(plan_from_evaluation(evaluation, lone, priced.model, priced.to_dict()), inputs=inputs)
     if not builds_its_own_model(plan):
         return None
     try:
@@ -202,52 +227,97 @@ def _train_refusal(cost_model, args: argparse.Namespace, inputs, memory: float, 
     return None
 
 
+def _split_flags(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    return [("tp", args.tp), ("cp", args.cp), ("ep", args.ep)]
+
+
 def _cost_model(args: argparse.Namespace):
+    """The cost model of the unsplit plan: a profile's, or a preset's on the cluster as given."""
     from pipeloom.tune.cost_model import AnalyticCostModel
     from pipeloom.tune.presets import load_hardware, load_model
 
+    topology = [(args.gpus_per_node, "--gpus-per-node"), (args.intra_bw, "--intra-bw"), (args.inter_bw, "--inter-bw")]
+    if args.seq_len is not None and args.seq_len < 1:
+        raise ConfigError(f"--seq-len must be at least 1, got {args.seq_len}")
     if args.costs:
         from pipeloom.tune.profiled import ProfiledCostModel
 
-        profiled = ProfiledCostModel.load(args.costs, args.tp, args.sequence_parallel)
+        given = [flag for value, flag in topology if value is not None]
+        if given:
+            raise ConfigError(
+                f"{given[0]} shapes a preset's cluster; {args.costs} prices this machine's own measured links "
+                "(drop it, or plan with --hardware)"
+            )
+        profiled = ProfiledCostModel.load(args.costs, 1, args.sequence_parallel)
         if args.model and load_model(args.model).to_dict() != profiled.model.to_dict():
             raise ConfigError(f"--model {args.model} differs from the model profiled in {args.costs}")
-        profiled.model = _with_experts_spread(profiled.model, args.ep)
-        if args.tp > 1 and not profiled.tp_measured():
-            layout = f"--tp {args.tp}{' --sequence-parallel' if args.sequence_parallel else ''}"
-            print(
-                f"pipeloom: tune: warning: {args.costs} measured no ops on {args.tp} tensor-parallel ranks: they are "
-                f"estimated as 1/{args.tp} of the compute plus the collectives timed alone, which on CPU ranks read "
-                f"2.5x fast; `profile {layout}` measures them",
-                file=sys.stderr,
-            )
-        if args.ep > 1 and profiled.expert_layout is None:
+        if args.seq_len is not None and args.seq_len != profiled.model.seq_len:
             raise ConfigError(
-                f"{args.costs} measured no expert all-to-all: profile the MoE model with `profile --model hf:DIR`"
+                f"--seq-len {args.seq_len}: {args.costs} was profiled on sequences of {profiled.model.seq_len} tokens; "
+                f"profile again with `--seq-len {args.seq_len}`"
             )
         return profiled
     if not args.model:
         raise ConfigError("tune needs --model (a preset or config.json) with --hardware, or --costs PROFILE")
     if not args.hardware:
         raise ConfigError("tune needs --hardware NAME or --costs PROFILE to turn FLOPs into time")
-    if args.tp < 1:
-        raise ConfigError(f"--tp must be at least 1, got {args.tp}")
-    return AnalyticCostModel(
-        _with_experts_spread(load_model(args.model), args.ep), load_hardware(args.hardware), args.tp
+    model, hardware = load_model(args.model), load_hardware(args.hardware)
+    if args.seq_len is not None:
+        model = replace(model, seq_len=args.seq_len)
+    if args.gpus_per_node is not None:
+        if args.gpus_per_node < 1:
+            raise ConfigError(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
+        hardware = replace(hardware, gpus_per_node=args.gpus_per_node)
+    if args.intra_bw is not None:
+        hardware = replace(hardware, nvlink_bandwidth=parse_bandwidth(args.intra_bw, "--intra-bw"))
+    if args.inter_bw is not None:
+        hardware = replace(hardware, network_bandwidth=parse_bandwidth(args.inter_bw, "--inter-bw"))
+    return AnalyticCostModel(model, hardware, sequence_parallel=args.sequence_parallel)
+
+
+def _splits(args: argparse.Namespace, cost_model, tps, cps, eps) -> list:
+    """The splits to search: the flags' values as constraints, the rest by default (a profile's:
+    those it measured); each checked against the model in one line."""
+    from pipeloom.tune.profiled import ProfiledCostModel
+    from pipeloom.tune.topology import splits
+
+    model = cost_model.model
+    if isinstance(cost_model, ProfiledCostModel):
+        measured = cost_model.measured_splits(args.sequence_parallel)
+        tps = tps or sorted({split.tp for split in measured})
+        eps = eps or sorted({split.ep for split in measured})
+        cps = cps or [1]
+        if max(eps) > 1 and cost_model.expert_layout is None:
+            raise ConfigError(
+                f"{args.costs} measured no expert all-to-all: profile the MoE model with `profile --model hf:DIR`"
+            )
+        unmeasured = [tp for tp in tps if tp > 1 and Split(tp) not in measured]
+        if unmeasured:
+            layout = f"--tp {unmeasured[0]}{' --sequence-parallel' if args.sequence_parallel else ''}"
+            print(
+                f"pipeloom: tune: warning: {args.costs} measured no ops on {unmeasured[0]} tensor-parallel ranks: they "
+                f"are estimated as 1/{unmeasured[0]} of the compute plus the collectives timed alone, which on CPU "
+                f"ranks read 2.5x fast; `profile {layout}` measures them",
+                file=sys.stderr,
+            )
+    gpus_per_node = getattr(getattr(cost_model, "hardware", None), "gpus_per_node", args.devices)
+    found = splits(
+        args.devices,
+        heads=model.heads,
+        kv_heads=model.kv_heads or model.heads,
+        ffn=None if model.num_experts else model.ffn,
+        seq_len=model.seq_len,
+        num_experts=model.num_experts,
+        gpus_per_node=gpus_per_node,
+        tp=tps,
+        cp=cps,
+        ep=eps,
+        vocab=model.vocab if args.runnable else None,  # only the runtime needs the vocabulary whole
+        name=model.name,
     )
-
-
-def _with_experts_spread(model, ep: int):
-    """The model with its experts shared out over `ep` ranks (1: as the preset or profile says)."""
-    if ep == 1:
-        return model
-    if ep < 1:
-        raise ConfigError(f"--ep must be at least 1, got {ep}")
-    if not model.num_experts:
-        raise ConfigError(f"--ep {ep}: {model.name} has no routed experts to share out")
-    from dataclasses import replace
-
-    return replace(model, expert_parallel=ep)  # refuses experts that do not divide by ep
+    if args.sequence_parallel and max(split.tp for split in found) < 2:
+        raise ConfigError("--sequence-parallel shards the sequence over a tensor-parallel group: add --tp N (N > 1)")
+    return found
 
 
 def _one_size(text: str, flag: str, example: str) -> float:
@@ -291,6 +361,9 @@ def _row_dict(e, result) -> dict:
         "scheme": e.candidate.scheme,
         "pp": e.candidate.pp,
         "dp": e.candidate.dp,
+        "tp": e.candidate.split.tp,
+        "cp": e.candidate.split.cp,
+        "ep": e.candidate.split.ep,
         "micro_batch_size": e.candidate.micro_batch,
         "chunks": e.candidate.chunks,
         "slices": e.candidate.slices,
@@ -331,93 +404,3 @@ def _report(result, args, memory: float, cost_model) -> str:
     if result.extrapolation_note:
         note += f"\nbeyond the profile: {result.extrapolation_note}"
     return f"{head}\n\n{table(headers, rows)}\n\nbest: {best.candidate.label}, layers per stage {best.partition}{note}"
-
-
-def _explain(result, memory: float, cost_model) -> str:
-    best = result.best
-    lines = ["", static_measures_line(best, memory)]
-    if best.candidate.pp == 1:
-        lines.append(no_pipeline_line(result, memory, cost_model))
-    lines += ["", "why the others lost:"]
-    for e in result.ranked[1:]:
-        lines.append(f"  {e.candidate.label}: {_lost_on(e, best)}")
-    unfit = {label: (step, why) for e in result.ranked + result.rejected for label, step, why in e.unfit}
-    faster = sorted((step, label, why) for label, (step, why) in unfit.items() if step < best.step_time)
-    for step, label, why in faster[:5]:
-        lines.append(f"  {label}: memory, would be {1 - step / best.step_time:.1%} faster but {why[8:]}")
-    if lines[-1] == "why the others lost:":
-        lines.append("  (no other candidate came close)")
-    return "\n".join(lines)
-
-
-def _lost_on(e, best) -> str:
-    """Why a ranked plan is not first: slower, or — predicted faster — priced beyond the profile,
-    or within the profile's noise of the first and less robust (`tune.confidence`)."""
-    if e.step_time >= best.step_time:
-        return f"time, {e.step_time / best.step_time - 1:+.1%} step time"
-    faster = f"predicted {1 - e.step_time / best.step_time:.1%} faster"
-    if e.extrapolated and not best.extrapolated:
-        return f"beyond the profile, {faster} but priced on {'; '.join(e.extrapolated)}"
-    from pipeloom.provenance import byte_size
-    from pipeloom.tune.confidence import robustness
-
-    (best_memory, best_pp), (memory, pp) = robustness(best), robustness(e)
-    why = (
-        f"less peak memory ({byte_size(best_memory)} against {byte_size(memory)})"
-        if best_memory < memory
-        else f"fewer pipeline ranks ({best_pp} against {pp})"
-    )
-    return f"near-tie, {faster}, within the profile's noise of the first, which needs {why}"
-
-
-def no_pipeline_line(result, memory: float, cost_model) -> str:
-    """Why pure data parallelism won: what the best pipeline would cost here, and where."""
-    from pipeloom.tune.search import evaluate
-    from pipeloom.tune.space import Candidate
-
-    best = result.best
-    piped = next((e for e in result.ranked if e.candidate.pp > 1), None)
-    if piped is None and best.candidate.dp % 2 == 0:  # the shortest pipeline on the same devices
-        dp = best.candidate.dp // 2
-        batch = best.candidate.micro_batch * best.candidate.num_microbatches * best.candidate.dp
-        candidate = Candidate("1f1b", 2, dp, best.candidate.micro_batch, batch // (dp * best.candidate.micro_batch))
-        piped = evaluate(candidate, cost_model, memory)
-    if piped is None or not piped.feasible:
-        return "why no pipeline: no pipelined plan fits here"
-    return (
-        f"why no pipeline: the best pipeline here, {piped.candidate.label}, takes {piped.step_time:.1f} ms per step "
-        f"({piped.step_time / best.step_time - 1:+.1%}): its devices idle {piped.bubble_rate:.0%} of the pipeline, "
-        f"more than the all-reduce it shrinks saves ({best.allreduce_time:.1f} → {piped.allreduce_time:.1f} ms)"
-    )
-
-
-def static_measures_line(evaluation, memory: float) -> str:
-    """Which static-memory measure a plan needs, what it saves over none, and what it costs."""
-    chosen, options = evaluation.static_option, evaluation.options
-    if chosen is None or not options:
-        return "static memory: as planned by the cost model"
-    plain = options[0]
-    plain_gib, own_gib = max(plain.static_memory) / 2**30, max(evaluation.static_memory) / 2**30
-    if chosen is plain:
-        return (
-            f"static memory: no measure needed — fp32 weights and AdamW on every replica, {own_gib:.2f} GiB "
-            f"per device at most (ZeRO-0), within {memory / 2**30:.2f} GiB"
-        )
-    extra = chosen.allreduce_time + chosen.optimizer_time - plain.allreduce_time - plain.optimizer_time
-    if chosen.offload_all:
-        extra += evaluation.offload.delay if evaluation.offload else 0.0
-        what = "every stage's fp32 master weights and AdamW on the host, stepped in bubbles"
-    elif chosen.zero == 1:
-        what = f"bf16 weights, fp32 master weights and AdamW sharded over dp={evaluation.candidate.dp}"
-    else:
-        what = f"bf16 weights and gradients, master weights, AdamW and the fp32 gradient reduce-scattered over dp={evaluation.candidate.dp}"
-    if chosen.offload_all:
-        price = f"costing {extra:.2f} ms per step (host copies and steps outside the bubbles)"
-    elif extra > 0:
-        price = f"costing {extra:.2f} ms per step (the all-gather of the weights outweighs the 1/dp optimizer step)"
-    else:
-        price = f"saving {-extra:.2f} ms per step (the 1/dp optimizer step outweighs the all-gather of the weights)"
-    return (
-        f"static memory: {chosen.label} — {what}: {own_gib:.2f} GiB per device at most instead of "
-        f"{plain_gib:.2f} GiB under ZeRO-0, {price}"
-    )

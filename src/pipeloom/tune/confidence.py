@@ -14,7 +14,7 @@ optimizer and step overhead come from fits of their own and are left as predicte
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from pipeloom.passes.offload import simulate_offload
@@ -128,13 +128,17 @@ def _scaled(value, factor: float):
     return value * factor
 
 
-def settle_near_ties(result, cost_model) -> None:
+def settle_near_ties(result, model_of: Callable) -> None:
     """Give each ranked plan its band (`result.bands`, ms) and, where the leader's lead is
     within the noise of the profile — of the two plans' difference, and at most the leader's own
     band — put the most robust of the tied plans first, noting why (`result.tie_note`). Nothing
-    changes for a cost model that measured nothing."""
+    changes for a cost model that measured nothing. `model_of`: a plan's candidate → the cost
+    model that priced it."""
     ranked = result.ranked
-    moves = {id(e): sensitivities(e, figure_errors(cost_model, e.candidate.micro_batch, e.partition)) for e in ranked}
+    moves = {
+        id(e): sensitivities(e, figure_errors(model_of(e.candidate), e.candidate.micro_batch, e.partition))
+        for e in ranked
+    }
     result.bands = [band(moves[id(e)]) for e in ranked]
     if not any(result.bands):
         return
@@ -175,18 +179,18 @@ def settle_near_ties(result, cost_model) -> None:
     )
 
 
-def measured_first(result, cost_model, leader=None) -> None:
+def measured_first(result, model_of: Callable, leader=None) -> None:
     """Mark the ranked plans priced beyond what the profile measured (`extrapolations`: a
     micro-batch size, slices or layers a stage it never ran), and the fastest of those the search
     set aside (`leader`), and keep them after the measured ones (the search ranked each group
-    apart, `tune.search.tune`). Nothing changes for a cost model that measured nothing."""
-    reasons_of = getattr(cost_model, "extrapolations", None)
-    if reasons_of is None:
-        return
+    apart, `tune.search.tune`). Nothing changes for a cost model that measured nothing.
+    `model_of`: a plan's candidate → the cost model that priced it."""
     ranked = result.ranked
     for evaluation in [*ranked, *([leader] if leader is not None else [])]:
         candidate = evaluation.candidate
-        evaluation.extrapolated = tuple(reasons_of(candidate.micro_batch, candidate.slices, evaluation.partition))
+        reasons_of = getattr(model_of(candidate), "extrapolations", None)
+        if reasons_of is not None:
+            evaluation.extrapolated = tuple(reasons_of(candidate.micro_batch, candidate.slices, evaluation.partition))
     order = sorted(range(len(ranked)), key=lambda i: bool(ranked[i].extrapolated))  # stable: by step within each
     bands = result.bands or [0.0] * len(ranked)
     result.ranked, result.bands = [ranked[i] for i in order], [bands[i] for i in order]

@@ -17,7 +17,7 @@ all-gather of the new weights; M_offload is what offloading a stage's optimizer 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from pipeloom.costs import Costs
@@ -25,11 +25,14 @@ from pipeloom.static_memory import collective_bytes, offload_saving, static_byte
 from pipeloom.tune.analytic import (
     all_to_all_bytes,
     head_figures,
+    kv_exchange_bytes,
     layer_figures,
     stage_input_bytes,
     static_bytes_per_param,
 )
 from pipeloom.tune.presets import HardwareSpec, ModelSpec
+from pipeloom.tune.topology import Link, Split
+from pipeloom.tune.tp_layout import layer_collectives, ring_bytes
 
 __all__ = ["CostModel", "AnalyticCostModel", "ADAM_FLOPS_PER_PARAM"]
 
@@ -41,6 +44,15 @@ class CostModel(Protocol):
     model: ModelSpec
     source: str
     """Where the numbers come from: a hardware preset's name, or "profile"."""
+
+    @property
+    def split(self) -> Split:
+        """How each stage's ranks are cut (tp, cp, ep) in the plans this model prices."""
+        ...
+
+    def with_split(self, split: Split) -> CostModel:
+        """The same costs for plans whose stages' ranks are cut as `split` says."""
+        ...
 
     def stage_costs(
         self, counts: Sequence[int], micro_batch: int, pp: int, dp: int, zero: int = 0, slices: int = 1
@@ -82,30 +94,83 @@ class CostModel(Protocol):
 
 @dataclass(frozen=True)
 class AnalyticCostModel:
+    """Costs from FLOPs and bytes (`analytic`) on a hardware preset's peaks, every collective on
+    the link its group spans on the cluster's nodes (`topology.Split.links`)."""
+
     model: ModelSpec
     hardware: HardwareSpec
     tp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
 
     @property
     def source(self) -> str:
         return self.hardware.name
 
+    @property
+    def split(self) -> Split:
+        return Split(self.tp, self.cp, self.model.expert_parallel)
+
+    def with_split(self, split: Split) -> AnalyticCostModel:
+        """The same model and hardware with each stage's ranks cut as `split` says."""
+        model = self.model if split.ep == self.model.expert_parallel else replace(self.model, expert_parallel=split.ep)
+        return replace(self, model=model, tp=split.tp, cp=split.cp)
+
+    def links(self, dp: int = 1, pp: int = 1) -> dict[str, Link]:
+        """Each dimension's link for a plan of `dp` replicas and `pp` pipeline devices."""
+        hw = self.hardware
+        return self.split.links(dp, pp, hw.gpus_per_node, hw.nvlink_bandwidth, hw.network_bandwidth)
+
     def _ms(self, flops: float) -> float:
         return 1e3 * flops / (self.hardware.peak_flops * self.hardware.efficiency)
 
+    def _layer(self, micro_batch: int):
+        return layer_figures(self.model, micro_batch, self.tp, self.cp, self.sequence_parallel)
+
+    def _ring_ms(self, names: Sequence[str], nbytes: float, ranks: int, link: Link) -> float:
+        """Ring collectives `names` over `ranks` on `link`, each on `nbytes` of the whole group's."""
+        steps = sum(2 * (ranks - 1) if name == "allreduce" else ranks - 1 for name in names)
+        return 1e3 * (ring_bytes(names, nbytes, ranks) / link.bandwidth + steps * self.hardware.latency)
+
+    def exchange_times(self, micro_batch: int) -> dict[str, tuple[float, float]]:
+        """A layer's collectives in its forward and its backward (ms): "tp" (Megatron's entries to
+        and exits from the tensor-parallel region), "cp" (the K/V all-gather, and its gradients'
+        reduce-scatter); each present only where that dimension splits."""
+        links = self.links()
+        out: dict[str, tuple[float, float]] = {}
+        if self.tp > 1:
+            activation = 2 * micro_batch * self.model.seq_len / self.cp * self.model.hidden
+            collectives = layer_collectives(self.tp, self.sequence_parallel)
+            forward, backward = (self._ring_ms(collectives[k], activation, self.tp, links["tp"]) for k in ("F", "B"))
+            out["tp"] = (forward, backward)
+        if self.cp > 1:
+            sent = kv_exchange_bytes(self.model, micro_batch, self.tp, self.cp)
+            once = 1e3 * (sent / links["cp"].bandwidth + (self.cp - 1) * self.hardware.latency)
+            out["cp"] = (once, once)
+        return out
+
+    def _layer_times(self, micro_batch: int) -> tuple[float, float, float]:
+        """(F, B, W) of one layer, its exchanges included."""
+        layer = self._layer(micro_batch)
+        exchanges = self.exchange_times(micro_batch).values()
+        return (
+            self._ms(layer.forward_flops) + sum(f for f, _ in exchanges),
+            self._ms(layer.backward_flops) + sum(b for _, b in exchanges),
+            self._ms(layer.weight_flops),
+        )
+
     def layer_time(self, micro_batch: int) -> float:
-        layer = layer_figures(self.model, micro_batch, self.tp)
-        return self._ms(layer.forward_flops + layer.backward_flops + layer.weight_flops)
+        return sum(self._layer_times(micro_batch))
 
     def end_times(self, micro_batch: int) -> tuple[float, float]:
         """Extra time of the first stage (embedding: a lookup) and the last (head and loss)."""
-        head = head_figures(self.model, micro_batch, self.tp)
+        head = head_figures(self.model, micro_batch, self.tp, self.cp)
         return 0.0, self._ms(head.forward_flops + head.backward_flops + head.weight_flops)
 
     def layer_memory(self, micro_batch: int, dp: int, zero: int = 0) -> tuple[float, float]:
         """(activation bytes, static bytes) of one layer."""
-        layer = layer_figures(self.model, micro_batch, self.tp)
-        return layer.activation_bytes, layer.params * static_bytes_per_param(dp, zero)
+        layer = self._layer(micro_batch)
+        return layer.activation_bytes, layer.params * static_bytes_per_param(dp * self.cp, zero)
 
     def expert_params(self, counts: Sequence[int]) -> list[float]:
         return [n * self.model.stored_expert_params / self.tp for n in counts]
@@ -120,9 +185,11 @@ class AnalyticCostModel:
         self, counts: Sequence[int], micro_batch: int, pp: int, dp: int, zero: int = 0, slices: int = 1
     ) -> Costs:
         """Per-stage costs of whole micro-batches; a schedule with `slices` shares them out
-        (FLOPs and bytes scale with the tokens), so `slices` changes nothing here."""
-        layer = layer_figures(self.model, micro_batch, self.tp)
-        head = head_figures(self.model, micro_batch, self.tp)
+        (FLOPs and bytes scale with the tokens), so `slices` changes nothing here. The weights'
+        copies that share their gradients and optimizer shards are the dp × cp ranks."""
+        layer = self._layer(micro_batch)
+        head = head_figures(self.model, micro_batch, self.tp, self.cp)
+        forward_layer, backward_layer, weight_layer = self._layer_times(micro_batch)
         last = len(counts) - 1
 
         def per_stage(per_layer: float, on_last: float) -> list[float]:
@@ -130,23 +197,26 @@ class AnalyticCostModel:
 
         params = self.stage_params(counts)
         hw = self.hardware
-        forward = per_stage(self._ms(layer.forward_flops), self._ms(head.forward_flops))
+        copies = dp * self.cp
+        forward = per_stage(forward_layer, self._ms(head.forward_flops))
         a2a_per_layer = self.all_to_all_time(micro_batch)
         a2a = per_stage(a2a_per_layer, 0.0) if a2a_per_layer else 0.0  # dense: the key stays unset
+        # each tp rank sends its sequence shard under sequence parallelism, the whole otherwise
+        boundary = stage_input_bytes(self.model, micro_batch, self.cp) / (self.tp if self.sequence_parallel else 1)
         return Costs(
             F=forward,
-            B=per_stage(self._ms(layer.backward_flops), self._ms(head.backward_flops)),
-            W=per_stage(self._ms(layer.weight_flops), self._ms(head.weight_flops)),
+            B=per_stage(backward_layer, self._ms(head.backward_flops)),
+            W=per_stage(weight_layer, self._ms(head.weight_flops)),
             R=forward,
-            comm=1e3 * (hw.latency + stage_input_bytes(self.model, micro_batch) / self._link(pp)),
+            comm=1e3 * (hw.latency + boundary / self.links(dp, pp)["pp"].bandwidth),
             M_B=per_stage(layer.activation_bytes, head.activation_bytes),
             M_W=per_stage(layer.weight_grad_bytes, head.weight_grad_bytes),
-            M_ckpt=[stage_input_bytes(self.model, micro_batch)] * len(counts),
-            M_static=[static_bytes(n, dp, zero).device for n in params],
+            M_ckpt=[stage_input_bytes(self.model, micro_batch, self.cp)] * len(counts),
+            M_static=[static_bytes(n, copies, zero).device for n in params],
             offload_bytes=[4 * n for n in params],
             reload_bytes=[2 * n for n in params],
             host_step_flops=[ADAM_FLOPS_PER_PARAM * n for n in params],
-            M_offload=[offload_saving(n, dp, zero) for n in params],
+            M_offload=[offload_saving(n, copies, zero) for n in params],
             M_host=[static_bytes(n, offloaded=True).host for n in params],
             host_bandwidth=hw.host_bandwidth / 1e3,
             host_flops=hw.host_flops / 1e3,
@@ -158,40 +228,37 @@ class AnalyticCostModel:
 
     def all_to_all_time(self, micro_batch: int) -> float:
         """Milliseconds of one layer's expert all-to-alls in a forward (the backward's are the
-        same): two transfers over NVLink when the EP group fits in a node, else the network."""
-        sent = all_to_all_bytes(self.model, micro_batch)
+        same): two transfers on the link the EP group spans."""
+        sent = all_to_all_bytes(self.model, micro_batch, self.cp)
         if not sent:
             return 0.0
-        hw = self.hardware
-        link = hw.nvlink_bandwidth if self.model.expert_parallel <= hw.gpus_per_node else hw.network_bandwidth
-        return 1e3 * 2 * (hw.latency + sent / link)
-
-    def _link(self, ranks: int) -> float:
-        """Bandwidth between neighbours of a group of `ranks` GPUs (times tp): NVLink within a node."""
-        hw = self.hardware
-        return hw.nvlink_bandwidth if ranks * self.tp <= hw.gpus_per_node else hw.network_bandwidth
+        return 1e3 * 2 * (self.hardware.latency + sent / self.links()["ep"].bandwidth)
 
     def allreduce_time(self, params: float, pp: int, dp: int, zero: int = 0) -> float:
-        """Ring collectives across the dp replicas of a stage: the fp32 gradients' all-reduce
-        (reduce-scatter under ZeRO-2) and, under ZeRO-1/2, the new weights' all-gather."""
-        if dp == 1:
+        """Ring collectives across the dp × cp copies of a stage, on the link their group spans:
+        the fp32 gradients' all-reduce (reduce-scatter under ZeRO-2) and, under ZeRO-1/2, the new
+        weights' all-gather."""
+        copies = dp * self.cp
+        if copies == 1:
             return 0.0
-        link = self._link(pp * dp)
-        messages = 2 * (dp - 1) * (2 if zero else 1)
-        return 1e3 * (collective_bytes(params, dp, zero) / link + messages * self.hardware.latency)
+        messages = 2 * (copies - 1) * (2 if zero else 1)
+        link = self.links(dp, pp)["dp"]
+        return 1e3 * (collective_bytes(params, copies, zero) / link.bandwidth + messages * self.hardware.latency)
 
     def gather_time(self, params: float, pp: int, dp: int) -> float:
         """The part of ZeRO-1/2's `allreduce_time` that all-gathers the new weights (the runtime
         runs it after the optimizer step, in its optimizer phase)."""
-        if dp == 1:
+        copies = dp * self.cp
+        if copies == 1:
             return 0.0
-        gathered = (dp - 1) / dp * 2 * params  # 16-bit weights, as `collective_bytes` counts them
-        return 1e3 * (gathered / self._link(pp * dp) + 2 * (dp - 1) * self.hardware.latency)
+        gathered = (copies - 1) / copies * 2 * params  # 16-bit weights, as `collective_bytes` counts them
+        link = self.links(dp, pp)["dp"]
+        return 1e3 * (gathered / link.bandwidth + 2 * (copies - 1) * self.hardware.latency)
 
     def optimizer_time(self, params: float, dp: int, zero: int = 0) -> float:
         """AdamW is memory-bound: read and write the fp32 master weights, moments and gradients
-        it steps — all of them under ZeRO-0, this rank's 1/dp shard under ZeRO-1/2."""
-        stepped = params / dp if zero else params
+        it steps — all of them under ZeRO-0, this rank's 1/(dp × cp) shard under ZeRO-1/2."""
+        stepped = params / (dp * self.cp) if zero else params
         return 1e3 * stepped * 2 * 16 / self.hardware.hbm_bandwidth
 
     def step_overhead_time(self) -> float:
@@ -208,4 +275,5 @@ class AnalyticCostModel:
         return 0.0
 
     def to_dict(self) -> dict:
-        return {"source": "analytic", "hardware": self.hardware.to_dict(), "tp": self.tp}
+        out = {"source": "analytic", "hardware": self.hardware.to_dict(), "tp": self.tp, "cp": self.cp}
+        return out | ({"sequence_parallel": True} if self.sequence_parallel else {})

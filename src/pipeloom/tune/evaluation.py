@@ -13,8 +13,9 @@ from pipeloom.passes.offload import OffloadTimeline, simulate_offload, t_offload
 from pipeloom.sim.simulate import Timeline, simulate
 from pipeloom.tune.measures import StaticOption
 from pipeloom.tune.space import Candidate
+from pipeloom.tune.topology import Split
 
-__all__ = ["Evaluation", "TuneResult", "offload_lanes", "packed", "restore"]
+__all__ = ["Evaluation", "SplitOutcome", "TuneResult", "offload_lanes", "packed", "restore"]
 
 
 @dataclass
@@ -68,6 +69,19 @@ class Evaluation:
         return chosen[0] if chosen else None
 
 
+@dataclass(frozen=True)
+class SplitOutcome:
+    """What one split (tp, cp, ep) came to in a search."""
+
+    split: Split
+    cost_model: object
+    """The cost model that priced its plans (`CostModel.with_split`)."""
+    fastest: Evaluation | None
+    """Its fastest plan simulated (None: every plan was pruned by its bound, or none fits)."""
+    floor: float
+    """The least step its plans' lower bounds allowed, ms (inf: none fits)."""
+
+
 @dataclass
 class TuneResult:
     ranked: list[Evaluation]
@@ -87,10 +101,16 @@ class TuneResult:
     """What the ranking did with plans within the noise of each other (empty: none were)."""
     extrapolation_note: str = ""
     """What the ranking did with plans priced beyond the profile (empty: there were none)."""
+    splits: list[SplitOutcome] = field(default_factory=list)
+    """Each split the search weighed (`tune --explain` compares the best's with its neighbours)."""
 
     @property
     def best(self) -> Evaluation:
         return self.ranked[0]
+
+    def cost_model_of(self, evaluation: Evaluation):
+        """The cost model that priced `evaluation` (its split's)."""
+        return next(outcome.cost_model for outcome in self.splits if outcome.split == evaluation.candidate.split)
 
     def throughput(self, evaluation: Evaluation) -> float:
         """Samples per second."""

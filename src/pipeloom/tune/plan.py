@@ -2,7 +2,7 @@
 
     {"format": "pipeloom.plan/1",
      "model": {...ModelSpec...}, "cost_model": {"source": ..., ...},
-     "devices": 8, "pp": 4, "dp": 2, "tp": 1, "micro_batch_size": 2, "global_batch": 64,
+     "devices": 8, "pp": 4, "dp": 2, "tp": 1, "cp": 1, "micro_batch_size": 2, "global_batch": 64,
      "num_microbatches": 16, "scheme": "1f1b", "chunks": 1, "slices": 1, "passes": ["mario"],
      "zero": 0, "offload_stages": [],
      "partition": [3, 4, 4, 3], "layout": "Ettt|tttt|tttt|tttL",
@@ -13,7 +13,8 @@
                    "peak_activation_memory": [...]}}
 
 Times are milliseconds, memory bytes, throughput samples per second. Readers ignore extra keys.
-`zero` is the ZeRO level of the static memory and `offload_stages` the stages whose optimizer the
+`cp` is the context-parallel size (each stage's sequence split over cp ranks; absent from older
+plans: 1); the model's `expert_parallel` is the plan's ep. `zero` is the ZeRO level of the static memory and `offload_stages` the stages whose optimizer the
 host steps (`pipeloom.static_memory`); both are absent from older plans and default to none.
 """
 
@@ -35,6 +36,7 @@ from pipeloom.tune.presets import ModelSpec, model_from_config
 from pipeloom.tune.run_inputs import check_inputs
 from pipeloom.tune.search import Evaluation, TuneResult, evaluate_schedule
 from pipeloom.tune.space import Candidate
+from pipeloom.tune.topology import Split
 
 __all__ = ["PLAN_FORMAT", "Plan", "plan_from_evaluation", "repriced"]
 
@@ -65,6 +67,8 @@ class Plan:
     """With tp > 1: the plan was priced with sequence parallelism (`tune --sequence-parallel`)."""
     inputs: dict | None = None
     """The run's data and compute type (`tune.run_inputs`); None: not recorded (older plans)."""
+    cp: int = 1
+    """Context-parallel ranks per stage: each holds 1/cp of every sequence."""
 
     @property
     def num_microbatches(self) -> int:
@@ -79,6 +83,7 @@ class Plan:
             "pp": self.pp,
             "dp": self.dp,
             "tp": self.tp,
+            "cp": self.cp,
             "sequence_parallel": self.sequence_parallel,
             "micro_batch_size": self.micro_batch_size,
             "global_batch": self.global_batch,
@@ -122,7 +127,7 @@ class Plan:
         schedule = self.schedule
         facts = [
             ("pp", self.pp, schedule.num_devices, "devices in its schedule"),
-            ("devices", self.devices, self.pp * self.dp * self.tp, "pp × dp × tp"),
+            ("devices", self.devices, self.pp * self.dp * self.cp * self.tp, "pp × dp × cp × tp"),
             ("partition", len(self.partition), schedule.num_stages, "stages in its schedule"),
             ("partition", sum(self.partition), self.model.layers, "layers of its model"),
             ("global_batch", self.global_batch, schedule.num_microbatches * self.dp * self.micro_batch_size,
@@ -132,12 +137,13 @@ class Plan:
             if value != expected:
                 raise ConfigError(f"{where}: field {field!r} is {value}, but the plan's {what} make {expected}")
         self._check_scheme(where)
-        priced_tp = self.cost_model.get("tp", self.tp)
-        if priced_tp != self.tp:
-            raise ConfigError(
-                f"{where}: field 'tp' is {self.tp}, but its costs and predictions were made for tp = {priced_tp}: "
-                f"plan it again with `pipeloom tune --tp {self.tp}`"
-            )
+        for name, value in (("tp", self.tp), ("cp", self.cp)):
+            priced = self.cost_model.get(name, value)
+            if priced != value:
+                raise ConfigError(
+                    f"{where}: field {name!r} is {value}, but its costs and predictions were made for {name} = "
+                    f"{priced}: plan it again with `pipeloom tune --{name} {value}`"
+                )
         if self.zero not in (0, 1, 2):
             raise ConfigError(f"{where}: field 'zero' must be 0, 1 or 2, got {self.zero}")
         bad = [s for s in self.offload_stages if not 0 <= s < schedule.num_stages]
@@ -173,6 +179,7 @@ class Plan:
             pp=int(data["pp"]),
             dp=int(data["dp"]),
             tp=int(data.get("tp", 1)),
+            cp=int(data.get("cp", 1)),
             micro_batch_size=int(data["micro_batch_size"]),
             global_batch=int(data["global_batch"]),
             scheme=str(data["scheme"]),
@@ -190,19 +197,22 @@ class Plan:
         )
 
 
-def plan_from_evaluation(
-    evaluation: Evaluation, result: TuneResult, model: ModelSpec, cost_model: dict, tp: int
-) -> Plan:
+def plan_from_evaluation(evaluation: Evaluation, result: TuneResult, model: ModelSpec, cost_model: dict) -> Plan:
+    """The plan of a ranked evaluation: its split's tp and cp, and `model` with its ep."""
     candidate = evaluation.candidate
+    split = candidate.split
+    if model.expert_parallel != split.ep:
+        model = replace(model, expert_parallel=split.ep)
     timeline, schedule, costs = evaluation.timeline, evaluation.schedule, evaluation.costs
     assert timeline is not None and schedule is not None and costs is not None, "a plan is made of a kept evaluation"
     return Plan(
         model=model,
         cost_model=cost_model,
-        devices=candidate.pp * candidate.dp * tp,
+        devices=candidate.devices,
         pp=candidate.pp,
         dp=candidate.dp,
-        tp=tp,
+        tp=split.tp,
+        cp=split.cp,
         micro_batch_size=candidate.micro_batch,
         global_batch=result.global_batch,
         scheme=candidate.scheme,
@@ -226,7 +236,7 @@ def repriced(plan: Plan, cost_model: CostModel) -> Plan:
     confidence (`tune.confidence`)."""
     candidate = Candidate(
         plan.scheme, plan.pp, plan.dp, plan.micro_batch_size, plan.num_microbatches,
-        plan.chunks, plan.slices, plan.passes, plan.zero,
+        plan.chunks, plan.slices, plan.passes, plan.zero, Split(plan.tp, plan.cp, plan.model.expert_parallel),
     )  # fmt: skip
     evaluation = evaluate_schedule(candidate, cost_model, list(plan.partition), plan.schedule)
     moves = sensitivities(evaluation, figure_errors(cost_model, plan.micro_batch_size, plan.partition))

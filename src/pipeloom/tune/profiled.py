@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from os import PathLike
 from typing import Any
 
@@ -27,6 +28,7 @@ from pipeloom.profile_format import Fit, Layout, LayoutProfile, Profile, Replica
 from pipeloom.static_memory import collective_bytes, compute_bytes, static_bytes
 from pipeloom.tune.presets import ModelSpec
 from pipeloom.tune.profile_fits import at_size
+from pipeloom.tune.topology import Split
 from pipeloom.tune.tp_layout import activation_share, layer_collectives, ring_bytes, stage_collectives
 
 __all__ = ["ProfiledCostModel", "profile_costs_keys"]
@@ -37,10 +39,11 @@ Fits = Mapping[int, Mapping[str, Fit]]
 
 
 class ProfiledCostModel:
-    def __init__(self, profile: Profile | Mapping[str, Any], tp: int = 1, sequence_parallel: bool = False):
-        if not isinstance(tp, int) or tp < 1:
-            raise ConfigError(f"--tp must be at least 1, got {tp!r}")
-        self.tp, self.sequence_parallel = tp, sequence_parallel and tp > 1
+    def __init__(self, profile: Profile | Mapping[str, Any], tp: int = 1, sequence_parallel: bool = False, cp: int = 1):
+        for name, value in (("tp", tp), ("cp", cp)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{name} must be at least 1, got {value!r}")
+        self.tp, self.cp, self.sequence_parallel = tp, cp, sequence_parallel and tp > 1
         self.profile = profile if isinstance(profile, Profile) else Profile.from_dict(profile)
         self.model: ModelSpec = self.profile.model
         plain = self.profile.plain
@@ -58,8 +61,31 @@ class ProfiledCostModel:
         measured = self.profile.layout(Layout(tp, self.sequence_parallel)) if tp > 1 else None
         self._tp_layout = measured if measured is not None and measured.fits else None
         """This layout's fits as measured on tp ranks (`profile --tp`); None if not measured."""
-        if tp > 1 and not self.links.collectives:
+        if (tp > 1 or cp > 1) and not self.links.collectives:
             raise ConfigError("the profile has no measured collectives to price tensor parallelism: profile again")
+
+    @property
+    def split(self) -> Split:
+        return Split(self.tp, self.cp, self.model.expert_parallel)
+
+    def with_split(self, split: Split) -> ProfiledCostModel:
+        """The same profile pricing each stage's ranks cut as `split` says."""
+        other = ProfiledCostModel(self.profile, split.tp, self.sequence_parallel, split.cp)
+        other.model = (
+            self.model if split.ep == self.model.expert_parallel else replace(self.model, expert_parallel=split.ep)
+        )
+        return other
+
+    def measured_splits(self, sequence_parallel: bool = False) -> list[Split]:
+        """The splits the profile ran probes on (its tp layouts, with sequence parallelism as
+        asked, and the expert group of a MoE model): what `tune --costs` weighs by default."""
+        tps = {1} | {
+            layout.tp
+            for layout, measured in self.profile.layouts.items()
+            if layout.tp > 1 and layout.sequence_parallel == sequence_parallel and measured.fits
+        }
+        eps = [1] + ([self.expert_ep] if self.expert_layout is not None and self.expert_ep > 1 else [])
+        return [Split(tp, 1, ep) for tp in sorted(tps) for ep in eps if tp == 1 or ep == 1]
 
     @classmethod
     def load(cls, path: str | PathLike[str], tp: int = 1, sequence_parallel: bool = False) -> ProfiledCostModel:
@@ -68,7 +94,17 @@ class ProfiledCostModel:
     # -- tensor parallelism ------------------------------------------------------------------------
 
     def _activation_bytes(self, micro_batch: float) -> float:
+        """The hidden states of `micro_batch` sequences (under cp, a rank's share: micro_batch / cp)."""
         return self.compute * micro_batch * self.model.seq_len * self.model.hidden
+
+    def _kv_exchange(self, share: float) -> float:
+        """A layer's K/V all-gather over the cp ranks, each holding `share` (micro-batch / cp) of
+        the sequences' tokens (the backward's reduce-scatter of their gradients costs as much),
+        priced by the measured collectives."""
+        if self.cp == 1:
+            return 0.0
+        local = 2 * self.compute * share * self.model.seq_len * self.model.kv_hidden / self.tp
+        return self._collective("all_gather", local * self.cp, self.cp)
 
     def tp_collectives(self, stage: int, stages: int, layers: int) -> dict[str, list[str]]:
         """The tensor-parallel collectives of a stage's F and B (`tp_layout.stage_collectives`)."""
@@ -126,7 +162,7 @@ class ProfiledCostModel:
         """Per device, the (ms, bytes sent) of one step's tensor-parallel collectives."""
         times, sent = [], []
         stages = len(partition)
-        size = micro_batch / schedule.num_slices
+        size = micro_batch / schedule.num_slices / self.cp
         for ops in schedule.devices:
             names: list[str] = []
             for op in ops:
@@ -157,6 +193,8 @@ class ProfiledCostModel:
             reasons.append(f"micro-batch size {micro_batch} (profiled{where}: {', '.join(map(str, sizes))})")
         if self.tp > 1 and not self._tp_layout:
             reasons.append(f"tp {self.tp} (never profiled: its collectives estimated)")
+        if self.cp > 1:
+            reasons.append(f"cp {self.cp} (never profiled: 1/{self.cp} of the tokens and the K/V exchange estimated)")
         ep = self.model.expert_parallel
         if self._sharing_experts and (ep != self.expert_ep or self.tp > 1):
             profiled = (
@@ -216,9 +254,9 @@ class ProfiledCostModel:
         (`profile --slices`); without them, priced as an op on a micro-batch of 1/slices the size
         — the fits extended below the smallest profiled size — so a slice keeps its fixed costs
         (the fits' intercepts) instead of a 1/slices share of them."""
-        size = micro_batch / slices
+        size = micro_batch / slices / self.cp  # a rank's 1/cp of the tokens: as many FLOPs as 1/cp of the sequences
         sliced = self._sliced(slices)
-        fits, at = (sliced.fits, float(micro_batch)) if sliced else (self.fits, size)
+        fits, at = (sliced.fits, float(micro_batch) / self.cp) if sliced else (self.fits, size)
         per_stage = {key: self._per_stage(key, counts, at, fits) for key in (*_TIMES, "M_B")}
         # the bytes a B leaves queued for its W; older profiles did not measure them
         measured_w = "M_W" in (sliced or self.profile.plain).kinds()
@@ -241,6 +279,10 @@ class ProfiledCostModel:
                 forward, backward = self._tp_time(collectives["F"], size), self._tp_time(collectives["B"], size)
                 for key, extra in (("F", forward), ("R", forward), ("B", backward), ("W", 0.0)):
                     per_stage[key][i] = per_stage[key][i] / self.tp + extra
+        if self.cp > 1:
+            kv = self._kv_exchange(size)
+            for key in ("F", "R", "B"):
+                per_stage[key] = [value + n * kv for value, n in zip(per_stage[key], counts)]
         # With slices, per-slice entries: Costs would otherwise share a stage's value out evenly.
         value: dict[str, CostValue] = {
             key: [[v] * slices for v in values] if slices > 1 else values for key, values in per_stage.items()
@@ -257,7 +299,7 @@ class ProfiledCostModel:
             M_B=value["M_B"],
             M_W=value["M_W"],
             M_ckpt=value["M_ckpt"],
-            M_static=[self._static(n, dp, zero) for n in self.stage_params(counts)],
+            M_static=[self._static(n, dp * self.cp, zero) for n in self.stage_params(counts)],
             op_overhead=self.overheads.op_ms,
             time_unit="ms",
             memory_unit="bytes",
@@ -282,7 +324,11 @@ class ProfiledCostModel:
         kinds = {"F": forward, "R": forward, "B": backward, "BW": backward}
         return [sum(kinds[op.kind.value][op.stage] for op in ops if op.kind.value in kinds) for ops in schedule.devices]
 
-    def layer_time(self, micro_batch: int) -> float:
+    def layer_time(self, micro_batch: float) -> float:
+        if self.cp > 1:
+            return ProfiledCostModel(self.profile, self.tp, self.sequence_parallel).layer_time(
+                micro_batch / self.cp
+            ) + 2 * self._kv_exchange(micro_batch / self.cp)
         if ranks := self.ranks_layout():
             measured = ranks.kinds()
             return sum(
@@ -309,7 +355,7 @@ class ProfiledCostModel:
             activations = self._value("M_B", "per_layer", micro_batch) * activation_share(
                 self.tp, self.sequence_parallel
             )
-        return activations, self._static(self.params.layer / self.tp, dp, zero)
+        return activations / self.cp, self._static(self.params.layer / self.tp, dp * self.cp, zero)
 
     def stage_params(self, counts: Sequence[int]) -> list[float]:
         """Parameters one rank holds per stage: its 1/tp shard of the layers, embedding and head;
@@ -330,6 +376,7 @@ class ProfiledCostModel:
         """The gradients' collectives over dp replicas as measured at dp = 2 and scaled by the
         ring: ZeRO-0 all-reduces the fp32 gradients, ZeRO-1/2 reduce-scatter them and all-gather
         the new weights in the compute type. Older profiles priced it at the p2p bandwidth."""
+        dp *= self.cp  # the cp ranks hold the same weights
         if not self.links.collectives:
             return collective_bytes(params, dp, zero, self.compute) / self.links.p2p.bytes_per_ms
         if dp == 1:
@@ -343,6 +390,7 @@ class ProfiledCostModel:
     def gather_time(self, params: float, pp: int, dp: int) -> float:
         """The all-gather of ZeRO-1/2's new weights, part of `allreduce_time` (the runtime runs it
         in its optimizer phase)."""
+        dp *= self.cp
         if dp == 1 or not self.links.collectives:
             return 0.0
         return self._collective("all_gather", self.compute * params, dp)
@@ -355,7 +403,7 @@ class ProfiledCostModel:
     def optimizer_time(self, params: float, dp: int, zero: int = 0) -> float:
         """The AdamW step as measured, over this rank's 1/dp shard under ZeRO-1/2."""
         fit = self.overheads.optimizer or self.overheads.step
-        return fit.ms(params / dp if zero else params)
+        return fit.ms(params / (dp * self.cp) if zero else params)
 
     def replica_skew(self, dp: int, zero: int = 0) -> float:
         """Share of the pipeline the dp replicas' collectives wait for the slowest one: measured
@@ -393,6 +441,8 @@ class ProfiledCostModel:
 
     def to_dict(self) -> dict:
         facts: dict[str, Any] = {"source": "profile", "device": self.profile.device.description, "tp": self.tp}
+        if self.cp > 1:
+            facts["cp"] = self.cp
         if self.sequence_parallel:
             facts["sequence_parallel"] = True
         if self.profile.source:  # the profiled model itself (hf:DIR), for `train --plan`

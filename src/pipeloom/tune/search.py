@@ -40,14 +40,15 @@ from pipeloom.tune.candidate_run import (
 )
 from pipeloom.tune.confidence import measured_first, note_extrapolations, settle_near_ties
 from pipeloom.tune.cost_model import CostModel
-from pipeloom.tune.evaluation import Evaluation, TuneResult, offload_lanes, packed, restore
+from pipeloom.tune.evaluation import Evaluation, SplitOutcome, TuneResult, offload_lanes, packed, restore
 from pipeloom.tune.measures import static_options
 from pipeloom.tune.partition import partition_layers, partition_variants
 from pipeloom.tune.pool import ROUND, RoundPool, default_jobs, fewer_collections
 from pipeloom.tune.space import DEFAULT_SCHEMES, SCHEMES, Candidate, candidates
 from pipeloom.tune.speed_noise import apply_speed_noise
+from pipeloom.tune.topology import Split
 
-__all__ = ["Evaluation", "TuneResult", "tune", "evaluate", "evaluate_schedule"]
+__all__ = ["Evaluation", "TuneResult", "tune", "evaluate", "evaluate_schedule", "split_models"]
 
 _EPS = 1e-9
 _UNLIMITED = 2.0**80
@@ -65,7 +66,7 @@ def tune(
     memory: float,
     global_batch: int,
     *,
-    tp: int = 1,
+    splits: Sequence[Split] | None = None,
     schemes: Sequence[str] = DEFAULT_SCHEMES,
     pp_values: Sequence[int] | None = None,
     micro_batches: Sequence[int] = (1, 2, 4, 8, 16, 32),
@@ -75,7 +76,6 @@ def tune(
     exhaustive: bool = False,
     progress: Callable[[int, int], None] | None = None,
     jobs: int | None = 1,
-    ep: int = 1,
     layouts: bool = True,
     host_memory: float = math.inf,
     refuse: Callable[[Evaluation], str | None] | None = None,
@@ -84,32 +84,35 @@ def tune(
     naming the binding constraint. `memory_passes=False` leaves out Mario, T-Recomp and T-Offload;
     `static_measures=False` leaves out ZeRO-1/2 and offloading every stage's optimizer;
     `exhaustive` turns pruning off (for checking the pruning). `jobs` processes simulate
-    candidates (None: every core this process may use); the result is the same for any. With
-    `ep` > 1 the experts are shared out over groups of ep data-parallel replicas, so dp must
-    be a multiple of ep. `layouts`: the leading plans are also built on other layer layouts
+    candidates (None: every core this process may use); the result is the same for any.
+    `splits`: how each stage's ranks may be cut (tp, cp, ep; `topology.splits`), each priced by
+    the cost model for that split (`CostModel.with_split`) and searched in one ranking; default
+    the cost model's own. `layouts`: the leading plans are also built on other layer layouts
     than the balanced one (`_other_partitions`). `host_memory`: bytes of host memory per device,
     which the optimizer state of offloaded stages must fit. `refuse`: what the runtime would
     refuse a plan for (None: nothing); a ranked plan it refuses is ruled out with that reason."""
-    points = [
-        point
-        for point in candidates(
+    models = split_models(cost_model, splits if splits is not None else [cost_model.split])
+    points = list(
+        candidates(
             devices,
             global_batch,
-            tp=tp,
+            splits=list(models),
             schemes=schemes,
             pp_values=pp_values,
             micro_batches=micro_batches,
             num_layers=cost_model.model.layers,
         )
-        if point.dp % ep == 0
-    ]
+    )
     if not points:
+        expert = any(split.ep > 1 for split in models)
         raise InfeasibleError(
             f"no configuration of {devices} devices divides the global batch {global_batch} "
             f"(dp × micro-batch size must divide it, the stages must not outnumber {cost_model.model.layers} layers"
-            + (f", and dp must be a multiple of ep = {ep})" if ep > 1 else ")")
+            + (", and dp must be a multiple of ep)" if expert else ")")
         )
-    prepared = [_prepare(point, cost_model, memory, static_measures, host_memory=host_memory) for point in points]
+    prepared = [
+        _prepare(point, models[point.split], memory, static_measures, host_memory=host_memory) for point in points
+    ]
     prepared.sort(key=lambda item: item[1])
     rejected: list[Evaluation] = []
     evaluated = pruned = 0
@@ -144,6 +147,9 @@ def tune(
                             pruned += 1
                             continue
                     if evaluation.feasible:
+                        split = evaluation.candidate.split
+                        if split not in fastest or evaluation.step_time < fastest[split].step_time:
+                            fastest[split] = evaluation
                         ranked.append(evaluation)
                         ranked.sort(key=lambda e: e.step_time)
                         del ranked[keep:]
@@ -161,21 +167,18 @@ def tune(
 
         # Plans priced beyond what the profile measured (`extrapolations`) rank after the measured
         # ones and are pruned only against each other: a faster guess must not hide a measured plan.
-        beyond = getattr(cost_model, "extrapolations", None)
-
         def guessed(item) -> bool:
             candidate = item[0].candidate
-            return (
-                bool(beyond(candidate.micro_batch, candidate.slices, item[0].partition))
-                if beyond is not None
-                else False
-            )
+            beyond = getattr(models[candidate.split], "extrapolations", None)
+            return bool(beyond(candidate.micro_batch, candidate.slices, item[0].partition)) if beyond else False
+
+        fastest: dict[Split, Evaluation] = {}
 
         measured = rank([item for item in prepared if not guessed(item)])
         extrapolated = rank([item for item in prepared if guessed(item)])
         ranked = (measured + extrapolated)[:keep]
         if ranked and layouts:
-            evaluated += _other_partitions(ranked, pool, cost_model, memory, static_measures, host_memory)
+            evaluated += _other_partitions(ranked, pool, models, memory, static_measures, host_memory)
     for evaluation in ranked:
         restore(evaluation)
     reasons = {id(e): refuse(e) for e in ranked} if refuse is not None else {}
@@ -188,22 +191,47 @@ def tune(
         )
     if not ranked:
         raise InfeasibleError(_binding_constraint(rejected, memory) + _host_note(rejected, host_memory))
-    apply_speed_noise(ranked, cost_model)
+    for evaluation in ranked:
+        apply_speed_noise([evaluation], models[evaluation.candidate.split])
+    ranked.sort(key=lambda evaluation: evaluation.step_time)
     leader = extrapolated[0] if extrapolated else None  # the fastest guess, for the note
     if leader is not None and all(leader is not e for e in ranked):
         restore(leader)
-        apply_speed_noise([leader], cost_model)
+        apply_speed_noise([leader], models[leader.candidate.split])
     result = TuneResult(ranked, rejected, global_batch, memory, evaluated, pruned, host_memory)
-    measured_first(result, cost_model, leader)
-    settle_near_ties(result, cost_model)
+    result.splits = _split_outcomes(models, prepared, fastest)
+    model_of = _model_of(models)
+    measured_first(result, model_of, leader)
+    settle_near_ties(result, model_of)
     note_extrapolations(result, leader)
     return result
+
+
+def split_models(cost_model: CostModel, splits: Sequence[Split]) -> dict[Split, CostModel]:
+    """The cost model of each split: `cost_model` itself for its own (its caches stay warm)."""
+    return {split: cost_model if split == cost_model.split else cost_model.with_split(split) for split in splits}
+
+
+def _model_of(models: dict[Split, CostModel]) -> Callable[[Candidate], CostModel]:
+    return lambda candidate: models[candidate.split]
+
+
+def _split_outcomes(models: dict, prepared: list, fastest: dict[Split, Evaluation]) -> list[SplitOutcome]:
+    """Per split searched, its fastest plan simulated, or else the least its plans' lower bounds
+    allowed (all pruned, or none fits: inf); for `tune --explain`'s neighbours."""
+    floors: dict[Split, float] = {}
+    for evaluation, bound in prepared:
+        split = evaluation.candidate.split
+        floors[split] = min(floors.get(split, math.inf), bound)
+    return [
+        SplitOutcome(split, model, fastest.get(split), floors.get(split, math.inf)) for split, model in models.items()
+    ]
 
 
 def _other_partitions(
     ranked: list[Evaluation],
     pool: RoundPool,
-    cost_model: CostModel,
+    models: dict[Split, CostModel],
     memory: float,
     static_measures: bool,
     host_memory: float = math.inf,
@@ -219,7 +247,7 @@ def _other_partitions(
         base = replace(evaluation.candidate, passes=SCHEMES[evaluation.candidate.scheme].passes, zero=0)
         own = (evaluation.candidate.zero, "offload-all" in evaluation.candidate.passes)
         for layout in partition_variants(evaluation.partition):
-            variant, bound = _prepare(base, cost_model, memory, static_measures, layout, host_memory)
+            variant, bound = _prepare(base, models[base.split], memory, static_measures, layout, host_memory)
             every = variant.options  # the plan's own static measure only: a layer moves little memory
             variant.options = [option for option in every if (option.zero, option.offload_all) == own]
             if not variant.reason and variant.options and bound < evaluation.step_time - _EPS:
@@ -242,7 +270,8 @@ def evaluate(
     static_measures: bool = True,
     host_memory: float = math.inf,
 ) -> Evaluation:
-    """One candidate, fully (no pruning)."""
+    """One candidate, fully (no pruning), priced for its split."""
+    cost_model = split_models(cost_model, [candidate.split])[candidate.split]
     evaluation, _ = _prepare(candidate, cost_model, memory, static_measures, host_memory=host_memory)
     if not evaluation.reason:
         simulate_candidate(evaluation, memory, memory_passes=memory_passes, host_memory=host_memory)
@@ -254,6 +283,7 @@ def evaluate_schedule(candidate: Candidate, cost_model: CostModel, partition: li
     the static measure `candidate.zero` and its passes name (no search, no memory limit): what
     a plan takes on the machine as another profile found it. ConfigError if the cost model
     prices no such measure for it."""
+    cost_model = split_models(cost_model, [candidate.split])[candidate.split]
     evaluation, _ = _prepare(candidate, cost_model, _UNLIMITED, partition=partition)
     option = evaluation.static_option
     if evaluation.reason or option is None:

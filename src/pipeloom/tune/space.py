@@ -1,4 +1,5 @@
-"""The tuner's search space: scheme × pp × dp × micro-batch size × chunks × slices × passes.
+"""The tuner's search space: split (tp, cp, ep) × scheme × pp × dp × micro-batch size × chunks ×
+slices × passes.
 
 A `Candidate` is one point. Passes that trade time for memory (Mario, T-Recomp, T-Offload) are
 tried only when the plain schedule does not fit (`Candidate.fallbacks`): each makes the step
@@ -14,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from pipeloom.errors import ConfigError
 from pipeloom.schedules.registry import Tuning, list_generators
+from pipeloom.tune.topology import Split
 
 __all__ = ["Candidate", "DEFAULT_SCHEMES", "GENERATOR_OF", "SCHEMES", "candidates", "power_of_two_sizes"]
 
@@ -39,6 +41,12 @@ class Candidate:
     passes: tuple[str, ...] = ()
     zero: int = 0
     """ZeRO level of the static memory (0: none)."""
+    split: Split = Split()
+    """How each stage's ranks are cut: tensor, context and expert parallelism."""
+
+    @property
+    def devices(self) -> int:
+        return self.pp * self.dp * self.split.ranks
 
     @property
     def num_stages(self) -> int:
@@ -46,8 +54,10 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        """E.g. ``1f1b pp=8 dp=4 mbs=2 +mario``."""
-        parts = [self.scheme, f"pp={self.pp}", f"dp={self.dp}", f"mbs={self.micro_batch}"]
+        """E.g. ``1f1b pp=8 dp=4 mbs=2 +mario``, ``zb-v pp=4 dp=2 tp=4 cp=2 mbs=1``."""
+        parts = [self.scheme, f"pp={self.pp}", f"dp={self.dp}"]
+        parts += [self.split.label] if self.split.label else []
+        parts.append(f"mbs={self.micro_batch}")
         if self.chunks > 1:
             parts.append(f"v={self.chunks}")
         if self.slices > 1:
@@ -80,30 +90,54 @@ def candidates(
     global_batch: int,
     *,
     tp: int = 1,
+    splits: Sequence[Split] | None = None,
     schemes: Sequence[str] = DEFAULT_SCHEMES,
     pp_values: Sequence[int] | None = None,
     micro_batches: Sequence[int] = (1, 2, 4, 8, 16, 32),
     num_layers: int | None = None,
     rejected: list[tuple[str, str]] | None = None,
 ) -> Iterator[Candidate]:
-    """Every point of the space that fits the device count and the batch; `rejected` receives
-    (what, why) for the points ruled out on the way."""
+    """Every point of the space that fits the device count and the batch, for each of `splits`
+    (default: tp alone); `rejected` receives (what, why) for the points ruled out on the way.
+    Expert parallelism borrows from the data-parallel replicas, so dp must be a multiple of ep."""
     unknown = [name for name in schemes if name not in SCHEMES]
     if unknown:
         raise ConfigError(f"unknown scheme(s) {', '.join(unknown)}; choose among {', '.join(SCHEMES)}")
-    if devices % tp:
-        raise ConfigError(f"{devices} devices cannot be cut into tensor-parallel groups of {tp}")
-    ranks = devices // tp
-    pps = [pp for pp in (pp_values or range(1, ranks + 1)) if ranks % pp == 0]
-    if not pps:
-        raise ConfigError(f"no pipeline size among {list(pp_values or [])} divides {ranks} ranks")
-    for pp in pps:
+    every = list(splits) if splits is not None else [Split(tp)]
+    for split in every:
+        if devices % split.ranks:
+            what = "tensor-parallel groups" if split.cp == 1 else "tp × cp groups"
+            raise ConfigError(f"{devices} devices cannot be cut into {what} of {split.ranks}")
+    if pp_values and not any((devices // split.ranks) % pp == 0 for split in every for pp in pp_values):
+        raise ConfigError(f"no pipeline size among {list(pp_values)} divides {devices // every[0].ranks} ranks")
+    for split in every:
+        yield from _points(
+            devices // split.ranks, split, global_batch, schemes, pp_values, micro_batches, num_layers, rejected
+        )
+
+
+def _points(
+    ranks: int,
+    split: Split,
+    global_batch: int,
+    schemes: Sequence[str],
+    pp_values: Sequence[int] | None,
+    micro_batches: Sequence[int],
+    num_layers: int | None,
+    rejected: list[tuple[str, str]] | None,
+) -> Iterator[Candidate]:
+    for pp in (pp for pp in (pp_values or range(1, ranks + 1)) if ranks % pp == 0):
         dp = ranks // pp
+        if dp % split.ep:
+            continue
         for mbs in micro_batches:
             if global_batch % (dp * mbs):
                 if rejected is not None:
                     rejected.append(
-                        (f"pp={pp} dp={dp} mbs={mbs}", f"global batch {global_batch} is not a multiple of dp × mbs")
+                        (
+                            f"pp={pp} dp={dp} {split.label} mbs={mbs}".replace("  ", " "),
+                            f"global batch {global_batch} is not a multiple of dp × mbs",
+                        )
                     )
                 continue
             m = global_batch // (dp * mbs)
@@ -121,7 +155,7 @@ def candidates(
                     if spec.whole_rounds and m > pp and m % pp:
                         continue
                     for s in spec.slices:
-                        candidate = Candidate(name, pp, dp, mbs, m, v, s, spec.passes)
+                        candidate = Candidate(name, pp, dp, mbs, m, v, s, spec.passes, split=split)
                         if num_layers is not None and candidate.num_stages > num_layers:
                             continue
                         yield candidate
