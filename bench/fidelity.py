@@ -263,7 +263,7 @@ def dense_group(reuse: str | None, steps: int, lean: ProcessPoolExecutor) -> Gro
 def hf_groups(directory: Path, steps: int, lean: ProcessPoolExecutor) -> list[Group]:
     """Hugging Face models, each profiled and its plans tuned from its own profile: tensor
     parallelism (pp = 1 × tp = 2, with and without sequence parallelism) of the LLaMA in
-    examples/hf-llama-tiny, and a small Mixtral with its experts on each stage (pp = 2) and shared
+    examples/hf-llama-tiny, its sequence over two context-parallel ranks (pp = 1 × cp = 2), and a small Mixtral with its experts on each stage (pp = 2) and shared
     out over two replicas (dp = 2, ep = 2: every MoE layer's dispatch and combine an all-to-all)."""
     from pipeloom.runtime.plan_run import spec_from_plan
     from pipeloom.tune.presets import model_from_config
@@ -272,7 +272,12 @@ def hf_groups(directory: Path, steps: int, lean: ProcessPoolExecutor) -> list[Gr
     groups = []
     tensor_parallel = [(2, False), (2, True)]  # measured on tp ranks (`profile.layouts`)
     for source, name, tunings, layouts in (
-        (HF_LLAMA, "hf-llama-tiny", [{"tp": 2, "sequence_parallel": sp} for _, sp in tensor_parallel], tensor_parallel),
+        (
+            HF_LLAMA,
+            "hf-llama-tiny",
+            [{"tp": 2, "sequence_parallel": sp} for _, sp in tensor_parallel] + [{"cp": 2}],
+            tensor_parallel,
+        ),
         (directory, "mixtral-tiny", [{"ep": 1, "pp_values": [2]}, {"ep": 2, "pp_values": [1]}], []),
     ):
         config = json.loads((source / "config.json").read_text())
@@ -306,10 +311,12 @@ def hf_workload_at(directory: Path, layers: int, mbs: int):
 def hf_tuned(
     model: ModelSpec, tuning: dict, profile: Profile
 ) -> tuple[str, Plan, Callable[[Profile], ProfiledCostModel]]:
-    """A tensor- or expert-parallel 1F1B plan of a Hugging Face model on 2 ranks (expert
-    parallelism without ZeRO, which it does not combine with yet, as `tune --runnable`)."""
+    """A tensor-, context- or expert-parallel 1F1B plan of a Hugging Face model on 2 ranks (expert
+    parallelism without ZeRO, which it does not combine with yet, as `tune --runnable`; context
+    parallelism priced from the plain probes, as `tune` marks it: 1/cp of the tokens and the
+    K/V exchange on the measured all-gather)."""
     tp, sp, ep = tuning.get("tp", 1), tuning.get("sequence_parallel", False), tuning.get("ep", 1)
-    cost_model_of = partial(hf_cost_model, tp, sp, ep)
+    cost_model_of = partial(hf_cost_model, tp, sp, ep, tuning.get("cp", 1))
     cost_model = cost_model_of(profile)
     space = {"pp_values": tuning.get("pp_values", [1]), "micro_batches": [1, 2]}
     result = tune(cost_model, 2, 2**30, 8, schemes=["1f1b"], static_measures=ep == 1, **space)
@@ -319,8 +326,8 @@ def hf_tuned(
     return label, plan, cost_model_of
 
 
-def hf_cost_model(tp: int, sequence_parallel: bool, ep: int, profile: Profile) -> ProfiledCostModel:
-    cost_model = ProfiledCostModel(profile, tp, sequence_parallel)
+def hf_cost_model(tp: int, sequence_parallel: bool, ep: int, cp: int, profile: Profile) -> ProfiledCostModel:
+    cost_model = ProfiledCostModel(profile, tp, sequence_parallel, cp)
     cost_model.model = dataclasses.replace(cost_model.model, expert_parallel=ep)
     return cost_model
 

@@ -2,8 +2,8 @@
 
 Rows are features (plain, clipping, bf16, fp16 with its loss scale, ZeRO-1/2, host offload,
 save + resume, evaluation), columns layouts (pp2 1f1b, pp2 zb-v, pp2 × dp2, pp2 × tp2 with and
-without sequence parallelism, pp1 × tp2 × dp2, and a mixture of experts under pp2 × dp2 × ep2
-(1f1b, dualpipev) and pp1 × tp2 × dp2 × ep2). The cells cover every row and every column, each
+without sequence parallelism, pp1 × tp2 × dp2, pp2 × cp2 under 1f1b, zb-h1 and zb-v, pp1 × cp2 ×
+tp2, and a mixture of experts under pp2 × dp2 × ep2 (1f1b, dualpipev) and pp1 × tp2 × dp2 × ep2). The cells cover every row and every column, each
 feature under a dense and an expert-parallel layout, not the whole product; which cells other
 tests cover is in docs/runtime.md ("Every feature under every layout").
 
@@ -58,12 +58,14 @@ class Layout:
     parallel: dict = field(default_factory=dict)
     batch: int = 4
     """Micro-batches a step, over the replicas (fewer under tp: each costs a forked rank its collectives)."""
+    layers: int | None = None
+    """Decoder layers (None: one a stage, at least two)."""
 
     def spec(self, directory, **changes) -> TrainSpec:
         options = {"costs": Costs(F=1.0, B=1.0, W=1.0, a2a_F=1.0, a2a_B=1.0)} if self.schedule == "dualpipev" else {}
         m = self.batch // self.parallel.get("dp", 1)
         schedule = build_schedule(self.schedule, self.p, m, **options)
-        layers = max(2, schedule.num_stages)  # a layer a stage: each layer's collectives cost a forked rank most
+        layers = self.layers or max(2, schedule.num_stages)  # a layer a stage: collectives cost a forked rank most
         config = {**TINY[self.model], "vocab_size": 256, "num_hidden_layers": layers}
         path = directory / f"{self.model}-{layers}"
         path.mkdir(exist_ok=True)
@@ -79,6 +81,10 @@ LAYOUTS = {
     "pp2xtp2": Layout("zb-h1", 2, parallel=dict(tp=2), batch=2),
     "pp2xtp2+sp": Layout("1f1b", 2, parallel=dict(tp=2, sequence_parallel=True), batch=2),
     "pp1xtp2xdp2": Layout("1f1b", 1, parallel=dict(tp=2, dp=2)),
+    "pp2xcp2-1f1b": Layout("1f1b", 2, parallel=dict(cp=2)),
+    "pp2xcp2-zb-h1": Layout("zb-h1", 2, parallel=dict(cp=2)),
+    "pp2xcp2-zb-v": Layout("zb-v", 2, parallel=dict(cp=2)),
+    "pp1xcp2xtp2+sp": Layout("1f1b", 1, parallel=dict(cp=2, tp=2, sequence_parallel=True), batch=2),
     "moe-pp2xdp2xep2-1f1b": Layout("1f1b", 2, "mixtral", dict(dp=2, ep=2)),
     "moe-pp2xdp2xep2-dualpipev": Layout("dualpipev", 2, "mixtral", dict(dp=2, ep=2), batch=8),
     "moe-pp1xtp2xdp2xep2": Layout("1f1b", 1, "mixtral", dict(tp=2, dp=2, ep=2)),
@@ -106,6 +112,10 @@ CELLS = [
     ("offload", "pp2xtp2+sp"),
     ("zero2", "pp1xtp2xdp2"),
     ("bf16", "pp1xtp2xdp2"),
+    ("plain", "pp2xcp2-1f1b"),
+    ("zero1", "pp2xcp2-zb-h1"),
+    ("plain", "pp2xcp2-zb-v"),
+    ("clip", "pp1xcp2xtp2+sp"),
     ("zero1", "moe-pp2xdp2xep2-1f1b"),
     ("offload", "moe-pp2xdp2xep2-1f1b"),
     ("zero2", "moe-pp2xdp2xep2-dualpipev"),
@@ -186,6 +196,7 @@ RESUMES = [  # (layout, features, other layouts and features it resumes under)
         [dict(tp=1, zero=2, dp=2), dict(p=1, tp=1, zero=0, offload_stages=(0,)), dict(p=1, zero=0, offload_stages=())],
     ),
     ("moe-pp2xdp2xep2-1f1b", dict(zero=2, clip_norm=0.5), [dict(ep=1, zero=0, offload_stages=(0,))]),
+    ("pp2xcp2-1f1b", dict(zero=1, clip_norm=0.5), [dict(cp=1, zero=0)]),  # the cp ranks' shards, read whole
 ]
 
 
@@ -210,7 +221,7 @@ def test_save_and_resume_continue_bit_identically(tmp_path, column, changes, els
         assert resumed[0].losses == pytest.approx(whole[0].losses[2:], rel=1e-6), other
 
 
-EVALUATED = ["pp2xdp2", "moe-pp1xtp2xdp2xep2"]
+EVALUATED = ["pp2xdp2", "moe-pp1xtp2xdp2xep2", "pp2xcp2-zb-v"]
 
 
 @pytest.mark.parametrize("column", EVALUATED)
@@ -221,7 +232,8 @@ def test_evaluation_equals_one_process(tmp_path, column):
     layout = LAYOUTS[column]
     spec = layout.spec(tmp_path, **changes)
     results = run_in_process(spec) if _in_process_allowed(spec) else run_local(spec)
-    one = replace(layout, schedule="1f1b", p=1, parallel={}).spec(tmp_path, **changes)
+    layers = spec.resolved_workload().check(spec.schedule.num_stages)  # the same model, on one device
+    one = replace(layout, schedule="1f1b", p=1, parallel={}, layers=sum(layers)).spec(tmp_path, **changes)
     alone = run_in_process(replace(one, schedule=build_schedule("1f1b", 1, 4)))
     assert [step for step, _ in results[0].eval_losses] == [1, 2, 3]
     got = [loss for _, loss in results[0].eval_losses]

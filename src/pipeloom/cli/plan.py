@@ -35,9 +35,11 @@ def spec_from_plan(args: argparse.Namespace):
     if given or args.ckpt != "none" or args.dp != 1:
         raise ConfigError("--plan fixes the schedule, the model and dp: drop the other schedule options")
     plan = Plan.load(args.plan)
-    if args.tp is not None and args.tp != plan.tp:
-        raise ConfigError(f"--plan fixes tp = {plan.tp}: drop --tp {args.tp}")
+    for name, value in (("tp", plan.tp), ("cp", plan.cp)):
+        if getattr(args, name, None) is not None and getattr(args, name) != value:
+            raise ConfigError(f"--plan fixes {name} = {value}: drop --{name} {getattr(args, name)}")
     fields = run_options(args)
+    fields.pop("cp", None)  # checked against the plan's above
     if args.zero == 0:  # the plan's static-memory measures, unless the flags ask for others
         del fields["zero"]
     if args.dtype is None:  # the type the plan's costs were measured in
@@ -69,10 +71,12 @@ def fidelity_report(plan, results) -> str:
         )
         lines += _breakdown(predicted, timed_steps(results[0].phase_seconds))
     peaks = predicted.get("peak_activation_memory") or []
-    p, layout = plan.pp, RankLayout(plan.pp, plan.dp, plan.tp)
+    replicas = plan.dp * plan.cp  # every copy of the weights: data- and context-parallel ranks
+    p, layout = plan.pp, RankLayout(plan.pp, replicas, plan.tp, plan.cp)
     for device in range(p):
         stash = max(
-            max(r.peak_stash_bytes for r in results[layout.rank(replica, device)].records) for replica in range(plan.dp)
+            max(r.peak_stash_bytes for r in results[layout.rank(replica, device)].records)
+            for replica in range(replicas)
         )
         if device < len(peaks) and peaks[device]:
             lines.append(
@@ -81,7 +85,7 @@ def fidelity_report(plan, results) -> str:
             )
     statics = predicted.get("static_memory") or []
     for device in range(p):  # weights, gradients and optimizer state the rank holds on its device
-        held = [results[layout.rank(replica, device)].static_bytes for replica in range(plan.dp)]
+        held = [results[layout.rank(replica, device)].static_bytes for replica in range(replicas)]
         if device < len(statics) and statics[device] and all(held):
             device_bytes = max(b["weights"] + b["gradients"] + b["optimizer"] for b in held)
             lines.append(
@@ -91,7 +95,9 @@ def fidelity_report(plan, results) -> str:
     tp_sent, tp_ms = predicted.get("tp_sent_bytes") or [], predicted.get("tp_comm_ms") or []
     for device in range(min(p, len(tp_sent))):  # what each rank sends in its tensor-parallel group's collectives
         sent = max(
-            results[layout.rank(r, device, t)].records[-1].tp_sent_bytes for r in range(plan.dp) for t in range(plan.tp)
+            results[layout.rank(r, device, t)].records[-1].tp_sent_bytes
+            for r in range(replicas)
+            for t in range(plan.tp)
         )
         lines.append(
             f"  device {device} TP comm     {tp_sent[device] / 2**20:8.2f} MiB vs {sent / 2**20:8.2f} MiB per step "
@@ -99,7 +105,7 @@ def fidelity_report(plan, results) -> str:
         )
     a2a = predicted.get("a2a_ms") or []
     for device in range(min(p, len(a2a))):  # the expert all-to-alls' time in flight, and how much pairs hid
-        records = [r for x in range(plan.dp) for r in results[layout.rank(x, device)].records[1:]]
+        records = [r for x in range(replicas) for r in results[layout.rank(x, device)].records[1:]]
         if records and a2a[device]:
             flight = statistics.median(r.a2a_ms for r in records)
             hidden = statistics.median(r.a2a_ms - r.a2a_exposed_ms for r in records)
@@ -109,7 +115,7 @@ def fidelity_report(plan, results) -> str:
             )
     totals = predicted.get("peak_memory") or []
     for device in range(p):  # on GPUs: everything the rank allocated, against static + activations
-        gpu = [results[layout.rank(replica, device)].peak_memory_bytes for replica in range(plan.dp)]
+        gpu = [results[layout.rank(replica, device)].peak_memory_bytes for replica in range(replicas)]
         if device < len(totals) and totals[device] and all(value is not None for value in gpu):
             lines.append(
                 f"  device {device} GPU peak    {totals[device] / 2**20:8.2f} MiB vs {max(gpu) / 2**20:8.2f} MiB "

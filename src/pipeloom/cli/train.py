@@ -43,11 +43,11 @@ def run(args: argparse.Namespace) -> int:
     spec = train_spec_from_args(args, report=not args.quiet)
     expected = spec.parallelism.layout.world_size
     if args.nproc is None and not args.plan:
-        raise ConfigError("train needs --nproc (= p × dp × tp ranks) or --plan")
+        raise ConfigError("train needs --nproc (= p × dp × cp × tp ranks) or --plan")
     if args.nproc is not None and args.nproc != expected:
         raise ConfigError(
-            f"--nproc {args.nproc} does not match p × dp × tp = {spec.schedule.num_devices} × {spec.dp} × {spec.tp} "
-            f"= {expected}"
+            f"--nproc {args.nproc} does not match p × dp × cp × tp = {spec.schedule.num_devices} × {spec.dp} × "
+            f"{spec.cp} × {spec.tp} = {expected}"
         )
     recipe = None
     if spec.torch_device_type == "cuda":  # one spawned process per GPU, each rebuilding the spec from the flags

@@ -36,7 +36,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --ckpt: checkpoint only the first K layers of each checkpointed stage forward and keep the "
         "others' activations (Megatron's --recompute-num-layers; simulate it with recompute_fraction=K/layers)",
     )
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world size = p × dp × tp)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world size = p × dp × cp × tp)")
     parser.add_argument(
         "--tp",
         type=int,
@@ -47,6 +47,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--sequence-parallel",
         action="store_true",
         help="with --tp: norms and residuals on sequence shards (all-gather / reduce-scatter instead of all-reduce)",
+    )
+    parser.add_argument(
+        "--cp",
+        type=int,
+        help="context-parallel ranks per pipeline device: each holds two opposite chunks of every sequence and "
+        "gathers the others' keys and values (Hugging Face LLaMA, Mistral, Qwen2; default 1, or the plan's)",
     )
     parser.add_argument(
         "--ep",
@@ -233,6 +239,8 @@ def check_train_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"--tp must be at least 1, got {args.tp}")
     if args.ep is not None and args.ep < 1:
         raise ConfigError(f"--ep must be at least 1, got {args.ep}")
+    if args.cp is not None and args.cp < 1:
+        raise ConfigError(f"--cp must be at least 1, got {args.cp}")
     if args.sequence_parallel and (args.tp or 1) < 2 and not args.plan:
         raise ConfigError("--sequence-parallel shards the sequence over a tensor-parallel group: add --tp N (N > 1)")
     nproc = getattr(args, "nproc", None)  # torchrun's entry point has none
@@ -339,6 +347,8 @@ def run_options(args: argparse.Namespace) -> dict:
     }
     if args.ep is not None:
         fields["ep"] = args.ep
+    if args.cp is not None:
+        fields["cp"] = args.cp
     if args.offload_stages:
         fields["offload_stages"] = tuple(int_list(args.offload_stages, "--offload-stages"))
     if args.reload_bf16:

@@ -28,6 +28,7 @@ from torch import nn
 
 from pipeloom.errors import ConfigError
 from pipeloom.models.compat import import_transformers
+from pipeloom.models.context_parallel import ContextShard, KeyValueGather
 from pipeloom.models.cut import counts_per_stage
 from pipeloom.models.hf_moe import RouterLogits
 from pipeloom.models.memory_guard import check_trainable_here, hf_parameter_count
@@ -171,6 +172,9 @@ class HFStage(nn.Module):
         self.sequence_shard = (0, 1)
         """(index, count): under sequence parallelism the hidden states this stage sees are shard
         `index` of `count` along the sequence (positions follow the whole sequence)."""
+        self.context: ContextShard | None = None
+        """Under context parallelism, this rank's share of every sequence (`models.context_parallel`):
+        its tokens' true positions, and the keys and values gathered over its group."""
 
     def forward(self, x: torch.Tensor, *carried: torch.Tensor):
         return self._run(x, None, carried=carried)[0]
@@ -200,12 +204,18 @@ class HFStage(nn.Module):
         index, count = self.sequence_shard
         embed = self.embed if start == 0 else None
         seq = x.shape[1] * (1 if embed is not None else count)  # token ids are whole; hidden states may be a shard
-        positions = torch.arange(offset, offset + seq, device=x.device).unsqueeze(0)
+        if self.context is not None:  # this rank's tokens, wherever they sit in the sequence
+            positions = self.context.positions(x.device).unsqueeze(0)
+        else:
+            positions = torch.arange(offset, offset + seq, device=x.device).unsqueeze(0)
         if embed is not None:
             x = embed(x)
             if self.positions is not None:
                 x = x + self.positions(positions.chunk(count, dim=1)[index])
-        cache, mask = None, None
+        cache: Any = None
+        mask = None
+        if self.context is not None:  # every key and value of the sequence, masked by true position
+            cache, mask = KeyValueGather(self.context), self.context.causal_mask(x.device)
         if past is not None:
             cache = import_transformers().DynamicCache()
             for layer, (k, v) in zip(self.layers, past):
@@ -228,7 +238,7 @@ class HFStage(nn.Module):
         if self.routers is not None:
             return self.routers.handed_on(x, carried), []
         kv = []
-        if cache is not None:
+        if past is not None:
             for layer in self.layers:
                 entry = cache.layers[_layer_index(layer)]
                 kv.append((entry.keys[..., offset:, :], entry.values[..., offset:, :]))
@@ -353,4 +363,11 @@ def hf_workload(
         prepare=prepare,
         description={"kind": "hf", "family": family, "config": config.to_dict(), "source": str(path)},
         data=source.provenance,
+        context_parallel=_on_context if family in ROTARY else None,
     )
+
+
+def _on_context(stage: nn.Module, shard: ContextShard) -> None:
+    """The stage runs on `shard` of every sequence (rotary families: positions are the tokens')."""
+    assert isinstance(stage, HFStage), "an HF workload's stages are HFStages"
+    stage.context = shard

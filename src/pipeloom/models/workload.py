@@ -102,6 +102,10 @@ class Workload:
     data: dict | None = None
     """What it trains on (`pipeloom.provenance`), for headers, plans and checkpoints' resume
     checks; None: batches the caller made, unnamed."""
+    context_parallel: Callable[[nn.Module, Any], None] | None = None
+    """(stage, `models.context_parallel.ContextShard`) → the stage runs on that share of every
+    sequence, gathering keys and values over its group; None: the model cannot (absolute or
+    no positions, bidirectional attention, no attention), and `--cp` is refused."""
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -117,13 +121,25 @@ def rows_of(inputs: torch.Tensor | tuple[torch.Tensor, ...], rows: slice) -> tup
 
 
 def replica_microbatches(
-    batch: Callable[[int, int], Batch], index: int, dp: int, replica: int, m: int, b: int, where: torch.device
+    batch: Callable[[int, int], Batch],
+    index: int,
+    dp: int,
+    replica: int,
+    m: int,
+    b: int,
+    where: torch.device,
+    context: Any = None,
 ) -> tuple[list[tuple[torch.Tensor, ...]], list]:
     """Replica `replica`'s m micro-batches of b rows of batch `index` (drawn for all dp replicas),
-    on `where`: (inputs per micro-batch, targets per micro-batch)."""
+    on `where`: (inputs per micro-batch, targets per micro-batch); with `context` (a
+    `models.context_parallel.ContextShard`), this rank's share of each row's sequence."""
     inputs, targets = batch(dp * m * b, index)
     rows = [slice((replica * m + j) * b, (replica * m + j + 1) * b) for j in range(m)]
-    return [tuple(t.to(where) for t in rows_of(inputs, r)) for r in rows], [targets[r].to(where) for r in rows]
+
+    def own(tensor: torch.Tensor) -> torch.Tensor:
+        return (context.cut(tensor) if context is not None else tensor).to(where)
+
+    return [tuple(own(t) for t in rows_of(inputs, r)) for r in rows], [own(targets[r]) for r in rows]
 
 
 def llama_workload(config: LlamaConfig, seed: int, layer_counts: Sequence[int] | None = None, data=None) -> Workload:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeloom.models.context_parallel import ContextShard
 from pipeloom.models.workload import replica_microbatches
 from pipeloom.runtime.executor import DeviceExecutor
 
@@ -33,7 +34,10 @@ class Evaluation:
     num_microbatches: int
     dp: int
     replica: int
+    """The data-parallel replica whose samples this rank reads."""
     where: torch.device
+    context: ContextShard | None = None
+    """Under context parallelism, this rank's share of every sequence."""
 
     def due(self, step: int) -> bool:
         """Whether an evaluation follows step `step` (0-based): after every `every`-th."""
@@ -42,7 +46,7 @@ class Evaluation:
     def data(self, index: int) -> tuple[list, list]:
         """This replica's micro-batches of evaluation batch `index`: (inputs, targets)."""
         m, b = self.num_microbatches, self.microbatch_size
-        return replica_microbatches(self.batch, index, self.dp, self.replica, m, b, self.where)
+        return replica_microbatches(self.batch, index, self.dp, self.replica, m, b, self.where, self.context)
 
 
 def perplexity(loss: float) -> float:

@@ -138,6 +138,7 @@ def _check_in_process(spec: TrainSpec) -> None:
         "fp16 loss scaling": spec.dtype == "fp16",
         "checkpoints": spec.save_every > 0 or spec.resume_dir is not None,
         "tensor parallelism (DTensor collectives over a process group)": spec.tp > 1,
+        "context parallelism (its keys and values gathered over a process group)": spec.cp > 1,
     }
     named = [what for what, used in needs_ranks.items() if used]
     if named:

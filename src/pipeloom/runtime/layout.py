@@ -1,10 +1,14 @@
-"""Where each rank sits on the pp × dp × tp grid, and the one DeviceMesh over it.
+"""Where each rank sits on the pp × dp × cp × tp grid, and the one DeviceMesh over it.
 
 Ranks are numbered as Megatron and torchtitan number them, tensor parallelism innermost: the `tp`
 ranks of one stage's group are consecutive (one node's GPUs under torchrun), then the
-data-parallel replicas of that device, then the pipeline devices. Every process group the runtime
-makes — p2p pairs, gradient buckets, ZeRO's data-parallel groups, the tensor-parallel group —
-follows from `rank(replica, device, tp_index)`; expert parallelism groups consecutive replicas.
+context-parallel ranks, then the data-parallel replicas of that device, then the pipeline
+devices. A context-parallel rank holds the same weights as the data-parallel replicas do, so the
+grid's "replicas" are dp × cp — the copies of each weight that sum their gradients and share
+ZeRO's shards, replica r being data-parallel replica r // cp and context shard r % cp. Every
+process group the runtime makes — p2p pairs, gradient buckets, ZeRO's data-parallel groups, the
+tensor- and context-parallel groups — follows from `rank(replica, device, tp_index)`; expert
+parallelism groups consecutive replicas.
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ class RankLayout:
     devices: int
     """Pipeline devices of one replica (the schedule's `num_devices`)."""
     dp: int = 1
+    """Replicas of each weight: data-parallel × context-parallel ranks."""
     tp: int = 1
+    cp: int = 1
+    """Context-parallel ranks among the replicas: consecutive ones read the same samples."""
 
     @property
     def world_size(self) -> int:
@@ -33,6 +40,19 @@ class RankLayout:
         rest, tp_index = divmod(rank, self.tp)
         device, replica = divmod(rest, self.dp)
         return replica, device, tp_index
+
+    def samples_of(self, replica: int) -> tuple[int, int]:
+        """(data-parallel replica, context shard) of a replica: which samples it reads, and which
+        part of their sequence."""
+        return divmod(replica, self.cp)
+
+    def context_mesh(self, device_type: str):
+        """The same ranks with the replicas split into dp × cp: dimensions pp, dp, cp, tp, whose
+        `cp` dimension is each stage's context-parallel group."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (self.devices, self.dp // self.cp, self.cp, self.tp)
+        return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp", "cp", "tp"))
 
     def mesh(self, device_type: str):
         """The run's DeviceMesh, dimensions named pp, dp, tp (torch.distributed must be up)."""

@@ -78,11 +78,13 @@ def final_table(results: Sequence, facts: dict) -> str:
     all-to-alls' bytes, time in flight (hidden under pairs) and the busiest expert's load over the
     mean), and the optimizer's bytes on the device, measured beside planned."""
     tensor_parallel = facts.get("tp", 1) > 1
+    context_parallel = facts.get("cp", 1) > 1
     experts = facts.get("ep", 1) > 1
     lines = [
         f"{'rank':>4}  {'step ms':>9}  {'TFLOP/s':>8}  {'MFU':>6}  {'stash MiB':>10}  "
         f"{'GPU peak MiB':>12}  {'sent MiB/step':>13}  {'optimizer MiB (plan)':>20}"
         + (f"  {'TP MiB/step':>11}" if tensor_parallel else "")
+        + (f"  {'K/V MiB/step':>12}" if context_parallel else "")
         + (f"  {'a2a MiB/step':>12}  {'a2a ms (hidden)':>16}  {'expert load':>11}" if experts else "")
     ]
     for result, rank in zip(results, facts["ranks"]):
@@ -93,6 +95,7 @@ def final_table(results: Sequence, facts: dict) -> str:
             f"{rank['peak_stash_bytes'] / 2**20:>10.2f}  {gpu:>12}  {rank['sent_bytes_per_step'] / 2**20:>13.2f}  "
             f"{_optimizer_cell(rank):>20}"
             + (f"  {rank['tp_sent_bytes_per_step'] / 2**20:>11.2f}" if tensor_parallel else "")
+            + (f"  {rank['kv_sent_bytes_per_step'] / 2**20:>12.2f}" if context_parallel else "")
             + (_expert_cells(rank) if experts else "")
         )
     unit = "tokens/s" if facts["sample_tokens"] > 1 else "samples/s"

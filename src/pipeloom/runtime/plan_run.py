@@ -19,7 +19,7 @@ from pipeloom.tune.plan import Plan
 
 __all__ = ["builds_its_own_model", "spec_from_plan", "train_plan"]
 
-_FIXED_BY_PLAN = {"schedule", "config", "dp", "tp", "layer_counts", "workload"}
+_FIXED_BY_PLAN = {"schedule", "config", "dp", "tp", "cp", "layer_counts", "workload"}
 
 
 def spec_from_plan(plan: Plan | str | Path, model: str | None = None, data=None, **options) -> TrainSpec:
@@ -67,7 +67,12 @@ def spec_from_plan(plan: Plan | str | Path, model: str | None = None, data=None,
             plan.partition,
             data,
         )
-        return TrainSpec(schedule=plan.schedule, workload=work, dp=plan.dp, tp=plan.tp, **options)
+        return TrainSpec(schedule=plan.schedule, workload=work, dp=plan.dp, tp=plan.tp, cp=plan.cp, **options)
+    if plan.cp > 1:
+        raise ConfigError(
+            f"the plan splits each sequence over cp = {plan.cp} ranks, which needs a model with rotary positions: "
+            "give model='hf:DIR' (--model hf:DIR), or plan with --cp 1"
+        )
     if plan.tp > 1:
         raise ConfigError(
             f"the plan splits each stage over tp = {plan.tp} ranks, which needs a model with a tensor-parallel plan: "

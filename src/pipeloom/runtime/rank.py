@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from pipeloom.errors import ConfigError
+from pipeloom.models.context_parallel import ContextShard
 from pipeloom.models.materialise import materialise
 from pipeloom.models.workload import Workload, global_names, replica_microbatches
 from pipeloom.runtime.boundary import StageProbe
@@ -49,6 +50,7 @@ from pipeloom.runtime.probe import probe_boundaries
 from pipeloom.runtime.rank_checkpoints import resume_rank, save_rank
 from pipeloom.runtime.rank_setup import (
     Transport,
+    context_share,
     cut_stages,
     hosted_stages,
     leaves_of,
@@ -85,6 +87,8 @@ class RankModel:
     """Where each weight this rank holds lives (what every feature asks of its shards)."""
     precision: Precision
     where: torch.device
+    context: ContextShard | None = None
+    """Under context parallelism, this rank's share of every sequence (`models.context_parallel`)."""
 
 
 @dataclass(kw_only=True)
@@ -179,7 +183,7 @@ class RankRun:
         routed = work.experts if parallel.ep > 1 else None
         buckets = GradientBuckets(
             schedule,
-            parallel.dp,
+            parallel.replicas,
             all_stages,
             rank,
             across_replicas=parallel.zero == 0,
@@ -202,6 +206,9 @@ class RankRun:
                 ep_mesh.get_group(), parallel.ep, replica % parallel.ep, routed.num_experts, clock_for(where), ep_mesh
             )
             buckets.rebind(shard_experts(stages, routed.modules, experts))
+        context = None
+        if parallel.cp > 1:  # before the tensor-parallel cut: its sequence shards are of this share
+            context, probe = context_share(parallel, work, stages, probe, replica, where)
         loss = work.loss
         if tensor is not None:
             group = [layout.rank(replica, device, t) for t in range(parallel.tp)]
@@ -230,7 +237,7 @@ class RankRun:
             mail,
             loss=loss,
             loss_context=loss_parallel if tensor is not None else None,
-            loss_scale=1.0 / (schedule.num_microbatches * parallel.dp * schedule.num_slices),
+            loss_scale=1.0 / (schedule.num_microbatches * parallel.replicas * schedule.num_slices),
             concat_w=parallel.concat_w,
             device_type=where,
             before_forward=host.reload if host else None,
@@ -264,6 +271,7 @@ class RankRun:
                 placements=placements,
                 precision=precision,
                 where=where,
+                context=context,
             ),
             groups=RankGroups(transport=transport, buckets=buckets, mail=mail, tensor=tensor, experts=experts),
             optimizer=RankOptimizer(
@@ -278,7 +286,9 @@ class RankRun:
             ),
             services=RankServices(
                 progress=progress_of(spec, rank, result),
-                evaluation=evaluation_of(spec, transport, executor, probe, (replica, device, tp_index), where, b),
+                evaluation=evaluation_of(
+                    spec, transport, executor, probe, (replica, device, tp_index), where, b, context
+                ),
                 log=run_log_of(spec, rank),
             ),
             executor=executor,
@@ -296,13 +306,16 @@ class RankRun:
         """This replica's micro-batches of `step`, with gradients zeroed: (inputs, targets)."""
         self._began, self._marks = time.perf_counter(), {}
         m, b = self.spec.schedule.num_microbatches, self.model.work.microbatch_size
+        samples = self.spec.parallelism.layout.samples_of(self.replica)[0]
         micro_inputs, micro_targets = replica_microbatches(
-            self.model.work.batch, step, self.spec.dp, self.replica, m, b, self.model.where
+            self.model.work.batch, step, self.spec.dp, samples, m, b, self.model.where, self.model.context
         )
         self.optimizer.joint.zero_grad()
         self.groups.buckets.zero()
         if self.groups.tensor is not None:
             self.groups.tensor.sent_bytes = 0
+        if self.model.context is not None:
+            self.model.context.sent_bytes = 0
         if self.groups.experts is not None:
             self.groups.experts.traffic.reset(self.groups.experts.num_experts)
         if self.optimizer.scaler is not None:
@@ -346,6 +359,8 @@ class RankRun:
         record.grad_sync_starts = tuple((stages, when - record.began) for stages, when in self.groups.buckets.started)
         if self.groups.tensor is not None:
             record.tp_sent_bytes = self.groups.tensor.sent_bytes
+        if self.model.context is not None:
+            record.kv_sent_bytes = self.model.context.sent_bytes
         if self.groups.experts is not None:
             traffic = self.groups.experts.traffic
             traffic.settle(self.groups.experts.clock)  # after the step's read of the device: its events are passed

@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 from pipeloom.ir.ops import OpKind
+from pipeloom.models.context_parallel import ContextShard
 from pipeloom.models.workload import Workload
-from pipeloom.runtime.boundary import StageProbe
+from pipeloom.runtime.boundary import StageProbe, TensorSpec
 from pipeloom.runtime.comm import MessagePlan
 from pipeloom.runtime.expert_parallel import ExpertExchange
 from pipeloom.runtime.gradients import unique_parameters
@@ -35,6 +36,7 @@ __all__ = [
     "torch_device_of",
     "hosted_stages",
     "cut_stages",
+    "context_share",
     "steppers",
     "mailbox_of",
     "progress_of",
@@ -94,6 +96,29 @@ def cut_stages(parallel: ParallelPart, work: Workload, tensor: TensorParallel, s
     buckets.sum_over(tensor.mesh.get_group(), group, partial)
     wire = StageProbe(wire_boundaries(probe.boundaries, parallel.tp), [f / parallel.tp for f in probe.forward_flops])
     return wire, parallel_loss(work.loss)
+
+
+def context_share(
+    parallel: ParallelPart, work: Workload, stages: dict, probe: StageProbe, replica: int, where: torch.device
+) -> tuple[ContextShard, StageProbe]:
+    """This rank's share of every sequence over its context-parallel group (the mesh's cp
+    dimension), given to each of its stages; what enters and leaves a stage (the data included)
+    is that share. Returns (the share, the probe as this rank sees it)."""
+    assert work.context_parallel is not None, "check_spec refuses a model that cannot split its sequence"
+    layout = parallel.layout
+    mesh = layout.context_mesh(where.type)["cp"]
+    shard = ContextShard(parallel.cp, layout.samples_of(replica)[1], work.sample_tokens, mesh)
+    for stage in stages.values():
+        work.context_parallel(stage, shard)
+
+    def share(spec: TensorSpec) -> TensorSpec:
+        if len(spec.shape) < 2:
+            return spec
+        return TensorSpec((spec.shape[0], spec.shape[1] // parallel.cp, *spec.shape[2:]), spec.dtype)
+
+    boundaries = [tuple(share(spec) for spec in specs) for specs in probe.boundaries]
+    forward = [flops / parallel.cp for flops in probe.forward_flops]  # attention's too: head-tail balanced
+    return shard, StageProbe(boundaries, forward, [held / parallel.cp for held in probe.stash_bytes])
 
 
 def steppers(
@@ -198,7 +223,7 @@ def mailbox_of(
     pairs = sorted({(m.src, m.dst) for sends in plan.sends for m in sends})
     groups = {
         (r, t): {(a, b): dist.new_group([layout.rank(r, a, t), layout.rank(r, b, t)]) for a, b in pairs}
-        for r in range(parallel.dp)
+        for r in range(parallel.replicas)
         for t in range(parallel.tp)
     }
     return Mailbox(
@@ -237,7 +262,9 @@ def optimizer_sync(
     if not optimizer.needs_global_state:
         return None
     p, tp, layout = parallel.schedule.num_devices, parallel.tp, parallel.layout
-    groups = [dist.new_group([layout.rank(r, d, t) for d in range(p) for t in range(tp)]) for r in range(parallel.dp)]
+    groups = [
+        dist.new_group([layout.rank(r, d, t) for d in range(p) for t in range(tp)]) for r in range(parallel.replicas)
+    ]
     tp_index = tensor.index if tensor is not None else 0
     local_state = None
     if experts is not None:

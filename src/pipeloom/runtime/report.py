@@ -28,6 +28,7 @@ def run_context(spec) -> dict:
         "p": spec.schedule.num_devices,
         "dp": spec.dp,
         "tp": spec.tp,
+        "cp": spec.cp,
         "sequence_parallel": spec.sequence_parallel,
         "ep": spec.ep,
         "model": spec.resolved_workload().name,
@@ -46,7 +47,7 @@ def run_report(results: Sequence[RankResult], spec) -> str:
     facts = summary(results, spec.peak_tflops, **run_context(spec))
     header = (
         f"{facts['model']} · {facts['schedule']}: p={facts['p']} dp={facts['dp']} tp={facts['tp']}"
-        f"{f' ep={spec.ep}' if spec.ep > 1 else ''}"
+        f"{f' cp={spec.cp}' if spec.cp > 1 else ''}{f' ep={spec.ep}' if spec.ep > 1 else ''}"
         f"{' (sequence parallel)' if facts['sequence_parallel'] else ''} "
         f"{facts['dtype']} on {facts['device']}, ZeRO-{facts['zero']}, "
         f"recomputes {facts['recomputes']}"
@@ -81,6 +82,7 @@ def summary(results: Sequence[RankResult], peak_tflops: float | None = None, **c
                 "sent_bytes_per_step": result.records[-1].sent_bytes if result.records else 0,
                 "sent_dtypes": list(result.records[-1].sent_dtypes) if result.records else [],
                 "tp_sent_bytes_per_step": result.records[-1].tp_sent_bytes if result.records else 0,
+                "kv_sent_bytes_per_step": result.records[-1].kv_sent_bytes if result.records else 0,
                 **_expert_traffic(result.records[1:] or result.records),
                 "static_bytes": result.static_bytes,
                 "planned_static_bytes": result.planned_static_bytes,

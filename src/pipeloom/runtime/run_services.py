@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from pipeloom.models.context_parallel import ContextShard
 from pipeloom.runtime.comm import plan_messages
 from pipeloom.runtime.evaluation import Evaluation
 from pipeloom.runtime.executor import DeviceExecutor
@@ -44,6 +45,7 @@ def evaluation_of(
     coords: tuple[int, int, int],
     where: torch.device,
     microbatch_size: int,
+    context: ContextShard | None = None,
 ) -> Evaluation | None:
     """The forward-only twin of the training schedule on this rank's stages, or None."""
     if not spec.eval_every or spec.eval_data is None:
@@ -73,8 +75,9 @@ def evaluation_of(
         microbatch_size,
         schedule.num_microbatches,
         parallel.dp,
-        replica,
+        parallel.layout.samples_of(replica)[0],
         where,
+        context,
     )
 
 

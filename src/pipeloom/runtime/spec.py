@@ -55,7 +55,7 @@ class ModelPart:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelPart:
-    """Where and how it runs: the pipeline schedule, data-, tensor- and expert-parallel sizes,
+    """Where and how it runs: the pipeline schedule, data-, context-, tensor- and expert-parallel sizes,
     static-memory sharding and offload, the devices and backend of the ranks, compilation."""
 
     schedule: Schedule
@@ -78,6 +78,9 @@ class ParallelPart:
     ep: int = 1
     """Expert-parallel ranks (`runtime.expert_parallel`): each MoE layer's routed experts shared
     out over groups of `ep` data-parallel replicas of a stage; ep divides dp."""
+    cp: int = 1
+    """Context-parallel ranks per stage (`models.context_parallel`): each holds two opposite
+    chunks of every sequence and gathers the others' keys and values; the world is p × dp × cp × tp."""
     overlap_grad_sync: bool = True
     """Start a stage's gradient all-reduce as soon as its last backward of the step on the rank
     ends, under the later stages' work (`runtime.gradients`); False: every bucket after the
@@ -93,8 +96,14 @@ class ParallelPart:
     B: nothing to fill there); the profiler sets it to time W apart."""
 
     @property
+    def replicas(self) -> int:
+        """Copies of each weight: the data-parallel replicas and, within each, its context-parallel
+        ranks — what gradients are summed and ZeRO shards over."""
+        return self.dp * self.cp
+
+    @property
     def layout(self) -> RankLayout:
-        return RankLayout(self.schedule.num_devices, self.dp, self.tp)
+        return RankLayout(self.schedule.num_devices, self.replicas, self.tp, self.cp)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -51,6 +51,7 @@ def check_spec(spec: TrainSpec, world_size: int | None = None, on_this_device: b
     _check_model(spec.model, parallel.schedule)
     _check_tensor_parallel(spec.model, parallel)
     _check_expert_parallel(spec, parallel)
+    _check_context_parallel(spec, parallel)
     work = spec.resolved_workload()
     packed = packs_projections(work, parallel.tp, parallel.sequence_parallel)
     _check_checkpoints(spec.checkpoints, parallel, spec.optimizer, spec.steps, (work.data, spec.dtype), packed)
@@ -68,16 +69,51 @@ def _check_parallelism(parallel: ParallelPart, world_size: int | None) -> None:
         raise ConfigError(
             "train: --sequence-parallel shards the sequence over a tensor-parallel group; add --tp N (N > 1)"
         )
+    if not isinstance(parallel.cp, int) or parallel.cp < 1:
+        raise ConfigError(f"train: --cp must be a positive number of ranks, got {parallel.cp!r}")
     expected = parallel.layout.world_size
     if world_size is not None and world_size != expected:
+        cp = f" × {parallel.cp}" if parallel.cp > 1 else ""
         raise ConfigError(
-            f"train: world size {world_size} does not match p × dp × tp = {schedule.num_devices} × {parallel.dp} × "
-            f"{parallel.tp} = {expected}"
+            f"train: world size {world_size} does not match p × dp{' × cp' if cp else ''} × tp = "
+            f"{schedule.num_devices} × {parallel.dp}{cp} × {parallel.tp} = {expected}"
         )
     bad = sorted(set(parallel.offload_stages) - set(range(schedule.num_stages)))
     if bad or parallel.reload_bits not in (16, 32):
         raise ConfigError(
             f"train: offload stages must be among the schedule's and reload bits 16 or 32 (got {bad}, {parallel.reload_bits})"
+        )
+
+
+def _check_context_parallel(spec: TrainSpec, parallel: ParallelPart) -> None:
+    """A sequence split over cp ranks needs a model whose attention can gather it back (rotary
+    positions, causal attention: `Workload.context_parallel`), an even head-tail cut, and whole
+    micro-batches: slices cut the sequence along the same dimension (SVPP and TeraPipe pipeline
+    what context parallelism spreads), so the two are not combined."""
+    cp = parallel.cp
+    if cp == 1:
+        return
+    work = spec.resolved_workload()
+    if work.context_parallel is None:
+        raise ConfigError(
+            f"train: --cp {cp}: {work.name} cannot split its sequence over ranks (context parallelism needs causal "
+            "attention over rotary positions: the Hugging Face LLaMA, Mistral and Qwen2 families)"
+        )
+    if work.sample_tokens % (2 * cp):
+        raise ConfigError(
+            f"train: --cp {cp}: the sequence of {work.sample_tokens} tokens does not cut into {2 * cp} equal chunks "
+            "(two per rank, head and tail); choose --seq-len as a multiple of that"
+        )
+    if parallel.schedule.num_slices > 1:
+        raise ConfigError(
+            f"train: --cp {cp} with a sliced schedule: slices and context parallelism both cut the sequence; use one"
+        )
+    if parallel.ep > 1:
+        raise ConfigError(f"train: --cp {cp} does not combine with --ep yet (experts are shared over dp replicas)")
+    if parallel.sequence_parallel and (work.sample_tokens // cp) % parallel.tp:
+        raise ConfigError(
+            f"train: --cp {cp} with --sequence-parallel: a rank's {work.sample_tokens // cp} tokens do not cut into "
+            f"{parallel.tp} sequence shards"
         )
 
 

@@ -28,7 +28,7 @@ def rank_static_bytes(parallel: ParallelPart, stepper, host, parameters, precisi
     }
     # ZeRO shards each optimizer over its own replicas: the experts' over those holding the same experts
     sharded = [part for part in leaves_of(stepper) if isinstance(part, ShardedAdamW)]
-    parts = [(part.parameters, part.size) for part in sharded] or [(parameters, parallel.dp)]
+    parts = [(part.parameters, part.size) for part in sharded] or [(parameters, parallel.replicas)]
     planned: dict = {}
     for held, replicas in parts:
         figures = static_bytes(sum(t.numel() for t in held), replicas, parallel.zero, compute=compute, padded=True)

@@ -50,6 +50,8 @@ class StepRecord:
     """Bytes this device sent to other devices (activations and gradients)."""
     tp_sent_bytes: int = 0
     """Bytes this rank sent in its tensor-parallel group's collectives (`tensor_parallel`)."""
+    kv_sent_bytes: int = 0
+    """Bytes this rank sent in its context-parallel group's K/V exchanges (`models.context_parallel`)."""
     a2a_sent_bytes: int = 0
     """Bytes this rank sent to its expert-parallel group (`expert_parallel`)."""
     a2a_ms: float = 0.0
