@@ -106,4 +106,4 @@ def test_the_cli_trains_real_text_over_cp_ranks_and_exchanges_what_the_planner_p
     per_step = m * 2 * 2 * kv_exchange_bytes(planned, mbs, tp=1, cp=2)
     assert [rank["kv_sent_bytes_per_step"] for rank in facts["ranks"]] == [per_step] * 4
     assert main(["train", "--nproc", "2", *flags]) == 2
-    assert "does not match p × dp × cp × tp = 2 × 1 × 2 × 1 = 4" in capsys.readouterr().err
+    assert "--nproc 2 does not match p × dp × cp × tp = 2 × 1 × 2 × 1 = 4" in capsys.readouterr().err

@@ -45,9 +45,10 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is None and not args.plan:
         raise ConfigError("train needs --nproc (= p × dp × cp × tp ranks) or --plan")
     if args.nproc is not None and args.nproc != expected:
+        grid, sizes = ("p × dp × cp × tp", (spec.dp, spec.cp)) if spec.cp > 1 else ("p × dp × tp", (spec.dp,))
         raise ConfigError(
-            f"--nproc {args.nproc} does not match p × dp × cp × tp = {spec.schedule.num_devices} × {spec.dp} × "
-            f"{spec.cp} × {spec.tp} = {expected}"
+            f"--nproc {args.nproc} does not match {grid} = "
+            f"{' × '.join(map(str, (spec.schedule.num_devices, *sizes, spec.tp)))} = {expected}"
         )
     recipe = None
     if spec.torch_device_type == "cuda":  # one spawned process per GPU, each rebuilding the spec from the flags
