@@ -271,14 +271,15 @@ def hf_groups(directory: Path, steps: int, lean: ProcessPoolExecutor) -> list[Gr
     (directory / "config.json").write_text(json.dumps(MIXTRAL))
     groups = []
     tensor_parallel = [(2, False), (2, True)]  # measured on tp ranks (`profile.layouts`)
-    for source, name, tunings, layouts in (
+    for source, name, tunings, layouts, contexts in (
         (
             HF_LLAMA,
             "hf-llama-tiny",
             [{"tp": 2, "sequence_parallel": sp} for _, sp in tensor_parallel] + [{"cp": 2}],
             tensor_parallel,
+            [2],  # measured on cp ranks (`profile.layouts`)
         ),
-        (directory, "mixtral-tiny", [{"ep": 1, "pp_values": [2]}, {"ep": 2, "pp_values": [1]}], []),
+        (directory, "mixtral-tiny", [{"ep": 1, "pp_values": [2]}, {"ep": 2, "pp_values": [1]}], [], []),
     ):
         config = json.loads((source / "config.json").read_text())
         model = dataclasses.replace(model_from_config(config, name=name), seq_len=HF_SEQ)
@@ -289,6 +290,7 @@ def hf_groups(directory: Path, steps: int, lean: ProcessPoolExecutor) -> list[Gr
             "turns": Turns(4),
             "workload_for": partial(hf_workload_at, source),
             "tensor_parallel": layouts,
+            "context_parallel": contexts,
         }
         profile = dataclasses.replace(first_profile(model, profiling, lean), source=f"hf:{source}")
         rows = []
@@ -312,9 +314,8 @@ def hf_tuned(
     model: ModelSpec, tuning: dict, profile: Profile
 ) -> tuple[str, Plan, Callable[[Profile], ProfiledCostModel]]:
     """A tensor-, context- or expert-parallel 1F1B plan of a Hugging Face model on 2 ranks (expert
-    parallelism without ZeRO, which it does not combine with yet, as `tune --runnable`; context
-    parallelism priced from the plain probes, as `tune` marks it: 1/cp of the tokens and the
-    K/V exchange on the measured all-gather)."""
+    parallelism without ZeRO, as `tune --runnable` plans it; context parallelism priced from the
+    probes run on cp ranks)."""
     tp, sp, ep = tuning.get("tp", 1), tuning.get("sequence_parallel", False), tuning.get("ep", 1)
     cost_model_of = partial(hf_cost_model, tp, sp, ep, tuning.get("cp", 1))
     cost_model = cost_model_of(profile)
@@ -370,10 +371,12 @@ def measure_by_turns(group: Group, rounds: int, lean: ProcessPoolExecutor) -> No
 
 
 def layout(plan: Plan) -> Layout:
-    """The probes that price the plan's ops: its tp ranks', its replicas' sharing out the experts
+    """The probes that price the plan's ops: its tp ranks', its cp ranks', its replicas' sharing out the experts
     (expert parallelism: all-to-alls priced, `collective_predictions`), or the plain ones."""
     if plan.tp > 1:
         return Layout(plan.tp, plan.sequence_parallel)
+    if plan.cp > 1:
+        return Layout(cp=plan.cp)
     return Layout(ep=EP) if "a2a_ms" in plan.predicted else Layout()
 
 
@@ -388,6 +391,7 @@ def profile_by_turns(
     probes, run minutes after the plain ones). The profile, and per plan its rounds' results."""
     runs: list[list] = [[] for _ in plans]
     probed = {Layout(), *(Layout(tp, sp) for tp, sp in profiling.get("tensor_parallel", ()))}
+    probed |= {Layout(cp=cp) for cp in profiling.get("context_parallel", ())}
     if model.num_experts:
         probed.add(Layout(ep=EP))  # `profile_model` measures a mixture of experts' exchanges
 

@@ -179,3 +179,22 @@ def test_a_plan_megatron_would_place_otherwise_is_refused(capsys, tmp_path, plan
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "sits in the v placement; Megatron-LM's virtual stages sit in the loop placement" in err
     assert not (tmp_path / "mlm").exists()
+
+
+def test_a_context_parallel_plan_exports_its_cp_to_both_engines(capsys, tmp_path):
+    plan = tmp_path / "cp.json"
+    argv = ["tune", "--model", "llama2-7b", "--hardware", "h100", "--devices", "16", "--global-batch", "16"]
+    argv += ["--seq-len", "16384", "--tp", "4", "--cp", "2", "--pp", "2", "--schemes", "interleaved"]
+    code, _, err = run(capsys, *argv, "--max-mbs", "1", "--jobs", "1", "--output", plan)
+    assert code == 0, err
+    assert json.loads(plan.read_text())["cp"] == 2
+    code, _, err = run(capsys, "export-plan", plan, "--for", "torchtitan", "--output", tmp_path / "titan")
+    assert code == 0, err
+    fragment = tomllib.loads((tmp_path / "titan" / "torchtitan.toml").read_text())
+    assert fragment["parallelism"]["context_parallel_degree"] == 2
+    assert fragment["parallelism"]["tensor_parallel_degree"] == 4
+    code, _, err = run(capsys, "export-plan", plan, "--for", "megatron", "--output", tmp_path / "mlm")
+    assert code == 0, err
+    words = (tmp_path / "mlm" / "megatron-args.txt").read_text().splitlines()[-1].split()
+    flags = {flag: value for flag, value in zip(words, words[1:]) if flag.startswith("--")}
+    assert flags["--context-parallel-size"] == "2" and flags["--tensor-model-parallel-size"] == "4"

@@ -64,39 +64,43 @@ _ADVICE = "profile again (`pipeloom profile`), or correct the file"
 @dataclass(frozen=True)
 class Layout:
     """How a probe's ranks shared its stage, and in how many slices it ran each micro-batch.
-    `key` names it in the file: "plain", "tp2", "tp2+sp", "ep2", "s4"."""
+    `key` names it in the file: "plain", "tp2", "tp2+sp", "ep2", "s4", "cp2"."""
 
     tp: int = 1
     sequence_parallel: bool = False
     ep: int = 1
     slices: int = 1
+    cp: int = 1
 
     @property
     def key(self) -> str:
         parts = [f"tp{self.tp}{'+sp' if self.sequence_parallel else ''}"] if self.tp > 1 else []
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
         parts += [f"s{self.slices}"] if self.slices > 1 else []
+        parts += [f"cp{self.cp}"] if self.cp > 1 else []
         return ",".join(parts) or "plain"
 
     @property
     def stages(self) -> int:
-        """The stages its probes run: one over the ranks of tp or ep, else two (first and last)."""
-        return 1 if self.tp > 1 or self.ep > 1 else 2
+        """The stages its probes run: one over the ranks of tp, ep or cp, else two (first and last)."""
+        return 1 if self.tp > 1 or self.ep > 1 or self.cp > 1 else 2
 
     @classmethod
     def from_key(cls, key: str) -> Layout:
         if key == "plain":
             return cls()
-        sizes = {"tp": 1, "ep": 1, "s": 1}
+        sizes = {"tp": 1, "ep": 1, "s": 1, "cp": 1}
         sequence_parallel = False
         for part in key.split(","):
-            match = re.fullmatch(r"(tp|ep|s)(\d+)(\+sp)?", part)
+            match = re.fullmatch(r"(tp|ep|s|cp)(\d+)(\+sp)?", part)
             if match is None or sizes[match[1]] != 1 or (match[3] and match[1] != "tp"):
-                raise ConfigError(f"profile: layouts has a layout {key!r}, not plain or tpN[+sp], epN, sN; {_ADVICE}")
+                raise ConfigError(
+                    f"profile: layouts has a layout {key!r}, not plain or tpN[+sp], epN, sN, cpN; {_ADVICE}"
+                )
             sizes[match[1]], sequence_parallel = int(match[2]), sequence_parallel or bool(match[3])
-        layout = cls(sizes["tp"], sequence_parallel, sizes["ep"], sizes["s"])
+        layout = cls(sizes["tp"], sequence_parallel, sizes["ep"], sizes["s"], sizes["cp"])
         if min(sizes.values()) < 1 or layout.key != key:
-            raise ConfigError(f"profile: layouts has a layout {key!r}, not plain or tpN[+sp], epN, sN; {_ADVICE}")
+            raise ConfigError(f"profile: layouts has a layout {key!r}, not plain or tpN[+sp], epN, sN, cpN; {_ADVICE}")
         return layout
 
 

@@ -107,3 +107,21 @@ def test_the_cli_trains_real_text_over_cp_ranks_and_exchanges_what_the_planner_p
     assert [rank["kv_sent_bytes_per_step"] for rank in facts["ranks"]] == [per_step] * 4
     assert main(["train", "--nproc", "2", *flags]) == 2
     assert "--nproc 2 does not match p × dp × cp × tp = 2 × 1 × 2 × 1 = 4" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_profile_measures_a_stage_over_context_parallel_ranks(tmp_path):
+    """`layouts.measure_layout` of `Layout(cp=2)`: the probe schedule on one stage over two cp
+    ranks, fitted at the single position — what `tune --cp 2` then prices the plan's ops by."""
+    from pipeloom.profile.layouts import measure_layout
+    from pipeloom.profile.probe_rounds import ProbeModel, Turns
+    from pipeloom.profile_format import Layout
+
+    directory = _model(tmp_path)
+    workload_for = lambda n, mbs: hf_workload(directory, 0, mbs, 16, layers=n)  # noqa: E731
+    probed = ProbeModel(None, steps=1, workload_for=workload_for)
+    measured, probes = measure_layout(Layout(cp=2), probed, (2,), (1, 2), Turns().fixed(1))
+    fits = measured.fits[2]
+    assert {"F", "B", "W", "R", "M_B"} <= fits.keys()
+    assert all(fits[kind].per_layer + fits[kind].single > 0 for kind in ("F", "B", "M_B"))
+    assert all(probe.median("F@0") > 0 and probe.median("F@1") > 0 for probe in probes.values())  # both cp ranks

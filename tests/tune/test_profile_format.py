@@ -100,10 +100,12 @@ def test_an_expert_parallel_group_the_profile_never_ran_is_marked():
 
 
 def test_layout_keys_name_every_layout_and_refuse_others():
-    for layout in (Layout(), Layout(2), Layout(4, True), Layout(ep=2), Layout(2, ep=4), Layout(slices=4)):
+    every = (Layout(), Layout(2), Layout(4, True), Layout(ep=2), Layout(2, ep=4), Layout(slices=4), Layout(cp=2))
+    for layout in every:
         assert Layout.from_key(layout.key) == layout
     assert [Layout(2, True).key, Layout(ep=2).key, Layout(slices=2).key] == ["tp2+sp", "ep2", "s2"]
-    for bad in ("tp", "tpx", "cp2", "tp1", "", "s1", "tp2,tp2", "s2,tp2", "ep2+sp"):
+    assert Layout(cp=2).key == "cp2" and Layout(cp=2).stages == 1
+    for bad in ("tp", "tpx", "dp2", "tp1", "", "s1", "cp1", "tp2,tp2", "s2,tp2", "ep2+sp", "cp2+sp"):
         with pytest.raises(ConfigError, match="not plain or tpN"):
             Layout.from_key(bad)
 
@@ -135,7 +137,7 @@ def test_layout_keys_name_every_layout_and_refuse_others():
             r"layouts\.plain\.waits\[0\]\.pipeline_ms is 0\.0: it must be positive",
         ),
         (lambda p: p["layouts"].pop("plain"), "layouts has no 'plain'"),
-        (lambda p: p["layouts"].update(cp2={}), r"layout 'cp2', not plain or tpN\[\+sp\], epN, sN"),
+        (lambda p: p["layouts"].update(dp2={}), r"layout 'dp2', not plain or tpN\[\+sp\], epN, sN, cpN"),
         (lambda p: p.pop("links"), "it has no 'links'"),
         (lambda p: p["layouts"]["plain"].update(layers=[0, 2]), r"layouts\.plain\.layers is 0: it must be positive"),
         (lambda p: p["layouts"]["plain"].update(layers="1,2"), r"layouts\.plain\.layers must be a list"),

@@ -408,3 +408,26 @@ def test_the_bytes_a_b_leaves_for_its_w_are_priced_as_measured_and_none_from_an_
         plain(data)["fits"][size]["M_W"] = fit(300.0 * int(size), 10.0, 20.0)
     costs = ProfiledCostModel(data).stage_costs([2, 2], 2, pp=2, dp=1)
     assert costs.M_W == pytest.approx([2 * 600.0 + 10.0, 2 * 600.0 + 20.0])  # per layer, plus each end's
+
+
+def test_context_parallelism_is_priced_as_its_ranks_measured_it_or_estimated_and_marked():
+    """Without a cp layout, a cp rank's ops are the plain ones at 1/cp of the micro-batch (its
+    share of the tokens: as many FLOPs) plus the K/V all-gather on the measured link, and the plan
+    is marked as beyond the profile; with `profile --cp` (one stage over cp ranks), as measured."""
+    data = {**profile(), **links()}
+    whole = ProfiledCostModel(data)
+    estimated = ProfiledCostModel(data, cp=2)
+    gathered = 2 * 4 * 2 * MODEL["seq_len"] * MODEL["hidden"]  # fp32 K and V of 2 whole sequences
+    gather = 0.1 + gathered * 2 * (2 - 1) / 2 / 1e5  # the all-gather as its dp = 2 fit prices one
+    half, two = whole.stage_costs([3, 3], 1, 2, 1), estimated.stage_costs([3, 3], 2, 2, 1)
+    assert two.F == pytest.approx([f + 3 * gather for f in half.F])
+    assert two.B == pytest.approx([b + 3 * gather for b in half.B]) and two.W == pytest.approx(half.W)
+    assert two.M_B == pytest.approx(half.M_B)  # half the tokens each
+    assert estimated.extrapolations(2) == ["cp 2 (never profiled: 1/2 of the tokens and the K/V exchange estimated)"]
+    assert estimated.allreduce_time(1e6, 1, 1) == pytest.approx(whole.allreduce_time(1e6, 1, 2))
+    measured = {kind: {"per_layer": 4.0 * k, "single": 3.0 * k} for k, kind in enumerate("FBWR", start=1)}
+    data["layouts"]["cp2"] = {"fits": {"2": measured}, "layers": [1, 2, 3]}
+    profiled = ProfiledCostModel(data, cp=2)
+    assert profiled.stage_costs([3], 2, 1, 1).F == pytest.approx([3 * 4.0 + 3.0])  # the exchanges inside
+    assert profiled.extrapolations(2, partition=[3]) == []
+    assert [split.cp for split in profiled.measured_splits()] == [1, 2]

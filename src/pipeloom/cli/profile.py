@@ -84,6 +84,14 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --tp: measure that layout with sequence parallelism too (`tune --tp N --sequence-parallel`)",
     )
     parser.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="hf: rotary models: also measure the ops on one stage over N context-parallel ranks (each a share of "
+        "every sequence, keys and values gathered), as `tune --cp N` then prices them (default 1: none)",
+    )
+    parser.add_argument(
         "--slices",
         default="",
         metavar="LIST",
@@ -142,6 +150,11 @@ def run(args: argparse.Namespace) -> int:
             "measured at --tp N > 1 on a Hugging Face model (--model hf:DIR)"
         )
     layouts = [(args.tp, False), *([(args.tp, True)] if args.sequence_parallel else [])] if args.tp > 1 else []
+    if args.cp < 1 or (args.cp > 1 and workload_for is None) or model.seq_len % (2 * args.cp):
+        raise ConfigError(
+            f"--cp {args.cp}: context parallelism is measured at --cp N > 1 on a Hugging Face model (--model hf:DIR) "
+            f"whose sequence cuts into 2N equal chunks (--seq-len {model.seq_len})"
+        )
     slices = int_list(args.slices, "--slices") if args.slices else []
     if any(count < 2 or model.seq_len % count for count in slices):
         raise ConfigError(
@@ -165,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
         turns=Turns(max_rounds=args.max_rounds),
         allow_busy=args.allow_busy or os.environ.get(ALLOW_BUSY_ENV) == "1",
         tensor_parallel=layouts,
+        context_parallel=[args.cp] if args.cp > 1 else [],
         slices=slices,
         device=args.device,
     )

@@ -279,14 +279,16 @@ def _splits(args: argparse.Namespace, cost_model, tps, cps, eps) -> list:
     """The splits to search: the flags' values as constraints, the rest by default (a profile's:
     those it measured); each checked against the model in one line."""
     from pipeloom.tune.profiled import ProfiledCostModel
-    from pipeloom.tune.topology import splits
+    from pipeloom.tune.topology import model_splits
 
     model = cost_model.model
+    gpus_per_node = getattr(getattr(cost_model, "hardware", None), "gpus_per_node", args.devices)
     if isinstance(cost_model, ProfiledCostModel):
         measured = cost_model.measured_splits(args.sequence_parallel)
-        tps = tps or sorted({split.tp for split in measured})
-        eps = eps or sorted({split.ep for split in measured})
-        cps = cps or [1]
+        if tps is None and cps is None and eps is None:  # what the profile measured, one dimension at a time
+            found = [split for split in measured if args.devices % split.ranks == 0]
+            return _with_sequence_parallel(args, found)
+        tps, cps, eps = tps or [1], cps or [1], eps or [1]  # a flag given: the others as profiled plainly
         if max(eps) > 1 and cost_model.expert_layout is None:
             raise ConfigError(
                 f"{args.costs} measured no expert all-to-all: profile the MoE model with `profile --model hf:DIR`"
@@ -300,21 +302,13 @@ def _splits(args: argparse.Namespace, cost_model, tps, cps, eps) -> list:
                 f"ranks read 2.5x fast; `profile {layout}` measures them",
                 file=sys.stderr,
             )
-    gpus_per_node = getattr(getattr(cost_model, "hardware", None), "gpus_per_node", args.devices)
-    found = splits(
-        args.devices,
-        heads=model.heads,
-        kv_heads=model.kv_heads or model.heads,
-        ffn=None if model.num_experts else model.ffn,
-        seq_len=model.seq_len,
-        num_experts=model.num_experts,
-        gpus_per_node=gpus_per_node,
-        tp=tps,
-        cp=cps,
-        ep=eps,
-        vocab=model.vocab if args.runnable else None,  # only the runtime needs the vocabulary whole
-        name=model.name,
-    )
+    # --runnable: only the runtime needs the vocabulary whole
+    found = model_splits(model, args.devices, gpus_per_node, tp=tps, cp=cps, ep=eps, whole_vocabulary=args.runnable)
+    return _with_sequence_parallel(args, found)
+
+
+def _with_sequence_parallel(args: argparse.Namespace, found: list) -> list:
+    """`found`, unless --sequence-parallel is asked of splits without tensor parallelism."""
     if args.sequence_parallel and max(split.tp for split in found) < 2:
         raise ConfigError("--sequence-parallel shards the sequence over a tensor-parallel group: add --tp N (N > 1)")
     return found

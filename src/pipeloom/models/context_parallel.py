@@ -23,7 +23,7 @@ returns the whole sequence's, and the stage passes the causal mask over true pos
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -56,13 +56,25 @@ class ContextShard:
     """Bytes this rank sent in the K/V all-gathers since the step began, as a ring moves them
     ((cp − 1) times its own keys and values), the backward's reduce-scatters included when
     autograd will run them."""
+    _made: dict = field(default_factory=dict, repr=False)
+    """(what, device) → its tensor, made once: every op of every step reads the same positions."""
 
     def positions(self, device: torch.device | None = None) -> torch.Tensor:
-        return head_tail_positions(self.seq_len, self.size, self.index).to(device)
+        return self._once("positions", device, lambda: head_tail_positions(self.seq_len, self.size, self.index))
 
     def every_position(self, device: torch.device | None = None) -> torch.Tensor:
         """The positions of the gathered keys, in the group's order (rank 0's, then rank 1's...)."""
-        return torch.cat([head_tail_positions(self.seq_len, self.size, i) for i in range(self.size)]).to(device)
+        return self._once(
+            "every",
+            device,
+            lambda: torch.cat([head_tail_positions(self.seq_len, self.size, i) for i in range(self.size)]),
+        )
+
+    def _once(self, what: str, device: torch.device | None, make) -> torch.Tensor:
+        key = (what, str(device))
+        if key not in self._made:
+            self._made[key] = make().to(device)
+        return self._made[key]
 
     def cut(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a (batch, sequence, ...) tensor of whole sequences."""
@@ -72,8 +84,12 @@ class ContextShard:
 
     def causal_mask(self, device: torch.device) -> torch.Tensor:
         """(1, 1, own tokens, every token): whether a query may see a key, by true positions."""
-        own, every = self.positions(device), self.every_position(device)
-        return (every[None, :] <= own[:, None])[None, None]
+
+        def make() -> torch.Tensor:
+            own, every = self.positions(), self.every_position()
+            return (every[None, :] <= own[:, None])[None, None]
+
+        return self._once("mask", device, make)
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's keys (or values) along their sequence dimension; backward: each rank's

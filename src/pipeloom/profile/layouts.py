@@ -3,7 +3,8 @@
 A layout (`profile_format.Layout`) is how a probe's ranks share its stage. The plain probes run
 two stages of n layers, the first with the embedding and the last with the head and loss (with
 `--slices`, each micro-batch in slices); a tensor-parallel layout runs one stage over tp ranks;
-an expert-parallel one, one stage over ep data-parallel replicas that share out its experts.
+an expert-parallel one, one stage over ep data-parallel replicas that share out its experts; a
+context-parallel one, one stage over cp ranks each holding its share of every sequence.
 Each runs the probe schedule (`probe_rounds.probe_schedule`) at every micro-batch size and layer
 count, and each pass, stash and exchange is fitted as value = slope·n + intercept[position]
 (`fit_positions`), at the positions the layout's stages hold: first and last, or the single
@@ -47,13 +48,15 @@ def measure_layout(
     layout: Layout, probed: ProbeModel, micro_batches: Sequence[int], layer_counts: Sequence[int], turns: Turns
 ) -> tuple[LayoutProfile, dict[tuple[int, int], Probe]]:
     """`layout`'s probes (micro-batch size, layers a stage) run by `turns` and fitted; and the
-    probes. Ops on tp or ep ranks wait inside their collectives by design, so no round of theirs
-    is judged busy by its wall against CPU time."""
+    probes. Ops on tp, ep or cp ranks wait inside their collectives by design, so no round of
+    theirs is judged busy by its wall against CPU time."""
     parallel: dict[str, Any] = {"slices": layout.slices}
     if layout.tp > 1:
         parallel = {"stages": 1, "tp": layout.tp, "sequence_parallel": layout.sequence_parallel}
     elif layout.ep > 1:
         parallel = {"stages": 1, "dp": layout.ep, "ep": layout.ep}
+    elif layout.cp > 1:
+        parallel = {"stages": 1, "cp": layout.cp}
     specs = {(mbs, n): probed.spec(mbs, n, **parallel) for mbs in micro_batches for n in layer_counts}
     op_variation: list[float] = []
     measured = measure_probes(specs, turns.of(layout, turns.busy if layout.stages == 2 else None), op_variation)

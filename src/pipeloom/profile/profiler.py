@@ -54,6 +54,7 @@ def profile_model(
     turns: Turns = DEFAULT_TURNS,
     allow_busy: bool = False,
     tensor_parallel: Sequence[tuple[int, bool]] = (),
+    context_parallel: Sequence[int] = (),
     slices: Sequence[int] = (),
     device: str = "cpu",
     in_process: bool | None = None,
@@ -66,6 +67,7 @@ def profile_model(
     what runs between their rounds). RuntimeFault if the machine is too busy to measure
     (`contention.Contention`), unless `allow_busy`.
     `tensor_parallel`: (tp, sequence parallel) layouts whose ops are measured too;
+    `context_parallel`: cp sizes whose layouts (one stage over cp ranks) are measured too;
     `slices`: slice counts (svpp, terapipe) the plain probes run again in, each micro-batch's
     sequence cut into that many causal slices (a slice's op, the median over the slices); a
     mixture of experts is measured on replicas sharing out its experts too (`layouts`).
@@ -81,10 +83,13 @@ def profile_model(
     in_process = device == "cuda" if in_process is None else in_process
     mixture = workload_for is not None and getattr(workload_for(1, 1), "experts", None) is not None
     if in_process:
-        _check_in_process(device, tensor_parallel, mixture, dtype)
-    if tensor_parallel and workload_for is None:
-        raise ConfigError("profile: tensor parallelism is measured on Hugging Face models (--model hf:DIR)")
+        _check_in_process(device, bool(tensor_parallel or context_parallel), mixture, dtype)
+    if (tensor_parallel or context_parallel) and workload_for is None:
+        raise ConfigError(
+            "profile: tensor and context parallelism are measured on Hugging Face models (--model hf:DIR)"
+        )
     ranked = [Layout(tp, sequence_parallel) for tp, sequence_parallel in tensor_parallel]
+    ranked += [Layout(cp=cp) for cp in context_parallel]
     ranked += [Layout(ep=EP)] if mixture and not in_process else []
     total = len(micro_batches) * len(layer_counts) * turns.max_rounds * (1 + len(slices) + len(ranked)) + 1
     busy = Contention(allow=allow_busy)
@@ -136,13 +141,15 @@ def profile_model(
     return profile
 
 
-def _check_in_process(device: str, tensor_parallel: Sequence[tuple[int, bool]], mixture: bool, dtype: str) -> None:
+def _check_in_process(device: str, split: bool, mixture: bool, dtype: str) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("profile --device cuda: torch sees no CUDA device here")
     if dtype == "fp16":
         raise ConfigError("profile: fp16's loss scaling is measured on ranks of their own, not in one process")
-    if tensor_parallel:
-        raise ConfigError("profile: tensor parallelism is measured on ranks of their own, not in one process (--tp)")
+    if split:
+        raise ConfigError(
+            "profile: tensor and context parallelism are measured on ranks of their own, not in one process (--tp, --cp)"
+        )
     if mixture:
         raise ConfigError(
             "profile: a mixture of experts' all-to-alls are measured on ranks of their own, not in one process"

@@ -49,6 +49,9 @@ class TorchtitanSettings:
     global_batch_size: int
     left_out: tuple[str, ...]
     """What of the plan torchtitan will not do, one sentence each."""
+    context_parallel_degree: int = 1
+    """Each sequence over this many ranks (torchtitan's own context parallelism: ring attention
+    with the head-tail load balance, where pipeloom all-gathers keys and values)."""
 
     def to_toml(self, schedule_csv: str) -> str:
         """The job config fragment: TOML tables torchtitan's config manager reads."""
@@ -60,6 +63,7 @@ class TorchtitanSettings:
             "module_fqns_per_model_part": [list(part) for part in self.module_fqns_per_model_part],
             "tensor_parallel_degree": self.tensor_parallel_degree,
             "enable_sequence_parallel": self.enable_sequence_parallel,
+            "context_parallel_degree": self.context_parallel_degree,
             "data_parallel_replicate_degree": self.data_parallel_replicate_degree,
             "data_parallel_shard_degree": 1,
         }
@@ -115,6 +119,7 @@ def torchtitan_settings(plan: Plan) -> TorchtitanSettings:
         local_batch_size=plan.micro_batch_size * schedule.num_microbatches,
         global_batch_size=plan.global_batch,
         left_out=tuple(left_out),
+        context_parallel_degree=plan.cp,
     )
 
 
@@ -142,6 +147,7 @@ def megatron_settings(plan: Plan) -> MegatronSettings:
     arguments = [
         *("--tensor-model-parallel-size", str(plan.tp)),
         *(["--sequence-parallel"] if plan.sequence_parallel and plan.tp > 1 else []),
+        *(["--context-parallel-size", str(plan.cp)] if plan.cp > 1 else []),
         *("--pipeline-model-parallel-size", str(plan.pp)),
         *("--pipeline-model-parallel-layout", layout_string(plan.partition)),
         *("--micro-batch-size", str(plan.micro_batch_size)),

@@ -61,6 +61,10 @@ class ProfiledCostModel:
         measured = self.profile.layout(Layout(tp, self.sequence_parallel)) if tp > 1 else None
         self._tp_layout = measured if measured is not None and measured.fits else None
         """This layout's fits as measured on tp ranks (`profile --tp`); None if not measured."""
+        context = self.profile.layout(Layout(cp=cp)) if cp > 1 and tp == 1 else None
+        self._cp_layout = context if context is not None and context.fits else None
+        """The fits measured on one stage over cp ranks (`profile --cp`); None if not measured:
+        then a rank's ops are the plain ones at 1/cp of the micro-batch, plus the K/V exchange."""
         if (tp > 1 or cp > 1) and not self.links.collectives:
             raise ConfigError("the profile has no measured collectives to price tensor parallelism: profile again")
 
@@ -78,14 +82,15 @@ class ProfiledCostModel:
 
     def measured_splits(self, sequence_parallel: bool = False) -> list[Split]:
         """The splits the profile ran probes on (its tp layouts, with sequence parallelism as
-        asked, and the expert group of a MoE model): what `tune --costs` weighs by default."""
-        tps = {1} | {
-            layout.tp
-            for layout, measured in self.profile.layouts.items()
-            if layout.tp > 1 and layout.sequence_parallel == sequence_parallel and measured.fits
-        }
-        eps = [1] + ([self.expert_ep] if self.expert_layout is not None and self.expert_ep > 1 else [])
-        return [Split(tp, 1, ep) for tp in sorted(tps) for ep in eps if tp == 1 or ep == 1]
+        asked; its cp layouts; the expert group of a MoE model), one dimension at a time: what
+        `tune --costs` weighs by default."""
+        layouts = [layout for layout, measured in self.profile.layouts.items() if measured.fits]
+        tps = {layout.tp for layout in layouts if layout.tp > 1 and layout.sequence_parallel == sequence_parallel}
+        cps = {layout.cp for layout in layouts if layout.cp > 1}
+        eps = {self.expert_ep} if self.expert_layout is not None and self.expert_ep > 1 else set()
+        return [Split(), *(Split(tp=n) for n in sorted(tps)), *(Split(cp=n) for n in sorted(cps))] + [
+            Split(ep=n) for n in sorted(eps)
+        ]
 
     @classmethod
     def load(cls, path: str | PathLike[str], tp: int = 1, sequence_parallel: bool = False) -> ProfiledCostModel:
@@ -120,9 +125,11 @@ class ProfiledCostModel:
         return self.model.expert_parallel > 1 and bool(self.model.num_experts)
 
     def ranks_layout(self) -> LayoutProfile | None:
-        """The measurements of the plan's ranks where the profile has them: on its tp ranks, or
-        (experts shared out, tp = 1) on replicas sharing out the experts; None where the plain
-        probes price its ops."""
+        """The measurements of the plan's ranks where the profile has them: on its tp ranks, its
+        cp ranks, or (experts shared out, tp = 1) on replicas sharing out the experts; None where
+        the plain probes price its ops."""
+        if self.cp > 1:
+            return self._cp_layout
         if self.tp > 1:
             return self._tp_layout
         expert = self.expert_layout
@@ -193,7 +200,7 @@ class ProfiledCostModel:
             reasons.append(f"micro-batch size {micro_batch} (profiled{where}: {', '.join(map(str, sizes))})")
         if self.tp > 1 and not self._tp_layout:
             reasons.append(f"tp {self.tp} (never profiled: its collectives estimated)")
-        if self.cp > 1:
+        if self.cp > 1 and self._cp_layout is None:
             reasons.append(f"cp {self.cp} (never profiled: 1/{self.cp} of the tokens and the K/V exchange estimated)")
         ep = self.model.expert_parallel
         if self._sharing_experts and (ep != self.expert_ep or self.tp > 1):
@@ -254,7 +261,8 @@ class ProfiledCostModel:
         (`profile --slices`); without them, priced as an op on a micro-batch of 1/slices the size
         — the fits extended below the smallest profiled size — so a slice keeps its fixed costs
         (the fits' intercepts) instead of a 1/slices share of them."""
-        size = micro_batch / slices / self.cp  # a rank's 1/cp of the tokens: as many FLOPs as 1/cp of the sequences
+        share = micro_batch / slices / self.cp  # a rank's tokens: as many FLOPs as 1/cp of the sequences
+        size = share if self._cp_layout is None else micro_batch / slices  # cp ranks' fits: by micro-batch
         sliced = self._sliced(slices)
         fits, at = (sliced.fits, float(micro_batch) / self.cp) if sliced else (self.fits, size)
         per_stage = {key: self._per_stage(key, counts, at, fits) for key in (*_TIMES, "M_B")}
@@ -279,8 +287,8 @@ class ProfiledCostModel:
                 forward, backward = self._tp_time(collectives["F"], size), self._tp_time(collectives["B"], size)
                 for key, extra in (("F", forward), ("R", forward), ("B", backward), ("W", 0.0)):
                     per_stage[key][i] = per_stage[key][i] / self.tp + extra
-        if self.cp > 1:
-            kv = self._kv_exchange(size)
+        if self.cp > 1 and self._cp_layout is None:  # measured on cp ranks, the exchanges are inside the ops
+            kv = self._kv_exchange(share)
             for key in ("F", "R", "B"):
                 per_stage[key] = [value + n * kv for value, n in zip(per_stage[key], counts)]
         # With slices, per-slice entries: Costs would otherwise share a stage's value out evenly.
@@ -295,7 +303,7 @@ class ProfiledCostModel:
             R=value["R"],
             a2a_F=exchange["F"],
             a2a_B=exchange["B"],
-            comm=self.p2p_ms(size / self.tp),  # each tensor-parallel rank sends its sequence shard
+            comm=self.p2p_ms(share / self.tp),  # each tensor-parallel rank sends its sequence shard
             M_B=value["M_B"],
             M_W=value["M_W"],
             M_ckpt=value["M_ckpt"],
@@ -325,7 +333,7 @@ class ProfiledCostModel:
         return [sum(kinds[op.kind.value][op.stage] for op in ops if op.kind.value in kinds) for ops in schedule.devices]
 
     def layer_time(self, micro_batch: float) -> float:
-        if self.cp > 1:
+        if self.cp > 1 and self._cp_layout is None:
             return ProfiledCostModel(self.profile, self.tp, self.sequence_parallel).layer_time(
                 micro_batch / self.cp
             ) + 2 * self._kv_exchange(micro_batch / self.cp)
@@ -352,10 +360,10 @@ class ProfiledCostModel:
         if ranks and "M_B" in ranks.kinds():
             activations = self._value("M_B", "per_layer", micro_batch, ranks.fits)
         else:
-            activations = self._value("M_B", "per_layer", micro_batch) * activation_share(
+            activations = self._value("M_B", "per_layer", micro_batch / self.cp) * activation_share(
                 self.tp, self.sequence_parallel
             )
-        return activations / self.cp, self._static(self.params.layer / self.tp, dp * self.cp, zero)
+        return activations, self._static(self.params.layer / self.tp, dp * self.cp, zero)
 
     def stage_params(self, counts: Sequence[int]) -> list[float]:
         """Parameters one rank holds per stage: its 1/tp shard of the layers, embedding and head;

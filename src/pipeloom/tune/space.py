@@ -99,7 +99,8 @@ def candidates(
 ) -> Iterator[Candidate]:
     """Every point of the space that fits the device count and the batch, for each of `splits`
     (default: tp alone); `rejected` receives (what, why) for the points ruled out on the way.
-    Expert parallelism borrows from the data-parallel replicas, so dp must be a multiple of ep."""
+    Expert parallelism borrows from the data-parallel replicas, so dp must be a multiple of ep;
+    slices and context parallelism both cut the sequence, so a split with cp > 1 takes none."""
     unknown = [name for name in schemes if name not in SCHEMES]
     if unknown:
         raise ConfigError(f"unknown scheme(s) {', '.join(unknown)}; choose among {', '.join(SCHEMES)}")
@@ -155,6 +156,8 @@ def _points(
                     if spec.whole_rounds and m > pp and m % pp:
                         continue
                     for s in spec.slices:
+                        if s > 1 and split.cp > 1:  # both cut the sequence: the runtime runs one or the other
+                            continue
                         candidate = Candidate(name, pp, dp, mbs, m, v, s, spec.passes, split=split)
                         if num_layers is not None and candidate.num_stages > num_layers:
                             continue

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeloom.errors import ConfigError
+from pipeloom.tune.presets import ModelSpec
 
-__all__ = ["Link", "Split", "splits", "divisors"]
+__all__ = ["Link", "Split", "splits", "model_splits", "divisors"]
 
 
 @dataclass(frozen=True)
@@ -143,3 +144,31 @@ def splits(
             "each tp × cp must divide the devices"
         )
     return out
+
+
+def model_splits(
+    model: ModelSpec,
+    devices: int,
+    gpus_per_node: int,
+    *,
+    tp: Sequence[int] | None = None,
+    cp: Sequence[int] | None = None,
+    ep: Sequence[int] | None = None,
+    whole_vocabulary: bool = False,
+) -> list[Split]:
+    """`splits` of `model` (its heads, MLP, sequence and experts); `whole_vocabulary`: tp must
+    divide the vocabulary too (a plan the runtime runs: its vocabulary-parallel head)."""
+    return splits(
+        devices,
+        heads=model.heads,
+        kv_heads=model.kv_heads or model.heads,
+        ffn=None if model.num_experts else model.ffn,
+        seq_len=model.seq_len,
+        num_experts=model.num_experts,
+        gpus_per_node=gpus_per_node,
+        tp=tp,
+        cp=cp,
+        ep=ep,
+        vocab=model.vocab if whole_vocabulary else None,
+        name=model.name,
+    )
