@@ -340,6 +340,8 @@ def collective_predictions(plan: Plan, cost_model) -> dict:
     if plan.tp > 1:
         _, sent = cost_model.tp_step(plan.schedule, plan.partition, plan.micro_batch_size)
         out["tp_sent_bytes"] = max(sent)
+    if plan.cp > 1:
+        out["kv_sent_bytes"] = max(cost_model.kv_step(plan.schedule, plan.partition, plan.micro_batch_size))
     if cost_model.model.expert_parallel > 1:
         out["a2a_ms"] = max(cost_model.a2a_step(plan.schedule, plan.partition, plan.micro_batch_size))
     return out

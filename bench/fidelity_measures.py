@@ -38,7 +38,7 @@ def why(plan, rounds: list, measured_parts: dict, measured_step: float, again) -
     """Where a plan's prediction missed: how busy the machine was, the pipeline's error split into
     op times and runtime (`again`: its replay), then each phase that missed by 1 % of the step."""
     busy = statistics.median(wall_over_cpu(results) for results in rounds)
-    waits = plan.tp > 1 or "a2a_ms" in plan.predicted  # collectives inside the ops: waiting is theirs
+    waits = plan.tp > 1 or plan.cp > 1 or "a2a_ms" in plan.predicted  # collectives inside the ops: waiting is theirs
     note = " (their collectives wait inside them)" if waits else " (busy: other processes took the cores)"
     parts = [f"ops ran at {busy:.2f}× their CPU time{note if busy > BUSY else ''}"]
     noise = plan.predicted.get("speed_noise_ms", 0.0)
@@ -54,13 +54,17 @@ def why(plan, rounds: list, measured_parts: dict, measured_step: float, again) -
 
 
 def traffic(plan, rounds: list) -> str:
-    """What a tensor- or expert-parallel plan moves besides the pipeline's messages, predicted/measured."""
+    """What a tensor-, context- or expert-parallel plan moves besides the pipeline's messages,
+    predicted/measured."""
     records = [r for results in rounds for result in results for r in timed_steps(result.records)]
     if "tp_sent_bytes" in plan.predicted:
         measured = max(r.tp_sent_bytes for r in records)
         return (
             f"TP collectives {plan.predicted['tp_sent_bytes'] / 2**20:.2f}/{measured / 2**20:.2f} MiB a step per rank"
         )
+    if "kv_sent_bytes" in plan.predicted:
+        measured = max(r.kv_sent_bytes for r in records)
+        return f"K/V exchanges {plan.predicted['kv_sent_bytes'] / 2**20:.2f}/{measured / 2**20:.2f} MiB a step per rank"
     if "a2a_ms" in plan.predicted:
         measured = statistics.median(r.a2a_ms for r in records)
         return f"expert all-to-alls {plan.predicted['a2a_ms']:.1f}/{measured:.1f} ms in flight a step"

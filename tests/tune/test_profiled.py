@@ -431,3 +431,7 @@ def test_context_parallelism_is_priced_as_its_ranks_measured_it_or_estimated_and
     assert profiled.stage_costs([3], 2, 1, 1).F == pytest.approx([3 * 4.0 + 3.0])  # the exchanges inside
     assert profiled.extrapolations(2, partition=[3]) == []
     assert [split.cp for split in profiled.measured_splits()] == [1, 2]
+    # the K/V bytes a rank sends a step: each layer's keys and values in every F and B, (cp − 1)× its own
+    schedule = build_schedule("1f1b", 1, 2)
+    own = 2 * 4 * (2 / 2) * MODEL["seq_len"] * MODEL["hidden"]  # fp32 K and V of its half of 2 sequences
+    assert profiled.kv_step(schedule, [3], 2) == pytest.approx([2 * 2 * 3 * own])

@@ -183,6 +183,20 @@ class ProfiledCostModel:
             sent.append(self.tp_bytes(names, size))
         return times, sent
 
+    def kv_step(self, schedule, partition: Sequence[int], micro_batch: int) -> list[float]:
+        """Per device, the bytes one rank sends a step in its context-parallel group's K/V
+        exchanges, as a ring moves them: each layer's keys and values all-gathered in every F and
+        R, their gradients reduce-scattered in every B — (cp − 1) times its own each."""
+        if self.cp == 1:
+            return [0.0] * schedule.num_devices
+        share = micro_batch / schedule.num_slices / self.cp
+        own = 2 * self.compute * share * self.model.seq_len * self.model.kv_hidden / self.tp  # its K and V
+        passes = {"F": 1, "R": 1, "B": 1, "BW": 1}
+        return [
+            sum(passes.get(op.kind.value, 0) * partition[op.stage] * (self.cp - 1) * own for op in ops)
+            for ops in schedule.devices
+        ]
+
     def extrapolations(self, micro_batch: int, slices: int = 1, partition: Sequence[int] = ()) -> list[str]:
         """Why a plan at `micro_batch` (in `slices` slices, `partition`: layers per stage) is
         priced beyond what the profile measured — a size outside its micro-batch sizes (a slice
