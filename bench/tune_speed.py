@@ -2,7 +2,7 @@
 
 1. Mario §6.7: GPT3-13B on 64 A100-40G, global batch 128, 1F1B, Chimera and interleaved, pp ∈ {4,
    8, 16, 32, 64}, micro-batch size ∈ {1, ..., 32}, Mario on and off. Goal ≤ 10 s (Mario reports
-   210 s). Then the same model and cluster with `tune`'s default space (every scheme), as
+   210 s). Then the same model and cluster with `tune`'s default space (every scheme, tp and cp), as
    `pipeloom tune --model gpt3-13b --devices 64 --memory 40GiB --global-batch 128 --hardware
    a100-40g` runs it. Goal ≤ 10 s; and that command itself, from a shell (start-up, plan.json and
    the timeline's PNG included).
@@ -182,13 +182,14 @@ def main() -> None:
         micro_batches=[1, 2, 4, 8, 16, 32],
     )
     run(
-        "The default tune command: GPT3-13B, 64 × A100-40G, global batch 128, every scheme",
+        "The default tune command: GPT3-13B, 64 × A100-40G, global batch 128, every scheme, tp and cp searched",
         "gpt3-13b",
         "a100-40g",
         64,
         128,
         10,
         jobs,
+        splits=model_splits(load_model("gpt3-13b"), 64, load_hardware("a100-40g").gpus_per_node),
     )
     result = run(
         "1024 devices: GPT3-175B, 1024 × A100-80G (8 a node), tp and cp searched, global batch 1536",
