@@ -60,11 +60,12 @@ THIRDS = dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=3, inte
     [
         ("gpt2", {}, 16, ("1f1b", 2, 4), {}, "hf:gpt2 cannot split its sequence over ranks"),
         ("bert", {}, 16, ("1f1b", 2, 4), {}, "hf:bert cannot split its sequence over ranks"),
+        ("mixtral", {}, 16, ("1f1b", 2, 4), {}, "hf:mixtral cannot split .* without the load-balancing loss"),
         ("llama", {}, 18, ("1f1b", 2, 4), {}, "the sequence of 18 tokens does not cut into 4 equal chunks"),
         ("llama", {}, 16, ("svpp", 2, 4, 2), {}, "slices and context parallelism both cut the sequence"),
         ("llama", THIRDS, 24, ("1f1b", 2, 4), dict(cp=3, tp=3, sequence_parallel=True), "8 tokens do not cut into 3"),
     ],
-    ids=["gpt2", "bert", "uneven", "slices", "sequence-parallel"],
+    ids=["gpt2", "bert", "router-loss", "uneven", "slices", "sequence-parallel"],
 )
 def test_what_cannot_split_its_sequence_is_refused(tmp_path, family, config, seq, schedule, extra, message):
     name, p, m, *slices = schedule

@@ -3,7 +3,8 @@
 Rows are features (plain, clipping, bf16, fp16 with its loss scale, ZeRO-1/2, host offload,
 save + resume, evaluation), columns layouts (pp2 1f1b, pp2 zb-v, pp2 × dp2, pp2 × tp2 with and
 without sequence parallelism, pp1 × tp2 × dp2, pp2 × cp2 under 1f1b, zb-h1 and zb-v, pp1 × cp2 ×
-tp2, and a mixture of experts under pp2 × dp2 × ep2 (1f1b, dualpipev) and pp1 × tp2 × dp2 × ep2). The cells cover every row and every column, each
+tp2, Mistral under pp2 × cp2, and a mixture of experts under pp2 × dp2 × ep2 (1f1b, dualpipev),
+pp1 × tp2 × dp2 × ep2 and pp1 × cp2 × ep2 (its experts shared over the cp ranks)). The cells cover every row and every column, each
 feature under a dense and an expert-parallel layout, not the whole product; which cells other
 tests cover is in docs/runtime.md ("Every feature under every layout").
 
@@ -85,6 +86,8 @@ LAYOUTS = {
     "pp2xcp2-zb-h1": Layout("zb-h1", 2, parallel=dict(cp=2)),
     "pp2xcp2-zb-v": Layout("zb-v", 2, parallel=dict(cp=2)),
     "pp1xcp2xtp2+sp": Layout("1f1b", 1, parallel=dict(cp=2, tp=2, sequence_parallel=True), batch=2),
+    "mistral-pp2xcp2": Layout("1f1b", 2, "mistral", dict(cp=2)),
+    "moe-pp1xcp2xep2": Layout("1f1b", 1, "qwen2_moe", dict(cp=2, ep=2)),  # experts over the cp ranks
     "moe-pp2xdp2xep2-1f1b": Layout("1f1b", 2, "mixtral", dict(dp=2, ep=2)),
     "moe-pp2xdp2xep2-dualpipev": Layout("dualpipev", 2, "mixtral", dict(dp=2, ep=2), batch=8),
     "moe-pp1xtp2xdp2xep2": Layout("1f1b", 1, "mixtral", dict(tp=2, dp=2, ep=2)),
@@ -116,6 +119,8 @@ CELLS = [
     ("zero1", "pp2xcp2-zb-h1"),
     ("plain", "pp2xcp2-zb-v"),
     ("clip", "pp1xcp2xtp2+sp"),
+    ("plain", "mistral-pp2xcp2"),
+    ("plain", "moe-pp1xcp2xep2"),
     ("zero1", "moe-pp2xdp2xep2-1f1b"),
     ("offload", "moe-pp2xdp2xep2-1f1b"),
     ("zero2", "moe-pp2xdp2xep2-dualpipev"),

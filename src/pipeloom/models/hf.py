@@ -348,6 +348,7 @@ def hf_workload(
             f"data: token ids reach {source.vocab_limit - 1}, beyond the model's vocabulary of {config.vocab_size}"
         )
     prepare = (lambda tokens: masked_lm(tokens, config.vocab_size, seed)) if family == "bert" else None
+    routed = getattr(config, "output_router_logits", False)
     return Workload(
         build=lambda num_stages: build_hf_stages(path, config, seed, num_stages, layer_counts),
         skeleton=lambda num_stages: hf_skeleton(path, config, seed, num_stages, layer_counts),
@@ -363,7 +364,8 @@ def hf_workload(
         prepare=prepare,
         description={"kind": "hf", "family": family, "config": config.to_dict(), "source": str(path)},
         data=source.provenance,
-        context_parallel=_on_context if family in ROTARY else None,
+        # the load-balancing loss weighs every token's routing: not a sum of the cp ranks' shares
+        context_parallel=_on_context if family in ROTARY or (family in MIXTURES and not routed) else None,
     )
 
 

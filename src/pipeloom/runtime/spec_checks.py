@@ -97,7 +97,9 @@ def _check_context_parallel(spec: TrainSpec, parallel: ParallelPart) -> None:
     if work.context_parallel is None:
         raise ConfigError(
             f"train: --cp {cp}: {work.name} cannot split its sequence over ranks (context parallelism needs causal "
-            "attention over rotary positions: the Hugging Face LLaMA, Mistral and Qwen2 families)"
+            "attention over rotary positions and a loss of each token's own: the Hugging Face LLaMA, Mistral and "
+            "Qwen2 families, and their mixtures of experts without the load-balancing loss, a function of every "
+            "token's routing)"
         )
     if work.sample_tokens % (2 * cp):
         raise ConfigError(
@@ -108,8 +110,6 @@ def _check_context_parallel(spec: TrainSpec, parallel: ParallelPart) -> None:
         raise ConfigError(
             f"train: --cp {cp} with a sliced schedule: slices and context parallelism both cut the sequence; use one"
         )
-    if parallel.ep > 1:
-        raise ConfigError(f"train: --cp {cp} does not combine with --ep yet (experts are shared over dp replicas)")
     if parallel.sequence_parallel and (work.sample_tokens // cp) % parallel.tp:
         raise ConfigError(
             f"train: --cp {cp} with --sequence-parallel: a rank's {work.sample_tokens // cp} tokens do not cut into "
@@ -177,10 +177,11 @@ def _check_expert_parallel(spec: TrainSpec, parallel: ParallelPart) -> None:
         raise ConfigError(f"train: --ep must be a positive number of ranks, got {ep!r}")
     if ep == 1:
         return
-    if parallel.dp % ep:
+    if parallel.replicas % ep:
+        replicas = f"--dp {parallel.dp}" if parallel.cp == 1 else f"--dp × --cp = {parallel.replicas}"
         raise ConfigError(
-            f"train: --ep {ep} does not divide --dp {parallel.dp} (an expert-parallel group is made of "
-            "data-parallel replicas of one stage)"
+            f"train: --ep {ep} does not divide {replicas} (an expert-parallel group is made of "
+            "data-parallel (and context-parallel) replicas of one stage)"
         )
     experts = spec.model.resolved().experts
     if experts is None:
