@@ -59,12 +59,21 @@ def _worker(
     _end_with_the_launcher(os.getppid(), directory)
     stuck_ranks.arm(stuck_ranks.stack_file(directory, rank))
     os.environ["LOCAL_RANK"] = str(rank)  # one machine: rank r drives GPU r, as torchrun's would
+    spawned = not isinstance(spec, TrainSpec)
     try:
         if not isinstance(spec, TrainSpec):
             spec = spec()
         with meeting(rank, world_size, directory, spec.timeout_s) as store:
             result = train_rank(spec, rank, world_size, store, probe=probe, tear_down=spec.resolved_backend != "gloo")
             torch.save(result, f"{directory}/rank{rank}.pt")
+        if spawned:
+            # A spawned rank would otherwise finalise the interpreter, destroying gloo's process
+            # groups with their threads still joinable: C++ terminates it (SIGABRT, "terminate
+            # called without an active exception"), once in a loaded suite. Its results are on
+            # file; a forked rank ends this way already (multiprocessing's fork exits with _exit).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
     except ConfigError as error:  # bad input: the root cause, whatever its peers then report
         Path(f"{directory}/rank{rank}.error").write_text(error.summary)
         sys.exit(_BAD_INPUT)
