@@ -54,23 +54,23 @@ class Split:
     def sizes(self) -> list[tuple[str, int]]:
         return [("tp", self.tp), ("cp", self.cp), ("ep", self.ep)]
 
-    def group_link(self, stride: int, size: int, gpus_per_node: int, intra: float, inter: float) -> Link:
-        """The link a group of `size` ranks, `stride` apart, runs its collectives on."""
-        inside = size <= 1 or stride * size <= gpus_per_node
-        return Link("NVLink", intra) if inside else Link("network", inter)
-
     def links(self, dp: int, pp: int, gpus_per_node: int, intra: float, inter: float) -> dict[str, Link]:
         """Each dimension's link under this split with `dp` replicas and `pp` pipeline devices:
         "tp", "cp", "ep" and "dp" (the gradients' sum, over dp × cp ranks holding the same
         weights), and "pp" (the slowest stage boundary: the network once the pipeline leaves a node)."""
         tp, cp = self.tp, self.cp
-        block = tp * cp * dp  # the ranks of one pipeline device
+
+        def link(stride: int, size: int) -> Link:
+            """A group of `size` ranks, `stride` apart: inside a node when its span fits in one."""
+            inside = size <= 1 or stride * size <= gpus_per_node
+            return Link("NVLink", intra) if inside else Link("network", inter)
+
         return {
-            "tp": self.group_link(1, tp, gpus_per_node, intra, inter),
-            "cp": self.group_link(tp, cp, gpus_per_node, intra, inter),
-            "ep": self.group_link(tp, self.ep, gpus_per_node, intra, inter),
-            "dp": self.group_link(tp, cp * dp, gpus_per_node, intra, inter),
-            "pp": self.group_link(block, pp, gpus_per_node, intra, inter),
+            "tp": link(1, tp),
+            "cp": link(tp, cp),
+            "ep": link(tp, self.ep),
+            "dp": link(tp, cp * dp),
+            "pp": link(tp * cp * dp, pp),  # stride: the ranks of one pipeline device
         }
 
 
