@@ -76,9 +76,11 @@ def test_what_cannot_split_its_sequence_is_refused(tmp_path, family, config, seq
         check_spec(spec)
 
 
-def test_world_size_and_in_process_runs_are_checked(tmp_path):
+def test_world_size_in_process_runs_and_compilation_are_checked(tmp_path):
     work = hf_workload(_model(tmp_path), microbatch_size=2, seq_len=16)
     spec = TrainSpec(build_schedule("1f1b", 2, 4), workload=work, cp=2)
+    with pytest.raises(ConfigError, match="--compile does not yet combine with --tp, --cp or --ep"):
+        check_spec(TrainSpec(build_schedule("1f1b", 2, 4), workload=work, cp=2, compile=True))
     with pytest.raises(ConfigError, match=r"world size 2 does not match p × dp × cp × tp = 2 × 1 × 2 × 1 = 4"):
         check_spec(spec, 2)
     with pytest.raises(ConfigError, match="context parallelism"):

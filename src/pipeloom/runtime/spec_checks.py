@@ -32,10 +32,10 @@ def check_spec(spec: TrainSpec, world_size: int | None = None, on_this_device: b
     check_seed(spec.seed)
     validate(parallel.schedule)
     _check_parallelism(parallel, world_size)
-    if spec.compile and (parallel.tp > 1 or parallel.ep > 1):
+    if spec.compile and (parallel.tp > 1 or parallel.ep > 1 or parallel.cp > 1):
         raise ConfigError(
-            "train: --compile does not yet combine with --tp or --ep (DTensor shards, the experts' host-sized "
-            "exchanges); run those eager"
+            "train: --compile does not yet combine with --tp, --cp or --ep (DTensor shards and gathers, the "
+            "experts' host-sized exchanges); run those eager"
         )
     if parallel.zero and spec.record_gradients:
         raise ConfigError("train: ZeRO keeps only a shard of the reduced gradients; record them with --zero 0")
