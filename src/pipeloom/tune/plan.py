@@ -14,8 +14,9 @@
 
 Times are milliseconds, memory bytes, throughput samples per second. Readers ignore extra keys.
 `cp` is the context-parallel size (each stage's sequence split over cp ranks; absent from older
-plans: 1); the model's `expert_parallel` is the plan's ep. `zero` is the ZeRO level of the static memory and `offload_stages` the stages whose optimizer the
-host steps (`pipeloom.static_memory`); both are absent from older plans and default to none.
+plans: 1); the model's `expert_parallel` is the plan's ep. `zero` is the ZeRO level of the static
+memory and `offload_stages` the stages whose optimizer the host steps (`pipeloom.static_memory`);
+both are absent from older plans and default to none.
 """
 
 from __future__ import annotations
