@@ -5,6 +5,7 @@ here: the cut, the grid, what is refused, and the CLI's run with the bytes it ex
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -102,8 +103,7 @@ def test_the_cli_trains_real_text_over_cp_ranks_and_exchanges_what_the_planner_p
     out = capsys.readouterr().out
     assert "p=2 dp=1 tp=1 cp=2" in out and "K/V MiB/step" in out
     facts = json.loads(summary.read_text())
-    planned = model_from_config(json.loads((model / "config.json").read_text()))
-    planned = type(planned)(**{**planned.to_dict(), "seq_len": seq})
+    planned = dataclasses.replace(model_from_config(json.loads((model / "config.json").read_text())), seq_len=seq)
     # a layer a stage: its K and V gathered in each F and their gradients reduce-scattered in each B,
     # in fp32 (the planner counts 16-bit values)
     per_step = m * 2 * 2 * kv_exchange_bytes(planned, mbs, tp=1, cp=2)

@@ -162,6 +162,15 @@ class HardwareSpec:
 
 
 _GIB = 2**30
+
+
+def _meta_llama2(name: str, hidden: int, layers: int, heads: int, ffn: int, kv_heads: int | None = None) -> ModelSpec:
+    """A LLaMA-2 of Meta's config: its vocabulary, 4,096 positions, SwiGLU, FlashAttention."""
+    return ModelSpec(
+        name, hidden, layers, heads, ffn, vocab=32000, seq_len=4096, kv_heads=kv_heads, gated=True, flash_attention=True
+    )
+
+
 MODEL_PRESETS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in [
@@ -169,42 +178,10 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         ModelSpec("gpt3-13b", hidden=3000, layers=128, heads=40, ffn=12000, seq_len=1024),
         ModelSpec("gpt3-175b", hidden=12288, layers=96, heads=96, ffn=49152, seq_len=2048),
         ModelSpec("llama2-3b", hidden=2048, layers=64, heads=16, ffn=5504, vocab=32000, seq_len=1024, gated=True),
-        ModelSpec(
-            "llama2-7b",
-            hidden=4096,
-            layers=32,
-            heads=32,
-            ffn=11008,
-            vocab=32000,
-            seq_len=4096,
-            gated=True,
-            flash_attention=True,
-        ),
+        _meta_llama2("llama2-7b", hidden=4096, layers=32, heads=32, ffn=11008),
         ModelSpec("llama2-13b", hidden=4096, layers=64, heads=32, ffn=11008, vocab=32000, seq_len=1024, gated=True),
-        ModelSpec(
-            "llama2-34b",
-            hidden=8192,
-            layers=48,
-            heads=64,
-            ffn=22016,
-            vocab=32000,
-            seq_len=4096,
-            kv_heads=8,
-            gated=True,
-            flash_attention=True,
-        ),
-        ModelSpec(
-            "llama2-70b",
-            hidden=8192,
-            layers=80,
-            heads=64,
-            ffn=28672,
-            vocab=32000,
-            seq_len=4096,
-            kv_heads=8,
-            gated=True,
-            flash_attention=True,
-        ),
+        _meta_llama2("llama2-34b", hidden=8192, layers=48, heads=64, ffn=22016, kv_heads=8),
+        _meta_llama2("llama2-70b", hidden=8192, layers=80, heads=64, ffn=28672, kv_heads=8),
         ModelSpec("zb-1.5b", hidden=2304, layers=22, heads=24, ffn=9216, seq_len=1024),
         ModelSpec("zb-6.2b", hidden=4096, layers=30, heads=32, ffn=16384, seq_len=1024),
         ModelSpec("zb-14.6b", hidden=5120, layers=46, heads=40, ffn=20480, seq_len=1024),

@@ -347,18 +347,18 @@ class ProfiledCostModel:
         return [sum(kinds[op.kind.value][op.stage] for op in ops if op.kind.value in kinds) for ops in schedule.devices]
 
     def layer_time(self, micro_batch: float) -> float:
-        if self.cp > 1 and self._cp_layout is None:
-            return ProfiledCostModel(self.profile, self.tp, self.sequence_parallel).layer_time(
-                micro_batch / self.cp
-            ) + 2 * self._kv_exchange(micro_batch / self.cp)
+        """A layer's F + B + W as `stage_costs` prices it: on the plan's ranks where measured, else
+        the plain ops (at a cp rank's share of the micro-batch) split over tp, their collectives
+        and K/V exchanges added."""
         if ranks := self.ranks_layout():
             measured = ranks.kinds()
             return sum(
                 self._value(key, "per_layer", micro_batch, ranks.fits) for key in ("F", "B", "W") if key in measured
             )
-        compute = sum(self._value(key, "per_layer", micro_batch) for key in ("F", "B", "W")) / self.tp
+        share = micro_batch / self.cp
+        compute = sum(self._value(key, "per_layer", share) for key in ("F", "B", "W")) / self.tp
         layer = layer_collectives(self.tp, self.sequence_parallel)
-        return compute + self._tp_time(layer["F"] + layer["B"], micro_batch)
+        return compute + self._tp_time(layer["F"] + layer["B"], share) + 2 * self._kv_exchange(share)
 
     def end_times(self, micro_batch: int) -> tuple[float, float]:
         def extra(position: str) -> float:
