@@ -40,7 +40,7 @@ def schedule_for(name, p=2, m=4, **extra):
     return build_schedule(name, p, m, **{**SCHEDULES.get(name, {}), **extra})
 
 
-def assert_trains_like_one_process(spec, rtol=1e-5, atol=1e-6):
+def assert_trains_like_one_process(spec, rtol=1e-5, atol=None):
     return trains_like_one_process(spec, rtol, atol)
 
 
