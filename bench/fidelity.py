@@ -11,7 +11,7 @@ experts on each stage (pp = 2) and shared out by expert parallelism (dp = 2, ep 
 
 Each model's plans then run `--rounds` times (the Hugging Face models' `--hf-rounds`: their
 tensor- and expert-parallel ops wait inside collectives, and vary more) for `--steps` steps (the warm-up left out:
-`speed.timed_steps`), taking turns so that a slow spell of the machine falls on one round of
+`steadiness.timed_steps`), taking turns so that a slow spell of the machine falls on one round of
 several plans — and taking turns with the rounds of a second profile of the model, measured the
 same way (each plan with the probes that price its ops: a tensor- or expert-parallel plan with
 its layout's, `profile.layouts`):
@@ -21,7 +21,7 @@ priced again under that second profile (`tune.plan.repriced`): the prediction th
 The first profile's (what `tune` chose the plan from) is printed beside it, with its own MAPE.
 Printed per model family (the built-in decoder; the Hugging Face models, whose misses say what
 their profiles lack): step time predicted and measured (the median of the rounds' medians over
-the steps that ran at the machine's own speed, as the profile's: `speed.steady_steps`), its bias
+the steps that ran at the machine's own speed, as the profile's: `steadiness.steady_steps`), its bias
 (predicted over measured, signed), the step's breakdown, and peak activation (stash) bytes per
 device; the mean absolute percentage errors, and each plan's noise: the prediction's band from
 the profile's confidence (`tune.confidence`) and two standard errors of the measured median,
@@ -29,7 +29,7 @@ together — a miss within it is what the measurements can resolve, not a model'
 reports 9.4 % and 5.1 %). Each plan that missed by more than 5 % gets a line saying where: the
 pipeline's error split into the op times' share and the runtime's (the run's own op durations
 replayed through the simulator, `sim.replay`), and each other phase that missed, after how busy
-the machine was (wall over CPU time of the ops, `profile.contention`); tensor- and
+the machine was (wall over CPU time of the ops, `profile.steadiness`); tensor- and
 expert-parallel plans also print their collectives' traffic, predicted beside measured.
 Usage: python bench/fidelity.py [--profile profile.json] [--steps 8] [--rounds 5] [--hf-rounds 16]
                                 [--only-hf | --no-hf]

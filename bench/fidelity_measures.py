@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import statistics
 
-from pipeloom.profile.contention import BUSY, wall_over_cpu
 from pipeloom.profile.probe_rounds import PHASES, steady_records
-from pipeloom.profile.speed import timed_steps, warmup_steps
+from pipeloom.profile.steadiness import BUSY, timed_steps, wall_over_cpu, warmup_steps
 from pipeloom.sim.replay import replay
 
 
 def steady(rounds: list) -> list[list[bool]]:
     """Per round, which of its timed steps (warm-up left out) every rank ran at the machine's own
     speed (`probe_rounds.steady_records`): the profile's medians are over such steps,
-    so the measured ones are too — which steps fell in a slow spell is luck (`profile.speed`)."""
+    so the measured ones are too — which steps fell in a slow spell is luck (`profile.steadiness`)."""
     return steady_records(rounds)[0]
 
 

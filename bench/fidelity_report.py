@@ -8,8 +8,7 @@ from itertools import compress
 
 from fidelity_measures import PHASES, replayed, steady, traffic, why
 
-from pipeloom.profile.speed import timed_steps
-from pipeloom.profile.stability import Series
+from pipeloom.profile.steadiness import Series, timed_steps
 from pipeloom.runtime.layout import RankLayout
 
 

@@ -1,5 +1,5 @@
 """How far a plan's measured step moves from one set of rounds to the next: over all steps, and
-over the steady ones only (`profile.speed.steady_steps`, what the profile and bench/fidelity.py use).
+over the steady ones only (`profile.steadiness.steady_steps`, what the profile and bench/fidelity.py use).
 
 Runs 1F1B of examples/tiny-llama.json (2 stages of 4 layers, micro-batch 2) for `--seconds`,
 one run of `--steps` steps after another, then groups the runs as the profile's probes and the
@@ -19,7 +19,7 @@ from itertools import compress
 from pathlib import Path
 
 from pipeloom.models.llama import llama_config
-from pipeloom.profile.speed import steady_rounds, step_busy, timed_steps
+from pipeloom.profile.steadiness import steady_rounds, step_busy, timed_steps
 from pipeloom.runtime.local import run_local
 from pipeloom.runtime.training import TrainSpec
 from pipeloom.schedules.registry import build_schedule

@@ -4,7 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeloom.profile.speed import QUANTILES, op_ratios, speed_quantiles, steady_steps, timed_steps
+from pipeloom.profile.speed import QUANTILES, op_ratios, speed_quantiles
+from pipeloom.profile.steadiness import steady_steps, timed_steps
 from pipeloom.tune.profiled import ProfiledCostModel
 from pipeloom.tune.search import tune
 from pipeloom.tune.speed_noise import mean_matched, noisy_pipeline, winsorized

@@ -12,7 +12,7 @@ from pipeloom.cli.output import check_outputs
 from pipeloom.data import SEED_LIMIT
 from pipeloom.errors import ConfigError
 from pipeloom.files import check_directory_target
-from pipeloom.profile.speed import WARMUP_STEPS
+from pipeloom.profile.steadiness import WARMUP_STEPS
 
 TIMED_PLAN_STEPS = 5
 """Steps `train --plan` times by default, after the warm-up: with fewer, a step's noise on a

@@ -31,12 +31,13 @@ from pipeloom.profile.probe_rounds import (
     run_by_turns,
     steady_records,
 )
-from pipeloom.profile.speed import speed_of, timed_steps
+from pipeloom.profile.speed import speed_of
+from pipeloom.profile.steadiness import timed_steps
 from pipeloom.profile_format import Fit, Layout, LayoutProfile, ReplicaWait
 from pipeloom.schedules.registry import build_schedule
 from pipeloom.tune.profile_fits import fit_positions
 
-__all__ = ["EP", "REPLICA_ROUNDS", "measure_layout", "replica_waits", "step_tail", "noise_margin"]
+__all__ = ["EP", "REPLICA_ROUNDS", "measure_layout", "replica_waits", "step_tail"]
 
 EP = 2
 """The expert-parallel group the profile measures: two ranks, one all-to-all partner each."""
@@ -100,18 +101,6 @@ def confidence(measured: dict[tuple[int, int], Probe], micro_batches: Sequence[i
                     errors.setdefault(kind, []).append(value.relative_error)
         out[mbs] = {kind: statistics.median(values) for kind, values in errors.items()}
     return out
-
-
-def noise_margin(measured: dict[tuple[int, int], Probe]) -> float:
-    """How much cheaper per sample a larger micro-batch may look before it is suspect: three
-    standard errors of the probes' op-time medians, at least 3 %."""
-    errors = [
-        m.relative_error
-        for probe in measured.values()
-        for key, m in probe.values.items()
-        if key.split("@")[0] in OP_KINDS
-    ]
-    return max(0.03, 3 * statistics.median(errors))
 
 
 def replica_waits(layout: Layout, probed: ProbeModel, mbs: int, layers: int, turns: Turns) -> dict[int, ReplicaWait]:

@@ -5,7 +5,7 @@ Every probe — of any layout: two stages, slices, a stage over tp ranks, dp rep
 sharing out experts — is a TrainSpec of `ProbeModel`, run in rounds of a few steps by
 `run_by_turns` under one policy (`Turns`), which also runs what a bench measures beside them;
 `samples` reads one round, `Series` decides when the rounds have settled, and `steady_probe`
-measures the probe over the steps that ran at the machine's own speed (`speed.steady_steps`).
+measures the probe over the steps that ran at the machine's own speed (`steadiness`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,16 @@ from pipeloom.ir.schedule import Schedule
 from pipeloom.ir.text import parse_op
 from pipeloom.models.llama import llama_config
 from pipeloom.passes.split_backward import split_backward
-from pipeloom.profile.contention import Contention
-from pipeloom.profile.speed import WARMUP_STEPS, op_ratios, steady_rounds, step_busy, timed_steps
-from pipeloom.profile.stability import Measured, Series
+from pipeloom.profile.speed import op_ratios
+from pipeloom.profile.steadiness import (
+    WARMUP_STEPS,
+    Contention,
+    Measured,
+    Series,
+    steady_rounds,
+    step_busy,
+    timed_steps,
+)
 from pipeloom.profile_format import Layout
 from pipeloom.schedules.registry import build_schedule
 from pipeloom.tune.presets import ModelSpec
@@ -51,7 +58,7 @@ SETTLED_MS = 0.1
 class Probe:
     """One probe's measurements over its steady steps: "kind@rank" → Measured; its schedule; per
     rank, its time in ops (ms) in each steady step; the share of its timed steps that were steady
-    (`speed.steady_steps`)."""
+    (`steadiness.steady_steps`)."""
 
     schedule: Schedule
     values: dict[str, Measured]
@@ -100,7 +107,7 @@ def probe_schedule(p: int, slices: int = 1) -> Schedule:
 @dataclass(frozen=True)
 class ProbeModel:
     """What every probe trains: `model`'s decoder, or `workload_for(layers, micro-batch size)`'s
-    model (a Hugging Face one), `steps` timed steps a round (after `speed.WARMUP_STEPS` of
+    model (a Hugging Face one), `steps` timed steps a round (after `steadiness.WARMUP_STEPS` of
     warm-up: a probe timing one step a round is at the mercy of that step) on `threads` threads a
     rank, in `dtype`, on `device` (None: the CPU)."""
 
@@ -145,7 +152,7 @@ def _nothing(*_: Any) -> None:
 class Turns:
     """How runs take their rounds (`run_by_turns`): a round of each at a time, so a slow spell of
     the machine falls on one round of several runs, not every round of one; each run again until
-    its medians settle (`stability.Series`), at least `min_rounds` and at most `max_rounds`
+    its medians settle (`steadiness.Series`), at least `min_rounds` and at most `max_rounds`
     rounds. A round `busy` finds contended is dropped and run again (`Contention` refuses once
     the machine stays busy; None: not judged — a GPU's ops, or ops that wait inside their
     collectives). `between_rounds(layout)` runs after each round: what takes turns with the
@@ -218,7 +225,7 @@ def run_probe(spec, probe=None, in_process: bool = False) -> list:
 
 
 def steady_probe(schedule: Schedule, rounds: list, series: Series, op_variation: list[float]) -> Probe:
-    """The probe measured over its steady steps only (`speed.steady_steps`, over every round):
+    """The probe measured over its steady steps only (`steadiness.steady_steps`, over every round):
     its rounds decided when it had settled, but which of their steps fell in a slow spell of the
     machine is luck, which would move the medians."""
     kept_steps, kept = steady_records(rounds)
@@ -236,7 +243,7 @@ def steady_probe(schedule: Schedule, rounds: list, series: Series, op_variation:
 
 def steady_records(rounds: list) -> tuple[list[list[bool]], list[list[list]]]:
     """Per round (its ranks' results), which of its timed steps every rank ran at the machine's
-    own speed (`speed.steady_rounds`, judged over every round together); and per rank, per
+    own speed (`steadiness.steady_rounds`, judged over every round together); and per rank, per
     round, those steps' records."""
     ranks = range(len(rounds[0]))
     flags = steady_rounds([[step_busy(timed_steps(results[rank].records)) for rank in ranks] for results in rounds])

@@ -5,10 +5,9 @@ Each probe trains the model for a few steps with the pipeloom runtime on forked 
 simulator knows — F, B and W split, every other micro-batch checkpointed so that R and a
 checkpointed F's stash appear too. Every layout a plan may hold is measured one way
 (`layouts`): the plain probes, and those in slices, on tp ranks, or on replicas sharing out a
-mixture's experts. The probes take turns, a round of each at a time, until their medians settle
-(`stability`); on a CPU a round in which another process took the cores is run again and a
-machine that stays busy is refused (`contention`); a step in a slow spell of the host is left out
-of every median (`speed.steady_steps`). p2p and the collectives are measured on their own
+mixture's experts. The probes take turns, a round of each at a time, under one policy
+(`steadiness`): warm-up left out, a round in which another process took the cores run again, a
+step in a slow spell of the host left out of every median, rounds until the medians settle. p2p and the collectives are measured on their own
 (`links`), and the probes' phases give what the runtime adds beyond the ops (`overheads`).
 """
 
@@ -24,12 +23,11 @@ import torch
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError, RuntimeFault
 from pipeloom.models.llama import build_stages, llama_config
-from pipeloom.profile.contention import Contention
-from pipeloom.profile.layouts import EP, REPLICA_ROUNDS, measure_layout, noise_margin, replica_waits
+from pipeloom.profile.layouts import EP, REPLICA_ROUNDS, measure_layout, replica_waits
 from pipeloom.profile.links import in_process_links, measure_links, ping_seconds
 from pipeloom.profile.overheads import linear_fit, op_overhead_ms, serial_op_overhead_ms
 from pipeloom.profile.probe_rounds import OP_KINDS, Probe, ProbeModel, Turns, probe_schedule
-from pipeloom.profile.stability import falling_per_sample
+from pipeloom.profile.steadiness import Contention
 from pipeloom.profile_format import DeviceInfo, Layout, LinearCost, Noise, Overheads, Params, Profile
 from pipeloom.tune.presets import ModelSpec
 from pipeloom.tune.profiled import ProfiledCostModel
@@ -62,10 +60,10 @@ def profile_model(
     """The profile (`profile_format.Profile`). `workload_for(layers, micro-batch
     size)` builds another model to probe (a Hugging Face one: `models.hf.hf_workload`); by
     default it is the built-in LLaMA-style decoder of `model`'s shape. Each probe times `steps`
-    steps a round (after its warm-up: `speed.timed_steps`), in as many rounds as its medians
+    steps a round (after its warm-up: `steadiness.timed_steps`), in as many rounds as its medians
     take to settle, the probes taking `turns` (`probe_rounds.Turns`: at most `max_rounds`, and
     what runs between their rounds). RuntimeFault if the machine is too busy to measure
-    (`contention.Contention`), unless `allow_busy`.
+    (`steadiness.Contention`), unless `allow_busy`.
     `tensor_parallel`: (tp, sequence parallel) layouts whose ops are measured too;
     `context_parallel`: cp sizes whose layouts (one stage over cp ranks) are measured too;
     `slices`: slice counts (svpp, terapipe) the plain probes run again in, each micro-batch's
@@ -107,10 +105,6 @@ def profile_model(
     layouts = {Layout(): plain}
     for layout in [Layout(slices=count) for count in slices] + ranked:
         layouts[layout] = measure_layout(layout, probed, micro_batches, layer_counts, turns)[0]
-    # a size cheaper per sample than a smaller one is what larger GEMMs do, unless a busy spell
-    # slowed the smaller: busy rounds are dropped, so only where they were kept (allowed) is it suspect
-    suspect = busy.allow and busy.contended and checked is not None
-    warnings = falling_per_sample(plain.fits, noise_margin(measured), describe=True) if suspect else []
     if not in_process:  # the replicas' waits, at the plans' size: the least fixed cost per pipeline ms
         largest = (max(micro_batches), max(layer_counts))
         paired = replace(turns.fixed(min(REPLICA_ROUNDS, turns.max_rounds)), between_rounds=None)
@@ -128,7 +122,7 @@ def profile_model(
         overheads=Overheads(),
         layouts=layouts,
         noise=_noise(measured, checked),
-        warnings=tuple(warnings + [text for text in [busy.warning()] if text]),
+        warnings=tuple(text for text in [busy.warning()] if text),
     )
     profile = replace(profile, overheads=_runtime_overheads(profile, measured, in_process))
     try:  # what `tune` will refuse is never written: the fits are constrained, this is the proof

@@ -115,11 +115,6 @@ class ProfiledCostModel:
         """The tensor-parallel collectives of a stage's F and B (`tp_layout.stage_collectives`)."""
         return stage_collectives(self.tp, self.sequence_parallel, stage, stages, layers)
 
-    def tp_measured(self) -> LayoutProfile | None:
-        """The profile's measurements of this layout on tp ranks (`profile --tp`); None if it
-        measured none. Read once: the layout is fixed when the model is made."""
-        return self._tp_layout
-
     @property
     def _sharing_experts(self) -> bool:
         return self.model.expert_parallel > 1 and bool(self.model.num_experts)
