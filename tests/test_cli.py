@@ -440,3 +440,26 @@ def test_a_plan_runs_enough_steps_to_tell_its_error_from_the_noise():
     assert steps_of(Namespace(steps=None, plan=None)) == 3 and steps_of(Namespace(steps=4, plan="plan.json")) == 4
     assert _noise([0.100, 0.104, 0.096, 0.102, 0.098]) == "the steps' noise ±4.0% over 5 timed steps"
     assert _noise([0.1, 0.11]).endswith("2 timed steps; too few to trust: run --steps 7 or more")
+
+
+def test_a_plans_measured_step_is_taken_over_the_steps_the_profile_would_keep():
+    """A slow spell of the host in a run is left out of its median by the profile's own rule, and
+    the report says what all the steps made it."""
+    from types import SimpleNamespace
+
+    from pipeloom.cli.plan import fidelity_report
+
+    step_ms = [300, 200, 100, 150, 152, 101, 99, 151, 100]  # 2 of warm-up, then a spell of 3 slow steps
+
+    def rank():
+        records = [SimpleNamespace(ops=[("F0", 0.0, ms / 1e3)], peak_stash_bytes=0) for ms in step_ms]
+        phases = [dict(pipeline=ms / 1e3, allreduce=0.0, optimizer=0.0, overhead=0.0) for ms in step_ms]
+        seconds = [ms / 1e3 for ms in step_ms]
+        return SimpleNamespace(
+            records=records, step_seconds=seconds, phase_seconds=phases, static_bytes=None, peak_memory_bytes=None
+        )
+
+    plan = SimpleNamespace(predicted={"step_time_ms": 100.0}, pp=2, dp=1, cp=1, tp=1)
+    step = next(line for line in fidelity_report(plan, [rank(), rank()]).splitlines() if "step time" in line)
+    assert "vs     100.0 ms  (+0.0%; the steps' noise ±26.2% over 7 timed steps" in step
+    assert step.endswith("3 step(s) in a slow spell of the host left out, as the profile does: all 7, 101.0 ms)")

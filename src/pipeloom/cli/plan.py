@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from itertools import compress
 
 from pipeloom.errors import ConfigError
 
@@ -56,20 +57,21 @@ def spec_from_plan(args: argparse.Namespace):
 
 def fidelity_report(plan, results) -> str:
     """Measured step time, peak stash and static bytes per device beside the plan's prediction."""
-    from pipeloom.profile.speed import timed_steps
+    from pipeloom.profile.steadiness import timed_steps
     from pipeloom.runtime.layout import RankLayout
 
     predicted = plan.predicted
     times = timed_steps(results[0].step_seconds)  # warm-up left out, as the profile measured
-    measured = 1e3 * statistics.median(times)
+    steady = _steady(results)
+    measured = 1e3 * statistics.median(t for t, kept in zip(times, steady) if kept)
     expected = predicted.get("step_time_ms")
     lines = ["", "fidelity (predicted by the plan vs measured):"]
     if expected:
         lines.append(
             f"  step time   {expected:9.1f} ms  vs {measured:9.1f} ms  ({measured / expected - 1:+.1%}; "
-            f"{_noise(times)})"
+            f"{_noise(times)}{_spells(times, steady)})"
         )
-        lines += _breakdown(predicted, timed_steps(results[0].phase_seconds))
+        lines += _breakdown(predicted, list(compress(timed_steps(results[0].phase_seconds), steady)))
     peaks = predicted.get("peak_activation_memory") or []
     replicas = plan.dp * plan.cp  # every copy of the weights: data- and context-parallel ranks
     p, layout = plan.pp, RankLayout(plan.pp, replicas, plan.tp, plan.cp)
@@ -122,6 +124,28 @@ def fidelity_report(plan, results) -> str:
                 f"({max(gpu) / totals[device] - 1:+.1%}; torch.cuda.max_memory_allocated)"
             )
     return "\n".join(lines)
+
+
+def _steady(results) -> list[bool]:
+    """Which timed steps every rank ran at the machine's own speed (`steadiness.steady_steps`):
+    the profile's medians, and so the plan's prediction, are of such steps, and the run's are
+    judged by the same rule."""
+    from pipeloom.profile.steadiness import steady_steps, step_busy, timed_steps
+
+    times = len(timed_steps(results[0].step_seconds))
+    steady = steady_steps([step_busy(timed_steps(result.records)) for result in results])
+    return steady if len(steady) == times else [True] * times
+
+
+def _spells(times: list[float], steady: list[bool]) -> str:
+    """What the steps left out of the median (a slow spell of the host) would have made it."""
+    if all(steady):
+        return ""
+    slow = len(steady) - sum(steady)
+    every = 1e3 * statistics.median(times)
+    return (
+        f"; {slow} step(s) in a slow spell of the host left out, as the profile does: all {len(times)}, {every:.1f} ms"
+    )
 
 
 def _noise(times: list[float]) -> str:
