@@ -1,9 +1,12 @@
 """The user's path is the benchmark: the README's quick start and `make demo`'s flow, run exactly as
 a user runs them (their flags, in a fresh directory), each twice in a row, and what `train --plan`
 then prints — the plan `tune` picked, its predicted step against the measured one, the timed
-steps' own noise, and each device's activations against the prediction.
+steps' own noise, and each device's activations against the prediction. Two more flows take the
+same path with another model and size: the README's Hugging Face path (`hf:` LLaMA with grouped
+K/V heads and tied embeddings, trained on real text, `examples/train.bin`), and a decoder wider,
+deeper and with longer sequences than the quick start's.
 
-    python bench/user_path.py [--flows quick-start demo] [--runs 2]
+    python bench/user_path.py [--flows quick-start demo hf-llama wide] [--runs 2]
 
 Goal (issue 58): every run's step time within 5 % of the prediction, no plan ranked first on
 costs the profile did not measure without its mark.
@@ -12,6 +15,7 @@ costs the profile did not measure without its mark.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -33,6 +37,29 @@ FLOWS = {  # the commands as the README and the Makefile give them
         + ["--runnable", "--max-mbs", "4", "--explain", "--output", "plan.json", "--force"],
         ["train", "--plan", "plan.json"],
     ],
+    "hf-llama": [
+        ["profile", "--model", f"hf:{ROOT / 'examples' / 'hf-llama-tiny'}", "--seq-len", "128", "--mbs", "1,2"]
+        + ["--layers", "1,2", "--output", "profile.json"],
+        ["tune", "--costs", "profile.json", "--devices", "2", "--memory", "1GiB", "--global-batch", "8"]
+        + ["--runnable", "--max-mbs", "2", "--data", str(ROOT / "examples" / "train.bin"), "--output", "plan.json"],
+        ["train", "--plan", "plan.json"],
+    ],
+    "wide": [
+        ["profile", "--model", "wide.json", "--mbs", "1,2", "--layers", "1,3", "--output", "profile.json"],
+        ["tune", "--costs", "profile.json", "--devices", "2", "--memory", "1GiB", "--global-batch", "8"]
+        + ["--runnable", "--max-mbs", "2", "--output", "plan.json"],
+        ["train", "--plan", "plan.json"],
+    ],
+}
+WIDE = {  # the quick start's decoder, 1.5x as wide, 1.5x as deep, on sequences twice as long
+    "name": "wide-llama",
+    "hidden_size": 384,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 6,
+    "intermediate_size": 1024,
+    "vocab_size": 512,
+    "max_position_embeddings": 128,
+    "hidden_act": "silu",
 }
 _BEST = re.compile(r"^best: (.+?), layers per stage")
 _STEP = re.compile(r"step time\s+([\d.]+) ms\s+vs\s+([\d.]+) ms\s+\(([+-][\d.]+)%; (.+)\)")
@@ -43,6 +70,7 @@ _NOISE = re.compile(r"noise ±([\d.]+)%")
 def run_flow(name: str) -> dict:
     """One run of a flow in a fresh directory: what tune picked and what train --plan measured."""
     with tempfile.TemporaryDirectory(prefix=f"pipeloom-{name}-") as directory:
+        Path(directory, "wide.json").write_text(json.dumps(WIDE))
         outputs = []
         for command in FLOWS[name]:
             done = subprocess.run(
