@@ -7,8 +7,9 @@ checkpointed F's stash appear too. Every layout a plan may hold is measured one 
 (`layouts`): the plain probes, and those in slices, on tp ranks, or on replicas sharing out a
 mixture's experts. The probes take turns, a round of each at a time, under one policy
 (`steadiness`): warm-up left out, a round in which another process took the cores run again, a
-step in a slow spell of the host left out of every median, rounds until the medians settle. p2p and the collectives are measured on their own
-(`links`), and the probes' phases give what the runtime adds beyond the ops (`overheads`).
+step in a slow spell of the host left out of every median, rounds until the medians settle. p2p
+and the collectives are measured on their own (`links`), and the probes' phases give what the
+runtime adds beyond the ops (`overheads`).
 """
 
 from __future__ import annotations
