@@ -6,8 +6,8 @@ from __future__ import annotations
 import statistics
 
 from pipeloom.profile.probe_rounds import PHASES, steady_records
-from pipeloom.profile.steadiness import BUSY, timed_steps, wall_over_cpu, warmup_steps
-from pipeloom.sim.replay import replay
+from pipeloom.profile.steadiness import BUSY, timed_steps, wall_over_cpu
+from pipeloom.sim.replay import replay_records
 
 
 def steady(rounds: list) -> list[list[bool]]:
@@ -19,18 +19,12 @@ def steady(rounds: list) -> list[list[bool]]:
 
 def replayed(plan, rounds: list, layout, kept: list[list[bool]]):
     """The plan's schedule simulated with its runs' own op times (`sim.replay`, replica 0's
-    devices, the `kept` steps of every round), each step's ops on one clock: from the first of
-    its ranks to begin."""
-    steps: list[list] = [[] for _ in range(plan.pp)]
+    devices, the `kept` steps of every round)."""
+    steps = []
     for results, flags in zip(rounds, kept):
-        warmup = warmup_steps(len(results[0].records))
-        for k in [k for k, flag in enumerate(flags, start=warmup) if flag]:
-            records = [results[layout.rank(0, d)].records[k] for d in range(plan.pp)]
-            first = min(record.began for record in records)
-            for d, record in enumerate(records):
-                shift = record.began - first
-                steps[d].append([(text, 1e3 * (shift + a), 1e3 * (shift + b)) for text, a, b in record.ops])
-    return replay(plan.schedule, plan.costs, steps)
+        timed = [timed_steps(results[layout.rank(0, d)].records) for d in range(plan.pp)]
+        steps += [[records[k] for records in timed] for k, flag in enumerate(flags) if flag]
+    return replay_records(plan.schedule, plan.costs, steps)
 
 
 def why(plan, rounds: list, measured_parts: dict, measured_step: float, again) -> str:

@@ -448,11 +448,12 @@ def test_a_plans_measured_step_is_taken_over_the_steps_the_profile_would_keep():
     from types import SimpleNamespace
 
     from pipeloom.cli.plan import fidelity_report
+    from pipeloom.costs import Costs
 
     step_ms = [300, 200, 100, 150, 152, 101, 99, 151, 100]  # 2 of warm-up, then a spell of 3 slow steps
 
     def rank():
-        records = [SimpleNamespace(ops=[("F0", 0.0, ms / 1e3)], peak_stash_bytes=0) for ms in step_ms]
+        records = [SimpleNamespace(ops=[("F0", 0.0, ms / 1e3)], began=0.0, peak_stash_bytes=0) for ms in step_ms]
         phases = [dict(pipeline=ms / 1e3, allreduce=0.0, optimizer=0.0, overhead=0.0) for ms in step_ms]
         seconds = [ms / 1e3 for ms in step_ms]
         return SimpleNamespace(
@@ -460,6 +461,7 @@ def test_a_plans_measured_step_is_taken_over_the_steps_the_profile_would_keep():
         )
 
     plan = SimpleNamespace(predicted={"step_time_ms": 100.0}, pp=2, dp=1, cp=1, tp=1)
+    plan.schedule, plan.costs = build_schedule("1f1b", 2, 1), Costs(F=1.0, B=1.0)
     step = next(line for line in fidelity_report(plan, [rank(), rank()]).splitlines() if "step time" in line)
     assert "vs     100.0 ms  (+0.0%; the steps' noise ±26.2% over 7 timed steps" in step
     assert step.endswith("3 step(s) in a slow spell of the host left out, as the profile does: all 7, 101.0 ms)")

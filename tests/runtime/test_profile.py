@@ -110,6 +110,8 @@ def test_profile_simulate_tune_train(tmp_path, capsys):
     assert "1 timed step: no noise to compare; run --steps 7 or more" in step_line  # 2 steps: 1 after the warm-up
     for phase in ("pipeline", "allreduce", "optimizer", "overhead"):  # the breakdown, predicted vs measured
         assert any(line.strip().startswith(phase) and " ms  vs " in line for line in out.splitlines())
+    why = next(line for line in out.splitlines() if line.strip().startswith("why:"))  # the run's ops replayed
+    assert "of the step (the run's own ops replayed: " in why and "runtime " in why
     saved = json.loads(plan.read_text())
     for device in range(saved["pp"]):  # the stash the runtime measured is what the plan predicted
         line = next(line for line in out.splitlines() if line.strip().startswith(f"device {device} activations"))

@@ -1,9 +1,11 @@
 """Replaying a run's own op times separates a profile's error from the runtime's."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from pipeloom import Costs, build_schedule
-from pipeloom.sim.replay import replay
+from pipeloom.sim.replay import replay, replay_records
 from pipeloom.sim.simulate import simulate
 
 COSTS = Costs(F=1.0, B=2.0, W=0.0, comm=0.1)
@@ -70,3 +72,37 @@ def test_ops_that_vary_from_step_to_step_cost_a_pipeline_more_than_their_medians
     assert result.replayed == pytest.approx(result.predicted)  # the medians are the plain ops
     assert result.stepwise > result.replayed + 0.5  # every step waits for its slow device
     assert "their variation +" in result.explain(result.measured)
+
+
+def test_a_w_run_inside_its_b_still_reads_as_the_machine_s_speed():
+    """Where nothing waits for a B the runtime runs its W inside it: the run times a B as long as
+    both and no W, and the backward's passes, judged together, moved alike with the F."""
+    schedule = build_schedule("zb-h1", 2, 4)
+    costs = Costs(F=1.0, B=1.0, W=1.0, comm=0.0)
+    slower = _records(schedule, Costs(F=1.1, B=2.2, W=0.0, comm=0.0))  # every W folded into its B, 10 % slower
+    steps = [[[op for op in ops if "W" not in op[0]] for ops in device] for device in slower]  # no W timed
+    result = replay(schedule, costs, steps)
+    assert result.kinds["W"] == pytest.approx(-1.0) and result.kinds["B"] == pytest.approx(1.2)
+    assert result.passes == pytest.approx({"F": 0.1, "B+W": 0.1})
+    assert result.drift == pytest.approx(0.1)
+    assert "B+W +10%, F +10% against the profile; every op kind slower alike" in result.explain(result.measured)
+
+
+def test_a_run_s_records_are_replayed_on_one_clock():
+    """Each step's devices from the first of them to begin: device 1 began its step 2 ms after
+    device 0, and its ops' own times count from there."""
+    schedule = build_schedule("1f1b", 2, 1)
+    per_device = _records(schedule, COSTS, steps=2)
+    steps = [
+        [
+            SimpleNamespace(
+                began=10.0 + 0.002 * d,
+                ops=[(t, (a - 2.0 * d) / 1e3, (b - 2.0 * d) / 1e3) for t, a, b in per_device[d][k]],
+            )
+            for d in range(2)
+        ]
+        for k in range(2)
+    ]
+    result = replay_records(schedule, COSTS, steps)
+    assert result.measured == pytest.approx(simulate(schedule, COSTS).makespan)
+    assert result.replayed == pytest.approx(result.predicted)

@@ -61,6 +61,8 @@ def fidelity_report(plan, results) -> str:
     from pipeloom.runtime.layout import RankLayout
 
     predicted = plan.predicted
+    replicas = plan.dp * plan.cp  # every copy of the weights: data- and context-parallel ranks
+    p, layout = plan.pp, RankLayout(plan.pp, replicas, plan.tp, plan.cp)
     times = timed_steps(results[0].step_seconds)  # warm-up left out, as the profile measured
     steady = _steady(results)
     measured = 1e3 * statistics.median(t for t, kept in zip(times, steady) if kept)
@@ -72,9 +74,8 @@ def fidelity_report(plan, results) -> str:
             f"{_noise(times)}{_spells(times, steady)})"
         )
         lines += _breakdown(predicted, list(compress(timed_steps(results[0].phase_seconds), steady)))
+        lines.append(_why(plan, [results[layout.rank(0, d)] for d in range(p)], steady, measured))
     peaks = predicted.get("peak_activation_memory") or []
-    replicas = plan.dp * plan.cp  # every copy of the weights: data- and context-parallel ranks
-    p, layout = plan.pp, RankLayout(plan.pp, replicas, plan.tp, plan.cp)
     for device in range(p):
         stash = max(
             max(r.peak_stash_bytes for r in results[layout.rank(replica, device)].records)
@@ -124,6 +125,20 @@ def fidelity_report(plan, results) -> str:
                 f"({max(gpu) / totals[device] - 1:+.1%}; torch.cuda.max_memory_allocated)"
             )
     return "\n".join(lines)
+
+
+def _why(plan, devices: list, steady: list[bool], measured: float) -> str:
+    """Where the pipeline's error comes from (`sim.replay`): the plan's schedule replayed with the
+    run's own op times (one replica's devices, the steps kept) splits it into the op times —
+    every pass off alike is the machine's speed since the profile, not the plan — their
+    variation from step to step, and the runtime's own."""
+    from pipeloom.profile.steadiness import timed_steps
+    from pipeloom.sim.replay import replay_records
+
+    timed = [timed_steps(result.records) for result in devices]
+    steps = [[records[k] for records in timed] for k, kept in enumerate(steady) if kept]
+    again = replay_records(plan.schedule, plan.costs, steps)
+    return f"  why: {again.explain(measured, plan.predicted.get('speed_noise_ms', 0.0))}"
 
 
 def _steady(results) -> list[bool]:

@@ -8,7 +8,10 @@ simulator predicts from perfect op times, so predicted → replayed is the op ti
 error. Each step replayed with its own op times, the median of those is what the ops' variation
 from step to step adds (a pipeline waits for its slowest path in each step); what the run took
 beyond that is the runtime's. Per op kind, the measured time over the predicted says which figures
-were off. Torch-free: it reads op records as (text, start, end) triples.
+were off, and where every pass moved alike the machine's own speed changed since the profile (a
+W the runtime ran inside its B, as it does where nothing waits for the B, counts with it: the
+backward's passes are judged together). Torch-free: it reads op records as (text, start, end)
+triples.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pipeloom.ir.schedule import Schedule
 from pipeloom.ir.walk import run
 from pipeloom.sim.simulate import simulate
 
-__all__ = ["Replay", "replay"]
+__all__ = ["Replay", "replay", "replay_records"]
 
 DRIFT_BAND = 0.08
 """Op kinds whose measured-over-predicted ratios lie this close moved together: one cause."""
@@ -45,12 +48,14 @@ class Replay:
     the ops' variation from step to step costs a pipeline that waits for its slowest path."""
     kinds: dict[str, float]
     """Per op kind, the run's total time over the predicted one, minus 1."""
+    passes: dict[str, float]
+    """The same with the backward's kinds (B, W, BW) together: what a W run inside its B moves."""
 
     @property
     def drift(self) -> float | None:
-        """The share every op kind moved by alike (within `DRIFT_BAND` of each other, the same
-        way): the machine's own speed changed since the profile; None where the kinds differ."""
-        ratios = list(self.kinds.values())
+        """The share every pass moved by alike (within `DRIFT_BAND` of each other, the same way):
+        the machine's own speed changed since the profile; None where the passes differ."""
+        ratios = list(self.passes.values())
         if len(ratios) < 2 or max(ratios) - min(ratios) > DRIFT_BAND:
             return None
         if not (min(ratios) > 0 or max(ratios) < 0):
@@ -62,7 +67,9 @@ class Replay:
         variation (beyond the `noise` ms the prediction added for it) and the runtime."""
         ops, varied = self.replayed - self.predicted, self.stepwise - self.replayed - noise
         runtime = self.measured - self.stepwise
-        off = ", ".join(f"{kind} {ratio:+.0%}" for kind, ratio in sorted(self.kinds.items()) if abs(ratio) >= 0.02)
+        folded = any(ratio <= -0.999 for ratio in self.kinds.values())  # a kind never timed apart: run inside another
+        shown = self.passes if folded else self.kinds
+        off = ", ".join(f"{kind} {ratio:+.0%}" for kind, ratio in sorted(shown.items()) if abs(ratio) >= 0.02)
         drift = self.drift
         alike = (
             f"; every op kind {'slower' if drift > 0 else 'faster'} alike: the machine ran {abs(drift):.0%} "
@@ -101,10 +108,31 @@ def replay(schedule: Schedule, costs: Costs, steps_per_device: Sequence[Sequence
         return max(run(graph, times, costs.comm)[1])
 
     kinds: dict[str, list[float]] = {}
+    passes: dict[str, list[float]] = {}
     for g, op in enumerate(graph.ops):
-        totals = kinds.setdefault(op.kind.value, [0.0, 0.0])
-        totals[0] += medians.get((graph.device_of[g], op.text), 0.0)
-        totals[1] += planned.end[g] - planned.start[g]
-    ratios = {kind: measured_ / predicted - 1 for kind, (measured_, predicted) in kinds.items() if predicted > 0}
+        kind = op.kind.value
+        for totals in (kinds.setdefault(kind, [0.0, 0.0]), passes.setdefault(_PASSES.get(kind, kind), [0.0, 0.0])):
+            totals[0] += medians.get((graph.device_of[g], op.text), 0.0)
+            totals[1] += planned.end[g] - planned.start[g]
     stepwise = statistics.median(makespan(durations) for durations in per_step)
-    return Replay(planned.makespan, makespan(medians), measured, stepwise, ratios)
+    return Replay(planned.makespan, makespan(medians), measured, stepwise, _ratios(kinds), _ratios(passes))
+
+
+_PASSES = {"B": "B+W", "W": "B+W", "BW": "B+W"}
+
+
+def _ratios(totals: dict[str, list[float]]) -> dict[str, float]:
+    return {kind: measured / predicted - 1 for kind, (measured, predicted) in totals.items() if predicted > 0}
+
+
+def replay_records(schedule: Schedule, costs: Costs, steps: Sequence[Sequence]) -> Replay:
+    """`replay` of a run's records: `steps[k][d]`, device d's record of the k-th step kept (its
+    `ops`, seconds from its own start, and `began`, on the clock the machine's processes share).
+    Each step's devices are put on one clock, from the first of them to begin."""
+    per_device: list[list[list[OpRecord]]] = [[] for _ in range(schedule.num_devices)]
+    for records in steps:
+        first = min(record.began for record in records)
+        for device, record in enumerate(records):
+            shift = record.began - first
+            per_device[device].append([(text, 1e3 * (shift + a), 1e3 * (shift + b)) for text, a, b in record.ops])
+    return replay(schedule, costs, per_device)
