@@ -1,10 +1,12 @@
 """The user's path is the benchmark: the README's quick start and `make demo`'s flow, run exactly as
 a user runs them (their flags, in a fresh directory), each twice in a row, and what `train --plan`
 then prints — the plan `tune` picked, its predicted step against the measured one, the timed
-steps' own noise, and each device's activations against the prediction. Two more flows take the
-same path with another model and size: the README's Hugging Face path (`hf:` LLaMA with grouped
-K/V heads and tied embeddings, trained on real text, `examples/train.bin`), and a decoder wider,
-deeper and with longer sequences than the quick start's.
+steps' own noise and any slow spell left out, what the replay of the run's own ops found every
+pass moved by alike (the machine's speed since the profile), and each device's activations
+against the prediction. Two more flows take the same path with another model and size: the
+README's Hugging Face path (`hf:` LLaMA with grouped K/V heads and tied embeddings, trained on
+real text, `examples/train.bin`), and a decoder wider, deeper and with longer sequences than the
+quick start's.
 
     python bench/user_path.py [--flows quick-start demo hf-llama wide] [--runs 2]
 
@@ -65,6 +67,7 @@ _BEST = re.compile(r"^best: (.+?), layers per stage")
 _STEP = re.compile(r"step time\s+([\d.]+) ms\s+vs\s+([\d.]+) ms\s+\(([+-][\d.]+)%; (.+)\)")
 _ACTIVATIONS = re.compile(r"device (\d+) activations\s+[\d.]+ MiB vs\s+[\d.]+ MiB \(([+-][\d.]+)%\)")
 _NOISE = re.compile(r"noise ±([\d.]+)%")
+_DRIFT = re.compile(r"the machine ran (\d+)% (slower|faster) than while profiled")
 _SPELL = re.compile(r"(\d+) step\(s\) in a slow spell of the host left out.*: all \d+, ([\d.]+) ms")
 
 
@@ -94,8 +97,18 @@ def run_flow(name: str) -> dict:
         "error": float(step.group(3)),
         "noise": float(noise.group(1)) if noise else float("nan"),
         "spell": _spell(step.group(4), float(step.group(1))),
+        "drift": _drift(trained),
         "activations": [float(m.group(2)) for m in _ACTIVATIONS.finditer(trained)],
     }
+
+
+def _drift(trained: str) -> str:
+    """What `train --plan`'s replay of the run's own ops found every pass moved by alike (the
+    machine's speed since the profile), or "-" where the passes moved apart."""
+    drift = _DRIFT.search(trained)
+    if drift is None:
+        return "-"
+    return f"{'+' if drift.group(2) == 'slower' else '-'}{drift.group(1)}%"
 
 
 def _spell(text: str, predicted: float) -> str:
@@ -113,14 +126,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2, help="runs of each flow, in a row")
     args = parser.parse_args()
     header = f"{'flow':<12} {'run':>3}  {'plan':<40} {'predicted ms':>12} {'measured ms':>11} {'error':>7}"
-    print(header + f" {'noise ±':>7}  {'slow spell left out':<30} activations (per device)")
+    print(header + f" {'noise ±':>7}  {'slow spell left out':<30} {'ops alike':>9}  activations (per device)")
     for name in args.flows:
         for run in range(1, args.runs + 1):
             r = run_flow(name)
             activations = ", ".join(f"{a:+.1f} %" for a in r["activations"])
             print(
                 f"{name:<12} {run:>3}  {r['plan']:<40} {r['predicted_ms']:>12.1f} {r['measured_ms']:>11.1f} "
-                f"{r['error']:>+6.1f}% {r['noise']:>6.1f}%  {r['spell']:<30} {activations}",
+                f"{r['error']:>+6.1f}% {r['noise']:>6.1f}%  {r['spell']:<30} {r['drift']:>9}  {activations}",
                 flush=True,
             )
 
