@@ -465,3 +465,18 @@ def test_a_plans_measured_step_is_taken_over_the_steps_the_profile_would_keep():
     step = next(line for line in fidelity_report(plan, [rank(), rank()]).splitlines() if "step time" in line)
     assert "vs     100.0 ms  (+0.0%; the steps' noise ±26.2% over 7 timed steps" in step
     assert step.endswith("3 step(s) in a slow spell of the host left out, as the profile does: all 7, 101.0 ms)")
+
+
+def test_the_breakdown_reads_the_phases_of_the_rank_whose_pipeline_ended_last():
+    """A rank done sooner waits for the other at the step's loss all-reduce: its overhead is the
+    other's pipeline, not the runtime's own."""
+    from types import SimpleNamespace
+
+    from pipeloom.cli.plan import _last_pipeline
+
+    def rank(pipeline: float, overhead: float):
+        phases = dict(pipeline=pipeline, allreduce=0.0, optimizer=0.01, overhead=overhead)
+        return SimpleNamespace(phase_seconds=[phases] * 4)  # 2 of warm-up, 2 timed
+
+    early, late = rank(0.150, 0.052), rank(0.200, 0.002)
+    assert _last_pipeline([early, late]) == [late.phase_seconds[0]] * 2

@@ -73,7 +73,7 @@ def fidelity_report(plan, results) -> str:
             f"  step time   {expected:9.1f} ms  vs {measured:9.1f} ms  ({measured / expected - 1:+.1%}; "
             f"{_noise(times)}{_spells(times, steady)})"
         )
-        lines += _breakdown(predicted, list(compress(timed_steps(results[0].phase_seconds), steady)))
+        lines += _breakdown(predicted, list(compress(_last_pipeline(results), steady)))
         lines.append(_why(plan, [results[layout.rank(0, d)] for d in range(p)], steady, measured))
     peaks = predicted.get("peak_activation_memory") or []
     for device in range(p):
@@ -184,9 +184,19 @@ _PARTS = (  # (plan key, runtime phase, what it is)
 )
 
 
+def _last_pipeline(results) -> list[dict]:
+    """Each timed step's phases on the rank whose pipeline ended last: the prediction's pipeline
+    is the schedule's makespan, and a rank done sooner waits out the difference in the step's
+    loss all-reduce, which would read as its overhead."""
+    from pipeloom.profile.steadiness import timed_steps
+
+    ranks = [timed_steps(result.phase_seconds) for result in results if result.phase_seconds]
+    return [max(phases, key=lambda step: step["pipeline"]) for phases in zip(*ranks)]
+
+
 def _breakdown(predicted: dict, phases: list[dict]) -> list[str]:
-    """Where a step's time goes, predicted beside measured (rank 0's medians), so a gap shows
-    where it comes from."""
+    """Where a step's time goes, predicted beside measured (the medians of `_last_pipeline`), so
+    a gap shows where it comes from."""
     if not phases:
         return []
     lines = []
