@@ -10,6 +10,7 @@ from fidelity_measures import PHASES, replayed, steady, traffic, why
 
 from pipeloom.profile.steadiness import Series, timed_steps
 from pipeloom.runtime.layout import RankLayout
+from pipeloom.runtime.plan_run import last_pipeline_phases
 
 
 def report(rows: list, explain_above: float) -> None:
@@ -27,7 +28,7 @@ def report(rows: list, explain_above: float) -> None:
         kept = steady(rounds)
         shares.append(sum(map(sum, kept)) / sum(map(len, kept)))
         for results, flags in zip(rounds, kept):
-            phases = list(compress(timed_steps(results[0].phase_seconds), flags))
+            phases = list(compress(last_pipeline_phases(results), flags))  # rank 0 waits for the last
             series.add(
                 {"step": [1e3 * s for s in compress(timed_steps(results[0].step_seconds), flags)]}
                 | {p: [1e3 * step[p] for step in phases] for p in PHASES}
@@ -73,8 +74,9 @@ def report(rows: list, explain_above: float) -> None:
         "tuned: under the one taken before them"
     )
     print(
-        f"breakdown columns: predicted/measured ms (rank 0's medians over its steady steps: "
-        f"{statistics.median(shares):.0%} of a plan's, the rest ran in slow spells); {len(rows)} plans"
+        "breakdown columns: predicted/measured ms (medians over the steady steps, each step's phases on the rank "
+        f"whose pipeline ended last; steady: {statistics.median(shares):.0%} of a plan's steps, the rest ran in slow "
+        f"spells); {len(rows)} plans"
     )
     print("\n".join(f"  {line}" for line in traffics))
     print(f"per plan |error|: {', '.join(f'{e:.1%}' for e in errors['time'])}")

@@ -472,11 +472,11 @@ def test_the_breakdown_reads_the_phases_of_the_rank_whose_pipeline_ended_last():
     other's pipeline, not the runtime's own."""
     from types import SimpleNamespace
 
-    from pipeloom.cli.plan import _last_pipeline
+    from pipeloom.runtime.plan_run import last_pipeline_phases
 
     def rank(pipeline: float, overhead: float):
         phases = dict(pipeline=pipeline, allreduce=0.0, optimizer=0.01, overhead=overhead)
         return SimpleNamespace(phase_seconds=[phases] * 4)  # 2 of warm-up, 2 timed
 
     early, late = rank(0.150, 0.052), rank(0.200, 0.002)
-    assert _last_pipeline([early, late]) == [late.phase_seconds[0]] * 2
+    assert last_pipeline_phases([early, late]) == [late.phase_seconds[0]] * 2

@@ -59,6 +59,7 @@ def fidelity_report(plan, results) -> str:
     """Measured step time, peak stash and static bytes per device beside the plan's prediction."""
     from pipeloom.profile.steadiness import timed_steps
     from pipeloom.runtime.layout import RankLayout
+    from pipeloom.runtime.plan_run import last_pipeline_phases
 
     predicted = plan.predicted
     replicas = plan.dp * plan.cp  # every copy of the weights: data- and context-parallel ranks
@@ -73,7 +74,7 @@ def fidelity_report(plan, results) -> str:
             f"  step time   {expected:9.1f} ms  vs {measured:9.1f} ms  ({measured / expected - 1:+.1%}; "
             f"{_noise(times)}{_spells(times, steady)})"
         )
-        lines += _breakdown(predicted, list(compress(_last_pipeline(results), steady)))
+        lines += _breakdown(predicted, list(compress(last_pipeline_phases(results), steady)))
         lines.append(_why(plan, [results[layout.rank(0, d)] for d in range(p)], steady, measured))
     peaks = predicted.get("peak_activation_memory") or []
     for device in range(p):
@@ -184,19 +185,10 @@ _PARTS = (  # (plan key, runtime phase, what it is)
 )
 
 
-def _last_pipeline(results) -> list[dict]:
-    """Each timed step's phases on the rank whose pipeline ended last: the prediction's pipeline
-    is the schedule's makespan, and a rank done sooner waits out the difference in the step's
-    loss all-reduce, which would read as its overhead."""
-    from pipeloom.profile.steadiness import timed_steps
-
-    ranks = [timed_steps(result.phase_seconds) for result in results if result.phase_seconds]
-    return [max(phases, key=lambda step: step["pipeline"]) for phases in zip(*ranks)]
-
-
 def _breakdown(predicted: dict, phases: list[dict]) -> list[str]:
-    """Where a step's time goes, predicted beside measured (the medians of `_last_pipeline`), so
-    a gap shows where it comes from."""
+    """Where a step's time goes, predicted beside measured (the medians of the phases on the rank
+    whose pipeline ended last: `runtime.plan_run.last_pipeline_phases`), so a gap shows where it
+    comes from."""
     if not phases:
         return []
     lines = []

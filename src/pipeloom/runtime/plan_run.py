@@ -17,7 +17,7 @@ from pipeloom.passes.offload import t_offload
 from pipeloom.runtime.spec import RankResult, TrainSpec
 from pipeloom.tune.plan import Plan
 
-__all__ = ["builds_its_own_model", "spec_from_plan", "train_plan"]
+__all__ = ["builds_its_own_model", "last_pipeline_phases", "spec_from_plan", "train_plan"]
 
 _FIXED_BY_PLAN = {"schedule", "config", "dp", "tp", "cp", "layer_counts", "workload"}
 
@@ -114,3 +114,13 @@ def train_plan(plan: Plan | str | Path, model: str | None = None, data=None, **o
     from pipeloom.runtime.local import run_local
 
     return run_local(spec_from_plan(plan, model, data, **options))
+
+
+def last_pipeline_phases(results: list[RankResult]) -> list[dict[str, float]]:
+    """Each timed step's phases (seconds) on the rank whose pipeline ended last, the warm-up left
+    out: a plan's predicted pipeline is its schedule's makespan, and a rank done sooner waits out
+    the difference in the step's loss all-reduce, which would read as its overhead."""
+    from pipeloom.profile.steadiness import timed_steps
+
+    ranks = [timed_steps(result.phase_seconds) for result in results if result.phase_seconds]
+    return [max(phases, key=lambda step: step["pipeline"]) for phases in zip(*ranks)]
