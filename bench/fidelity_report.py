@@ -25,16 +25,17 @@ def report(rows: list, explain_above: float) -> None:
         plan, rounds = row.again, row.runs
         assert plan is not None, "every row is priced again before the report"
         series = Series()
+        layout = RankLayout(plan.pp, plan.dp * plan.cp, plan.tp, plan.cp)
         kept = steady(rounds)
         shares.append(sum(map(sum, kept)) / sum(map(len, kept)))
         for results, flags in zip(rounds, kept):
-            phases = list(compress(last_pipeline_phases(results), flags))  # rank 0 waits for the last
+            pipeline_ranks = [results[layout.rank(0, d)] for d in range(plan.pp)]
+            phases = list(compress(last_pipeline_phases(pipeline_ranks), flags))  # the others wait for the last
             series.add(
                 {"step": [1e3 * s for s in compress(timed_steps(results[0].step_seconds), flags)]}
                 | {p: [1e3 * step[p] for step in phases] for p in PHASES}
             )
         measured_parts = series.measured()
-        layout = RankLayout(plan.pp, plan.dp, plan.tp)
         measured = measured_parts["step"].median
         predicted = plan.predicted["step_time_ms"]
         errors["time"].append(abs(measured - predicted) / measured)
@@ -53,7 +54,7 @@ def report(rows: list, explain_above: float) -> None:
         for device, expected in enumerate(plan.predicted["peak_activation_memory"]):
             stash = max(
                 r.peak_stash_bytes
-                for replica in range(plan.dp)
+                for replica in range(plan.dp * plan.cp)
                 for r in rounds[-1][layout.rank(replica, device)].records
             )
             errors["memory"].append(abs(stash - expected) / stash)

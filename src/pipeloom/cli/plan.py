@@ -74,8 +74,9 @@ def fidelity_report(plan, results) -> str:
             f"  step time   {expected:9.1f} ms  vs {measured:9.1f} ms  ({measured / expected - 1:+.1%}; "
             f"{_noise(times)}{_spells(times, steady)})"
         )
-        lines += _breakdown(predicted, list(compress(last_pipeline_phases(results), steady)))
-        lines.append(_why(plan, [results[layout.rank(0, d)] for d in range(p)], steady, measured))
+        pipeline_ranks = [results[layout.rank(0, d)] for d in range(p)]
+        lines += _breakdown(predicted, list(compress(last_pipeline_phases(pipeline_ranks), steady)))
+        lines.append(_why(plan, pipeline_ranks, steady, measured))
     peaks = predicted.get("peak_activation_memory") or []
     for device in range(p):
         stash = max(
