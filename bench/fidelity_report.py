@@ -30,7 +30,7 @@ def report(rows: list, explain_above: float) -> None:
         shares.append(sum(map(sum, kept)) / sum(map(len, kept)))
         for results, flags in zip(rounds, kept):
             pipeline_ranks = [results[layout.rank(0, d)] for d in range(plan.pp)]
-            phases = list(compress(last_pipeline_phases(pipeline_ranks), flags))  # the others wait for the last
+            phases = list(compress(timed_steps(last_pipeline_phases(pipeline_ranks)), flags))
             series.add(
                 {"step": [1e3 * s for s in compress(timed_steps(results[0].step_seconds), flags)]}
                 | {p: [1e3 * step[p] for step in phases] for p in PHASES}

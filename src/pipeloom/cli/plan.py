@@ -75,7 +75,7 @@ def fidelity_report(plan, results) -> str:
             f"{_noise(times)}{_spells(times, steady)})"
         )
         pipeline_ranks = [results[layout.rank(0, d)] for d in range(p)]
-        lines += _breakdown(predicted, list(compress(last_pipeline_phases(pipeline_ranks), steady)))
+        lines += _breakdown(predicted, list(compress(timed_steps(last_pipeline_phases(pipeline_ranks)), steady)))
         lines.append(_why(plan, pipeline_ranks, steady, measured))
     peaks = predicted.get("peak_activation_memory") or []
     for device in range(p):

@@ -117,12 +117,10 @@ def train_plan(plan: Plan | str | Path, model: str | None = None, data=None, **o
 
 
 def last_pipeline_phases(results: list[RankResult]) -> list[dict[str, float]]:
-    """Each timed step's phases (seconds) on the one of `results` (one replica's pipeline ranks)
-    whose pipeline ended last, the warm-up left out: a plan's predicted pipeline is its schedule's
-    makespan, and a rank done sooner waits out the difference in the step's loss all-reduce,
-    which would read as its overhead. (The replicas' wait for each other stays in the gradient
-    sync, where the prediction puts it.)"""
-    from pipeloom.profile.steadiness import timed_steps
-
-    ranks = [timed_steps(result.phase_seconds) for result in results if result.phase_seconds]
+    """Each step's phases (seconds) on the one of `results` (one replica's pipeline ranks) whose
+    pipeline ended last: a plan's predicted pipeline is its schedule's makespan, and a rank done
+    sooner waits out the difference in the step's loss all-reduce, which would read as its
+    overhead. (The replicas' wait for each other stays in the gradient sync, where the
+    prediction puts it.)"""
+    ranks = [result.phase_seconds for result in results if result.phase_seconds]
     return [max(phases, key=lambda step: step["pipeline"]) for phases in zip(*ranks)]
