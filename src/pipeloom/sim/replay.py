@@ -67,7 +67,7 @@ class Replay:
         variation (beyond the `noise` ms the prediction added for it) and the runtime."""
         ops, varied = self.replayed - self.predicted, self.stepwise - self.replayed - noise
         runtime = self.measured - self.stepwise
-        folded = any(ratio <= -0.999 for ratio in self.kinds.values())  # a kind never timed apart: run inside another
+        folded = any(ratio <= -0.9 for ratio in self.kinds.values())  # a kind mostly run inside another
         shown = self.passes if folded else self.kinds
         off = ", ".join(f"{kind} {ratio:+.0%}" for kind, ratio in sorted(shown.items()) if abs(ratio) >= 0.02)
         drift = self.drift
