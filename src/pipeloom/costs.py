@@ -15,7 +15,8 @@ holds M_ckpt + (1 − r)·M_B and its R takes r·R (`resolve` folds this in, so 
 the resolved table — simulator, passes, schedulers — sees the same partial checkpoint);
 B frees M_B and keeps M_W for its pending W; W frees M_W (each of k parts 1/k); BW frees M_B.
 A device also holds M_static (weights, gradients, optimizer state) for every stage it hosts, so
-replicated stages (Chimera) count twice. The fused BW takes B + W.
+replicated stages (Chimera) count twice, less M_shared where it hosts the first and the last
+stage (a tied embedding both count: one object there). The fused BW takes B + W.
 
 Communication inside an op (a2a_F, a2a_B: MoE all-to-all, tensor-parallel collectives) adds to
 a lone op's time and is hidden by an overlapped F&B pair as far as the other side's compute
@@ -32,7 +33,7 @@ and p2p_host_link_share says how much p2p transfers slow the copies on a shared 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, fields
 from os import PathLike
 from typing import Any
@@ -74,6 +75,10 @@ class Costs:
     """What a checkpointed forward keeps (its input)."""
     M_static: CostValue = 0.0
     """Weights, gradients and optimizer state of one device's share of the model."""
+    M_shared: float = 0.0
+    """Of M_static, what the first and the last stage both count (a tied embedding's weights,
+    gradients and optimizer state), in M_static's unit and not scaled by stages: a device that
+    hosts both ends holds one copy (`shared_static`)."""
     offload_bytes: CostValue = 0.0
     """T-Offload: gradient bytes moved to the host after a stage's last backward."""
     reload_bytes: CostValue = 0.0
@@ -126,6 +131,9 @@ class Costs:
         if not _is_number(self.comm) or self.comm < 0 or not math.isfinite(self.comm):
             raise ConfigError(f"costs: comm must be a non-negative number, got {self.comm!r}")
         object.__setattr__(self, "comm", float(self.comm))
+        if not _is_number(self.M_shared) or self.M_shared < 0 or not math.isfinite(self.M_shared):
+            raise ConfigError(f"costs: M_shared must be a non-negative number, got {self.M_shared!r}")
+        object.__setattr__(self, "M_shared", float(self.M_shared))
         overhead = self.op_overhead
         if not _is_number(overhead) or overhead < 0 or not math.isfinite(overhead):
             raise ConfigError(f"costs: op_overhead must be a non-negative number, got {overhead!r}")
@@ -202,7 +210,9 @@ class Costs:
     def to_dict(self) -> dict[str, Any]:
         """Every set key; the optional ones (T-Offload's, attention, partial recompute, link share)
         only where they differ from their defaults, so plain costs read as before."""
-        defaults = {key: 0.0 for key in _OFFLOAD_KEYS + ("attention_fraction", "a2a_F", "a2a_B", "op_overhead")} | {
+        defaults = {
+            key: 0.0 for key in _OFFLOAD_KEYS + ("attention_fraction", "a2a_F", "a2a_B", "op_overhead", "M_shared")
+        } | {
             "p2p_host_link_share": 1.0,
             "recompute_fraction": 1.0,
         }
@@ -211,6 +221,11 @@ class Costs:
             for key in self.keys()
             if (value := getattr(self, key)) is not None and not (key in defaults and value == defaults[key])
         }
+
+    def shared_static(self, stages: Collection[int], num_stages: int) -> float:
+        """What a device hosting `stages` (of `num_stages`) holds once although two of them count
+        it: `M_shared` where it hosts both the first and the last stage, else nothing."""
+        return self.M_shared if num_stages > 1 and {0, num_stages - 1} <= set(stages) else 0.0
 
     # -- resolution for one schedule shape -------------------------------------------------
 

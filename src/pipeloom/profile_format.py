@@ -224,13 +224,15 @@ class Overheads:
 
 @dataclass(frozen=True)
 class Params:
-    """Parameters of one decoder layer (of which a MoE layer's routed experts: `experts`), and
-    the first and last stages' extras (embeddings; final norm and head)."""
+    """Parameters of one decoder layer (of which a MoE layer's routed experts: `experts`), the
+    first and last stages' extras (embeddings; final norm and head), and of those the ones both
+    ends hold (`tied`: a tied embedding, one object on a device that hosts both ends)."""
 
     layer: float
     first: float
     last: float
     experts: float = 0.0
+    tied: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The profiler's output round-trips into simulate and tune; a tuned plan round-trips into train."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -236,3 +237,15 @@ def test_the_overhead_of_ops_run_one_after_another_is_what_their_sum_leaves_over
     serial = 2 * (4 * 2.0 + 2 * 2.0 + 4 * 3.0 + 4 * 1.0)  # in one process no message waits: the comm is not paid
     assert schedule.num_ops == 28
     assert serial_op_overhead_ms(schedule, costs, serial + 0.25 * 28) == pytest.approx(0.25)
+
+
+def test_the_profile_counts_a_tied_embedding_as_both_ends_shared():
+    """A Hugging Face LLaMA with tied embeddings: its head is its embedding, counted by both ends."""
+    from pipeloom.models.hf import hf_workload
+    from pipeloom.profile.profiler import _params
+    from pipeloom.tune.presets import model_from_config
+
+    directory = Path(__file__).resolve().parents[2] / "examples" / "hf-llama-tiny"
+    work = hf_workload(directory, microbatch_size=1, seq_len=16)
+    params = _params(model_from_config(json.loads((directory / "config.json").read_text())), lambda n, mbs: work)
+    assert params.tied == 2048 * 128 and params.first >= params.tied and params.last >= params.tied

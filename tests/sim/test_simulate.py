@@ -7,6 +7,7 @@ DAPPLE and VPP bubble ratios and VPP memory; Zero Bubble (ICLR'24) for `cost` an
 import pytest
 
 from pipeloom import Costs, Schedule, build_schedule, simulate
+from pipeloom.errors import ConfigError
 
 
 def test_mario_figure_2_baseline_1f1b_makespan_is_21():
@@ -72,6 +73,19 @@ def test_static_memory_counts_replicated_stages_twice():
     assert simulate(build_schedule("1f1b", 4, 4), costs).static_memory == [10] * 4
     assert simulate(build_schedule("interleaved", 4, 4, num_chunks=2), costs).static_memory == [10] * 4
     assert simulate(build_schedule("chimera", 4, 4), Costs(M_static=1, M_B=1)).peak_memory == [5, 6, 6, 5]
+
+
+def test_a_tied_weight_is_held_once_by_a_device_hosting_both_ends():
+    """The first and last stage each count a tied embedding (M_shared of their M_static); a device
+    that hosts both holds one object, as the runtime does — a V's first device, Chimera's ends."""
+    costs = Costs(M_static=[10.0, 20.0, 30.0, 40.0], M_shared=5.0, M_B=0)
+    assert simulate(build_schedule("zb-v", 2, 4), costs).static_memory == [45.0, 50.0]  # stages 0 and 3 on device 0
+    assert simulate(build_schedule("1f1b", 4, 4), costs).static_memory == [10.0, 20.0, 30.0, 40.0]
+    chimera = simulate(build_schedule("chimera", 4, 4), Costs(M_static=10, M_shared=3, M_B=0))
+    assert chimera.static_memory == [17, 20, 20, 17]
+    assert Costs(M_shared=5.0).to_dict()["M_shared"] == 5.0 and "M_shared" not in Costs().to_dict()
+    with pytest.raises(ConfigError, match="M_shared must be a non-negative number"):
+        Costs(M_shared=-1.0)
 
 
 def test_comm_delays_every_cross_device_edge():

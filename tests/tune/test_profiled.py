@@ -435,3 +435,18 @@ def test_context_parallelism_is_priced_as_its_ranks_measured_it_or_estimated_and
     schedule = build_schedule("1f1b", 1, 2)
     own = 2 * 4 * (2 / 2) * MODEL["seq_len"] * MODEL["hidden"]  # fp32 K and V of its half of 2 sequences
     assert profiled.kv_step(schedule, [3], 2) == pytest.approx([2 * 2 * 3 * own])
+
+
+def test_a_tied_embedding_is_priced_once_on_a_device_hosting_both_ends():
+    """Both ends' parameters count the tied weight; the costs say how much of their static bytes
+    it is, and a V's first device, hosting both ends, holds it once."""
+    from pipeloom.sim.simulate import simulate
+
+    data = profile()
+    data["params"]["tied"] = 300
+    model = ProfiledCostModel(data)
+    costs = model.stage_costs([2, 2, 2, 2], 1, 2, 1)
+    assert costs.M_shared == 16 * 300  # fp32 weights and gradients, AdamW's two moments
+    ends = simulate(build_schedule("zb-v", 2, 4), costs).static_memory[0]
+    assert ends == pytest.approx(costs.stage_value("M_static", 0) + costs.stage_value("M_static", 3) - 16 * 300)
+    assert ProfiledCostModel(profile()).stage_costs([2, 2, 2, 2], 1, 2, 1).M_shared == 0.0  # untied (or older)

@@ -216,5 +216,8 @@ def _params(model: ModelSpec, workload_for=None) -> Params:
 
     first = count(stage.embed, getattr(stage, "positions", None))
     experts = getattr(getattr(stage.layers[0], "mlp", None), "experts", None)
+    ends = [{id(t): t for t in module.parameters()} for module in (stage.embed, stage.head) if module is not None]
+    tied = sum(t.numel() for key, t in ends[0].items() if key in ends[-1]) if len(ends) == 2 else 0
     # a MoE layer's routed experts, which expert parallelism shares out
-    return Params(count(stage.layers[0]), first, count(stage.norm, stage.head), count(experts) if experts else 0)
+    last = count(stage.norm, stage.head)
+    return Params(count(stage.layers[0]), first, last, count(experts) if experts else 0, tied)

@@ -155,7 +155,11 @@ def simulate(schedule: Schedule, costs: Costs | None = None, not_before: Mapping
         peaks.append(_peak(deltas, first, stop, graph.paired))
     cost = max(spans)
     mean_useful = sum(useful) / num_devices
-    static = [sum(table.M_static[stage] for stage in schedule.stages_on(d)) for d in range(num_devices)]
+    static = [
+        sum(table.M_static[stage] for stage in schedule.stages_on(d))
+        - costs.shared_static(schedule.stages_on(d), schedule.num_stages)
+        for d in range(num_devices)
+    ]
     return Timeline(
         schedule=schedule,
         costs=costs,

@@ -71,7 +71,11 @@ def static_options(
                 zero,
                 False,
                 costs,
-                [sum(costs.stage_value("M_static", s) for s in stages_on) for stages_on in placement],
+                [
+                    sum(costs.stage_value("M_static", s) for s in stages_on)
+                    - costs.shared_static(stages_on, candidate.num_stages)
+                    for stages_on in placement
+                ],
                 sequential - gather,
                 cost_model.optimizer_time(on_device, candidate.dp, zero=zero) + gather,
                 # Chimera's twin copies wait for each other at the gradient sync as replicas do:
@@ -95,7 +99,11 @@ def static_options(
                 0,
                 True,
                 plain.costs,
-                [sum(plain.costs.stage_value("M_static", s) - saved[s] for s in stages_on) for stages_on in placement],
+                [
+                    sum(plain.costs.stage_value("M_static", s) - saved[s] for s in stages_on)
+                    - plain.costs.shared_static(stages_on, candidate.num_stages)
+                    for stages_on in placement
+                ],
                 plain.allreduce_time,
                 0.0,  # the host steps every stage, in the offload lanes
                 plain.replica_skew,

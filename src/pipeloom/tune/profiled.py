@@ -317,6 +317,7 @@ class ProfiledCostModel:
             M_W=value["M_W"],
             M_ckpt=value["M_ckpt"],
             M_static=[self._static(n, dp * self.cp, zero) for n in self.stage_params(counts)],
+            M_shared=self._static(self.params.tied / self.tp, dp * self.cp, zero),
             op_overhead=self.overheads.op_ms,
             time_unit="ms",
             memory_unit="bytes",
