@@ -65,7 +65,7 @@ def fidelity_report(plan, results) -> str:
     replicas = plan.dp * plan.cp  # every copy of the weights: data- and context-parallel ranks
     p, layout = plan.pp, RankLayout(plan.pp, replicas, plan.tp, plan.cp)
     times = timed_steps(results[0].step_seconds)  # warm-up left out, as the profile measured
-    steady = _steady(results)
+    steady = _steady(results, len(times))
     measured = 1e3 * statistics.median(t for t, kept in zip(times, steady) if kept)
     expected = predicted.get("step_time_ms")
     lines = ["", "fidelity (predicted by the plan vs measured):"]
@@ -143,15 +143,14 @@ def _why(plan, devices: list, steady: list[bool], measured: float) -> str:
     return f"  why: {again.explain(measured, plan.predicted.get('speed_noise_ms', 0.0))}"
 
 
-def _steady(results) -> list[bool]:
-    """Which timed steps every rank ran at the machine's own speed (`steadiness.steady_steps`):
-    the profile's medians, and so the plan's prediction, are of such steps, and the run's are
-    judged by the same rule."""
+def _steady(results, timed: int) -> list[bool]:
+    """Which of the `timed` steps every rank ran at the machine's own speed
+    (`steadiness.steady_steps`): the profile's medians, and so the plan's prediction, are of such
+    steps, and the run's are judged by the same rule."""
     from pipeloom.profile.steadiness import steady_steps, step_busy, timed_steps
 
-    times = len(timed_steps(results[0].step_seconds))
     steady = steady_steps([step_busy(timed_steps(result.records)) for result in results])
-    return steady if len(steady) == times else [True] * times
+    return steady if len(steady) == timed else [True] * timed
 
 
 def _spells(times: list[float], steady: list[bool]) -> str:

@@ -215,9 +215,10 @@ def _params(model: ModelSpec, workload_for=None) -> Params:
         return sum(t.numel() for module in modules if module is not None for t in module.parameters())
 
     first = count(stage.embed, getattr(stage, "positions", None))
-    experts = getattr(getattr(stage.layers[0], "mlp", None), "experts", None)
-    ends = [{id(t): t for t in module.parameters()} for module in (stage.embed, stage.head) if module is not None]
-    tied = sum(t.numel() for key, t in ends[0].items() if key in ends[-1]) if len(ends) == 2 else 0
     # a MoE layer's routed experts, which expert parallelism shares out
+    experts = getattr(getattr(stage.layers[0], "mlp", None), "experts", None)
+    head = {id(t) for t in stage.head.parameters()} if stage.head is not None else set()
+    embed = list(stage.embed.parameters()) if stage.embed is not None else []
+    tied: int = sum(t.numel() for t in embed if id(t) in head)  # one object at both ends
     last = count(stage.norm, stage.head)
     return Params(count(stage.layers[0]), first, last, count(experts) if experts else 0, tied)
