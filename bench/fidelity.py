@@ -10,23 +10,21 @@ with and without sequence parallelism) of examples/hf-llama-tiny, and a small Mi
 experts on each stage (pp = 2) and shared out by expert parallelism (dp = 2, ep = 2).
 
 Each model's plans then run `--rounds` times (the Hugging Face models' `--hf-rounds`: their
-tensor- and expert-parallel ops wait inside collectives, and vary more) for `--steps` steps (the warm-up left out:
-`steadiness.timed_steps`), taking turns so that a slow spell of the machine falls on one round of
-several plans — and taking turns with the rounds of a second profile of the model, measured the
-same way (each plan with the probes that price its ops: a tensor- or expert-parallel plan with
-its layout's, `profile.layouts`):
-this machine's speed drifts by ±5–10 % over minutes (shared host), so a profile taken
-before the runs predicts them only as well as the machine holds still. Each plan's own schedule is
-priced again under that second profile (`tune.plan.repriced`): the prediction the table checks.
-The first profile's (what `tune` chose the plan from) is printed beside it, with its own MAPE.
+tensor- and expert-parallel ops wait inside collectives, and vary more) for `--steps` steps (the
+warm-up left out: `steadiness.timed_steps`), taking turns so that a slow spell of the machine
+falls on one round of several plans. Each is checked against what `tune` predicted from the
+profile taken before the runs — what a user has, the machine's drift since included (this one's
+speed drifts by ±5–10 % over minutes: a shared host); the simulator's own share of the error is
+apart (each plan's runs' op times replayed through its schedule, `sim.replay`).
 Printed per model family (the built-in decoder; the Hugging Face models, whose misses say what
 their profiles lack): step time predicted and measured (the median of the rounds' medians over
 the steps that ran at the machine's own speed, as the profile's: `steadiness.steady_steps`), its bias
 (predicted over measured, signed), the step's breakdown, and peak activation (stash) bytes per
 device; the mean absolute percentage errors, and each plan's noise: the prediction's band from
 the profile's confidence (`tune.confidence`) and two standard errors of the measured median,
-together — a miss within it is what the measurements can resolve, not a model's error. Goal: MAPE ≤ 3 % for time, ≤ 2 % for memory (Mario
-reports 9.4 % and 5.1 %). Each plan that missed by more than 5 % gets a line saying where: the
+together — a miss within it is what the measurements can resolve, not a model's error. Goals
+(issue 58): MAPE ≤ 5 % for time, the simulator alone ≤ 2 %, memory ≤ 2 % (Mario reports 9.4 %
+and 5.1 %). Each plan that missed by more than 5 % gets a line saying where: the
 pipeline's error split into the op times' share and the runtime's (the run's own op durations
 replayed through the simulator, `sim.replay`), and each other phase that missed, after how busy
 the machine was (wall over CPU time of the ops, `profile.steadiness`); tensor- and
@@ -54,13 +52,11 @@ from fidelity_report import report
 
 from pipeloom.errors import RuntimeFault
 from pipeloom.models.llama import llama_config
-from pipeloom.profile.layouts import EP
-from pipeloom.profile.probe_rounds import Turns
 from pipeloom.profile.profiler import profile_model
-from pipeloom.profile_format import Layout, Profile
+from pipeloom.profile_format import Profile
 from pipeloom.runtime.local import run_local
 from pipeloom.runtime.training import TrainSpec
-from pipeloom.tune.plan import Plan, plan_from_evaluation, repriced
+from pipeloom.tune.plan import Plan, plan_from_evaluation
 from pipeloom.tune.presets import ModelSpec, load_model
 from pipeloom.tune.profiled import ProfiledCostModel
 from pipeloom.tune.search import tune
@@ -106,14 +102,8 @@ round's fork and start cost as much as a few steps, so timed steps are cheaper h
 than by more rounds. At 5 steps (3 timed), a tensor-parallel plan's prediction moved by 1.5–8 %
 (once 37 %) between a model's two profiles, minutes apart, in five runs of this bench."""
 HF_ROUNDS = 16
-"""Rounds of the Hugging Face plans, and at least as many of the probes that price them. Their
-ops wait inside collectives and vary far more than a tp = 1 op: a tp = 2 stage's single F's took
-14–54 ms in one round here, a round's median F carries a standard error of about 8 % (tp = 1:
-2.4 %), and rounds' medians varied by 8–17 % (tp = 1: 7 %). Neither pinning ranks to cores,
-nor renicing their main threads below gloo's, nor turning off Python's GC narrowed it: only more
-samples outvote it. At 5 rounds the tp = 2 plans missed by 0.2–11 % (a mean of 4.1 % in 10
-runs); at 8, by 0.7–11 % (2 runs). The second profile probes only the plans' micro-batch sizes
-(`Group.reprofiling`), which pays for the rounds."""
+"""Rounds of the Hugging Face plans. Their ops wait inside collectives and vary far more than a
+tp = 1 op (`docs/fidelity.md`): only more samples outvote it."""
 EXPLAIN_ABOVE = 0.05
 """Plans whose step missed by more than this share get a line saying where the time went."""
 
@@ -136,30 +126,15 @@ class Row:
     plan: Plan
     spec: Callable[[], TrainSpec]
     """Builds the plan's TrainSpec (`run_built`)."""
-    cost_model: Callable[[Profile], ProfiledCostModel]
-    """The plan's cost model under a profile of its model (tensor and expert parallelism set)."""
     runs: list = field(default_factory=list)
-    again: Plan | None = None
-    """The plan priced under the profile measured by turns with its runs (`tune.plan.repriced`)."""
-
-    def price_again(self, profile: Profile) -> None:
-        cost_model = self.cost_model(profile)
-        self.again = repriced(self.plan, cost_model)
-        self.again.predicted.update(collective_predictions(self.again, cost_model))
 
 
 @dataclass
 class Group:
-    """A model, how it is profiled and the plans tuned from its first profile."""
+    """A model and the plans tuned from its profile."""
 
     model: ModelSpec
     rows: list[Row]
-    profiling: dict
-    """`profile_model`'s arguments."""
-    source: str | None = None
-    """Where `spec_from_plan` finds the model (hf:DIR), set on each of its profiles."""
-    reprofiling: dict = field(default_factory=dict)
-    """What the second profile (by turns with the runs) changes of `profiling`."""
 
 
 def main() -> None:
@@ -211,14 +186,10 @@ def lean_process() -> ProcessPoolExecutor:
     return lean
 
 
-def first_profile(model: ModelSpec, profiling: dict, lean: ProcessPoolExecutor) -> Profile:
+def profiled(model: ModelSpec, profiling: dict, lean: ProcessPoolExecutor) -> Profile:
+    """`model` profiled by `profile_model(**profiling)` in the lean process; how noisy it was, printed."""
     print(f"profiling {model.name} ...", flush=True)
     profile = lean.submit(profile_model, model, **profiling).result()
-    describe(profile)
-    return profile
-
-
-def describe(profile: Profile) -> None:
     noise = profile.noise
     print(
         f"  op times spread {noise.median_spread:.1%} (worst {noise.worst_spread:.1%}), "
@@ -226,16 +197,17 @@ def describe(profile: Profile) -> None:
     )
     for warning in profile.warnings:
         print(f"  warning: {warning}")
+    return profile
 
 
 def dense_group(reuse: str | None, steps: int, lean: ProcessPoolExecutor) -> Group:
     """One tuned plan per row of PLANS, from a profile of examples/tiny-llama.json."""
     model = load_model(MODEL)
-    profiling = {"micro_batches": (1, 2, 4), "layer_counts": (1, 2, 4), "steps": PROBE_STEPS, "turns": Turns(6)}
+    profiling = {"micro_batches": (1, 2, 4), "layer_counts": (1, 2, 4), "steps": PROBE_STEPS, "max_rounds": 6}
     if reuse:
         profile = Profile.from_dict(json.loads(Path(reuse).read_text()))
     else:
-        profile = first_profile(model, profiling, lean)
+        profile = profiled(model, profiling, lean)
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
             json.dump(profile.to_dict(), handle)
             print(f"  profile kept at {handle.name} (--profile to reuse)")
@@ -256,8 +228,8 @@ def dense_group(reuse: str | None, steps: int, lean: ProcessPoolExecutor) -> Gro
             zero=plan.zero,
             offload_stages=plan.offload_stages,
         )
-        rows.append(Row(result.best.candidate.label, plan, spec, ProfiledCostModel))
-    return Group(model, rows, profiling)
+        rows.append(Row(result.best.candidate.label, plan, spec))
+    return Group(model, rows)
 
 
 def hf_groups(directory: Path, steps: int, lean: ProcessPoolExecutor) -> list[Group]:
@@ -287,20 +259,17 @@ def hf_groups(directory: Path, steps: int, lean: ProcessPoolExecutor) -> list[Gr
             "micro_batches": (1, 2),
             "layer_counts": (1, 2, 4),  # the plans run 4 layers a stage: read between probes, not beyond
             "steps": PROBE_STEPS,
-            "turns": Turns(4),
+            "max_rounds": 4,
             "workload_for": partial(hf_workload_at, source),
             "tensor_parallel": layouts,
             "context_parallel": contexts,
         }
-        profile = dataclasses.replace(first_profile(model, profiling, lean), source=f"hf:{source}")
+        profile = dataclasses.replace(profiled(model, profiling, lean), source=f"hf:{source}")
         rows = []
         for tuning in tunings:
-            label, plan, cost_model = hf_tuned(model, tuning, profile)
-            rows.append(Row(label, plan, partial(spec_from_plan, plan, steps=steps), cost_model))
-        # probed again at the plans' micro-batch sizes only: each plan is priced at its own, and
-        # the rounds saved go to more of them (`HF_ROUNDS`)
-        sizes = tuple(sorted({row.plan.micro_batch_size for row in rows}))
-        groups.append(Group(model, rows, profiling, f"hf:{source}", {"micro_batches": sizes}))
+            label, plan = hf_tuned(model, tuning, profile)
+            rows.append(Row(label, plan, partial(spec_from_plan, plan, steps=steps)))
+        groups.append(Group(model, rows))
     return groups
 
 
@@ -310,21 +279,18 @@ def hf_workload_at(directory: Path, layers: int, mbs: int):
     return hf_workload(directory, 0, mbs, HF_SEQ, layers=layers)
 
 
-def hf_tuned(
-    model: ModelSpec, tuning: dict, profile: Profile
-) -> tuple[str, Plan, Callable[[Profile], ProfiledCostModel]]:
+def hf_tuned(model: ModelSpec, tuning: dict, profile: Profile) -> tuple[str, Plan]:
     """A tensor-, context- or expert-parallel 1F1B plan of a Hugging Face model on 2 ranks (expert
     parallelism without ZeRO, as `tune --runnable` plans it; context parallelism priced from the
     probes run on cp ranks)."""
     tp, sp, ep = tuning.get("tp", 1), tuning.get("sequence_parallel", False), tuning.get("ep", 1)
-    cost_model_of = partial(hf_cost_model, tp, sp, ep, tuning.get("cp", 1))
-    cost_model = cost_model_of(profile)
+    cost_model = hf_cost_model(tp, sp, ep, tuning.get("cp", 1), profile)
     space = {"pp_values": tuning.get("pp_values", [1]), "micro_batches": [1, 2]}
     result = tune(cost_model, 2, 2**30, 8, schemes=["1f1b"], static_measures=ep == 1, **space)
     plan = plan_from_evaluation(result.best, result, cost_model.model, cost_model.to_dict())
     plan.predicted.update(collective_predictions(plan, cost_model))
     label = f"{model.name} {result.best.candidate.label}{' +sp' if sp else ''}"
-    return label, plan, cost_model_of
+    return label, plan
 
 
 def hf_cost_model(tp: int, sequence_parallel: bool, ep: int, cp: int, profile: Profile) -> ProfiledCostModel:
@@ -350,65 +316,28 @@ def collective_predictions(plan: Plan, cost_model) -> dict:
 def run_built(spec: Callable[[], TrainSpec]) -> list:
     """`run_local` of the spec `spec` builds (in the lean process, where a Hugging Face model's
     spec, whose workload holds closures, is built), its results without the weights and
-    gradients: the lean process keeps every round's until the profile is done, and with the
-    weights kept, ranks forked from it ran the second profile's probes slower than the plans'
-    ops (one run: F 7–14 % faster in every plan than that profile said)."""
+    gradients: the lean process keeps every round's until the last, and ranks forked from a
+    process holding more run slower (`lean_process`)."""
     return [dataclasses.replace(result, parameters={}, gradients={}) for result in run_local(spec())]
 
 
 def measure_by_turns(group: Group, rounds: int, lean: ProcessPoolExecutor) -> None:
-    """The group's plans `rounds` times, a round of each at a time — a slow spell of the machine
+    """The group's plans `rounds` times, a round of each at a time: a slow spell of the machine
     falls on one round of several plans, which their other rounds outvote (as the profile's
-    probes do) — and between the rounds of a second profile of the model, under which each plan
-    is priced again (`Row.again`)."""
-    name = group.model.name
-    print(f"{name}: {len(group.rows)} plans × {rounds} rounds, by turns with a second profile ...", flush=True)
-    plans = [(row.spec, layout(row.plan)) for row in group.rows]
-    profiling = group.profiling | group.reprofiling
-    profile, runs = lean.submit(profile_by_turns, group.model, profiling, plans, rounds).result()
-    describe(profile)
+    probes do)."""
+    print(f"{group.model.name}: {len(group.rows)} plans × {rounds} rounds, by turns ...", flush=True)
+    runs = lean.submit(runs_by_turns, [row.spec for row in group.rows], rounds).result()
     for row, row_runs in zip(group.rows, runs):
         row.runs = row_runs
-        row.price_again(dataclasses.replace(profile, source=group.source or profile.source))
 
 
-def layout(plan: Plan) -> Layout:
-    """The probes that price the plan's ops: its tp ranks', its cp ranks', its replicas' sharing out the experts
-    (expert parallelism: all-to-alls priced, `collective_predictions`), or the plain ones."""
-    if plan.tp > 1:
-        return Layout(plan.tp, plan.sequence_parallel)
-    if plan.cp > 1:
-        return Layout(cp=plan.cp)
-    return Layout(ep=EP) if "a2a_ms" in plan.predicted else Layout()
-
-
-def profile_by_turns(
-    model: ModelSpec, profiling: dict, plans: list[tuple[Callable[[], TrainSpec], Layout]], rounds: int
-) -> tuple[dict, list[list]]:
-    """A profile of `model` (`profiling`: `profile_model`'s arguments, each probe run at least
-    `rounds` rounds) whose rounds take turns with `rounds` rounds of the plans (what builds each
-    one's TrainSpec, and the layout whose probes price its ops: `layout`): after each round of a
-    layout's probes, a round of each of its plans — measured in the same spells of the machine
-    as the op times they are priced by (a tensor- or expert-parallel plan's ops by its layout's
-    probes, run minutes after the plain ones). The profile, and per plan its rounds' results."""
-    runs: list[list] = [[] for _ in plans]
-    probed = {Layout(), *(Layout(tp, sp) for tp, sp in profiling.get("tensor_parallel", ()))}
-    probed |= {Layout(cp=cp) for cp in profiling.get("context_parallel", ())}
-    if model.num_experts:
-        probed.add(Layout(ep=EP))  # `profile_model` measures a mixture of experts' exchanges
-
-    def plan_rounds(of: Layout | None) -> None:
-        """A round of each plan whose probes are `of` (None: each plan) that has rounds left."""
-        for (spec, plan_layout), done in zip(plans, runs):
-            mine = plan_layout if plan_layout in probed else Layout()
-            if (of is None or mine == of) and len(done) < rounds:
-                done.append(run_built(spec))
-
-    turns = Turns(max(rounds, profiling["turns"].max_rounds), rounds, between_rounds=plan_rounds)
-    profile = profile_model(model, **(profiling | {"turns": turns}))
-    while any(len(done) < rounds for done in runs):  # those the probes, settled sooner, left
-        plan_rounds(None)
-    return profile, runs
+def runs_by_turns(specs: list[Callable[[], TrainSpec]], rounds: int) -> list[list]:
+    """Per plan (what builds its TrainSpec), its `rounds` rounds' results, a round of each at a time."""
+    runs: list[list] = [[] for _ in specs]
+    for _ in range(rounds):
+        for spec, done in zip(specs, runs):
+            done.append(run_built(spec))
+    return runs
 
 
 if __name__ == "__main__":

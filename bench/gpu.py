@@ -230,7 +230,6 @@ def _line(row: Row) -> str:
 def profile_against_a_plain_loop(device: str, smoke: bool) -> None:
     """(f): the profile's op times on this device against the same ops in a plain loop."""
     from pipeloom.models.llama import build_stages, llama_config
-    from pipeloom.profile.probe_rounds import Turns
     from pipeloom.profile.profiler import profile_model
     from pipeloom.runtime.clocks import clock_for
     from pipeloom.tune.presets import ModelSpec
@@ -242,9 +241,7 @@ def profile_against_a_plain_loop(device: str, smoke: bool) -> None:
     )
     sizes, counts = (1, 2), (1, 2)
     began = time.perf_counter()
-    profile = profile_model(
-        model, sizes, counts, steps=4, turns=Turns(max_rounds=3), device=device, allow_busy=not smoke
-    )
+    profile = profile_model(model, sizes, counts, steps=4, max_rounds=3, device=device, allow_busy=not smoke)
     print(f"\n(f) profile --device {device}: {time.perf_counter() - began:.0f} s; {profile.device.description}")
     print(f"{'op of the first stage':<28}{'profile ms':>12}{'plain loop ms':>15}{'ratio':>8}")
     clock, where = clock_for(torch.device(device)), torch.device(device)

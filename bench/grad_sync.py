@@ -25,7 +25,6 @@ import statistics
 
 from pipeloom import build_schedule
 from pipeloom.models.llama import LlamaConfig
-from pipeloom.profile.probe_rounds import Turns
 from pipeloom.profile.profiler import profile_model
 from pipeloom.runtime import TrainSpec, run_local
 from pipeloom.sim import exposed_sync, simulate
@@ -65,7 +64,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="runs of each way, taking turns")
     args = parser.parse_args()
     print("profiling the decoder's ops and this machine's all-reduce ...", flush=True)
-    cost_model = ProfiledCostModel(profile_model(MODEL, (MBS,), (1, 2), steps=2, turns=Turns(max_rounds=2)))
+    cost_model = ProfiledCostModel(profile_model(MODEL, (MBS,), (1, 2), steps=2, max_rounds=2))
     print(f"dp {DP}, {M} micro-batches of {MBS} × {MODEL.seq_len}; hidden {MODEL.hidden}, {MODEL.layers} layers")
     print(
         f"{'schedule':<17}{'sync':<12}{'predicted pipe+sync':>20}{'measured pipe+sync':>20}"

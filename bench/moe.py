@@ -24,7 +24,6 @@ import tempfile
 from pathlib import Path
 
 from pipeloom import build_schedule
-from pipeloom.profile.probe_rounds import Turns
 from pipeloom.profile.profiler import profile_model
 from pipeloom.runtime import TrainSpec, hf_workload, run_local
 from pipeloom.sim.simulate import simulate
@@ -66,7 +65,7 @@ def main() -> None:
             return hf_workload(directory, 0, mbs, SEQ, layers=layers)
 
         print("profiling the model's ops and its all-to-alls (ep 2) ...", flush=True)
-        profile = profile_model(model, (MBS,), (1, 2), steps=2, workload_for=workload_for, turns=Turns(max_rounds=2))
+        profile = profile_model(model, (MBS,), (1, 2), steps=2, workload_for=workload_for, max_rounds=2)
         cost_model = ProfiledCostModel(profile)
         cost_model.model = dataclasses.replace(cost_model.model, expert_parallel=EP)
         stages = 2 * P

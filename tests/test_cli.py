@@ -460,10 +460,10 @@ def test_a_plans_measured_step_is_taken_over_the_steps_the_profile_would_keep():
             records=records, step_seconds=seconds, phase_seconds=phases, static_bytes=None, peak_memory_bytes=None
         )
 
-    plan = SimpleNamespace(predicted={"step_time_ms": 100.0}, pp=2, dp=1, cp=1, tp=1)
+    plan = SimpleNamespace(predicted={"step_time_ms": 100.0, "band_ms": 2.5}, pp=2, dp=1, cp=1, tp=1)
     plan.schedule, plan.costs = build_schedule("1f1b", 2, 1), Costs(F=1.0, B=1.0)
     step = next(line for line in fidelity_report(plan, [rank(), rank()]).splitlines() if "step time" in line)
-    assert "vs     100.0 ms  (+0.0%; the steps' noise ±26.2% over 7 timed steps" in step
+    assert "vs     100.0 ms  (+0.0%; the profile's band ±2.5%; the steps' noise ±26.2% over 7 timed steps" in step
     assert step.endswith("3 step(s) in a slow spell of the host left out, as the profile does: all 7, 101.0 ms)")
 
 

@@ -248,12 +248,9 @@ def test_the_profile_measures_the_ops_apart_from_their_exchanges_with_the_expert
     from pipeloom.profile_format import Layout
 
     directory = model_dir(tmp_path, "mixtral")
-    turns: list[Layout] = []
     workload_for = lambda n, mbs: hf_workload(directory, 0, mbs, SEQ, layers=n)  # noqa: E731
     probed = ProbeModel(None, steps=1, workload_for=workload_for)
-    rounds = Turns(between_rounds=turns.append).fixed(1)
-    measured, probes = measure_layout(Layout(ep=2), probed, (1,), (1, 2), rounds)
-    assert turns == [Layout(ep=2)]  # what takes turns with the probes ran after their round, told their layout
+    measured, probes = measure_layout(Layout(ep=2), probed, (1,), (1, 2), Turns().fixed(1))
     fits = measured.fits[1]
     assert {"F", "B", "W", "R", "M_B", "M_W", "a2a_F", "a2a_B"} <= fits.keys()
     assert fits["a2a_F"].per_layer + fits["a2a_F"].single > 0 and fits["M_B"].per_layer > 0

@@ -203,7 +203,6 @@ def test_a_profile_taken_in_one_process_forks_no_rank_and_prices_its_ops_one_aft
     in this process (no rank forked, no link between ranks), the links those of one process, the
     replicas' wait none, and the per-op overhead fitted against the ops run one after another."""
     from pipeloom.profile import profiler
-    from pipeloom.profile.probe_rounds import Turns
     from pipeloom.profile.profiler import profile_model
     from pipeloom.runtime import local
     from pipeloom.tune.presets import model_from_config
@@ -215,7 +214,7 @@ def test_a_profile_taken_in_one_process_forks_no_rank_and_prices_its_ops_one_aft
     monkeypatch.setattr(local, "run_local", no_fork)
     monkeypatch.setattr(profiler, "measure_links", no_fork)
     profile = profile_model(
-        model_from_config(MODEL), (1,), (1, 2), steps=1, turns=Turns(max_rounds=2), in_process=True, allow_busy=True
+        model_from_config(MODEL), (1,), (1, 2), steps=1, max_rounds=2, in_process=True, allow_busy=True
     )
     assert profile.device.kind == "cpu" and "one process" in profile.device.description
     assert profile.plain.waits == {} and list(profile.layouts) == [Layout()]

@@ -161,3 +161,17 @@ def test_a_near_tie_never_ranks_first_a_plan_slower_than_the_fastest_plans_band(
     assert "near-tie, predicted" in faster and "faster, within the profile's noise of the first" in faster
     assert "which needs less peak memory (79.7 KiB against 86.1 KiB)" in faster
     assert not any(": time, -" in line for line in lost)
+
+
+def test_a_plan_keeps_its_band_for_train_to_print_beside_its_error():
+    """`tune --output`'s plan carries the band its ranking had (`predicted.band_ms`); a profile
+    that knows its figures exactly gives a plan none."""
+    from pipeloom.tune.plan import plan_from_evaluation
+
+    for error in (0.3, 0.0):
+        cost_model = _with_confidence(error)
+        result = tune(cost_model, 2, 1e9, 8, keep=6, **SPACE)
+        for evaluation, expected in zip(result.ranked, result.bands):
+            predicted = plan_from_evaluation(evaluation, result, cost_model.model, {}).predicted
+            assert predicted.get("band_ms") == (expected if error else None)
+            assert expected > 0 if error else expected == 0

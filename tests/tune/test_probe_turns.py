@@ -1,5 +1,5 @@
-"""The profile's probes taking turns with other runs (`probe_rounds.run_by_turns`): where the
-hook falls, and that `min_rounds` keeps settled probes going."""
+"""The profile's probes taking turns (`probe_rounds.run_by_turns`): a round of each at a time,
+settled probes kept going for `min_rounds`, never past `max_rounds`."""
 
 from types import SimpleNamespace
 
@@ -20,34 +20,29 @@ def _measure(monkeypatch, min_rounds: int, max_rounds: int) -> list[str]:
     monkeypatch.setattr(probe_rounds, "samples", lambda results: {"F@0": [1.0, 1.0]})  # settles at once
     monkeypatch.setattr(probe_rounds, "steady_probe", lambda schedule, rounds, series, variation: len(rounds))
     specs = {name: SimpleNamespace(name=name, schedule=None) for name in "ab"}
-    turns = probe_rounds.Turns(max_rounds, min_rounds, between_rounds=lambda layout: events.append("|"))
-    measured = probe_rounds.measure_probes(specs, turns, [])
-    assert all(count == len(events) // 3 for count in measured.values())
+    measured = probe_rounds.measure_probes(specs, probe_rounds.Turns(max_rounds, min_rounds), [])
+    assert all(count == len(events) // 2 for count in measured.values())
     return events
 
 
-def test_the_hook_runs_after_every_round_of_the_probes(monkeypatch):
-    assert _measure(monkeypatch, min_rounds=1, max_rounds=6) == ["a", "b", "|", "a", "b", "|"]  # settled on round 2
+def test_the_probes_take_a_round_each_at_a_time(monkeypatch):
+    assert _measure(monkeypatch, min_rounds=1, max_rounds=6) == ["a", "b", "a", "b"]  # settled on round 2
 
 
 def test_settled_probes_go_on_for_min_rounds_but_never_past_max_rounds(monkeypatch):
-    assert _measure(monkeypatch, min_rounds=4, max_rounds=6) == ["a", "b", "|"] * 4
-    assert _measure(monkeypatch, min_rounds=9, max_rounds=3) == ["a", "b", "|"] * 3
+    assert _measure(monkeypatch, min_rounds=4, max_rounds=6) == ["a", "b"] * 4
+    assert _measure(monkeypatch, min_rounds=9, max_rounds=3) == ["a", "b"] * 3
 
 
-def test_tensor_parallel_probes_tell_the_hook_their_layout_and_keep_their_own_speeds(monkeypatch):
-    """What takes turns with a layout's probes is told which layout ran (a plan is measured
-    beside the probes that price it), each layout's op variation is its own, and a stage over tp
-    ranks is fitted at the single stage's position from its first rank."""
+def test_tensor_parallel_probes_keep_their_own_speeds(monkeypatch):
+    """Each layout's op variation is its own, its rounds are not judged busy, and a stage over
+    tp ranks is fitted at the single stage's position from its first rank."""
     from pipeloom.profile import layouts
     from pipeloom.profile.probe_rounds import Turns
     from pipeloom.profile_format import Layout
 
-    turns: list[Layout] = []
-
     def measure_probes(specs, rounds, op_variation):
         assert rounds.busy is None  # their ops wait inside collectives: no round is judged busy
-        rounds.between_rounds(rounds.layout)
         op_variation.extend([1.0 + k / 100 for k in range(40)] if specs[1, 1] else [1.0] * 40)
         return {
             key: SimpleNamespace(
@@ -61,10 +56,9 @@ def test_tensor_parallel_probes_tell_the_hook_their_layout_and_keep_their_own_sp
     monkeypatch.setattr(layouts, "measure_probes", measure_probes)
     probed = SimpleNamespace(spec=lambda *a, sequence_parallel, **kw: sequence_parallel)
     measured = {
-        layout: layouts.measure_layout(layout, probed, [1], [1, 2], Turns(3, between_rounds=turns.append))[0]
+        layout: layouts.measure_layout(layout, probed, [1], [1, 2], Turns(3, busy=SimpleNamespace()))[0]
         for layout in (Layout(2, False), Layout(2, True))
     }
-    assert turns == [Layout(2, False), Layout(2, True)]
     tp2, tp2sp = measured[Layout(2)], measured[Layout(2, True)]
     assert tp2.fits[1]["F"].per_layer == 2.0 and tp2.fits[1]["F"].single == 0.0 and tp2.fits[1]["F"].first is None
     assert tp2.speed.op[-1] == 1.0 and tp2sp.speed.op[-1] == pytest.approx(1.39)

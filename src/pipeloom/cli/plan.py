@@ -72,7 +72,7 @@ def fidelity_report(plan, results) -> str:
     if expected:
         lines.append(
             f"  step time   {expected:9.1f} ms  vs {measured:9.1f} ms  ({measured / expected - 1:+.1%}; "
-            f"{_noise(times)}{_spells(times, steady)})"
+            f"{_band(predicted)}{_noise(times)}{_spells(times, steady)})"
         )
         pipeline_ranks = [results[layout.rank(0, d)] for d in range(p)]
         lines += _breakdown(predicted, list(compress(timed_steps(last_pipeline_phases(pipeline_ranks)), steady)))
@@ -162,6 +162,13 @@ def _spells(times: list[float], steady: list[bool]) -> str:
     return (
         f"; {slow} step(s) in a slow spell of the host left out, as the profile does: all {len(times)}, {every:.1f} ms"
     )
+
+
+def _band(predicted: dict) -> str:
+    """The prediction's own band, where the plan has one (`tune.confidence`: how well the profile
+    knew the op times it was priced by)."""
+    band, step = predicted.get("band_ms"), predicted["step_time_ms"]
+    return f"the profile's band ±{band / step:.1%}; " if band else ""
 
 
 def _noise(times: list[float]) -> str:

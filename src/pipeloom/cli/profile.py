@@ -162,7 +162,6 @@ def run(args: argparse.Namespace) -> int:
             f"({model.seq_len} tokens)"
         )
     check_writable(args.output)
-    from pipeloom.profile.probe_rounds import Turns
     from pipeloom.profile.profiler import profile_model
     from pipeloom.tune.profiled import ProfiledCostModel, profile_costs_keys
 
@@ -175,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         progress=progress_bar("profile", args.quiet, "probe"),
         workload_for=workload_for,
         dtype=args.dtype,
-        turns=Turns(max_rounds=args.max_rounds),
+        max_rounds=args.max_rounds,
         allow_busy=args.allow_busy or os.environ.get(ALLOW_BUSY_ENV) == "1",
         tensor_parallel=layouts,
         context_parallel=[args.cp] if args.cp > 1 else [],

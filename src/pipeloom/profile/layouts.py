@@ -60,7 +60,7 @@ def measure_layout(
         parallel = {"stages": 1, "cp": layout.cp}
     specs = {(mbs, n): probed.spec(mbs, n, **parallel) for mbs in micro_batches for n in layer_counts}
     op_variation: list[float] = []
-    measured = measure_probes(specs, turns.of(layout, turns.busy if layout.stages == 2 else None), op_variation)
+    measured = measure_probes(specs, turns if layout.stages == 2 else replace(turns, busy=None), op_variation)
     busy = (steps for probe in measured.values() for steps in probe.busy)
     return (
         LayoutProfile(

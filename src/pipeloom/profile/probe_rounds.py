@@ -3,9 +3,9 @@ times, stashed bytes, exchanges and step phases.
 
 Every probe — of any layout: two stages, slices, a stage over tp ranks, dp replicas, replicas
 sharing out experts — is a TrainSpec of `ProbeModel`, run in rounds of a few steps by
-`run_by_turns` under one policy (`Turns`), which also runs what a bench measures beside them;
-`samples` reads one round, `Series` decides when the rounds have settled, and `steady_probe`
-measures the probe over the steps that ran at the machine's own speed (`steadiness`).
+`run_by_turns` under one policy (`Turns`); `samples` reads one round, `Series` decides when the
+rounds have settled, and `steady_probe` measures the probe over the steps that ran at the
+machine's own speed (`steadiness`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from pipeloom.profile.steadiness import (
     step_busy,
     timed_steps,
 )
-from pipeloom.profile_format import Layout
 from pipeloom.schedules.registry import build_schedule
 from pipeloom.tune.presets import ModelSpec
 
@@ -150,26 +149,18 @@ def _nothing(*_: Any) -> None:
 
 @dataclass(frozen=True)
 class Turns:
-    """How runs take their rounds (`run_by_turns`): a round of each at a time, so a slow spell of
-    the machine falls on one round of several runs, not every round of one; each run again until
+    """How probes take their rounds (`run_by_turns`): a round of each at a time, so a slow spell
+    of the machine falls on one round of several probes, not every round of one; each again until
     its medians settle (`steadiness.Series`), at least `min_rounds` and at most `max_rounds`
     rounds. A round `busy` finds contended is dropped and run again (`Contention` refuses once
     the machine stays busy; None: not judged — a GPU's ops, or ops that wait inside their
-    collectives). `between_rounds(layout)` runs after each round: what takes turns with the
-    probes of `layout` (a bench's runs) falls in the same spells of the machine. `in_process`:
-    every rank in this process (`run_probe`)."""
+    collectives). `in_process`: every rank in this process (`run_probe`)."""
 
     max_rounds: int = 4
     min_rounds: int = 1
     busy: Contention | None = None
     tick: Callable[[], None] = _nothing
-    between_rounds: Callable[[Layout], None] | None = None
-    layout: Layout = Layout()
     in_process: bool = False
-
-    def of(self, layout: Layout, busy: Contention | None = None) -> Turns:
-        """These turns for the probes of `layout`, their rounds judged by `busy`."""
-        return replace(self, layout=layout, busy=busy)
 
     def fixed(self, rounds: int) -> Turns:
         """Exactly `rounds` rounds, settled or not, outside the progress count."""
@@ -198,8 +189,6 @@ def run_by_turns(specs: dict, turns: Turns) -> tuple[dict[Any, list], dict[Any, 
             series[key].add(samples(results))
             rounds[key].append(results)
             turns.tick()
-        if turns.between_rounds is not None:
-            turns.between_rounds(turns.layout)
     return rounds, series
 
 

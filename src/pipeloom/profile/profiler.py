@@ -35,8 +35,6 @@ from pipeloom.tune.profiled import ProfiledCostModel
 
 __all__ = ["profile_model", "ping_seconds", "probe_schedule"]
 
-DEFAULT_TURNS = Turns()
-"""Up to 4 rounds a probe, nothing run between them."""
 STATIC_BYTES_PER_PARAM = 16
 """fp32 weights, gradients and AdamW's two moments: what the runtime holds per parameter."""
 
@@ -50,7 +48,7 @@ def profile_model(
     progress: Callable[[int, int], None] | None = None,
     workload_for: Callable[[int, int], object] | None = None,
     dtype: str = "fp32",
-    turns: Turns = DEFAULT_TURNS,
+    max_rounds: int = 4,
     allow_busy: bool = False,
     tensor_parallel: Sequence[tuple[int, bool]] = (),
     context_parallel: Sequence[int] = (),
@@ -62,23 +60,18 @@ def profile_model(
     size)` builds another model to probe (a Hugging Face one: `models.hf.hf_workload`); by
     default it is the built-in LLaMA-style decoder of `model`'s shape. Each probe times `steps`
     steps a round (after its warm-up: `steadiness.timed_steps`), in as many rounds as its medians
-    take to settle, the probes taking `turns` (`probe_rounds.Turns`: at most `max_rounds`, and
-    what runs between their rounds). RuntimeFault if the machine is too busy to measure
-    (`steadiness.Contention`), unless `allow_busy`.
-    `tensor_parallel`: (tp, sequence parallel) layouts whose ops are measured too;
+    take to settle (at most `max_rounds`), the probes taking turns (`probe_rounds.Turns`).
+    RuntimeFault if the machine is too busy to measure (`steadiness.Contention`), unless
+    `allow_busy`. `tensor_parallel`: (tp, sequence parallel) layouts whose ops are measured too;
     `context_parallel`: cp sizes whose layouts (one stage over cp ranks) are measured too;
     `slices`: slice counts (svpp, terapipe) the plain probes run again in, each micro-batch's
     sequence cut into that many causal slices (a slice's op, the median over the slices); a
-    mixture of experts is measured on replicas sharing out its experts too (`layouts`).
-    `turns.between_rounds` is called after each round of the probes with their layout: the plain
-    ones', then each sliced, tensor-parallel and expert-parallel one's: runs that take turns with
-    the rounds of the probes that price them (a
-    bench's plans) see the machine at the speed those measured; every probe then runs at least
-    `turns.min_rounds` rounds, so that the turns last as long as the runs. On `device` "cuda" the probes
-    run `in_process` (by default there; on a CPU the ranks are forked): every stage of a probe on
-    the one GPU, each op timed by the device's events, the links those of one process
-    (`links.in_process_links`); tensor and expert parallelism, which need ranks, are refused, and
-    the replicas' wait for each other is none (they run one after the other)."""
+    mixture of experts is measured on replicas sharing out its experts too (`layouts`). On
+    `device` "cuda" the probes run `in_process` (by default there; on a CPU the ranks are
+    forked): every stage of a probe on the one GPU, each op timed by the device's events, the
+    links those of one process (`links.in_process_links`); tensor and expert parallelism, which
+    need ranks, are refused, and the replicas' wait for each other is none (they run one after
+    the other)."""
     in_process = device == "cuda" if in_process is None else in_process
     mixture = workload_for is not None and getattr(workload_for(1, 1), "experts", None) is not None
     if in_process:
@@ -90,7 +83,7 @@ def profile_model(
     ranked = [Layout(tp, sequence_parallel) for tp, sequence_parallel in tensor_parallel]
     ranked += [Layout(cp=cp) for cp in context_parallel]
     ranked += [Layout(ep=EP)] if mixture and not in_process else []
-    total = len(micro_batches) * len(layer_counts) * turns.max_rounds * (1 + len(slices) + len(ranked)) + 1
+    total = len(micro_batches) * len(layer_counts) * max_rounds * (1 + len(slices) + len(ranked)) + 1
     busy = Contention(allow=allow_busy)
     checked = busy if device == "cpu" else None  # a GPU's kernels run beside their host thread's CPU time
     probed = ProbeModel(model, steps, threads, workload_for, dtype, None if device == "cpu" else device)
@@ -101,14 +94,14 @@ def profile_model(
         if progress:
             progress(min(done[0], total - 1), total)
 
-    turns = replace(turns, busy=checked, tick=tick, in_process=in_process)
+    turns = Turns(max_rounds, busy=checked, tick=tick, in_process=in_process)
     plain, measured = measure_layout(Layout(), probed, micro_batches, layer_counts, turns)
     layouts = {Layout(): plain}
     for layout in [Layout(slices=count) for count in slices] + ranked:
         layouts[layout] = measure_layout(layout, probed, micro_batches, layer_counts, turns)[0]
     if not in_process:  # the replicas' waits, at the plans' size: the least fixed cost per pipeline ms
         largest = (max(micro_batches), max(layer_counts))
-        paired = replace(turns.fixed(min(REPLICA_ROUNDS, turns.max_rounds)), between_rounds=None)
+        paired = turns.fixed(min(REPLICA_ROUNDS, max_rounds))
         for layout in [Layout(), *(layout for layout in ranked if layout.ep > 1)]:
             layouts[layout] = replace(layouts[layout], waits=replica_waits(layout, probed, *largest, paired))
     if progress:

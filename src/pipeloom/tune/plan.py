@@ -223,7 +223,7 @@ def plan_from_evaluation(evaluation: Evaluation, result: TuneResult, model: Mode
         partition=tuple(evaluation.partition),
         schedule=schedule,
         costs=costs,
-        predicted=_predicted(evaluation, result.global_batch),
+        predicted=_predicted(evaluation, result.global_batch) | _band(evaluation, result),
         zero=candidate.zero,
         offload_stages=tuple(evaluation.offload.plan.stages) if evaluation.offload else (),
         sequence_parallel=bool(cost_model.get("sequence_parallel", False)),
@@ -248,6 +248,13 @@ def repriced(plan: Plan, cost_model: CostModel) -> Plan:
         costs=evaluation.costs,
         predicted=_predicted(evaluation, plan.global_batch) | {"band_ms": band(moves)},
     )
+
+
+def _band(evaluation: Evaluation, result: TuneResult) -> dict:
+    """{"band_ms": ± ms around the step from the profile's confidence} where the search gave the
+    plan one (`TuneResult.bands`), else {}."""
+    bands = [b for e, b in zip(result.ranked, result.bands) if e is evaluation and b > 0]
+    return {"band_ms": bands[0]} if bands else {}
 
 
 def _predicted(evaluation: Evaluation, global_batch: int) -> dict:
