@@ -76,6 +76,7 @@ def report(rows: list, explain_above: float) -> None:
     )
     print("\n".join(f"  {line}" for line in traffics))
     print(f"per plan |error|: {', '.join(f'{e:.1%}' for e in errors['time'])}")
+    print(f"per plan |error| of the simulator alone: {', '.join(f'{e:.1%}' for e in errors['simulator'])}")
     print(
         f"per plan noise (the profile's band and two standard errors of the measured median, together): "
         f"{', '.join(f'±{n:.1%}' for n in noises)}; {sum(within)} of {len(rows)} plans missed by no more than that"

@@ -42,7 +42,7 @@ from pipeloom.errors import ConfigError
 from pipeloom.files import read_json
 from pipeloom.stage_costs import StageCosts
 
-__all__ = ["Costs", "CostValue", "causal_attention_fraction"]
+__all__ = ["Costs", "CostValue", "causal_attention_fraction", "hosts_both_ends"]
 
 CostValue = float | Sequence[float | Sequence[float]]
 
@@ -51,6 +51,12 @@ _OFFLOAD_KEYS = ("offload_bytes", "reload_bytes", "host_step_flops", "M_offload"
 _RATE_KEYS = ("host_bandwidth", "host_flops")
 _ATTENTION_KEYS = ("F", "B", "R")
 _UNITS = {"time_unit": (None, "ms", "s", "us"), "memory_unit": (None, "bytes")}
+
+
+def hosts_both_ends(stages: Collection[int], num_stages: int) -> bool:
+    """Whether a device hosting `stages` holds the first and the last of `num_stages`: a tied
+    embedding, which both count, is one object there."""
+    return num_stages > 1 and {0, num_stages - 1} <= set(stages)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,7 +231,7 @@ class Costs:
     def shared_static(self, stages: Collection[int], num_stages: int) -> float:
         """What a device hosting `stages` (of `num_stages`) holds once although two of them count
         it: `M_shared` where it hosts both the first and the last stage, else nothing."""
-        return self.M_shared if num_stages > 1 and {0, num_stages - 1} <= set(stages) else 0.0
+        return self.M_shared if hosts_both_ends(stages, num_stages) else 0.0
 
     # -- resolution for one schedule shape -------------------------------------------------
 

@@ -450,3 +450,19 @@ def test_a_tied_embedding_is_priced_once_on_a_device_hosting_both_ends():
     ends = simulate(build_schedule("zb-v", 2, 4), costs).static_memory[0]
     assert ends == pytest.approx(costs.stage_value("M_static", 0) + costs.stage_value("M_static", 3) - 16 * 300)
     assert ProfiledCostModel(profile()).stage_costs([2, 2, 2, 2], 1, 2, 1).M_shared == 0.0  # untied (or older)
+
+
+def test_a_tied_embedding_is_stepped_and_synced_once_on_a_device_hosting_both_ends():
+    """The tuner's optimizer step and gradient sync of a V's first device, hosting both ends,
+    count the tied weight once, as the runtime holds it (one object)."""
+    data = profile()
+    data["params"]["tied"] = data["params"]["first"]  # the head is the embedding
+    data["overheads"]["optimizer"] = {"base_ms": 1.0, "per_param_ms": 1e-3}
+    model = ProfiledCostModel(data)
+    space = dict(schemes=["zb-v"], pp_values=[2], micro_batches=[1], layouts=False, static_measures=False)
+    best = tune(model, 4, 1e12, 8, **space).best
+    params = model.stage_params(best.partition)
+    ends, middle = params[0] + params[3] - data["params"]["tied"], params[1] + params[2]
+    assert ends < max(params[0] + params[3], middle)  # without the tie's once, the ends would be the busiest
+    assert best.optimizer_time == pytest.approx(model.optimizer_time(max(ends, middle), 2))
+    assert best.allreduce_time == pytest.approx(model.allreduce_time(max(ends, middle), 2, 2))  # no replicas' wait

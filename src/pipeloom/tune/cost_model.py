@@ -71,6 +71,11 @@ class CostModel(Protocol):
         gradients are summed over only the replicas that hold the same experts."""
         ...
 
+    def tied_params(self) -> float:
+        """Of `stage_params`, what the first and the last stage both count (a tied embedding, a
+        rank's shard of it): one object, stepped and synced once, on a device hosting both."""
+        ...
+
     def allreduce_time(self, params: float, pp: int, dp: int, zero: int = 0) -> float: ...
 
     def optimizer_time(self, params: float, dp: int, zero: int = 0) -> float: ...
@@ -174,6 +179,9 @@ class AnalyticCostModel:
 
     def expert_params(self, counts: Sequence[int]) -> list[float]:
         return [n * self.model.stored_expert_params / self.tp for n in counts]
+
+    def tied_params(self) -> float:
+        return 0.0  # a preset's head is its own weight (`ModelSpec.params`)
 
     def stage_params(self, counts: Sequence[int]) -> list[float]:
         layer = self.model.stored_layer_params / self.tp

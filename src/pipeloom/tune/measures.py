@@ -4,10 +4,11 @@ device and what it adds to a step."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pipeloom.costs import Costs
+from pipeloom.costs import Costs, hosts_both_ends
 from pipeloom.tune.cost_model import CostModel
 from pipeloom.tune.space import Candidate
 
@@ -55,7 +56,7 @@ def static_options(
     optimizer on the host where the cost model prices the host link."""
     placement = candidate.placement
     params, experts = cost_model.stage_params(partition), cost_model.expert_params(partition)
-    on_device = max(sum(params[s] for s in stages_on) for stages_on in placement)
+    on_device = max(_held(cost_model, params, stages_on) for stages_on in placement)
     replicas = candidate.dp * candidate.replicas  # Chimera, DualPipe: two copies per pipeline
     levels = [0] + ([1, 2] if static_measures and candidate.dp > 1 else [])
     options = []
@@ -134,9 +135,15 @@ def _gradient_sync(
 
     def sync(stages: list[int]) -> float:
         local = sum(experts[s] for s in stages) if ep > 1 else 0.0  # at EP 1 they sync with the rest
-        shared = sum(params[s] for s in stages) - local
+        shared = _held(cost_model, params, stages) - local
         time = cost_model.allreduce_time(shared, candidate.pp, replicas, zero=zero)
         return time + (cost_model.allreduce_time(local, candidate.pp, copies, zero=zero) if local else 0.0)
 
     per_stage = tuple(sync([s]) for s in range(len(params)))
     return max(sync(list(stages_on)) for stages_on in candidate.placement), per_stage
+
+
+def _held(cost_model: CostModel, params: list[float], stages: Collection[int]) -> float:
+    """Parameters of one rank on a device hosting `stages`: a tie both ends count, once."""
+    tied = cost_model.tied_params() if hosts_both_ends(stages, len(params)) else 0.0
+    return sum(params[s] for s in stages) - tied

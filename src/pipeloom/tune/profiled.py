@@ -317,7 +317,7 @@ class ProfiledCostModel:
             M_W=value["M_W"],
             M_ckpt=value["M_ckpt"],
             M_static=[self._static(n, dp * self.cp, zero) for n in self.stage_params(counts)],
-            M_shared=self._static(self.params.tied / self.tp, dp * self.cp, zero),
+            M_shared=self._static(self.tied_params(), dp * self.cp, zero),
             op_overhead=self.overheads.op_ms,
             time_unit="ms",
             memory_unit="bytes",
@@ -385,6 +385,9 @@ class ProfiledCostModel:
             (n * layer + self.params.first * (i == 0) + self.params.last * (i == last)) / self.tp
             for i, n in enumerate(counts)
         ]
+
+    def tied_params(self) -> float:
+        return self.params.tied / self.tp
 
     def expert_params(self, counts: Sequence[int]) -> list[float]:
         held = self.params.experts / self.model.expert_parallel
