@@ -3,7 +3,7 @@ a user runs them (their flags, in a fresh directory), each twice in a row, and w
 then prints — the plan `tune` picked, its predicted step against the measured one, the timed
 steps' own noise and any slow spell left out, what the replay of the run's own ops found every
 pass moved by alike (the machine's speed since the profile), and each device's activations
-against the prediction. Two more flows take the same path with another model and size: the
+against the prediction (a run that missed by more than 5 % gets its `why:` line). Two more flows take the same path with another model and size: the
 README's Hugging Face path (`hf:` LLaMA with grouped K/V heads and tied embeddings, trained on
 real text, `examples/train.bin`), and a decoder wider, deeper and with longer sequences than the
 quick start's.
@@ -63,6 +63,8 @@ WIDE = {  # the quick start's decoder, 1.5x as wide, 1.5x as deep, on sequences 
     "max_position_embeddings": 128,
     "hidden_act": "silu",
 }
+EXPLAIN_ABOVE = 0.05
+"""A run whose step missed by more than this share gets `train --plan`'s `why:` line under its row."""
 _BEST = re.compile(r"^best: (.+?), layers per stage")
 _STEP = re.compile(r"step time\s+([\d.]+) ms\s+vs\s+([\d.]+) ms\s+\(([+-][\d.]+)%; (.+)\)")
 _ACTIVATIONS = re.compile(r"device (\d+) activations\s+[\d.]+ MiB vs\s+[\d.]+ MiB \(([+-][\d.]+)%\)")
@@ -99,6 +101,7 @@ def run_flow(name: str) -> dict:
         "spell": _spell(step.group(4), float(step.group(1))),
         "drift": _drift(trained),
         "activations": [float(m.group(2)) for m in _ACTIVATIONS.finditer(trained)],
+        "why": next((line.strip() for line in trained.splitlines() if line.lstrip().startswith("why:")), ""),
     }
 
 
@@ -136,6 +139,8 @@ def main() -> None:
                 f"{r['error']:>+6.1f}% {r['noise']:>6.1f}%  {r['spell']:<30} {r['drift']:>9}  {activations}",
                 flush=True,
             )
+            if abs(r["error"]) > 100 * EXPLAIN_ABOVE and r["why"]:
+                print(f"{'':<17}{r['why']}", flush=True)
 
 
 if __name__ == "__main__":
