@@ -198,7 +198,8 @@ def _noise(measured: dict, busy: Contention | None) -> Noise:
 
 def _params(model: ModelSpec, workload_for=None) -> Params:
     """Parameters of one decoder layer, of the first stage's extras (embeddings) and of the last
-    stage's (final norm and head; a tied head counts on both ends, as each end holds a copy)."""
+    stage's (final norm and head; a tied head counts on both ends, and `tied` says how much of
+    them is one object where a device hosts both)."""
     if workload_for is None:
         stage = build_stages(llama_config(model, 1, 1), 1, seed=0)[0]
     else:

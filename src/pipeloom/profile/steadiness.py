@@ -1,5 +1,5 @@
 """Which steps of a probe a measurement is taken over, and when its rounds are enough: one policy
-for every probe of every layout, and for the runs a bench times beside them.
+for every probe of every layout, and for the runs judged against them (`train --plan`, the benches).
 
 A probe runs in rounds of a few training steps, by turns with the other probes (`probe_rounds`),
 so that a busy spell of the machine falls on one round of many probes, which their other rounds
