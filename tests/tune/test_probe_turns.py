@@ -67,11 +67,13 @@ def test_tensor_parallel_probes_keep_their_own_speeds(monkeypatch):
 
 def test_an_op_s_exchanges_in_flight_are_sampled_apart_from_its_compute():
     """A step's all-to-alls in flight, shared evenly over its forwards (F and R) and its backwards:
-    each op's sample is its compute, the exchanges their own samples."""
-    ops = [("0F0", 0.0, 0.010), ("0F1c", 0.010, 0.018), ("0B0", 0.02, 0.04), ("0R1", 0.04, 0.05), ("0B1", 0.05, 0.07)]
-    record = SimpleNamespace(ops=ops, entry_bytes={}, pending_w_bytes={}, a2a_ms=9.0, a2a_forward_ms=3.0)
+    each op's sample is its compute, the exchanges their own samples. Neither a checkpointed F nor
+    the step's first op is sampled."""
+    ops = [("0F0", 0.0, 0.012), ("0F1", 0.012, 0.022), ("0F2c", 0.022, 0.030)]
+    ops += [("0B0", 0.03, 0.05), ("0R2", 0.05, 0.06), ("0B1", 0.06, 0.08)]
+    record = SimpleNamespace(ops=ops, entry_bytes={}, pending_w_bytes={}, a2a_ms=10.0, a2a_forward_ms=4.0)
     result = SimpleNamespace(records=[record] * 3, phase_seconds=[dict.fromkeys(probe_rounds.PHASES, 0.0)] * 3)
     taken = probe_rounds.samples([result])
-    assert taken["a2a_F@0"] == [1.0] and taken["a2a_B@0"] == [3.0]  # 3 ms over 3 forwards, 6 over 2 backwards
-    assert taken["F@0"] == pytest.approx([9.0]) and taken["R@0"] == pytest.approx([9.0])  # 0F1c: not sampled
+    assert taken["a2a_F@0"] == [1.0] and taken["a2a_B@0"] == [3.0]  # 4 ms over 4 forwards, 6 over 2 backwards
+    assert taken["F@0"] == pytest.approx([9.0]) and taken["R@0"] == pytest.approx([9.0])  # 0F1's compute alone
     assert taken["B@0"] == pytest.approx([17.0, 17.0])

@@ -29,6 +29,17 @@ def test_quantiles_are_each_step_over_its_series_median():
     assert speed_quantiles([[1.0, 2.0]]) == []  # too few steps to say
 
 
+def test_a_short_profile_still_has_its_spread():
+    """The README's quick start times four steps a probe and rank: 16 factors, fewer than the 21
+    quantiles kept, read linearly between them rather than dropped (which priced no speed noise)."""
+    series = [[100.0, 95.0, 105.0, 140.0], [10.0, 10.0, 9.5, 14.0]] * 2  # one step in four slow
+    quantiles = speed_quantiles(series)
+    factors = [step / 102.5 for step in series[0]] + [step / 10.0 for step in series[1]]  # over each median
+    assert len(quantiles) == QUANTILES and quantiles[0] == pytest.approx(min(factors))
+    assert quantiles[-1] == pytest.approx(max(factors)) and quantiles[QUANTILES // 2] == pytest.approx(1.0)
+    assert tune(_model(quantiles), 2, 1e9, 8, schemes=["1f1b"], pp_values=[2], **SPACE).best.noise_time > 0
+
+
 def test_steady_ranks_change_nothing_and_one_stage_feels_no_coupling():
     steady = tune(_model(STEADY), 2, 1e9, 8, schemes=["1f1b"], pp_values=[2], **SPACE).best
     assert steady.noise_time == pytest.approx(0.0, abs=1e-9)

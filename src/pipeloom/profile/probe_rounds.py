@@ -49,6 +49,7 @@ __all__ = [
 
 OP_KINDS = ("F", "B", "W", "R")
 PHASES = ("pipeline", "allreduce", "optimizer", "overhead")
+PROBE_MICRO_BATCHES = 4
 SETTLED_MS = 0.1
 """A median that moves by less than this (ms) has settled, however small it is."""
 
@@ -78,22 +79,24 @@ class Probe:
 
 
 def probe_schedule(p: int, slices: int = 1) -> Schedule:
-    """1F1B over 4 micro-batches, backward split, odd micro-batches checkpointed (R inside B).
-    With `slices`, each micro-batch's sequence in that many causal slices, as svpp and terapipe
-    run them: a micro-batch's F slice by slice, then its backward from the last slice to the
-    first, each slice's R, B and W together (a slice's B sends the gradients of the keys and
-    values it read back to the earlier slices' stash)."""
-    split = split_backward(build_schedule("1f1b", p, 4), "after")
+    """1F1B over 4 micro-batches, backward split, the last micro-batch checkpointed (its R inside
+    its B). Only one: a plan's Fs stash (a checkpointed F, stashing nothing, runs faster), and
+    those sampled must not be outnumbered by each step's first op, which runs cold (`samples`,
+    `docs/fidelity.md`). With `slices`, each micro-batch's sequence in that many causal slices, as svpp
+    and terapipe run them: a micro-batch's F slice by slice, then its backward from the last
+    slice to the first, each slice's R, B and W together (a slice's B sends the gradients of the
+    keys and values it read back to the earlier slices' stash)."""
+    split = split_backward(build_schedule("1f1b", p, PROBE_MICRO_BATCHES), "after")
     devices = []
     for ops in split.devices:
         out = []
         for op in ops:
-            odd = op.microbatch % 2 == 1
+            checkpointed = op.microbatch == PROBE_MICRO_BATCHES - 1
             if op.kind is OpKind.F:
-                out += [Op(OpKind.F, op.stage, op.microbatch, slice=k, ckpt=odd) for k in range(slices)]
+                out += [Op(OpKind.F, op.stage, op.microbatch, slice=k, ckpt=checkpointed) for k in range(slices)]
             elif op.kind is OpKind.W:  # the micro-batch's backward, its last slice first
                 for k in reversed(range(slices)):
-                    if odd:
+                    if checkpointed:
                         out.append(Op(OpKind.R, op.stage, op.microbatch, slice=k, after_grad=True))
                     out += [
                         Op(OpKind.B, op.stage, op.microbatch, slice=k),
@@ -246,17 +249,20 @@ def _kept(steps: list, kept: Sequence[bool] | None) -> list:
 
 def samples(results, kept: Sequence[bool] | None = None) -> dict[str, list[float]]:
     """One round's samples, its warm-up left out (and the steps not `kept`): op times (ms) by
-    "kind@rank", stashed bytes ("M_B@rank", "M_ckpt@rank"), the bytes a B leaves queued for its W
+    "kind@rank" — not a checkpointed F's, nor each step's first op's: that one runs on caches the
+    step's start (the optimizer, the batch) left cold, once a step however many ops a plan runs,
+    and the runtime's per-op overhead, fitted against the whole pipeline, carries it
+    (`overheads`) — stashed bytes ("M_B@rank", "M_ckpt@rank"), the bytes a B leaves queued for its W
     ("M_W@rank") and rank 0's step phases (ms). Where experts are shared out, each op's time is
     its compute, and the all-to-alls in flight in it are apart ("a2a_F@rank", "a2a_B@rank")."""
     out: dict[str, list[float]] = {}
     for rank, result in enumerate(results):
         for record in _kept(timed_steps(result.records), kept):
             exchange = _exchange_per_op(record)
-            for text, start, end in record.ops:
+            for index, (text, start, end) in enumerate(record.ops):
                 op = parse_op(text)
-                if op.kind is OpKind.F and op.microbatch % 2:
-                    continue  # a checkpointed F stashes nothing: 8 % cheaper than the F a plan runs
+                if op.ckpt or index == 0:
+                    continue  # a checkpointed F stashes nothing; the step's first op starts cold
                 out.setdefault(f"{op.kind.value}@{rank}", []).append(1e3 * (end - start) - exchange.get(op.kind, 0.0))
             if exchange:
                 out.setdefault(f"a2a_F@{rank}", []).append(exchange[OpKind.F])

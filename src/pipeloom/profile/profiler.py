@@ -2,7 +2,7 @@
 
 Each probe trains the model for a few steps with the pipeloom runtime on forked gloo ranks (or,
 `--device cuda`, every stage in this process on the one GPU); its schedule runs every pass the
-simulator knows — F, B and W split, every other micro-batch checkpointed so that R and a
+simulator knows — F, B and W split, the last micro-batch checkpointed so that R and a
 checkpointed F's stash appear too. Every layout a plan may hold is measured one way
 (`layouts`): the plain probes, and those in slices, on tp ranks, or on replicas sharing out a
 mixture's experts. The probes take turns, a round of each at a time, under one policy

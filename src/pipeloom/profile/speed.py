@@ -22,6 +22,10 @@ __all__ = ["QUANTILES", "speed_quantiles", "op_ratios", "quantiles_of", "speed_o
 
 QUANTILES = 21
 """Quantiles kept (every 5 %): the tail matters, a rank slow in one step of four."""
+MIN_FACTORS = 4
+"""Fewer factors than this say nothing of a spread (an interquartile range needs four). Fewer
+than `QUANTILES` still do, read linearly between them: a short profile (the README's quick start
+times four steps a probe and rank) would otherwise price no speed noise at all."""
 
 
 def speed_quantiles(series: Iterable[Sequence[float]]) -> list[float]:
@@ -54,8 +58,9 @@ def op_ratios(records: Sequence) -> list[float]:
 
 
 def quantiles_of(factors: Sequence[float]) -> list[float]:
-    """`QUANTILES` evenly spaced quantiles, min and max included; [] with fewer values than that."""
-    if len(factors) < QUANTILES:
+    """`QUANTILES` evenly spaced quantiles, min and max included, linear between the values where
+    they are fewer; [] with fewer than `MIN_FACTORS`."""
+    if len(factors) < MIN_FACTORS:
         return []
     middle = statistics.quantiles(factors, n=QUANTILES - 1, method="inclusive")
     return [float(q) for q in [min(factors), *middle, max(factors)]]
