@@ -59,6 +59,16 @@ def test_time_the_ops_do_not_explain_is_the_runtime_s():
     assert "runtime +" in result.explain(result.measured) and "idle beyond" in result.explain(result.measured)
 
 
+def test_the_runtime_s_time_around_each_op_is_not_read_as_op_time():
+    """A plan prices the runtime's per-op overhead inside each op; a run times it between them."""
+    schedule = build_schedule("zb-h1", 2, 4)
+    plain = Costs(F=1.0, B=1.0, W=1.0, comm=0.0)
+    result = replay(schedule, Costs(F=1.0, B=1.0, W=1.0, comm=0.0, op_overhead=0.05), _records(schedule, plain))
+    assert result.kinds == pytest.approx({"F": 0.0, "B": 0.0, "W": 0.0})  # the ops took what was predicted
+    assert result.replayed == pytest.approx(result.predicted)
+    assert result.measured < result.replayed  # this run spent nothing around its ops
+
+
 def test_ops_that_vary_from_step_to_step_cost_a_pipeline_more_than_their_medians():
     schedule = build_schedule("1f1b", 2, 4)
     slow = Costs(F=1.5, B=3.0, W=0.0, comm=0.1)

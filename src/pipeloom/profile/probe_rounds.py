@@ -82,10 +82,10 @@ def probe_schedule(p: int, slices: int = 1) -> Schedule:
     """1F1B over 4 micro-batches, backward split, the last micro-batch checkpointed (its R inside
     its B). Only one: a plan's Fs stash (a checkpointed F, stashing nothing, runs faster), and
     those sampled must not be outnumbered by each step's first op, which runs cold (`samples`,
-    `docs/fidelity.md`). With `slices`, each micro-batch's sequence in that many causal slices, as svpp
-    and terapipe run them: a micro-batch's F slice by slice, then its backward from the last
-    slice to the first, each slice's R, B and W together (a slice's B sends the gradients of the
-    keys and values it read back to the earlier slices' stash)."""
+    `docs/fidelity.md`). With `slices`, each micro-batch's sequence in that many causal slices,
+    as svpp and terapipe run them: a micro-batch's F slice by slice, then its backward from the
+    last slice to the first, each slice's R, B and W together (a slice's B sends the gradients of
+    the keys and values it read back to the earlier slices' stash)."""
     split = split_backward(build_schedule("1f1b", p, PROBE_MICRO_BATCHES), "after")
     devices = []
     for ops in split.devices:
@@ -146,10 +146,6 @@ class ProbeModel:
         )
 
 
-def _nothing(*_: Any) -> None:
-    return None
-
-
 @dataclass(frozen=True)
 class Turns:
     """How probes take their rounds (`run_by_turns`): a round of each at a time, so a slow spell
@@ -162,12 +158,12 @@ class Turns:
     max_rounds: int = 4
     min_rounds: int = 1
     busy: Contention | None = None
-    tick: Callable[[], None] = _nothing
+    tick: Callable[[], None] = lambda: None
     in_process: bool = False
 
     def fixed(self, rounds: int) -> Turns:
         """Exactly `rounds` rounds, settled or not, outside the progress count."""
-        return replace(self, max_rounds=rounds, min_rounds=rounds, tick=_nothing)
+        return replace(self, max_rounds=rounds, min_rounds=rounds, tick=lambda: None)
 
 
 def run_by_turns(specs: dict, turns: Turns) -> tuple[dict[Any, list], dict[Any, Series]]:
@@ -249,10 +245,9 @@ def _kept(steps: list, kept: Sequence[bool] | None) -> list:
 
 def samples(results, kept: Sequence[bool] | None = None) -> dict[str, list[float]]:
     """One round's samples, its warm-up left out (and the steps not `kept`): op times (ms) by
-    "kind@rank" — not a checkpointed F's, nor each step's first op's: that one runs on caches the
-    step's start (the optimizer, the batch) left cold, once a step however many ops a plan runs,
-    and the runtime's per-op overhead, fitted against the whole pipeline, carries it
-    (`overheads`) — stashed bytes ("M_B@rank", "M_ckpt@rank"), the bytes a B leaves queued for its W
+    "kind@rank" — not a checkpointed F's, nor each step's first op's (it runs cold, once a step
+    however many ops a plan runs: the per-op overhead, fitted to whole pipelines, carries it) —
+    stashed bytes ("M_B@rank", "M_ckpt@rank"), the bytes a B leaves queued for its W
     ("M_W@rank") and rank 0's step phases (ms). Where experts are shared out, each op's time is
     its compute, and the all-to-alls in flight in it are apart ("a2a_F@rank", "a2a_B@rank")."""
     out: dict[str, list[float]] = {}

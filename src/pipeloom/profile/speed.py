@@ -23,9 +23,7 @@ __all__ = ["QUANTILES", "speed_quantiles", "op_ratios", "quantiles_of", "speed_o
 QUANTILES = 21
 """Quantiles kept (every 5 %): the tail matters, a rank slow in one step of four."""
 MIN_FACTORS = 4
-"""Fewer factors than this say nothing of a spread (an interquartile range needs four). Fewer
-than `QUANTILES` still do, read linearly between them: a short profile (the README's quick start
-times four steps a probe and rank) would otherwise price no speed noise at all."""
+"""Fewer say nothing of a spread; fewer than `QUANTILES` do (the README's quick start times 16)."""
 
 
 def speed_quantiles(series: Iterable[Sequence[float]]) -> list[float]:

@@ -91,6 +91,10 @@ def replay(schedule: Schedule, costs: Costs, steps_per_device: Sequence[Sequence
     devices' steps in the same order and, for `measured`, on one clock."""
     graph = build_graph(schedule)
     planned = simulate(schedule, costs)
+    # The runtime's own time around each op, which the plan prices inside each op's duration
+    # (`Costs.op_overhead`) and a run times between its ops: put back on the run's op times to
+    # replay them, taken off the plan's to compare the op times alone.
+    overhead = costs.op_overhead
     steps = min(len(device_steps) for device_steps in steps_per_device)
     per_step: list[dict[tuple[int, str], float]] = [{} for _ in range(steps)]
     for device, device_steps in enumerate(steps_per_device):
@@ -105,7 +109,7 @@ def replay(schedule: Schedule, costs: Costs, steps_per_device: Sequence[Sequence
     def makespan(durations: dict[tuple[int, str], float]) -> float:
         # an op the run did not time on its own (a W concatenated into the one before it) takes no time
         times = [durations.get((graph.device_of[g], op.text), 0.0) for g, op in enumerate(graph.ops)]
-        return max(run(graph, times, costs.comm)[1])
+        return max(run(graph, [t + overhead if t else t for t in times], costs.comm)[1])
 
     kinds: dict[str, list[float]] = {}
     passes: dict[str, list[float]] = {}
@@ -113,7 +117,8 @@ def replay(schedule: Schedule, costs: Costs, steps_per_device: Sequence[Sequence
         kind = op.kind.value
         for totals in (kinds.setdefault(kind, [0.0, 0.0]), passes.setdefault(_PASSES.get(kind, kind), [0.0, 0.0])):
             totals[0] += medians.get((graph.device_of[g], op.text), 0.0)
-            totals[1] += planned.end[g] - planned.start[g]
+            planned_op = planned.end[g] - planned.start[g]
+            totals[1] += planned_op - overhead if planned_op else 0.0
     stepwise = statistics.median(makespan(durations) for durations in per_step)
     return Replay(planned.makespan, makespan(medians), measured, stepwise, _ratios(kinds), _ratios(passes))
 
