@@ -23,7 +23,7 @@ __all__ = ["QUANTILES", "speed_quantiles", "op_ratios", "quantiles_of", "speed_o
 QUANTILES = 21
 """Quantiles kept (every 5 %): the tail matters, a rank slow in one step of four."""
 MIN_FACTORS = 4
-"""Fewer say nothing of a spread; fewer than `QUANTILES` do (the README's quick start times 16)."""
+"""Fewer say nothing of a spread; fewer than `QUANTILES` do (the README's quick start has 16)."""
 
 
 def speed_quantiles(series: Iterable[Sequence[float]]) -> list[float]:
