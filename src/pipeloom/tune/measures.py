@@ -4,7 +4,7 @@ device and what it adds to a step."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -72,11 +72,7 @@ def static_options(
                 zero,
                 False,
                 costs,
-                [
-                    sum(costs.stage_value("M_static", s) for s in stages_on)
-                    - costs.shared_static(stages_on, candidate.num_stages)
-                    for stages_on in placement
-                ],
+                [_static_on(costs, stages_on, candidate.num_stages) for stages_on in placement],
                 sequential - gather,
                 cost_model.optimizer_time(on_device, candidate.dp, zero=zero) + gather,
                 # Chimera's twin copies wait for each other at the gradient sync as replicas do:
@@ -100,11 +96,7 @@ def static_options(
                 0,
                 True,
                 plain.costs,
-                [
-                    sum(plain.costs.stage_value("M_static", s) - saved[s] for s in stages_on)
-                    - plain.costs.shared_static(stages_on, candidate.num_stages)
-                    for stages_on in placement
-                ],
+                [_static_on(plain.costs, stages_on, candidate.num_stages, saved) for stages_on in placement],
                 plain.allreduce_time,
                 0.0,  # the host steps every stage, in the offload lanes
                 plain.replica_skew,
@@ -141,6 +133,13 @@ def _gradient_sync(
 
     per_stage = tuple(sync([s]) for s in range(len(params)))
     return max(sync(list(stages_on)) for stages_on in candidate.placement), per_stage
+
+
+def _static_on(costs: Costs, stages: Collection[int], num_stages: int, offloaded: Sequence[float] = ()) -> float:
+    """A device's static bytes: its stages', less what each offloads to the host, a tie both
+    ends count held once (`Costs.shared_static`)."""
+    held = sum(costs.stage_value("M_static", s) - (offloaded[s] if offloaded else 0.0) for s in stages)
+    return held - costs.shared_static(stages, num_stages)
 
 
 def _held(cost_model: CostModel, params: list[float], stages: Collection[int]) -> float:
