@@ -373,10 +373,13 @@ def test_the_cli_refuses_a_bad_profile_in_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("device", ["cuda, every stage in one process, fp32", "cpu, 1 thread(s) per rank, fp32"])
-def test_chimera_s_twin_copies_wait_for_each_other_at_the_gradient_sync_as_replicas_do(device):
+def test_chimera_s_copies_sum_their_gradients_and_only_its_dp_replicas_wait_for_each_other(device):
     """Each stage's all-reduce starts after its last backward: on a GPU under the device's later
     ops, the step paying what lies past the pipeline; on CPU ranks gloo sums on the cores the
-    ops run on, and the whole sync is paid after it. Either way the copies wait for each other."""
+    ops run on, and the whole sync is paid after it. The two copies of a stage are in one
+    pipeline, whose devices end where the timeline has them: only dp replicas, each a pipeline
+    of its own, add the measured wait for the slowest."""
+    from pipeloom.sim import exposed_sync
     from pipeloom.tune.search import tune
 
     data = {**profile(), **links(), "device": {"description": device}}
@@ -384,18 +387,23 @@ def test_chimera_s_twin_copies_wait_for_each_other_at_the_gradient_sync_as_repli
     wait = {"tail_ms": 40.0, "pipeline_ms": 100.0, "layers": 4}
     data["layouts"]["plain"]["waits"] = {"0": wait, "1": wait}
     model = ProfiledCostModel(data)
-    best = tune(model, 2, 1e12, 8, schemes=["chimera"], pp_values=[2], micro_batches=[2], static_measures=False).best
-    from pipeloom.sim import exposed_sync
-
-    params = model.stage_params(best.partition)  # each device holds a copy of every stage
-    per_stage = [model.allreduce_time(count, 2, 2) for count in params]  # each starts after its last backward
-    exposed = exposed_sync(best.timeline, per_stage)
-    sequential = model.allreduce_time(sum(params), 2, 2)
-    assert 0 < exposed < sequential  # some of it under the pipeline, never more
-    assert model.sync_overlaps_compute == device.startswith("cuda")
-    paid = exposed if model.sync_overlaps_compute else sequential
-    assert model.replica_skew(2) > 0.1
-    assert best.allreduce_time == pytest.approx(paid + model.replica_skew(2) * best.pipeline_time)
+    assert model.replica_skew(2) > 0.1 and model.replica_skew(4) > model.replica_skew(2)
+    for devices, dp in ((2, 1), (4, 2)):
+        best = tune(
+            model, devices, 1e12, 8, schemes=["chimera"], pp_values=[2], micro_batches=[1], static_measures=False
+        )
+        best = best.best
+        assert best.candidate.dp == dp
+        params = model.stage_params(best.partition)  # each device holds a copy of every stage
+        per_stage = [model.allreduce_time(count, 2, 2 * dp) for count in params]  # each after its last backward
+        exposed = exposed_sync(best.timeline, per_stage)
+        sequential = model.allreduce_time(sum(params), 2, 2 * dp)
+        assert 0 < exposed < sequential  # some of it under the pipeline, never more
+        assert model.sync_overlaps_compute == device.startswith("cuda")
+        paid = exposed if model.sync_overlaps_compute else sequential
+        wait = model.replica_skew(dp) * best.pipeline_time
+        assert best.allreduce_time == pytest.approx(paid + wait)
+        assert (wait > 0) == (dp > 1)
 
 
 def test_the_bytes_a_b_leaves_for_its_w_are_priced_as_measured_and_none_from_an_older_profile():

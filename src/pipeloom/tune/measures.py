@@ -75,9 +75,9 @@ def static_options(
                 [_static_on(costs, stages_on, candidate.num_stages) for stages_on in placement],
                 sequential - gather,
                 cost_model.optimizer_time(on_device, candidate.dp, zero=zero) + gather,
-                # Chimera's twin copies wait for each other at the gradient sync as replicas do:
-                # its sync phase measured 23–25.5 ms against the link's 13–17 ms in three runs
-                cost_model.replica_skew(replicas, zero=zero),
+                # only the dp replicas, each a pipeline of its own, drift apart; the copies within
+                # one pipeline (Chimera's, DualPipe's) end where the simulated timeline has them
+                cost_model.replica_skew(candidate.dp, zero=zero),
                 # ZeRO-0's all-reduce and ZeRO-1's reduce-scatter start as a stage's last backward
                 # ends; ZeRO-2's (bf16 into the fp32 shard, in pieces) after the pipeline
                 stage_sync=tuple(
