@@ -136,13 +136,18 @@ class Speed:
 
 @dataclass(frozen=True)
 class ReplicaWait:
-    """Rank 0 of two data-parallel replicas of one stage of `layers` layers: its step beyond its
-    pipeline (gradient sync, optimizer and the rest, where it waits for the other replica; the
-    mean over steps) and its pipeline (the median), in ms."""
+    """Two data-parallel replicas of one stage of `layers` layers, in ms: rank 0's step beyond
+    its pipeline (gradient sync, optimizer and the rest, where it waits for the other replica;
+    the mean over steps), its pipeline (the median), and how far the later replica's pipeline
+    ends past the two's mean, half their difference (the median over steps)."""
 
     tail_ms: float
     pipeline_ms: float
     layers: int
+    skew_ms: float | None = None
+    """What every replica's collectives wait for: the step runs to the later pipeline's end, a
+    plan is priced at a typical one's. None in a profile from before it was measured, whose wait
+    is read from the tail (`ProfiledCostModel.replica_skew`)."""
 
 
 @dataclass(frozen=True)
@@ -150,7 +155,8 @@ class LayoutProfile:
     """What the probes of one layout measured: fits per micro-batch size and kind (F, B, W, R and
     the all-to-alls in flight in ms; M_B, M_W, M_ckpt in bytes), how their speed varied, the
     relative standard error of each op kind's medians, the layers a stage its probes ran, and
-    its replicas' wait at the gradient sync by ZeRO level (0; 1 for ZeRO-1/2)."""
+    its replicas' wait at the gradient sync by ZeRO level (0; 1 for ZeRO-1/2 in profiles that
+    read it from the step's tail)."""
 
     fits: Mapping[int, Mapping[str, Fit]] = field(default_factory=dict)
     speed: Speed = Speed()

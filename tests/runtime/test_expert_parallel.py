@@ -257,3 +257,4 @@ def test_the_profile_measures_the_ops_apart_from_their_exchanges_with_the_expert
     assert all(probe.median("a2a_F@0") > 0 for probe in probes.values())
     waits = replica_waits(Layout(ep=2), probed, 1, 1, Turns().fixed(1))
     assert list(waits) == [0] and waits[0].pipeline_ms > 0 and waits[0].layers == 1
+    assert 0 <= waits[0].skew_ms < waits[0].pipeline_ms  # the two replicas' pipelines, measured

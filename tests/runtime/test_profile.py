@@ -11,7 +11,7 @@ from types import SimpleNamespace  # noqa: E402
 
 from pipeloom.cli import main  # noqa: E402
 from pipeloom.errors import ConfigError  # noqa: E402
-from pipeloom.profile.layouts import step_tail  # noqa: E402
+from pipeloom.profile.layouts import replica_wait  # noqa: E402
 from pipeloom.profile.probe_rounds import steady_records  # noqa: E402
 from pipeloom.profile_format import Layout, Profile  # noqa: E402
 
@@ -138,29 +138,34 @@ def saved_schedule_text(plan_path) -> str:
     return Plan.load(str(plan_path)).schedule.to_text()
 
 
-def test_the_replica_wait_is_a_mean_over_steady_steps_after_the_warm_up():
+def test_the_replicas_wait_is_measured_over_steady_steps_after_the_warm_up():
     """Rank 0 waits 4 ms in one steady step (at the gradient sync) and 2 ms in another of five (at
-    the loss's all-reduce, in the rest of the step); the warm-up steps and a step in which rank 1
-    ran in a slow spell (rank 0 waited 60 ms for it) count for nothing."""
+    the loss's all-reduce, in the rest of the step); the later replica's pipeline ends 3, 0, 5,
+    1 and 2 ms past the two's mean; the warm-up steps and a step in which rank 1 ran in a slow
+    spell (rank 0 waited 60 ms for it, its pipeline 100 ms longer) count for nothing."""
 
-    def result(busy_ms, waits_ms, rest_ms=(0,) * 5):
+    def result(busy_ms, waits_ms, rest_ms=(0,) * 5, pipelines_ms=(100,) * 5):
         records = [SimpleNamespace(ops=[("0F0", 0.0, b / 1e3)]) for b in busy_ms]
         phases = [
-            {"pipeline": 0.1, "allreduce": (10.0 + w) / 1e3, "optimizer": 0.005, "overhead": (1.0 + r) / 1e3}
-            for w, r in zip(waits_ms, rest_ms)
+            {"pipeline": p / 1e3, "allreduce": (10.0 + w) / 1e3, "optimizer": 0.005, "overhead": (1.0 + r) / 1e3}
+            for w, r, p in zip(waits_ms, rest_ms, pipelines_ms)
         ]
         return SimpleNamespace(records=records, phase_seconds=phases)
 
     rounds = [
-        [result([120, 110, 100, 100, 100], [30, 30, 4, 0, 60]), result([120, 110, 100, 101, 200], [0] * 5)],
+        [
+            result([120, 110, 100, 100, 100], [30, 30, 4, 0, 60]),
+            result([120, 110, 100, 101, 200], [0] * 5, pipelines_ms=(150, 150, 106, 100, 200)),
+        ],
         [
             result([120, 110, 100, 100, 100], [30, 30, 0, 0, 0], (0, 0, 2, 0, 0)),
-            result([120, 110, 100, 100, 100], [0] * 5),
+            result([120, 110, 100, 100, 100], [0] * 5, pipelines_ms=(150, 150, 90, 98, 104)),
         ],
     ]
     # 16 ms without a wait (10 collective + 5 optimizer + 1 the rest); waits 4, 0 and 2, 0, 0
-    tail, pipeline = step_tail(rounds, steady_records(rounds)[0])
-    assert tail == pytest.approx(16.0 + 1.2) and pipeline == pytest.approx(100.0)
+    wait = replica_wait(rounds, steady_records(rounds)[0], 2)
+    assert wait.tail_ms == pytest.approx(16.0 + 1.2) and wait.pipeline_ms == pytest.approx(100.0)
+    assert wait.skew_ms == pytest.approx(2.0) and wait.layers == 2  # the median of 3, 0, 5, 1, 2
 
 
 def test_a_sliced_probe_trains_as_the_whole_one_and_its_slices_pool_into_the_fits():

@@ -325,6 +325,20 @@ def test_replicas_wait_as_their_probes_did():
     assert sharing_experts(data).replica_skew(2) == 0.0
 
 
+def test_replicas_wait_for_the_later_pipeline_as_measured_whatever_the_zero_level():
+    """A profile that measured how far the later replica's pipeline ends past the two's mean
+    prices that share of the pipeline — at every ZeRO level, under the plain and the shared-out
+    experts' layouts alike — and reads nothing from the step's tail."""
+    data = moe_profile()
+    wait = {"tail_ms": 999.0, "pipeline_ms": 80.0, "layers": 8, "skew_ms": 2.0}
+    data["layouts"]["plain"]["waits"] = {"0": wait}
+    data["layouts"]["ep2"]["waits"] = {"0": {**wait, "skew_ms": 4.0}}
+    dense, shared = ProfiledCostModel(data), sharing_experts(data)
+    assert dense.replica_skew(2) == dense.replica_skew(2, zero=1) == dense.replica_skew(2, zero=2) == 0.025
+    assert dense.replica_skew(8) == pytest.approx(0.025 * math.sqrt(3)) and dense.replica_skew(1) == 0.0
+    assert shared.replica_skew(2) == pytest.approx(0.05)
+
+
 def test_tensor_parallelism_needs_measured_collectives():
     with pytest.raises(ConfigError, match="no measured collectives"):
         ProfiledCostModel(profile(), tp=2)

@@ -11,7 +11,8 @@ count, and each pass, stash and exchange is fitted as value = slope·n + interce
 one. A layout's ops are its own, the waits inside their collectives included (where experts are
 shared out, the all-to-alls in flight fitted apart: `probe_rounds.samples`), which nothing in the
 plain ops predicts (`docs/fidelity.md`); its speed and confidence are its own too. The
-replicas' wait at the gradient sync is measured on two replicas of one stage (`replica_waits`).
+replicas' wait at the gradient sync is measured on two replicas of one stage, as how far the
+later one's pipeline ends past the two's mean (`replica_wait`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from pipeloom.profile_format import Fit, Layout, LayoutProfile, ReplicaWait
 from pipeloom.schedules.registry import build_schedule
 from pipeloom.tune.profile_fits import fit_positions
 
-__all__ = ["EP", "REPLICA_ROUNDS", "measure_layout", "replica_waits", "step_tail"]
+__all__ = ["EP", "REPLICA_ROUNDS", "measure_layout", "replica_wait", "replica_waits"]
 
 EP = 2
 """The expert-parallel group the profile measures: two ranks, one all-to-all partner each."""
@@ -104,26 +105,28 @@ def confidence(measured: dict[tuple[int, int], Probe], micro_batches: Sequence[i
 
 
 def replica_waits(layout: Layout, probed: ProbeModel, mbs: int, layers: int, turns: Turns) -> dict[int, ReplicaWait]:
-    """ZeRO level → rank 0's wait on two replicas of one stage of `layers` layers at micro-batch
-    size `mbs` (1F1B over 4 micro-batches), steady steps only: of the plain layout at ZeRO-0 and
-    ZeRO-1, of the expert-parallel one (its replicas sharing out the experts, whose exchanges wait:
-    no round judged busy) at ZeRO-0."""
+    """ZeRO-0 → the wait on two replicas of one stage of `layers` layers at micro-batch size
+    `mbs` (1F1B over 4 micro-batches), steady steps only: of the plain layout, or of the
+    expert-parallel one (its replicas sharing out the experts, whose exchanges wait: no round
+    judged busy). The skew is the pipelines', so one ZeRO level measures it for every level."""
     schedule = build_schedule("1f1b", 1, 4)
     shared = {"dp": layout.ep, "ep": layout.ep} if layout.ep > 1 else {"dp": 2}
-    levels = (0,) if layout.ep > 1 else (0, 1)
-    specs = {zero: probed.spec(mbs, layers, stages=1, schedule=schedule, zero=zero, **shared) for zero in levels}
-    rounds, _ = run_by_turns(specs, replace(turns, busy=None) if layout.ep > 1 else turns)
-    return {zero: ReplicaWait(*step_tail(rounds[zero], steady_records(rounds[zero])[0]), layers) for zero in levels}
+    spec = probed.spec(mbs, layers, stages=1, schedule=schedule, **shared)
+    rounds, _ = run_by_turns({0: spec}, replace(turns, busy=None) if layout.ep > 1 else turns)
+    return {0: replica_wait(rounds[0], steady_records(rounds[0])[0], layers)}
 
 
-def step_tail(rounds: list, kept: list[list[bool]]) -> tuple[float, float]:
-    """Rank 0's step beyond its pipeline — gradient sync, optimizer and the rest, where it waits
-    for the other replica — its mean over the steps `kept` of `rounds` (a wait is short and
-    heavy-tailed: a rank waits only in the steps where it was the faster), in ms; and its median
-    pipeline (ms)."""
-    tails, pipelines = [], []
+def replica_wait(rounds: list, kept: list[list[bool]], layers: int) -> ReplicaWait:
+    """Over the steps `kept` of `rounds` (two replicas' results each), in ms: rank 0's step
+    beyond its pipeline — gradient sync, optimizer and the rest, where it waits for the other
+    replica — its mean (a wait is short and heavy-tailed: a rank waits only in the steps where
+    it was the faster); its median pipeline; and the median of half the two pipelines'
+    difference, how far the later one ends past their mean."""
+    tails, pipelines, skews = [], [], []
     for results, flags in zip(rounds, kept):
-        for phases in compress(timed_steps(results[0].phase_seconds), flags):
-            tails.append(1e3 * (phases["allreduce"] + phases["optimizer"] + phases["overhead"]))
-            pipelines.append(1e3 * phases["pipeline"])
-    return statistics.fmean(tails), statistics.median(pipelines)
+        steps = zip(*(compress(timed_steps(result.phase_seconds), flags) for result in results[:2]))
+        for first, second in steps:
+            tails.append(1e3 * (first["allreduce"] + first["optimizer"] + first["overhead"]))
+            pipelines.append(1e3 * first["pipeline"])
+            skews.append(1e3 * abs(first["pipeline"] - second["pipeline"]) / 2)
+    return ReplicaWait(statistics.fmean(tails), statistics.median(pipelines), layers, statistics.median(skews))

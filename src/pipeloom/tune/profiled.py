@@ -439,9 +439,12 @@ class ProfiledCostModel:
         return self._wait_share(waits[level], ep, level) * math.sqrt(math.log(dp) / math.log(2))
 
     def _wait_share(self, wait: ReplicaWait, ep: int, zero: int) -> float:
-        """Rank 0's step beyond its pipeline on two replicas of one stage, less what this model
-        prices there — the gradients' collectives (a routed expert's stay on the replica that holds
-        it), the AdamW step over what a rank holds and the rest of a step — over its pipeline."""
+        """How far the later replica's pipeline ended past the two's mean, over the pipeline. A
+        profile from before that was measured has rank 0's step beyond its pipeline instead:
+        less what this model prices there — the gradients' collectives (a routed expert's stay on
+        the replica that holds it), the AdamW step over what a rank holds and the rest of a step."""
+        if wait.skew_ms is not None:
+            return wait.skew_ms / wait.pipeline_ms
         params, layers = self.params, wait.layers
         experts = params.experts if ep > 1 else 0.0  # shared out: 1/ep of them held, none synced
         synced = layers * (params.layer - experts) + params.first + params.last
