@@ -54,9 +54,9 @@ _UNITS = {"time_unit": (None, "ms", "s", "us"), "memory_unit": (None, "bytes")}
 
 
 def hosts_both_ends(stages: Collection[int], num_stages: int) -> bool:
-    """Whether a device hosting `stages` holds the first and the last of `num_stages`: a tied
-    embedding, which both count, is one object there."""
-    return num_stages > 1 and {0, num_stages - 1} <= set(stages)
+    """Whether a device hosting `stages` holds the first and the last of `num_stages` — a single
+    stage is both: a tied embedding, which both count, is one object there."""
+    return {0, num_stages - 1} <= set(stages)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -148,6 +148,10 @@ class ReplicaWait:
     """What every replica's collectives wait for: the step runs to the later pipeline's end, a
     plan is priced at a typical one's. None in a profile from before it was measured, whose wait
     is read from the tail (`ProfiledCostModel.replica_skew`)."""
+    overhead_ms: float | None = None
+    """Rank 0's rest of a step (the median): the batch, the loss's all-reduce and, unlike a probe
+    without replicas, zeroing the gradient buffers the replicas sum in place (`Overheads.step`
+    is fitted from both)."""
 
 
 @dataclass(frozen=True)
@@ -226,6 +230,8 @@ class Overheads:
     op_ms: float = 0.0
     optimizer: LinearCost | None = None
     step: LinearCost = LinearCost(0.0)
+    """Its parameters: those whose gradients a device's buffers hold for its replicas to sum in
+    place, zeroed at each step's start (none on a device without replicas)."""
 
 
 @dataclass(frozen=True)

@@ -254,3 +254,21 @@ def test_the_profile_counts_a_tied_embedding_as_both_ends_shared():
     work = hf_workload(directory, microbatch_size=1, seq_len=16)
     params = _params(model_from_config(json.loads((directory / "config.json").read_text())), lambda n, mbs: work)
     assert params.tied == 2048 * 128 and params.first >= params.tied and params.last >= params.tied
+
+
+def test_the_rest_of_a_step_is_fitted_per_parameter_its_replicas_zero():
+    """The plain probes hold no gradient buffers (no replicas): their rest of a step is the base.
+    The replicas' probe zeroes one buffer for its single stage's parameters (a tied embedding
+    once): its excess over the base, per parameter, is the slope; never below zero."""
+    from dataclasses import replace
+
+    from pipeloom.profile.profiler import step_overhead
+    from pipeloom.profile_format import LinearCost, ReplicaWait
+
+    model = SimpleNamespace(stage_params=lambda counts: [counts[0] * 1000.0 + 500 + 600], tied_params=lambda: 500.0)
+    wait = ReplicaWait(tail_ms=30.0, pipeline_ms=100.0, layers=2, skew_ms=1.0, overhead_ms=4.1)
+    assert step_overhead(2.0, wait, model) == LinearCost(2.0, pytest.approx(2.1 / 2600))
+    assert (
+        step_overhead(2.0, None, model) == step_overhead(2.0, replace(wait, overhead_ms=None), model) == LinearCost(2.0)
+    )
+    assert step_overhead(5.0, wait, model) == LinearCost(5.0, 0.0)

@@ -476,7 +476,7 @@ def test_a_tied_embedding_is_priced_once_on_a_device_hosting_both_ends():
 
 def test_a_tied_embedding_is_stepped_and_synced_once_on_a_device_hosting_both_ends():
     """The tuner's optimizer step and gradient sync of a V's first device, hosting both ends,
-    count the tied weight once, as the runtime holds it (one object)."""
+    count the tied weight once, as the runtime holds it (one object); so do a single stage's."""
     data = profile()
     data["params"]["tied"] = data["params"]["first"]  # the head is the embedding
     data["overheads"]["optimizer"] = {"base_ms": 1.0, "per_param_ms": 1e-3}
@@ -488,3 +488,29 @@ def test_a_tied_embedding_is_stepped_and_synced_once_on_a_device_hosting_both_en
     assert ends < max(params[0] + params[3], middle)  # without the tie's once, the ends would be the busiest
     assert best.optimizer_time == pytest.approx(model.optimizer_time(max(ends, middle), 2))
     assert best.allreduce_time == pytest.approx(model.allreduce_time(max(ends, middle), 2, 2))  # no replicas' wait
+    single = tune(model, 2, 1e12, 8, **{**space, "schemes": ["1f1b"], "pp_values": [1]}).best  # one stage: both ends
+    whole = model.stage_params(single.partition)[0] - data["params"]["tied"]
+    assert single.optimizer_time == pytest.approx(model.optimizer_time(whole, 2))
+    assert single.static_memory[0] == pytest.approx(single.costs.stage_value("M_static", 0) - single.costs.M_shared)
+
+
+def test_a_step_zeroes_the_gradient_buffers_its_replicas_sum_in_place():
+    """The rest of a step grows with the parameters whose gradients a device's buffers hold for
+    its replicas — dp replicas or Chimera's copies — and not at all without replicas; a tied
+    embedding on a device hosting both ends is one buffer."""
+    data = profile()
+    data["params"]["tied"] = data["params"]["first"]
+    data["overheads"] = {
+        "optimizer": {"base_ms": 1.0, "per_param_ms": 0.0},
+        "step": {"base_ms": 2.0, "per_param_ms": 1e-3},
+    }
+    model = ProfiledCostModel(data)
+    whole = 8 * 1000.0 + 600  # every layer, the head, and the embedding tied to it
+    space = dict(micro_batches=[1], layouts=False, static_measures=False)
+    assert tune(model, 2, 1e12, 8, schemes=["1f1b"], pp_values=[1], **space).best.overhead_time == 2.0 + whole * 1e-3
+    assert tune(model, 2, 1e12, 8, schemes=["1f1b"], pp_values=[2], **space).best.overhead_time == 2.0
+    chimera = tune(model, 2, 1e12, 8, schemes=["chimera"], pp_values=[2], **space).best
+    assert chimera.candidate.dp == 1 and chimera.overhead_time == pytest.approx(2.0 + whole * 1e-3)
+    assert chimera.step_time == pytest.approx(
+        chimera.pipeline_time + chimera.allreduce_time + chimera.optimizer_time + chimera.overhead_time
+    )

@@ -223,7 +223,8 @@ def runtime_line(profile: Profile) -> str:
         f"{p2p.bytes_per_ms / 1e6:.2f} GB/s; all-reduce (dp {links.dp}) {reduce.latency_ms:.3f} ms + "
         f"{reduce.bytes_per_ms / 1e6:.2f} GB/s; optimizer {optimizer.base_ms:.2f} ms + "
         f"{optimizer.per_param_ms * 1e6:.3f} ms per M parameters; rest of a step "
-        f"{overheads.step.base_ms:.2f} ms"
+        f"{overheads.step.base_ms:.2f} ms + {overheads.step.per_param_ms * 1e6:.3f} ms per M parameters its "
+        "replicas zero"
     )
 
 

@@ -4,8 +4,8 @@
   recording it). It is the ε that, added to every op of a probe's schedule, makes the simulated
   pipeline as long as the measured one; the median over probes is kept.
 - Optimizer: the AdamW step, linear in the parameters a rank holds.
-- Step overhead: the rest of a step (the batch, zeroing gradients, the loss all-reduce), a
-  constant.
+- Step overhead: the rest of a step (the batch, the loss all-reduce), and zeroing the gradient
+  buffers a device's replicas sum in place, linear in their parameters (`profiler.step_overhead`).
 Torch-free: it reads numbers and simulates schedules.
 """
 

@@ -29,7 +29,7 @@ from pipeloom.profile.links import in_process_links, measure_links, ping_seconds
 from pipeloom.profile.overheads import linear_fit, op_overhead_ms, serial_op_overhead_ms
 from pipeloom.profile.probe_rounds import OP_KINDS, Probe, ProbeModel, Turns, probe_schedule
 from pipeloom.profile.steadiness import Contention
-from pipeloom.profile_format import DeviceInfo, Layout, LinearCost, Noise, Overheads, Params, Profile
+from pipeloom.profile_format import DeviceInfo, Layout, LinearCost, Noise, Overheads, Params, Profile, ReplicaWait
 from pipeloom.tune.presets import ModelSpec
 from pipeloom.tune.profiled import ProfiledCostModel
 
@@ -167,8 +167,18 @@ def _runtime_overheads(profile: Profile, measured: dict, in_process: bool) -> Ov
     return Overheads(
         op_ms=max(0.0, statistics.median(epsilons)),
         optimizer=LinearCost(base, per_param),
-        step=LinearCost(statistics.median(rest)),
+        step=step_overhead(statistics.median(rest), profile.plain.waits.get(0), model),
     )
+
+
+def step_overhead(plain_ms: float, wait: ReplicaWait | None, model: ProfiledCostModel) -> LinearCost:
+    """The rest of a step: the plain probes' (no replicas, no gradient buffers to zero) as its
+    base, and per parameter the replicas' probe's excess over it, that probe's one stage holding
+    every parameter (each summed, so each zeroed) once."""
+    if wait is None or wait.overhead_ms is None:
+        return LinearCost(plain_ms)
+    zeroed = model.stage_params([wait.layers])[0] - model.tied_params()
+    return LinearCost(plain_ms, max(0.0, wait.overhead_ms - plain_ms) / zeroed)
 
 
 def _probe_costs(probe: Probe, p: int, fitted: Costs) -> Costs:

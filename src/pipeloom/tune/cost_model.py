@@ -82,7 +82,7 @@ class CostModel(Protocol):
 
     def gather_time(self, params: float, pp: int, dp: int) -> float: ...
 
-    def step_overhead_time(self) -> float: ...
+    def step_overhead_time(self, zeroed: float = 0.0) -> float: ...
 
     def replica_skew(self, dp: int, zero: int = 0) -> float: ...
 
@@ -269,8 +269,9 @@ class AnalyticCostModel:
         stepped = params / (dp * self.cp) if zero else params
         return 1e3 * stepped * 2 * 16 / self.hardware.hbm_bandwidth
 
-    def step_overhead_time(self) -> float:
-        """Not modelled: on a GPU, loading a batch and launching kernels hide under the compute."""
+    def step_overhead_time(self, zeroed: float = 0.0) -> float:
+        """Not modelled: on a GPU, loading a batch, launching kernels and zeroing the gradient
+        buffers hide under the compute."""
         return 0.0
 
     @property

@@ -33,7 +33,7 @@ class Evaluation:
     allreduce_time: float = 0.0
     optimizer_time: float = 0.0
     overhead_time: float = 0.0
-    """The rest of a step: the batch, zeroing gradients, the loss all-reduce."""
+    """The rest of a step: the batch, zeroing the gradient buffers the replicas sum, the loss all-reduce."""
     noise_time: float = 0.0
     """The part of `pipeline_time` that the ranks' step-to-step speed noise adds to the median
     step (`tune.speed_noise`; 0 without a measured profile)."""

@@ -12,7 +12,7 @@ from pipeloom.costs import Costs, hosts_both_ends
 from pipeloom.tune.cost_model import CostModel
 from pipeloom.tune.space import Candidate
 
-__all__ = ["StaticOption", "static_options"]
+__all__ = ["StaticOption", "static_options", "zeroed_params"]
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,21 @@ def _gradient_sync(
 
     per_stage = tuple(sync([s]) for s in range(len(params)))
     return max(sync(list(stages_on)) for stages_on in candidate.placement), per_stage
+
+
+def zeroed_params(candidate: Candidate, cost_model: CostModel, partition: list[int]) -> float:
+    """The parameters whose gradients the busiest device's buffers hold for its replicas (the dp
+    replicas, Chimera's copies) to sum in place, zeroed at each step's start: none without
+    replicas; a routed expert's only where other replicas hold the same experts."""
+    replicas = candidate.dp * candidate.replicas
+    if replicas == 1:
+        return 0.0
+    params, experts = cost_model.stage_params(partition), cost_model.expert_params(partition)
+    alone = replicas // cost_model.model.expert_parallel == 1  # each expert held by one replica
+    return max(
+        _held(cost_model, params, stages) - (sum(experts[s] for s in stages) if alone else 0.0)
+        for stages in candidate.placement
+    )
 
 
 def _static_on(costs: Costs, stages: Collection[int], num_stages: int, offloaded: Sequence[float] = ()) -> float:

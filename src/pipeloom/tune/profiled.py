@@ -459,9 +459,10 @@ class ProfiledCostModel:
         them (measured: docs/fidelity.md)."""
         return self.profile.device.kind != "cpu"
 
-    def step_overhead_time(self) -> float:
-        """The rest of a step as measured: the batch, zeroing gradients, the loss all-reduce."""
-        return self.overheads.step.base_ms if self.overheads.optimizer is not None else 0.0
+    def step_overhead_time(self, zeroed: float = 0.0) -> float:
+        """The rest of a step as measured: the batch, the loss all-reduce, and zeroing the
+        gradient buffers that hold `zeroed` parameters for the replicas to sum in place."""
+        return self.overheads.step.ms(zeroed) if self.overheads.optimizer is not None else 0.0
 
     def to_dict(self) -> dict:
         facts: dict[str, Any] = {"source": "profile", "device": self.profile.device.description, "tp": self.tp}

@@ -41,7 +41,7 @@ from pipeloom.tune.candidate_run import (
 from pipeloom.tune.confidence import measured_first, note_extrapolations, settle_near_ties
 from pipeloom.tune.cost_model import CostModel
 from pipeloom.tune.evaluation import Evaluation, SplitOutcome, TuneResult, offload_lanes, packed, restore
-from pipeloom.tune.measures import static_options
+from pipeloom.tune.measures import static_options, zeroed_params
 from pipeloom.tune.partition import partition_layers, partition_variants
 from pipeloom.tune.pool import ROUND, RoundPool, default_jobs, fewer_collections
 from pipeloom.tune.space import DEFAULT_SCHEMES, SCHEMES, Candidate, candidates
@@ -304,7 +304,7 @@ def _prepare(
 ) -> tuple[Evaluation, float]:
     """Partition (the balanced one unless given), the static-memory measures that fit (the
     device's memory and, for what they offload, the host's), and a lower bound on the step time."""
-    evaluation = Evaluation(candidate, overhead_time=cost_model.step_overhead_time())
+    evaluation = Evaluation(candidate)
     stages = candidate.num_stages
     ops = _ops(candidate)
     if candidate.slices > 1 and ops > SLICED_OPS_LIMIT:
@@ -322,6 +322,7 @@ def _prepare(
     except InfeasibleError as error:
         evaluation.reason = f"layers: {error}"
         return evaluation, math.inf
+    evaluation.overhead_time = cost_model.step_overhead_time(zeroed_params(candidate, cost_model, evaluation.partition))
     every = static_options(candidate, cost_model, evaluation.partition, static_measures)
     host_needs = [max(option.host_memory, default=0.0) for option in every]
     options = [option for option, need in zip(every, host_needs) if need <= host_memory + _EPS]
