@@ -496,8 +496,8 @@ def test_a_tied_embedding_is_stepped_and_synced_once_on_a_device_hosting_both_en
 
 def test_a_step_zeroes_the_gradient_buffers_its_replicas_sum_in_place():
     """The rest of a step grows with the parameters whose gradients a device's buffers hold for
-    its replicas — dp replicas or Chimera's copies — and not at all without replicas; a tied
-    embedding on a device hosting both ends is one buffer."""
+    its replicas — dp replicas, Chimera's copies, cp ranks holding the same weights — and not at
+    all without replicas; a tied embedding on a device hosting both ends is one buffer."""
     data = profile()
     data["params"]["tied"] = data["params"]["first"]
     data["overheads"] = {
@@ -514,3 +514,5 @@ def test_a_step_zeroes_the_gradient_buffers_its_replicas_sum_in_place():
     assert chimera.step_time == pytest.approx(
         chimera.pipeline_time + chimera.allreduce_time + chimera.optimizer_time + chimera.overhead_time
     )
+    context = tune(ProfiledCostModel({**data, **links()}, cp=2), 2, 1e12, 8, schemes=["1f1b"], pp_values=[1], **space)
+    assert context.best.candidate.dp == 1 and context.best.overhead_time == 2.0 + whole * 1e-3  # cp ranks sum too

@@ -137,13 +137,14 @@ def _gradient_sync(
 
 def zeroed_params(candidate: Candidate, cost_model: CostModel, partition: list[int]) -> float:
     """The parameters whose gradients the busiest device's buffers hold for its replicas (the dp
-    replicas, Chimera's copies) to sum in place, zeroed at each step's start: none without
-    replicas; a routed expert's only where other replicas hold the same experts."""
-    replicas = candidate.dp * candidate.replicas
+    replicas, Chimera's copies, the cp ranks that hold the same weights) to sum in place, zeroed
+    at each step's start: none without replicas; a routed expert's only where other replicas
+    hold the same experts."""
+    replicas = candidate.dp * candidate.replicas * cost_model.split.cp
     if replicas == 1:
         return 0.0
     params, experts = cost_model.stage_params(partition), cost_model.expert_params(partition)
-    alone = replicas // cost_model.model.expert_parallel == 1  # each expert held by one replica
+    alone = replicas // cost_model.model.expert_parallel <= 1  # each expert held by one replica
     return max(
         _held(cost_model, params, stages) - (sum(experts[s] for s in stages) if alone else 0.0)
         for stages in candidate.placement
