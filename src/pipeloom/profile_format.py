@@ -150,8 +150,8 @@ class ReplicaWait:
     is read from the tail (`ProfiledCostModel.replica_skew`)."""
     overhead_ms: float | None = None
     """Rank 0's rest of a step (the median): the batch, the loss's all-reduce and, unlike a probe
-    without replicas, zeroing the gradient buffers the replicas sum in place (`Overheads.step`
-    is fitted from both)."""
+    without replicas, zeroing the gradient buffers the replicas sum in place and waiting there
+    for the other replica's optimizer step (`Overheads.step` is fitted from both)."""
 
 
 @dataclass(frozen=True)
@@ -199,6 +199,9 @@ class Links:
     reduce_scatter: Link | None = None
     all_gather: Link | None = None
     dp: int = 2
+    sync_contention: float | None = None
+    """The share of an all-reduce's time that compute running beside it loses (on CPU ranks gloo
+    sums on the cores the ops run on), from 0 (free) to 1; None: not measured."""
 
     @property
     def collectives(self) -> bool:

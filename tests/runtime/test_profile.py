@@ -140,9 +140,10 @@ def saved_schedule_text(plan_path) -> str:
 
 def test_the_replicas_wait_is_measured_over_steady_steps_after_the_warm_up():
     """Rank 0 waits 4 ms in one steady step (at the gradient sync) and 2 ms in another of five (at
-    the loss's all-reduce, in the rest of the step); the later replica's pipeline ends 3, 0, 5,
-    1 and 2 ms past the two's mean; the warm-up steps and a step in which rank 1 ran in a slow
-    spell (rank 0 waited 60 ms for it, its pipeline 100 ms longer) count for nothing."""
+    the loss's all-reduce, in the rest of the step, 1 ms otherwise); the later replica's pipeline
+    ends 3, 0, 5, 1 and 2 ms past the two's mean; the warm-up steps and a step in which rank 1
+    ran in a slow spell (rank 0 waited 60 ms for it, its pipeline 100 ms longer) count for
+    nothing."""
 
     def result(busy_ms, waits_ms, rest_ms=(0,) * 5, pipelines_ms=(100,) * 5):
         records = [SimpleNamespace(ops=[("0F0", 0.0, b / 1e3)]) for b in busy_ms]
@@ -166,6 +167,7 @@ def test_the_replicas_wait_is_measured_over_steady_steps_after_the_warm_up():
     wait = replica_wait(rounds, steady_records(rounds)[0], 2)
     assert wait.tail_ms == pytest.approx(16.0 + 1.2) and wait.pipeline_ms == pytest.approx(100.0)
     assert wait.skew_ms == pytest.approx(2.0) and wait.layers == 2  # the median of 3, 0, 5, 1, 2
+    assert wait.overhead_ms == pytest.approx(1.0)  # rank 0's: the median of 1, 1, 3, 1, 1
 
 
 def test_a_sliced_probe_trains_as_the_whole_one_and_its_slices_pool_into_the_fits():

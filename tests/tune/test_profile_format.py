@@ -34,7 +34,11 @@ def every_part() -> dict:
         "speed": {"step": STEADY, "op": STEADY, "op_mean": 1.01},
         "confidence": {"1": {"F": 0.01, "B": 0.02}, "2": {"F": 0.03}},
     }
-    plain["waits"] = {"0": {"tail_ms": 4.0, "pipeline_ms": 50.0, "layers": 2}, "1": {**wait, "layers": 2}}
+    plain["waits"] = {
+        "0": {"tail_ms": 4.0, "pipeline_ms": 50.0, "layers": 2, "skew_ms": 1.5, "overhead_ms": 3.0},
+        "1": {**wait, "layers": 2},
+    }
+    data["links"]["sync_contention"] = 0.6
     data["layouts"] |= {
         "tp2": {
             "fits": {size: {kind: single for kind in ("F", "B", "W", "R")} for size in ("1", "2")},
@@ -77,8 +81,9 @@ def test_a_profile_s_parts_are_typed_and_keyed_by_layout():
     assert typed.expert_parallel is not None and typed.expert_parallel[0] == 2
     assert typed.expert_parallel[1].fits[2]["a2a_B"] == Fit(2.0, 1.0)
     assert typed.expert_parallel[1].waits == {0: ReplicaWait(6.0, 90.0, 3)}
-    assert typed.plain.waits[1] == ReplicaWait(6.0, 90.0, 2) and typed.plain.waits[0].pipeline_ms == 50.0
-    assert typed.links.allreduce is not None and typed.links.dp == 2
+    assert typed.plain.waits[1] == ReplicaWait(6.0, 90.0, 2)  # an older profile's: no skew, no rest of a step
+    assert typed.plain.waits[0] == ReplicaWait(4.0, 50.0, 2, skew_ms=1.5, overhead_ms=3.0)
+    assert typed.links.allreduce is not None and typed.links.dp == 2 and typed.links.sync_contention == 0.6
     assert typed.params.experts == 400 and typed.source == "hf:./my-model" and typed.noise.rounds == 8
     assert typed.device.threads == 1 and typed.noise.wall_over_cpu is None
 

@@ -121,7 +121,8 @@ def replica_wait(rounds: list, kept: list[list[bool]], layers: int) -> ReplicaWa
     beyond its pipeline — gradient sync, optimizer and the rest, where it waits for the other
     replica — its mean (a wait is short and heavy-tailed: a rank waits only in the steps where
     it was the faster); its median pipeline; the median of half the two pipelines' difference,
-    how far the later one ends past their mean; and its rest of a step's median."""
+    how far the later one ends past their mean; and its rest of a step's median, the wait at the
+    loss's all-reduce for the other's optimizer step included, as a step with replicas pays it."""
     tails, pipelines, skews, rests = [], [], [], []
     for results, flags in zip(rounds, kept):
         steps = zip(*(compress(timed_steps(result.phase_seconds), flags) for result in results[:2]))

@@ -7,7 +7,9 @@ whole tensor's: p2p (`send`/`recv`), and the collectives the runtime runs over d
 all-reduce of ZeRO-0's gradients, the reduce-scatter of ZeRO-1/2's (`zero.sum_into_shard`: over
 gloo an all-reduce) and the all-gather of their new weights. dp = 2 is the most ranks a probe
 forks; the tuner scales a collective to other dp by the ring algorithm: dp − 1 latencies and
-2(dp − 1)/dp of the bytes per rank.
+2(dp − 1)/dp of the bytes per rank. Beside them, what an all-reduce started under the compute
+takes from it (`contention_share`): the runtime starts each stage's sync under the device's
+later ops, which on CPU ranks share the cores with gloo's sums.
 
 A profile taken in one process (`profile --device cuda`: every stage and replica of a plan on the
 one GPU) has no ranks to send between: a message is handed over as it is, and the replicas'
@@ -32,7 +34,7 @@ from pipeloom.profile_format import Link, Links
 from pipeloom.runtime.local import meeting
 from pipeloom.runtime.zero import sum_into_shard
 
-__all__ = ["ping_seconds", "measure_links", "in_process_links"]
+__all__ = ["contention_share", "ping_seconds", "measure_links", "in_process_links"]
 
 _SMALL, _LARGE = 16, 4 * 2**20
 """fp32 elements of the two sizes measured: 64 bytes (latency), 16 MiB (bandwidth)."""
@@ -78,8 +80,39 @@ def collective_seconds(name: str, elements: int, repeats: int = 5) -> float:
     return statistics.median(samples)
 
 
+def contention_share(repeats: int = 21) -> float:
+    """The share of a large all-reduce's time that a matrix-product loop as long as it loses
+    when the all-reduce runs beside it (started asynchronously, as the runtime starts a stage's
+    sync under the device's later ops): 0 where the sums run elsewhere, 1 where every ms of them
+    is taken from the compute. Both ranks compute; rank 0's medians are kept."""
+    whole, a, b = torch.zeros(_LARGE), torch.randn(256, 256), torch.randn(256, 256)
+    sync = collective_seconds("allreduce", _LARGE, repeats)
+    began = time.perf_counter()
+    for _ in range(8):
+        torch.mm(a, b)
+    products = max(1, round(sync / ((time.perf_counter() - began) / 8)))
+
+    def compute() -> float:
+        began = time.perf_counter()
+        for _ in range(products):
+            torch.mm(a, b)
+        return time.perf_counter() - began
+
+    alone, beside = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        alone.append(compute())
+        dist.barrier()
+        work = dist.all_reduce(whole, async_op=True)
+        beside.append(compute())
+        work.wait()
+    lost = statistics.median(beside) - statistics.median(alone)
+    return min(1.0, max(0.0, lost / sync))
+
+
 def measure_links(sizes: tuple[int, ...] = (_SMALL, _LARGE), repeats: int = 9) -> Links:
-    """p2p between two ranks, and each collective over two."""
+    """p2p between two ranks, each collective over two, and what an all-reduce takes from the
+    compute beside it."""
     context = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="pipeloom-links-") as directory:
         processes = [context.Process(target=_link_rank, args=(r, directory, sizes, repeats)) for r in range(2)]
@@ -89,9 +122,10 @@ def measure_links(sizes: tuple[int, ...] = (_SMALL, _LARGE), repeats: int = 9) -
             process.join(_TIMEOUT_S)
         values = [float(x) for x in Path(directory, "links").read_text().split()]
     nbytes = [4 * n for n in sizes]
+    contention = values.pop()
     rows = [values[i : i + len(sizes)] for i in range(0, len(values), len(sizes))]
     collectives = {name: _line(nbytes, row) for name, row in zip(COLLECTIVES, rows[1:])}
-    return Links(p2p=_line(nbytes, rows[0]), dp=2, **collectives)
+    return Links(p2p=_line(nbytes, rows[0]), dp=2, sync_contention=contention, **collectives)
 
 
 def in_process_links(device: torch.device, sizes: tuple[int, ...] = (_SMALL, _LARGE), repeats: int = 9) -> Links:
@@ -132,6 +166,7 @@ def _link_rank(rank: int, directory: str, sizes: tuple[int, ...], repeats: int) 
         seconds = [ping_seconds(rank, torch.zeros(n), repeats) for n in sizes]
         for name in COLLECTIVES:
             seconds += [collective_seconds(name, n, repeats) for n in sizes]
+        values = [1e3 * s for s in seconds] + [contention_share()]
         if rank == 0:
-            Path(directory, "links").write_text(" ".join(str(1e3 * s) for s in seconds))
+            Path(directory, "links").write_text(" ".join(str(value) for value in values))
         dist.destroy_process_group()

@@ -157,8 +157,9 @@ def record_timing(evaluation: Evaluation, option, schedule: Schedule, offload: O
     # weights' all-gather (the optimizer phase) under ZeRO-1/2, as the runtime's phases measure
     wait = option.replica_skew * pipeline
     sync = option.allreduce_time
-    if option.stage_sync and offload is None:  # each stage's all-reduce under the later ops
-        sync = exposed_sync(timeline, option.stage_sync)
+    if option.stage_sync and offload is None:  # each stage's all-reduce under the later ops, which
+        exposed = exposed_sync(timeline, option.stage_sync)  # lose a share of what they hide
+        sync = exposed + option.sync_contention * max(0.0, sync - exposed)
     evaluation.allreduce_time = sync + (0.0 if option.zero else wait)
     evaluation.optimizer_time = option.optimizer_time + (wait if option.zero else 0.0)
     evaluation.static_memory = list(timeline.static_memory)

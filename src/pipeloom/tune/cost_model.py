@@ -87,9 +87,10 @@ class CostModel(Protocol):
     def replica_skew(self, dp: int, zero: int = 0) -> float: ...
 
     @property
-    def sync_overlaps_compute(self) -> bool:
-        """Whether a stage's gradient sync, started as its last backward ends, runs beside the
-        device's later ops (`measures.StaticOption.stage_sync`) or takes their time."""
+    def sync_contention(self) -> float:
+        """The share of a stage's gradient sync, started as its last backward ends under the
+        device's later ops (`measures.StaticOption.stage_sync`), that those ops lose to it: 0
+        where it runs beside them, 1 where it takes all its time from them."""
         ...
 
     def to_dict(self) -> dict: ...
@@ -275,9 +276,9 @@ class AnalyticCostModel:
         return 0.0
 
     @property
-    def sync_overlaps_compute(self) -> bool:
+    def sync_contention(self) -> float:
         """A GPU's collectives run on their own streams and links beside the kernels (NCCL)."""
-        return True
+        return 0.0
 
     def replica_skew(self, dp: int, zero: int = 0) -> float:
         """Not modelled: GPU replicas run their pipelines in near lockstep."""

@@ -34,15 +34,21 @@ class StaticOption:
     stage_sync: tuple[float, ...] = ()
     """Per stage, its gradients' sum over the replicas (ZeRO-0's all-reduce, ZeRO-1's reduce-
     scatter), which the runtime starts as the stage's last backward ends
-    (`pipeloom.sim.grad_sync`): the step pays only what the pipeline does not hide. Empty: the
-    sync runs after the pipeline (`allreduce_time`: ZeRO-2's, and any where the cost model's sync
-    takes the compute's time, `CostModel.sync_overlaps_compute`)."""
+    (`pipeloom.sim.grad_sync`): the step pays what the pipeline does not hide, and of what it
+    hides the share `sync_contention`. Empty: the sync runs after the pipeline
+    (`allreduce_time`: ZeRO-2's)."""
+    sync_contention: float = 0.0
+    """The share of a hidden sync's time the ops beside it lose (`CostModel.sync_contention`)."""
 
     @property
     def sync_floor(self) -> float:
         """The least the gradient sync can add to the step: a training schedule's last op is a
-        backward, whose stage's all-reduce starts only then (the sequential time, unoverlapped)."""
-        return min(self.stage_sync) if self.stage_sync else self.allreduce_time
+        backward, whose stage's all-reduce starts only then (the sequential time, unoverlapped);
+        of the rest, hidden, the ops lose their share."""
+        if not self.stage_sync:
+            return self.allreduce_time
+        least = min(self.stage_sync)
+        return least + self.sync_contention * max(0.0, self.allreduce_time - least)
 
     @property
     def label(self) -> str:
@@ -84,8 +90,9 @@ def static_options(
                     time - (cost_model.gather_time(params[s], candidate.pp, replicas) if zero else 0.0)
                     for s, time in enumerate(per_stage)
                 )
-                if zero < 2 and replicas > 1 and cost_model.sync_overlaps_compute
+                if zero < 2 and replicas > 1
                 else (),
+                sync_contention=cost_model.sync_contention,
             )
         )
     plain = options[0]
@@ -102,6 +109,7 @@ def static_options(
                 plain.replica_skew,
                 tuple(sum(plain.costs.stage_value("M_host", s) for s in stages_on) for stages_on in placement),
                 plain.stage_sync,
+                plain.sync_contention,
             )
         )
     return options

@@ -453,11 +453,14 @@ class ProfiledCostModel:
         return max(0.0, wait.tail_ms - expected - self.step_overhead_time()) / wait.pipeline_ms
 
     @property
-    def sync_overlaps_compute(self) -> bool:
-        """Not on CPU ranks: gloo sums the gradients on the cores the ops run on, so a sync
-        started under a device's later ops slows them by about what it would have added after
-        them (measured: docs/fidelity.md)."""
-        return self.profile.device.kind != "cpu"
+    def sync_contention(self) -> float:
+        """On CPU ranks gloo sums the gradients on the cores the ops run on: the share the
+        profile's links measured (all of it where they did not). A GPU's NCCL runs beside the
+        kernels."""
+        if self.profile.device.kind != "cpu":
+            return 0.0
+        measured = self.links.sync_contention
+        return 1.0 if measured is None else min(1.0, measured)
 
     def step_overhead_time(self, zeroed: float = 0.0) -> float:
         """The rest of a step as measured: the batch, the loss all-reduce, and zeroing the
