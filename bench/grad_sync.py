@@ -8,8 +8,9 @@ Measured (per step, the median of the steps after the first, the slowest rank's)
 phase plus the sync the rank still waited for after it (`allreduce`, the part not hidden), and
 the whole step. Predicted: the simulator on the costs `profile` measured for this model, its
 makespan plus the sync the schedule does not hide (`sim.grad_sync.exposed_sync`, each stage's
-all-reduce from its last backward on) or, sequential, the busiest device's all-reduces after it,
-and, either way, the profile's wait for the slower replica (as `tune` prices a step).
+all-reduce from its last backward on) and the share of the hidden rest the ops beside it lose
+(`CostModel.sync_contention`) or, sequential, the busiest device's all-reduces after it, and,
+either way, the profile's wait for the slower replica (as `tune` prices a step).
 On this machine's two cores, gloo's reduction thread competes with the ranks' compute, so the
 overlap hides less here than on a GPU, whose network does it beside the SMs; and four ranks on
 two cores run their ops about twice as slowly as the profile (one process at a time) measured
@@ -80,7 +81,9 @@ def main() -> None:
         per_stage = [cost_model.allreduce_time(count, P, DP) for count in params]
         busiest = max(cost_model.allreduce_time(sum(params[s] for s in schedule.stages_on(d)), P, DP) for d in range(P))
         wait = cost_model.replica_skew(DP) * timeline.makespan  # for the slower replica, as the tuner prices it
-        predicted = {True: exposed_sync(timeline, per_stage) + wait, False: busiest + wait}
+        exposed = exposed_sync(timeline, per_stage)  # and the share of the hidden rest the ops lose
+        overlapped = exposed + cost_model.sync_contention * max(0.0, busiest - exposed)
+        predicted = {True: overlapped + wait, False: busiest + wait}
         runs: dict[bool, list] = {True: [], False: []}
         for _ in range(args.rounds):
             for overlap in (True, False):
