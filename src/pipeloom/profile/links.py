@@ -80,13 +80,13 @@ def collective_seconds(name: str, elements: int, repeats: int = 5) -> float:
     return statistics.median(samples)
 
 
-def contention_share(repeats: int = 21) -> float:
-    """The share of a large all-reduce's time that a matrix-product loop as long as it loses
-    when the all-reduce runs beside it (started asynchronously, as the runtime starts a stage's
-    sync under the device's later ops): 0 where the sums run elsewhere, 1 where every ms of them
-    is taken from the compute. Both ranks compute; rank 0's medians are kept."""
-    whole, a, b = torch.zeros(_LARGE), torch.randn(256, 256), torch.randn(256, 256)
-    sync = collective_seconds("allreduce", _LARGE, repeats)
+def contention_share(elements: int, sync: float, repeats: int = 21) -> float:
+    """The share of the time `sync` (s) of an all-reduce of `elements` that a matrix-product loop
+    as long as it loses when the all-reduce runs beside it (started asynchronously, as the
+    runtime starts a stage's sync under the device's later ops): 0 where the sums run elsewhere,
+    1 where every ms of them is taken from the compute. Both ranks compute; rank 0's medians are
+    kept."""
+    whole, a, b = torch.zeros(elements), torch.randn(256, 256), torch.randn(256, 256)
     began = time.perf_counter()
     for _ in range(8):
         torch.mm(a, b)
@@ -164,9 +164,9 @@ def _link_rank(rank: int, directory: str, sizes: tuple[int, ...], repeats: int) 
     with meeting(rank, 2, directory, _TIMEOUT_S) as store:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
         seconds = [ping_seconds(rank, torch.zeros(n), repeats) for n in sizes]
-        for name in COLLECTIVES:
-            seconds += [collective_seconds(name, n, repeats) for n in sizes]
-        values = [1e3 * s for s in seconds] + [contention_share()]
+        collectives = {name: [collective_seconds(name, n, repeats) for n in sizes] for name in COLLECTIVES}
+        seconds += [time for name in COLLECTIVES for time in collectives[name]]
+        values = [1e3 * s for s in seconds] + [contention_share(sizes[-1], collectives["allreduce"][-1])]
         if rank == 0:
             Path(directory, "links").write_text(" ".join(str(value) for value in values))
         dist.destroy_process_group()

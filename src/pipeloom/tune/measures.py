@@ -130,12 +130,10 @@ def _gradient_sync(
     """The gradients' collectives: (the busiest device's, all after the pipeline; each stage's
     own, as the runtime overlaps them). Over every replica, but a routed expert's over only the
     replicas that hold the same experts (replicas / EP; none at dp = EP)."""
-    ep = cost_model.model.expert_parallel
-    copies = replicas // ep
+    copies = replicas // cost_model.model.expert_parallel
 
     def sync(stages: list[int]) -> float:
-        local = sum(experts[s] for s in stages) if ep > 1 else 0.0  # at EP 1 they sync with the rest
-        shared = _held(cost_model, params, stages) - local
+        shared, local = _synced(cost_model, params, experts, stages)
         time = cost_model.allreduce_time(shared, candidate.pp, replicas, zero=zero)
         return time + (cost_model.allreduce_time(local, candidate.pp, copies, zero=zero) if local else 0.0)
 
@@ -152,11 +150,18 @@ def zeroed_params(candidate: Candidate, cost_model: CostModel, partition: list[i
     if replicas == 1:
         return 0.0
     params, experts = cost_model.stage_params(partition), cost_model.expert_params(partition)
-    alone = replicas // cost_model.model.expert_parallel <= 1  # each expert held by one replica
-    return max(
-        _held(cost_model, params, stages) - (sum(experts[s] for s in stages) if alone else 0.0)
-        for stages in candidate.placement
-    )
+    copies = replicas // cost_model.model.expert_parallel
+    held = (_synced(cost_model, params, experts, stages) for stages in candidate.placement)
+    return max(shared + (local if copies > 1 else 0.0) for shared, local in held)
+
+
+def _synced(
+    cost_model: CostModel, params: list[float], experts: list[float], stages: Collection[int]
+) -> tuple[float, float]:
+    """A device's parameters summed over every replica, and its routed experts' summed over only
+    the replicas that hold the same experts (none under EP 1: they sum with the rest)."""
+    local = sum(experts[s] for s in stages) if cost_model.model.expert_parallel > 1 else 0.0
+    return _held(cost_model, params, stages) - local, local
 
 
 def _static_on(costs: Costs, stages: Collection[int], num_stages: int, offloaded: Sequence[float] = ()) -> float:
