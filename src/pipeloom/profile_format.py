@@ -52,11 +52,12 @@ __all__ = [
 PROFILE_FORMAT = "pipeloom.profile/2"
 TIME_KINDS = ("F", "B", "W", "R")
 """The passes a fit prices, in ms."""
-FIT_KINDS = (*TIME_KINDS, "M_B", "M_ckpt")
-"""What every micro-batch size of a two-stage layout holds."""
-_OPTIONAL_KINDS = ("M_W", "a2a_F", "a2a_B")
-"""M_W: the bytes a B leaves queued for its W; a2a_F, a2a_B: the expert all-to-alls in flight in
-a forward and a backward (ms), where the experts were shared out."""
+FIT_KINDS = (*TIME_KINDS, "M_B", "M_W", "M_ckpt")
+"""What every micro-batch size of a two-stage layout holds (M_W: the bytes a B leaves queued for
+its W)."""
+_OPTIONAL_KINDS = ("a2a_F", "a2a_B")
+"""The expert all-to-alls in flight in a forward and a backward (ms), where the experts were
+shared out."""
 POSITIONS = ("first", "last", "middle", "single")
 _ADVICE = "profile again (`pipeloom profile`), or correct the file"
 
@@ -136,22 +137,19 @@ class Speed:
 
 @dataclass(frozen=True)
 class ReplicaWait:
-    """Two data-parallel replicas of one stage of `layers` layers, in ms: rank 0's step beyond
-    its pipeline (gradient sync, optimizer and the rest, where it waits for the other replica;
-    the mean over steps), its pipeline (the median), and how far the later replica's pipeline
-    ends past the two's mean, half their difference (the median over steps)."""
+    """Two data-parallel replicas of one stage of `layers` layers, in ms (medians over steps)."""
 
-    tail_ms: float
     pipeline_ms: float
+    """Rank 0's pipeline."""
     layers: int
-    skew_ms: float | None = None
-    """What every replica's collectives wait for: the step runs to the later pipeline's end, a
-    plan is priced at a typical one's. None in a profile from before it was measured, whose wait
-    is read from the tail (`ProfiledCostModel.replica_skew`)."""
-    overhead_ms: float | None = None
-    """Rank 0's rest of a step (the median): the batch, the loss's all-reduce and, unlike a probe
-    without replicas, zeroing the gradient buffers the replicas sum in place and waiting there
-    for the other replica's optimizer step (`Overheads.step` is fitted from both)."""
+    skew_ms: float
+    """How far the later replica's pipeline ends past the two's mean, half their difference: what
+    every replica's collectives wait for, the step running to the later pipeline's end while a
+    plan is priced at a typical one's."""
+    overhead_ms: float
+    """Rank 0's rest of a step: the batch, the loss's all-reduce and, unlike a probe without
+    replicas, zeroing the gradient buffers the replicas sum in place and waiting there for the
+    other replica's optimizer step (`Overheads.step` is fitted from both)."""
 
 
 @dataclass(frozen=True)
@@ -159,8 +157,8 @@ class LayoutProfile:
     """What the probes of one layout measured: fits per micro-batch size and kind (F, B, W, R and
     the all-to-alls in flight in ms; M_B, M_W, M_ckpt in bytes), how their speed varied, the
     relative standard error of each op kind's medians, the layers a stage its probes ran, and
-    its replicas' wait at the gradient sync by ZeRO level (0; 1 for ZeRO-1/2 in profiles that
-    read it from the step's tail)."""
+    its replicas' wait at the gradient sync by the ZeRO level it was measured at (0: the skew
+    is the pipelines', the same at every level)."""
 
     fits: Mapping[int, Mapping[str, Fit]] = field(default_factory=dict)
     speed: Speed = Speed()
@@ -192,26 +190,19 @@ class Link:
 
 @dataclass(frozen=True)
 class Links:
-    """Send/recv between two ranks, and the collectives over `dp` ranks (None: not measured)."""
+    """Send/recv between two ranks, and the collectives over `dp` ranks."""
 
     p2p: Link
-    allreduce: Link | None = None
-    reduce_scatter: Link | None = None
-    all_gather: Link | None = None
+    allreduce: Link
+    reduce_scatter: Link
+    all_gather: Link
     dp: int = 2
     sync_contention: float | None = None
     """The share of an all-reduce's time that compute running beside it loses (on CPU ranks gloo
     sums on the cores the ops run on), from 0 (free) to 1; None: not measured."""
 
-    @property
-    def collectives(self) -> bool:
-        return None not in (self.allreduce, self.reduce_scatter, self.all_gather)
-
     def collective(self, name: str) -> Link:
-        link = {"allreduce": self.allreduce, "reduce_scatter": self.reduce_scatter, "all_gather": self.all_gather}[name]
-        if link is None:
-            raise KeyError(name)
-        return link
+        return {"allreduce": self.allreduce, "reduce_scatter": self.reduce_scatter, "all_gather": self.all_gather}[name]
 
 
 @dataclass(frozen=True)
@@ -228,10 +219,10 @@ class LinearCost:
 @dataclass(frozen=True)
 class Overheads:
     """What the runtime adds beyond the ops: a per-op overhead, the optimizer step, and the rest
-    of a step (None for the optimizer: an older profile lumped it into `step`)."""
+    of a step."""
 
+    optimizer: LinearCost
     op_ms: float = 0.0
-    optimizer: LinearCost | None = None
     step: LinearCost = LinearCost(0.0)
     """Its parameters: those whose gradients a device's buffers hold for its replicas to sum in
     place, zeroed at each step's start (none on a device without replicas)."""
@@ -286,9 +277,9 @@ class Profile:
     layouts: Mapping[Layout, LayoutProfile]
     """Always "plain"; "tpN[+sp]" with `profile --tp`; "ep2" for a mixture of experts; "sN" with
     `profile --slices`."""
+    overheads: Overheads
     device: DeviceInfo = DeviceInfo()
     dtype: str = "fp32"
-    overheads: Overheads = Overheads()
     noise: Noise = Noise()
     warnings: tuple[str, ...] = ()
     source: str | None = None

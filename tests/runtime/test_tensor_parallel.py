@@ -123,10 +123,11 @@ def planner_for(sequence_parallel: bool):
     profile = {
         "format": PROFILE_FORMAT,
         "model": model,
-        "layouts": {"plain": {"fits": {"2": {key: zero for key in ("F", "B", "W", "R", "M_B", "M_ckpt")}}}},
+        "layouts": {"plain": {"fits": {"2": {key: zero for key in ("F", "B", "W", "R", "M_B", "M_W", "M_ckpt")}}}},
         "params": {"layer": 1, "first": 1, "last": 1},
         "static_bytes_per_param": 16,
         "links": {name: line for name in ("p2p", "allreduce", "reduce_scatter", "all_gather")},
+        "overheads": {"optimizer": {"base_ms": 0.0}},
     }
     return ProfiledCostModel(profile, tp=2, sequence_parallel=sequence_parallel)
 

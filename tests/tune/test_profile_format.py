@@ -29,15 +29,12 @@ def every_part() -> dict:
     for size in ("1", "2"):
         plain["fits"][size]["M_W"] = fit(300.0 * int(size), 10.0, 20.0)
     single = {"per_layer": 2.0, "single": 1.0}
-    wait = {"tail_ms": 6.0, "pipeline_ms": 90.0}
+    wait = {"pipeline_ms": 90.0, "skew_ms": 2.0, "overhead_ms": 1.0}
     plain |= {
         "speed": {"step": STEADY, "op": STEADY, "op_mean": 1.01},
         "confidence": {"1": {"F": 0.01, "B": 0.02}, "2": {"F": 0.03}},
     }
-    plain["waits"] = {
-        "0": {"tail_ms": 4.0, "pipeline_ms": 50.0, "layers": 2, "skew_ms": 1.5, "overhead_ms": 3.0},
-        "1": {**wait, "layers": 2},
-    }
+    plain["waits"] = {"0": {"pipeline_ms": 50.0, "layers": 2, "skew_ms": 1.5, "overhead_ms": 3.0}}
     data["links"]["sync_contention"] = 0.6
     data["layouts"] |= {
         "tp2": {
@@ -80,10 +77,9 @@ def test_a_profile_s_parts_are_typed_and_keyed_by_layout():
     assert typed.layout(Layout(tp=2)).fits[1]["F"] == Fit(2.0, 1.0)  # one stage: its single intercept
     assert typed.expert_parallel is not None and typed.expert_parallel[0] == 2
     assert typed.expert_parallel[1].fits[2]["a2a_B"] == Fit(2.0, 1.0)
-    assert typed.expert_parallel[1].waits == {0: ReplicaWait(6.0, 90.0, 3)}
-    assert typed.plain.waits[1] == ReplicaWait(6.0, 90.0, 2)  # an older profile's: no skew, no rest of a step
-    assert typed.plain.waits[0] == ReplicaWait(4.0, 50.0, 2, skew_ms=1.5, overhead_ms=3.0)
-    assert typed.links.allreduce is not None and typed.links.dp == 2 and typed.links.sync_contention == 0.6
+    assert typed.expert_parallel[1].waits == {0: ReplicaWait(90.0, 3, skew_ms=2.0, overhead_ms=1.0)}
+    assert typed.plain.waits == {0: ReplicaWait(50.0, 2, skew_ms=1.5, overhead_ms=3.0)}
+    assert typed.links.dp == 2 and typed.links.sync_contention == 0.6
     assert typed.params.experts == 400 and typed.source == "hf:./my-model" and typed.noise.rounds == 8
     assert typed.device.threads == 1 and typed.noise.wall_over_cpu is None
 
@@ -149,6 +145,14 @@ def test_layout_keys_name_every_layout_and_refuse_others():
         (lambda p: p["noise"].update(busy_allowed="yes"), r"noise\.busy_allowed must be true or false"),
         (lambda p: p["links"]["p2p"].pop("latency_ms"), r"links\.p2p\.latency_ms is missing"),
         (lambda p: p["layouts"]["ep2"]["waits"]["0"].update(layers=1.5), r"layers is 1\.5, not a whole number"),
+        # what an earlier pipeloom did not measure is refused, not guessed at from a residual
+        (
+            lambda p: p["layouts"]["plain"]["waits"]["0"].pop("skew_ms"),
+            r"waits\[0\]\.skew_ms is missing; profile again",
+        ),
+        (lambda p: p["links"].pop("reduce_scatter"), r"links\.reduce_scatter is missing"),
+        (lambda p: p["layouts"]["plain"]["fits"]["2"].pop("M_W"), r"fits\[2\]\.M_W is missing"),
+        (lambda p: p["overheads"].pop("optimizer"), r"overheads\.optimizer is missing"),
     ],
 )
 def test_a_bad_entry_of_a_format_2_profile_is_named_by_its_place(change, message):

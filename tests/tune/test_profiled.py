@@ -12,6 +12,7 @@ from pipeloom.tune.profile_fits import fit_positions
 from pipeloom.tune.profiled import ProfiledCostModel
 from pipeloom.tune.search import tune
 
+LINKS = ("p2p", "allreduce", "reduce_scatter", "all_gather")
 MODEL = {"name": "toy", "hidden": 64, "layers": 8, "heads": 4, "ffn": 128, "vocab": 100, "seq_len": 32, "gated": True}
 
 
@@ -34,6 +35,7 @@ def profile():
             "W": fit(0.5 * size, 0.0, 0.2),
             "R": fit(1.1 * size, 0.5, 1.5),
             "M_B": fit(1000.0 * size, 100.0, 4000.0),
+            "M_W": fit(0.0, 0.0, 0.0),
             "M_ckpt": fit(0.0, 50.0 * size, 50.0 * size),
         }
     return {
@@ -42,8 +44,8 @@ def profile():
         "layouts": {"plain": {"fits": fits}},
         "params": {"layer": 1000, "first": 500, "last": 600},
         "static_bytes_per_param": 16,
-        "links": {"p2p": {"latency_ms": 0.0, "bytes_per_ms": 1e6}},
-        "overheads": {"step": {"base_ms": 2.0, "per_param_ms": 0.0}},
+        "links": {name: {"latency_ms": 0.0, "bytes_per_ms": 1e6} for name in LINKS},
+        "overheads": {"optimizer": {"base_ms": 2.0, "per_param_ms": 0.0}},
     }
 
 
@@ -195,7 +197,7 @@ def test_measured_runtime_overheads_are_priced():
 def links():
     """Measured collectives (over dp = 2), to merge into a profile dict."""
     line = {"latency_ms": 0.1, "bytes_per_ms": 1e5}
-    return {"links": {name: line for name in ("p2p", "allreduce", "reduce_scatter", "all_gather")}}
+    return {"links": {name: line for name in LINKS}}
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
@@ -302,46 +304,18 @@ def test_experts_shared_out_over_every_replica_sync_no_gradients():
     assert best.allreduce_time == pytest.approx(shared.allreduce_time(dense, 1, 2))
 
 
-def test_replicas_wait_as_their_probes_did():
-    """The wait is rank 0's step beyond its pipeline on two replicas, less the gradients'
-    collectives, the AdamW step over what a rank holds and the step overhead: the plain probes'
-    for a dense layout, those sharing out the experts' under --ep (whose replicas wait inside
-    the all-to-alls instead)."""
-    data = moe_profile()
-    shared = sharing_experts(data)
-    held = 8 * 600.0 + 500 + 600  # 200 dense and 400 of the experts a layer (+ both ends)
-    expected = shared.allreduce_time(8 * 200.0 + 1100, 1, 2) + shared.optimizer_time(held, 2)
-    data["layouts"]["ep2"]["waits"] = {"0": {"tail_ms": expected + 3.0, "pipeline_ms": 100.0, "layers": 8}}
-    measured = sharing_experts(data)
-    assert measured.replica_skew(2) == pytest.approx(0.03) and measured.replica_skew(2, zero=1) == pytest.approx(0.03)
-    assert measured.replica_skew(4) == pytest.approx(0.03 * math.sqrt(2))
-    assert ProfiledCostModel(data).replica_skew(2) == 0.0  # without --ep: the plain probes' (none here)
-    dense = ProfiledCostModel(data).allreduce_time(8 * 1000.0 + 1100, 1, 2, 1)
-    dense += ProfiledCostModel(data).optimizer_time(8 * 1000.0 + 1100, 2, 1)
-    data["layouts"]["plain"]["waits"] = {"1": {"tail_ms": dense + 5.0, "pipeline_ms": 50.0, "layers": 8}}
-    assert ProfiledCostModel(data).replica_skew(2, zero=1) == pytest.approx(0.1)
-    assert ProfiledCostModel(data).replica_skew(2, zero=0) == 0.0  # ZeRO-0 not measured
-    data["layouts"]["ep2"]["waits"]["0"]["tail_ms"] = expected - 1.0  # faster than priced: no negative wait
-    assert sharing_experts(data).replica_skew(2) == 0.0
-
-
 def test_replicas_wait_for_the_later_pipeline_as_measured_whatever_the_zero_level():
     """A profile that measured how far the later replica's pipeline ends past the two's mean
     prices that share of the pipeline — at every ZeRO level, under the plain and the shared-out
-    experts' layouts alike — and reads nothing from the step's tail."""
+    experts' layouts alike."""
     data = moe_profile()
-    wait = {"tail_ms": 999.0, "pipeline_ms": 80.0, "layers": 8, "skew_ms": 2.0}
+    wait = {"pipeline_ms": 80.0, "layers": 8, "skew_ms": 2.0, "overhead_ms": 3.0}
     data["layouts"]["plain"]["waits"] = {"0": wait}
     data["layouts"]["ep2"]["waits"] = {"0": {**wait, "skew_ms": 4.0}}
     dense, shared = ProfiledCostModel(data), sharing_experts(data)
     assert dense.replica_skew(2) == dense.replica_skew(2, zero=1) == dense.replica_skew(2, zero=2) == 0.025
     assert dense.replica_skew(8) == pytest.approx(0.025 * math.sqrt(3)) and dense.replica_skew(1) == 0.0
     assert shared.replica_skew(2) == pytest.approx(0.05)
-
-
-def test_tensor_parallelism_needs_measured_collectives():
-    with pytest.raises(ConfigError, match="no measured collectives"):
-        ProfiledCostModel(profile(), tp=2)
 
 
 @pytest.mark.parametrize(
@@ -358,7 +332,7 @@ def test_tensor_parallelism_needs_measured_collectives():
         (lambda p: plain(p)["fits"].update({"0": plain(p)["fits"]["1"]}), "size '0', not a positive integer"),
         (lambda p: plain(p)["fits"]["1"].pop("W"), r"fits\[1\]\.W is missing"),
         (lambda p: p["links"]["p2p"].update(bytes_per_ms=0), r"links\.p2p\.bytes_per_ms is 0: it must be positive"),
-        (lambda p: p["overheads"]["step"].update(base_ms=-2.0), r"overheads\.step\.base_ms is -2\.0"),
+        (lambda p: p["overheads"]["optimizer"].update(base_ms=-2.0), r"overheads\.optimizer\.base_ms is -2\.0"),
     ],
 )
 def test_a_profile_with_a_bad_number_is_refused_by_name(change, message):
@@ -403,9 +377,8 @@ def test_chimera_s_copies_sum_their_gradients_and_only_its_dp_replicas_wait_for_
 
     data = {**profile(), **links(), "device": {"description": device}}
     data["device"]["kind"] = "cuda" if device.startswith("cuda") else "cpu"
-    data["links"]["sync_contention"] = contention  # None: not measured (an older profile)
-    wait = {"tail_ms": 40.0, "pipeline_ms": 100.0, "layers": 4}
-    data["layouts"]["plain"]["waits"] = {"0": wait, "1": wait}
+    data["links"]["sync_contention"] = contention  # None: not measured
+    data["layouts"]["plain"]["waits"] = {"0": {"pipeline_ms": 100.0, "layers": 4, "skew_ms": 12.0, "overhead_ms": 0.0}}
     model = ProfiledCostModel(data)
     share = 0.0 if device.startswith("cuda") else 1.0 if contention is None else contention
     assert model.sync_contention == share

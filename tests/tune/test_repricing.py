@@ -59,7 +59,9 @@ def _same(plan, cost_model) -> None:
 
 
 def test_ops_a_tenth_dearer_make_the_same_schedule_s_pipeline_a_tenth_longer():
-    free_p2p = {"links": {"p2p": {"latency_ms": 0.0, "bytes_per_ms": 1e300}}}  # only the ops take time
+    free_p2p = {
+        "links": profile()["links"] | {"p2p": {"latency_ms": 0.0, "bytes_per_ms": 1e300}}
+    }  # only the ops take time
     plan, _ = _plan(profile() | free_p2p, schemes=["zb-h1"], pp_values=[2])
     slower = profile() | free_p2p
     for fits in plain(slower)["fits"].values():

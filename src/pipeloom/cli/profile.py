@@ -216,8 +216,7 @@ def run(args: argparse.Namespace) -> int:
 def runtime_line(profile: Profile) -> str:
     """What the runtime adds beyond the ops, as measured."""
     links, overheads = profile.links, profile.overheads
-    p2p, reduce = links.p2p, links.collective("allreduce")
-    optimizer = overheads.optimizer or overheads.step
+    p2p, reduce, optimizer = links.p2p, links.allreduce, overheads.optimizer
     return (
         f"runtime: {overheads.op_ms:.3f} ms per op; p2p {p2p.latency_ms:.3f} ms + "
         f"{p2p.bytes_per_ms / 1e6:.2f} GB/s; all-reduce (dp {links.dp}) {reduce.latency_ms:.3f} ms + "

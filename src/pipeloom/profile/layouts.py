@@ -117,19 +117,16 @@ def replica_waits(layout: Layout, probed: ProbeModel, mbs: int, layers: int, tur
 
 
 def replica_wait(rounds: list, kept: list[list[bool]], layers: int) -> ReplicaWait:
-    """Over the steps `kept` of `rounds` (two replicas' results each), in ms: rank 0's step
-    beyond its pipeline — gradient sync, optimizer and the rest, where it waits for the other
-    replica — its mean (a wait is short and heavy-tailed: a rank waits only in the steps where
-    it was the faster); its median pipeline; the median of half the two pipelines' difference,
-    how far the later one ends past their mean; and its rest of a step's median, the wait at the
-    loss's all-reduce for the other's optimizer step included, as a step with replicas pays it."""
-    tails, pipelines, skews, rests = [], [], [], []
+    """Over the steps `kept` of `rounds` (two replicas' results each), the medians in ms of rank
+    0's pipeline, of half the two pipelines' difference (how far the later one ends past their
+    mean) and of rank 0's rest of a step (the wait at the loss's all-reduce for the other's
+    optimizer step included, as a step with replicas pays it)."""
+    pipelines, skews, rests = [], [], []
     for results, flags in zip(rounds, kept):
         steps = zip(*(compress(timed_steps(result.phase_seconds), flags) for result in results[:2]))
         for first, second in steps:
-            tails.append(1e3 * (first["allreduce"] + first["optimizer"] + first["overhead"]))
             pipelines.append(1e3 * first["pipeline"])
             skews.append(1e3 * abs(first["pipeline"] - second["pipeline"]) / 2)
             rests.append(1e3 * first["overhead"])
     median = statistics.median
-    return ReplicaWait(statistics.fmean(tails), median(pipelines), layers, median(skews), median(rests))
+    return ReplicaWait(median(pipelines), layers, median(skews), median(rests))

@@ -113,7 +113,7 @@ def profile_model(
         params=_params(model, workload_for),
         static_bytes_per_param=STATIC_BYTES_PER_PARAM,
         links=in_process_links(torch.device(device)) if in_process else measure_links(),
-        overheads=Overheads(),
+        overheads=Overheads(LinearCost(0.0)),  # fitted below, from the probes priced by this profile
         layouts=layouts,
         noise=_noise(measured, checked),
         warnings=tuple(text for text in [busy.warning()] if text),
@@ -175,7 +175,7 @@ def step_overhead(plain_ms: float, wait: ReplicaWait | None, model: ProfiledCost
     """The rest of a step: the plain probes' (no replicas, no gradient buffers to zero) as its
     base, and per parameter the replicas' probe's excess over it, that probe's one stage holding
     every parameter (each summed, so each zeroed) once."""
-    if wait is None or wait.overhead_ms is None:
+    if wait is None:  # measured in one process: no replicas waiting
         return LinearCost(plain_ms)
     zeroed = model.stage_params([wait.layers])[0] - model.tied_params()
     return LinearCost(plain_ms, max(0.0, wait.overhead_ms - plain_ms) / zeroed)

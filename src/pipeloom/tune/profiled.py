@@ -24,8 +24,8 @@ from typing import Any
 from pipeloom.costs import Costs, CostValue
 from pipeloom.errors import ConfigError
 from pipeloom.files import read_json
-from pipeloom.profile_format import Fit, Layout, LayoutProfile, Profile, ReplicaWait, Speed
-from pipeloom.static_memory import collective_bytes, compute_bytes, static_bytes
+from pipeloom.profile_format import Fit, Layout, LayoutProfile, Profile, Speed
+from pipeloom.static_memory import compute_bytes, static_bytes
 from pipeloom.tune.presets import ModelSpec
 from pipeloom.tune.profile_fits import at_size
 from pipeloom.tune.topology import Split
@@ -65,8 +65,6 @@ class ProfiledCostModel:
         self._cp_layout = context if context is not None and context.fits else None
         """The fits measured on one stage over cp ranks (`profile --cp`); None if not measured:
         then a rank's ops are the plain ones at 1/cp of the micro-batch, plus the K/V exchange."""
-        if (tp > 1 or cp > 1) and not self.links.collectives:
-            raise ConfigError("the profile has no measured collectives to price tensor parallelism: profile again")
 
     @property
     def split(self) -> Split:
@@ -274,10 +272,7 @@ class ProfiledCostModel:
         size = share if self._cp_layout is None else micro_batch / slices  # cp ranks' fits: by micro-batch
         sliced = self._sliced(slices)
         fits, at = (sliced.fits, float(micro_batch) / self.cp) if sliced else (self.fits, size)
-        per_stage = {key: self._per_stage(key, counts, at, fits) for key in (*_TIMES, "M_B")}
-        # the bytes a B leaves queued for its W; older profiles did not measure them
-        measured_w = "M_W" in (sliced or self.profile.plain).kinds()
-        per_stage["M_W"] = self._per_stage("M_W", counts, at, fits) if measured_w else [0.0] * len(counts)
+        per_stage = {key: self._per_stage(key, counts, at, fits) for key in (*_TIMES, "M_B", "M_W")}
         per_stage["M_ckpt"] = [
             min(self._value("M_ckpt", self._position(i, len(counts)), at, fits), m)
             for i, m in enumerate(per_stage["M_B"])
@@ -396,10 +391,8 @@ class ProfiledCostModel:
     def allreduce_time(self, params: float, pp: int, dp: int, zero: int = 0) -> float:
         """The gradients' collectives over dp replicas as measured at dp = 2 and scaled by the
         ring: ZeRO-0 all-reduces the fp32 gradients, ZeRO-1/2 reduce-scatter them and all-gather
-        the new weights in the compute type. Older profiles priced it at the p2p bandwidth."""
+        the new weights in the compute type."""
         dp *= self.cp  # the cp ranks hold the same weights
-        if not self.links.collectives:
-            return collective_bytes(params, dp, zero, self.compute) / self.links.p2p.bytes_per_ms
         if dp == 1:
             return 0.0
         if zero == 0:
@@ -412,7 +405,7 @@ class ProfiledCostModel:
         """The all-gather of ZeRO-1/2's new weights, part of `allreduce_time` (the runtime runs it
         in its optimizer phase)."""
         dp *= self.cp
-        if dp == 1 or not self.links.collectives:
+        if dp == 1:
             return 0.0
         return self._collective("all_gather", self.compute * params, dp)
 
@@ -423,34 +416,19 @@ class ProfiledCostModel:
 
     def optimizer_time(self, params: float, dp: int, zero: int = 0) -> float:
         """The AdamW step as measured, over this rank's 1/dp shard under ZeRO-1/2."""
-        fit = self.overheads.optimizer or self.overheads.step
-        return fit.ms(params / (dp * self.cp) if zero else params)
+        return self.overheads.optimizer.ms(params / (dp * self.cp) if zero else params)
 
     def replica_skew(self, dp: int, zero: int = 0) -> float:
         """Share of the pipeline the dp replicas' collectives wait for the slowest one: measured
         at dp = 2, and grown for more replicas as the expected maximum of dp noisy pipelines
-        (≈ √(2 ln dp)) grows. Replicas that share out the experts exchange tokens at every MoE
-        layer and wait for each other there, so theirs is measured on such replicas."""
-        layout, ep = (self.expert_layout, self.expert_ep) if self._sharing_experts else (self.profile.plain, 1)
-        waits = layout.waits if layout and dp > 1 else {}
-        level = min(zero, 1) if min(zero, 1) in waits else 0  # replicas sharing experts ran ZeRO-0 only
-        if level not in waits:
+        (≈ √(2 ln dp)) grows; the pipelines' skew, so alike at every ZeRO level. Replicas that
+        share out the experts exchange tokens at every MoE layer and wait for each other there,
+        so theirs is measured on such replicas."""
+        layout = self.expert_layout if self._sharing_experts else self.profile.plain
+        wait = layout.waits.get(0) if layout and dp > 1 else None
+        if wait is None:
             return 0.0
-        return self._wait_share(waits[level], ep, level) * math.sqrt(math.log(dp) / math.log(2))
-
-    def _wait_share(self, wait: ReplicaWait, ep: int, zero: int) -> float:
-        """How far the later replica's pipeline ended past the two's mean, over the pipeline. A
-        profile from before that was measured has rank 0's step beyond its pipeline instead:
-        less what this model prices there — the gradients' collectives (a routed expert's stay on
-        the replica that holds it), the AdamW step over what a rank holds and the rest of a step."""
-        if wait.skew_ms is not None:
-            return wait.skew_ms / wait.pipeline_ms
-        params, layers = self.params, wait.layers
-        experts = params.experts if ep > 1 else 0.0  # shared out: 1/ep of them held, none synced
-        synced = layers * (params.layer - experts) + params.first + params.last
-        held = synced + layers * experts / ep
-        expected = self.allreduce_time(synced, 1, 2, zero) + self.optimizer_time(held, 2, zero)
-        return max(0.0, wait.tail_ms - expected - self.step_overhead_time()) / wait.pipeline_ms
+        return wait.skew_ms / wait.pipeline_ms * math.sqrt(math.log(dp) / math.log(2))
 
     @property
     def sync_contention(self) -> float:
@@ -465,7 +443,7 @@ class ProfiledCostModel:
     def step_overhead_time(self, zeroed: float = 0.0) -> float:
         """The rest of a step as measured: the batch, the loss all-reduce, and zeroing the
         gradient buffers that hold `zeroed` parameters for the replicas to sum in place."""
-        return self.overheads.step.ms(zeroed) if self.overheads.optimizer is not None else 0.0
+        return self.overheads.step.ms(zeroed)
 
     def to_dict(self) -> dict:
         facts: dict[str, Any] = {"source": "profile", "device": self.profile.device.description, "tp": self.tp}
