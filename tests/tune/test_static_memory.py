@@ -139,6 +139,28 @@ def test_the_host_limit_also_binds_tpipe_s_offload_pass():
         tune(cost_model, 16, 40 * GIB, 64, host_memory=10 * GIB, **space)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Drifting(AnalyticCostModel):
+    """Replicas whose pipelines end 5 % apart."""
+
+    def replica_skew(self, dp: int, zero: int = 0) -> float:
+        return 0.05 if dp > 1 else 0.0
+
+
+def test_the_replicas_wait_is_priced_in_the_sync_phase_at_every_zero_level():
+    """The faster replica waits at the first collective after its pipeline — ZeRO-0's all-reduce,
+    ZeRO-1/2's reduce-scatter — which the runtime times in its sync phase, not the optimizer's."""
+    space = dict(schemes=["1f1b"], pp_values=[4], micro_batches=[1], keep=1)
+    plain = _model(32)
+    drifting = _Drifting(plain.model, plain.hardware)
+    for limits in ({}, {"static_measures": False}):
+        steady, waiting = (tune(model, 16, 40 * GIB, 64, **space, **limits).best for model in (plain, drifting))
+        assert waiting.candidate == steady.candidate and waiting.candidate.dp == 4
+        assert waiting.candidate.zero == (0 if limits else 1)
+        assert waiting.optimizer_time == pytest.approx(steady.optimizer_time)
+        assert waiting.allreduce_time == pytest.approx(steady.allreduce_time + 0.05 * waiting.pipeline_time)
+
+
 def test_zero_s_weight_all_gather_is_priced_in_the_optimizer_phase_where_the_runtime_runs_it():
     cost_model = _model(32)
     best = tune(cost_model, 16, 40 * GIB, 64, schemes=["1f1b"], pp_values=[4], micro_batches=[1], keep=1).best

@@ -153,15 +153,14 @@ def record_timing(evaluation: Evaluation, option, schedule: Schedule, offload: O
     evaluation.timeline, evaluation.offload = timeline, offload
     evaluation.pipeline_time, evaluation.peak_memory = pipeline, timeline.peak_memory
     evaluation.host_memory = list(offload.host_memory) if offload else []
-    # the wait for the slowest replica: at the gradients' all-reduce under ZeRO-0, at the
-    # weights' all-gather (the optimizer phase) under ZeRO-1/2, as the runtime's phases measure
-    wait = option.replica_skew * pipeline
     sync = option.allreduce_time
     if option.stage_sync and offload is None:  # each stage's all-reduce under the later ops, which
         exposed = exposed_sync(timeline, option.stage_sync)  # lose a share of what they hide
         sync = exposed + option.sync_contention * max(0.0, sync - exposed)
-    evaluation.allreduce_time = sync + (0.0 if option.zero else wait)
-    evaluation.optimizer_time = option.optimizer_time + (wait if option.zero else 0.0)
+    # the wait for the slowest replica, at the first collective after the pipeline: ZeRO-0's
+    # all-reduce, ZeRO-1/2's reduce-scatter, both in the runtime's sync phase
+    evaluation.allreduce_time = sync + option.replica_skew * pipeline
+    evaluation.optimizer_time = option.optimizer_time
     evaluation.static_memory = list(timeline.static_memory)
 
 
