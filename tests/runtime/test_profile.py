@@ -168,6 +168,26 @@ def test_the_replicas_wait_is_measured_over_steady_steps_after_the_warm_up():
     assert wait.overhead_ms == pytest.approx(1.0)  # rank 0's: the median of 1, 1, 3, 1, 1
 
 
+def test_a_one_stage_layout_fits_its_sync_phase_beside_its_ops():
+    """A probe of one stage over tp ranks sums what its ranks hold whole after the pipeline
+    (sequence parallelism's second sum): its sync phase is fitted over the layers as "sync",
+    beside rank 0's ops; a two-stage layout's (no replicas) is not."""
+    from pipeloom.profile.layouts import fits
+    from pipeloom.profile.probe_rounds import Probe
+    from pipeloom.profile.steadiness import Measured
+
+    def probe(layers: int) -> Probe:
+        values = {"F@0": 2.0 * layers + 1.0, "F@1": 9.0, "allreduce": 0.5 * layers + 2.0}
+        return Probe(None, {key: Measured(value, 0.0, 8, 2, True) for key, value in values.items()}, [], 1.0)
+
+    measured = {(1, n): probe(n) for n in (1, 2, 4)}
+    one = fits(measured, [1], stages=1)[1]
+    assert set(one) == {"F", "sync"}
+    assert (one["sync"].per_layer, one["sync"].single) == pytest.approx((0.5, 2.0))
+    assert (one["F"].per_layer, one["F"].single) == pytest.approx((2.0, 1.0))
+    assert "sync" not in fits(measured, [1], stages=2)[1]
+
+
 def test_a_sliced_probe_trains_as_the_whole_one_and_its_slices_pool_into_the_fits():
     """`profile --slices 2`: the probe schedule with each micro-batch in two causal slices (a
     micro-batch's F slice by slice, its R, B and W from the last slice back) computes what the

@@ -250,6 +250,38 @@ def test_ops_measured_on_tensor_parallel_ranks_are_priced_as_measured():
         ProfiledCostModel(data, tp=2)
 
 
+def test_sequence_parallelism_s_second_sum_is_priced_as_its_probes_measured_it():
+    """Under sequence parallelism each tp rank took the norms' gradients from its shard of the
+    sequence: the runtime sums them over the tp ranks after the pipeline. The tp+sp probes' sync
+    phase measured that sum ("sync": 0.5 ms a layer + 2 ms); a plan pays it on its busiest
+    device, after the replicas' sync; without sequence parallelism there is none."""
+    data = {**profile(), **links()}
+    measured = {kind: {"per_layer": 1.0, "single": 1.0} for kind in "FBWR"} | {
+        "sync": {"per_layer": 0.5, "single": 2.0}
+    }
+    for layout in ("tp2", "tp2+sp"):
+        data["layouts"][layout] = {"fits": {"1": measured, "2": measured}}
+    summed, plain = ProfiledCostModel(data, tp=2, sequence_parallel=True), ProfiledCostModel(data, tp=2)
+    assert summed.tp_sum_time(6, 2) == pytest.approx(0.5 * 6 + 2.0) and plain.tp_sum_time(6, 2) == 0.0
+    space = dict(schemes=["1f1b"], pp_values=[2], micro_batches=[2], static_measures=False)
+    with_sum, without = (tune(model, 4, 1e12, 8, **space).best for model in (summed, plain))
+    assert with_sum.candidate.dp == without.candidate.dp == 1 and with_sum.partition == without.partition
+    busiest = max(with_sum.partition)
+    assert with_sum.allreduce_time == pytest.approx(without.allreduce_time + 0.5 * busiest + 2.0)
+
+
+def test_the_analytic_model_prices_the_second_sum_as_a_ring_over_the_tp_link():
+    from pipeloom.tune.cost_model import AnalyticCostModel
+    from pipeloom.tune.presets import load_hardware, load_model
+
+    model, hardware = load_model("gpt3-13b"), load_hardware("a100-40g")
+    summed = AnalyticCostModel(model, hardware, tp=8, sequence_parallel=True)
+    assert AnalyticCostModel(model, hardware, tp=8).tp_sum_time(10, 1) == 0.0
+    nbytes = 4 * (2 * 10 + 1) * model.hidden * 2 * 7 / 8  # a ring all-reduce moves 2(tp − 1)/tp of them
+    link = summed.links()["tp"]
+    assert summed.tp_sum_time(10, 1) == pytest.approx(1e3 * (nbytes / link.bandwidth + 14 * hardware.latency))
+
+
 def sharing_experts(data: dict) -> ProfiledCostModel:
     """The cost model of `data`'s mixture of experts with its experts shared out over ep = 2."""
     import dataclasses

@@ -159,7 +159,7 @@ def record_timing(evaluation: Evaluation, option, schedule: Schedule, offload: O
         sync = exposed + option.sync_contention * max(0.0, sync - exposed)
     # the wait for the slowest replica, at the first collective after the pipeline: ZeRO-0's
     # all-reduce, ZeRO-1/2's reduce-scatter, both in the runtime's sync phase
-    evaluation.allreduce_time = sync + option.replica_skew * pipeline
+    evaluation.allreduce_time = sync + option.tp_sum + option.replica_skew * pipeline
     evaluation.optimizer_time = option.optimizer_time
     evaluation.static_memory = list(timeline.static_memory)
 

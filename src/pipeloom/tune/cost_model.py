@@ -78,6 +78,12 @@ class CostModel(Protocol):
 
     def allreduce_time(self, params: float, pp: int, dp: int, zero: int = 0) -> float: ...
 
+    def tp_sum_time(self, layers: int, micro_batch: int) -> float:
+        """Under sequence parallelism, the sum over a device's tp ranks, after the pipeline and
+        the replicas' sync, of the gradients of the weights each holds whole (every tp rank saw
+        only its shard of the sequence), for a device of `layers` layers; 0 without it."""
+        ...
+
     def optimizer_time(self, params: float, dp: int, zero: int = 0) -> float: ...
 
     def gather_time(self, params: float, pp: int, dp: int) -> float: ...
@@ -253,6 +259,14 @@ class AnalyticCostModel:
         messages = 2 * (copies - 1) * (2 if zero else 1)
         link = self.links(dp, pp)["dp"]
         return 1e3 * (collective_bytes(params, copies, zero) / link.bandwidth + messages * self.hardware.latency)
+
+    def tp_sum_time(self, layers: int, micro_batch: int) -> float:
+        """A ring all-reduce over the tp ranks of the fp32 gradients of each layer's two norms and
+        the final one, on the link the tp group spans."""
+        if not self.sequence_parallel or self.tp == 1:
+            return 0.0
+        replicated = (2 * layers + 1) * self.model.hidden
+        return self._ring_ms(["allreduce"], 4 * replicated, self.tp, self.links()["tp"])
 
     def gather_time(self, params: float, pp: int, dp: int) -> float:
         """The part of ZeRO-1/2's `allreduce_time` that all-gathers the new weights (the runtime

@@ -39,6 +39,9 @@ class StaticOption:
     (`allreduce_time`: ZeRO-2's)."""
     sync_contention: float = 0.0
     """The share of a hidden sync's time the ops beside it lose (`CostModel.sync_contention`)."""
+    tp_sum: float = 0.0
+    """Sequence parallelism's sum over the busiest device's tp ranks, after the replicas' sync
+    (`CostModel.tp_sum_time`)."""
 
     @property
     def sync_floor(self) -> float:
@@ -46,9 +49,9 @@ class StaticOption:
         backward, whose stage's all-reduce starts only then (the sequential time, unoverlapped);
         of the rest, hidden, the ops lose their share."""
         if not self.stage_sync:
-            return self.allreduce_time
+            return self.allreduce_time + self.tp_sum
         least = min(self.stage_sync)
-        return least + self.sync_contention * max(0.0, self.allreduce_time - least)
+        return least + self.sync_contention * max(0.0, self.allreduce_time - least) + self.tp_sum
 
     @property
     def label(self) -> str:
@@ -65,6 +68,8 @@ def static_options(
     on_device = max(_held(cost_model, params, stages_on) for stages_on in placement)
     replicas = candidate.dp * candidate.replicas  # Chimera, DualPipe: two copies per pipeline
     levels = [0] + ([1, 2] if static_measures and candidate.dp > 1 else [])
+    layers = (sum(partition[s] for s in stages_on) for stages_on in placement)
+    tp_sum = max(cost_model.tp_sum_time(n, candidate.micro_batch) for n in layers)
     options = []
     for zero in levels:
         costs = _stage_costs(
@@ -93,6 +98,7 @@ def static_options(
                 if zero < 2 and replicas > 1
                 else (),
                 sync_contention=cost_model.sync_contention,
+                tp_sum=tp_sum,
             )
         )
     plain = options[0]
@@ -110,6 +116,7 @@ def static_options(
                 tuple(sum(plain.costs.stage_value("M_host", s) for s in stages_on) for stages_on in placement),
                 plain.stage_sync,
                 plain.sync_contention,
+                plain.tp_sum,
             )
         )
     return options

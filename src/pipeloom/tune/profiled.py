@@ -154,6 +154,16 @@ class ProfiledCostModel:
         nbytes = self._activation_bytes(micro_batch)
         return sum(self._collective(name, nbytes, self.tp) for name in names)
 
+    def tp_sum_time(self, layers: int, micro_batch: int) -> float:
+        """Sequence parallelism's sum, after the pipeline, of the gradients of the weights each tp
+        rank holds whole (the norms), for a device of `layers` layers: the sync phase of the
+        probes run under it; none without sequence parallelism or where the profile did not
+        run them (the plan is then marked as beyond it)."""
+        measured = self._tp_layout if self.sequence_parallel else None
+        if measured is None or "sync" not in measured.kinds():
+            return 0.0
+        return self._per_stage("sync", [layers], micro_batch, measured.fits)[0]
+
     def tp_bytes(self, names: list[str], micro_batch: float) -> float:
         """Bytes one rank sends for `names` (`tp_layout.ring_bytes`)."""
         return ring_bytes(names, self._activation_bytes(micro_batch), self.tp)
