@@ -29,7 +29,7 @@ from helpers.runtime import (  # noqa: E402
 from pipeloom import Costs, OpKind, Schedule, build_schedule, simulate  # noqa: E402
 from pipeloom.errors import ConfigError, RuntimeFault, ScheduleError  # noqa: E402
 from pipeloom.models.llama import LlamaConfig  # noqa: E402
-from pipeloom.passes import apply_checkpoint, mario, split_backward, t_recomp, weight_parts  # noqa: E402
+from pipeloom.passes import apply_checkpoint, fold_lone_w, mario, split_backward, t_recomp, weight_parts  # noqa: E402
 from pipeloom.runtime import local  # noqa: E402
 from pipeloom.runtime.in_process import run_in_process  # noqa: E402
 from pipeloom.runtime.local import _worker, run_local  # noqa: E402
@@ -666,6 +666,25 @@ def test_the_stash_counts_what_a_b_leaves_for_its_w_as_the_simulator_does(schedu
     assert any(p > q for p, q in zip(predicted, without))  # the pending W raise some device's peak
     for record in records:
         assert record.stash[-1][1] == 0  # every W freed what its B left
+
+
+def test_a_lone_device_runs_each_w_inside_its_b_as_the_folded_schedule_says():
+    """One device holds the pipeline (a V over two stages, its W deferred): nothing waits for a
+    B there, so the runtime runs each whole W inside its B and holds no weight gradient pending.
+    The schedule as written would be predicted to hold them; folded (`fold_lone_w`, as `tune`
+    writes such plans) it is predicted to the byte — and kept apart (the profiler's
+    `separate_w`), the written one is."""
+    deferred = split_backward(build_schedule("interleaved", 1, 4, num_chunks=2), "deferred")
+    folded = fold_lone_w(deferred)
+    assert [op.kind for op in folded.devices[0]].count(OpKind.W) == 0
+    kept = run_in_process(tiny_spec(deferred, steps=1, separate_w=True))[0].records[0]
+    forward = [kept.entry_bytes[f"{s}F0"] for s in range(2)]
+    pending = [kept.pending_w_bytes[f"{s}B0"] for s in range(2)]
+    costs = Costs(M_B=forward, M_W=pending)
+    assert kept.peak_stash_bytes == simulate(deferred, costs).peak_activation_memory[0]
+    measured = run_in_process(tiny_spec(deferred, steps=1))[0].records[0].peak_stash_bytes
+    assert measured == simulate(folded, costs).peak_activation_memory[0]
+    assert measured < simulate(deferred, costs).peak_activation_memory[0]
 
 
 def test_a_budgeted_schedule_told_what_its_bs_leave_for_their_ws_keeps_its_limit_as_measured():

@@ -282,6 +282,23 @@ def test_the_analytic_model_prices_the_second_sum_as_a_ring_over_the_tp_link():
     assert summed.tp_sum_time(10, 1) == pytest.approx(1e3 * (nbytes / link.bandwidth + 14 * hardware.latency))
 
 
+def test_a_lone_device_s_plan_folds_each_w_into_its_b_as_the_runtime_runs_it():
+    """At pp = 1 nothing waits for a B, so the runtime runs each whole W inside it: a zero-bubble
+    plan there is written and priced that way, no weight gradient held pending between B and W
+    (which the profile's M_W would otherwise add to its peak)."""
+    from pipeloom import OpKind, simulate
+
+    data = profile()
+    for size in ("1", "2"):
+        plain(data)["fits"][size]["M_W"] = fit(500.0, 0.0, 0.0)
+    model = ProfiledCostModel(data)
+    for scheme in ("zb-v", "zb-h1"):
+        best = tune(model, 2, 1e12, 8, schemes=[scheme], pp_values=[1], micro_batches=[1]).best
+        kinds = {op.kind for ops in best.schedule.devices for op in ops}
+        assert best.candidate.pp == 1 and OpKind.W not in kinds and OpKind.BW in kinds
+        assert best.peak_memory == simulate(best.schedule, best.costs).peak_memory
+
+
 def sharing_experts(data: dict) -> ProfiledCostModel:
     """The cost model of `data`'s mixture of experts with its experts shared out over ep = 2."""
     import dataclasses

@@ -9,7 +9,7 @@ from pipeloom.passes.checkpoint import (
 )
 from pipeloom.passes.mario import mario
 from pipeloom.passes.offload import OffloadPlan, OffloadTimeline, simulate_offload, t_offload
-from pipeloom.passes.split_backward import W_PLACEMENTS, split_backward
+from pipeloom.passes.split_backward import W_PLACEMENTS, fold_lone_w, split_backward
 from pipeloom.passes.trecomp import chunk_delay_rounds, t_recomp
 from pipeloom.passes.weight_parts import weight_parts
 
@@ -19,6 +19,7 @@ __all__ = [
     "OffloadTimeline",
     "apply_checkpoint",
     "chunk_delay_rounds",
+    "fold_lone_w",
     "mario",
     "overlap_recompute",
     "prepose_forward",

@@ -22,7 +22,7 @@ from pipeloom.errors import ConfigError
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
 
-__all__ = ["split_backward", "W_PLACEMENTS"]
+__all__ = ["fold_lone_w", "split_backward", "W_PLACEMENTS"]
 
 W_PLACEMENTS = ("after", "deferred", "fill")
 _EPS = 1e-9
@@ -51,6 +51,32 @@ def split_backward(
     if placement == "deferred":
         return deferred
     return _fill_gaps(deferred, costs if costs is not None else Costs(W=1.0), batch)
+
+
+def fold_lone_w(schedule: Schedule) -> Schedule:
+    """`schedule` as the runtime runs it where one device holds the whole pipeline: nothing waits
+    for a B's result there, so a W fills no gap, and each whole W folds into its B (a BW; a W in
+    parts stays). The runtime folds them itself (`runtime.executor`); a plan that says so is
+    priced as it runs, no weight gradient held pending between its B and its W.
+
+    >>> from pipeloom.schedules import build_schedule
+    >>> fold_lone_w(split_backward(build_schedule("1f1b", 1, 2), "deferred")).to_text().splitlines()[1]
+    '0F0 0BW0 0F1 0BW1'
+    """
+    if schedule.num_devices != 1:
+        return schedule
+    (ops,) = schedule.devices
+    whole = {op.key for op in ops if op.kind is OpKind.W and op.parts == 1}
+    if not whole:
+        return schedule
+    folded = [
+        Op(OpKind.BW, op.stage, op.microbatch, op.slice, overlap_next=op.overlap_next)
+        if op.kind is OpKind.B and op.key in whole
+        else op
+        for op in ops
+        if not (op.kind is OpKind.W and op.key in whole)
+    ]
+    return schedule.with_devices([folded])
 
 
 def _name(schedule: Schedule, placement: str, batch: bool) -> str:
