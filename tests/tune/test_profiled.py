@@ -263,6 +263,10 @@ def test_sequence_parallelism_s_second_sum_is_priced_as_its_probes_measured_it()
         data["layouts"][layout] = {"fits": {"1": measured, "2": measured}}
     summed, plain = ProfiledCostModel(data, tp=2, sequence_parallel=True), ProfiledCostModel(data, tp=2)
     assert summed.tp_sum_time(6, 2) == pytest.approx(0.5 * 6 + 2.0) and plain.tp_sum_time(6, 2) == 0.0
+    del data["layouts"]["tp2+sp"]  # not profiled: the norms' gradients all-reduced on the measured link
+    norms = 4 * (2 * 6 + 1) * MODEL["hidden"]
+    estimated = ProfiledCostModel(data, tp=2, sequence_parallel=True).tp_sum_time(6, 2)
+    assert estimated == pytest.approx(0.1 + norms / 1e5)  # links(): 0.1 ms, 1e5 bytes/ms, measured on 2 ranks
     space = dict(schemes=["1f1b"], pp_values=[2], micro_batches=[2], static_measures=False)
     with_sum, without = (tune(model, 4, 1e12, 8, **space).best for model in (summed, plain))
     assert with_sum.candidate.dp == without.candidate.dp == 1 and with_sum.partition == without.partition

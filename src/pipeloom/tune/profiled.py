@@ -157,11 +157,14 @@ class ProfiledCostModel:
     def tp_sum_time(self, layers: int, micro_batch: int) -> float:
         """Sequence parallelism's sum, after the pipeline, of the gradients of the weights each tp
         rank holds whole (the norms), for a device of `layers` layers: the sync phase of the
-        probes run under it; none without sequence parallelism or where the profile did not
-        run them (the plan is then marked as beyond it)."""
-        measured = self._tp_layout if self.sequence_parallel else None
-        if measured is None or "sync" not in measured.kinds():
+        probes run under it; where the profile did not run them (the plan is then marked as
+        beyond it), an all-reduce of each layer's two norms and the final one on the measured
+        link. None without sequence parallelism."""
+        if not self.sequence_parallel:
             return 0.0
+        measured = self._tp_layout
+        if measured is None or "sync" not in measured.kinds():
+            return self._collective("allreduce", 4 * (2 * layers + 1) * self.model.hidden, self.tp)
         return self._per_stage("sync", [layers], micro_batch, measured.fits)[0]
 
     def tp_bytes(self, names: list[str], micro_batch: float) -> float:
