@@ -16,13 +16,14 @@ go wherever it costs least (Zero Bubble §2, 2BP §3). Where it goes is the poli
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
 
-__all__ = ["fold_lone_w", "split_backward", "W_PLACEMENTS"]
+__all__ = ["fold_lone_w", "lone_w_keys", "split_backward", "W_PLACEMENTS"]
 
 W_PLACEMENTS = ("after", "deferred", "fill")
 _EPS = 1e-9
@@ -66,7 +67,7 @@ def fold_lone_w(schedule: Schedule) -> Schedule:
     if schedule.num_devices != 1:
         return schedule
     (ops,) = schedule.devices
-    whole = {op.key for op in ops if op.kind is OpKind.W and op.parts == 1}
+    whole = lone_w_keys(ops)
     if not whole:
         return schedule
     folded = [
@@ -77,6 +78,11 @@ def fold_lone_w(schedule: Schedule) -> Schedule:
         if not (op.kind is OpKind.W and op.key in whole)
     ]
     return schedule.with_devices([folded])
+
+
+def lone_w_keys(ops: Sequence[Op]) -> set[tuple[int, int, int]]:
+    """The keys of the W a device alone in its pipeline runs inside their B: the whole ones."""
+    return {op.key for op in ops if op.kind is OpKind.W and op.parts == 1}
 
 
 def _name(schedule: Schedule, placement: str, batch: bool) -> str:

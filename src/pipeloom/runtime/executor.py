@@ -42,6 +42,7 @@ from torch import nn
 from pipeloom.errors import ConfigError, RuntimeFault
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
+from pipeloom.passes.split_backward import lone_w_keys
 from pipeloom.runtime.clocks import Clock, clock_for
 from pipeloom.runtime.compiled import compile_stages
 from pipeloom.runtime.mailbox import Mail, MessageKey, peer_failure
@@ -449,7 +450,7 @@ def _w_right_after_b(ops: Sequence[Op], alone: bool) -> set[tuple[int, int, int]
     whose W is whole."""
     keys = {op.key for op in ops if op.kind is _BW}
     if alone:
-        return keys | {op.key for op in ops if op.kind is _W and op.parts == 1}
+        return keys | lone_w_keys(ops)
     for op, following in zip(ops, ops[1:]):
         if op.kind is _B and following.kind is _W and following.key == op.key and following.parts == 1:
             keys.add(op.key)

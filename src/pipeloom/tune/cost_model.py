@@ -32,7 +32,7 @@ from pipeloom.tune.analytic import (
 )
 from pipeloom.tune.presets import HardwareSpec, ModelSpec
 from pipeloom.tune.topology import Link, Split
-from pipeloom.tune.tp_layout import layer_collectives, ring_bytes
+from pipeloom.tune.tp_layout import layer_collectives, replicated_params, ring_bytes
 
 __all__ = ["CostModel", "AnalyticCostModel", "ADAM_FLOPS_PER_PARAM"]
 
@@ -265,7 +265,7 @@ class AnalyticCostModel:
         the final one, on the link the tp group spans."""
         if not self.sequence_parallel or self.tp == 1:
             return 0.0
-        replicated = (2 * layers + 1) * self.model.hidden
+        replicated = replicated_params(self.model.hidden, layers)
         return self._ring_ms(["allreduce"], 4 * replicated, self.tp, self.links()["tp"])
 
     def gather_time(self, params: float, pp: int, dp: int) -> float:

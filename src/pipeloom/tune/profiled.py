@@ -29,7 +29,13 @@ from pipeloom.static_memory import compute_bytes, static_bytes
 from pipeloom.tune.presets import ModelSpec
 from pipeloom.tune.profile_fits import at_size
 from pipeloom.tune.topology import Split
-from pipeloom.tune.tp_layout import activation_share, layer_collectives, ring_bytes, stage_collectives
+from pipeloom.tune.tp_layout import (
+    activation_share,
+    layer_collectives,
+    replicated_params,
+    ring_bytes,
+    stage_collectives,
+)
 
 __all__ = ["ProfiledCostModel", "profile_costs_keys"]
 
@@ -164,7 +170,7 @@ class ProfiledCostModel:
             return 0.0
         measured = self._tp_layout
         if measured is None or "sync" not in measured.kinds():
-            return self._collective("allreduce", 4 * (2 * layers + 1) * self.model.hidden, self.tp)
+            return self._collective("allreduce", 4 * replicated_params(self.model.hidden, layers), self.tp)
         return self._per_stage("sync", [layers], micro_batch, measured.fits)[0]
 
     def tp_bytes(self, names: list[str], micro_batch: float) -> float:

@@ -12,9 +12,17 @@ from collections.abc import Sequence
 __all__ = [
     "activation_share",
     "layer_collectives",
+    "replicated_params",
     "ring_bytes",
     "stage_collectives",
 ]
+
+
+def replicated_params(hidden: int, layers: int) -> int:
+    """The weights sequence parallelism leaves whole on every tp rank of a device holding `layers`
+    layers: each layer's two norms and the final one (whose gradients each rank takes from its
+    shard of the sequence, summed over the tp ranks after the pipeline)."""
+    return (2 * layers + 1) * hidden
 
 
 def layer_collectives(tp: int, sequence_parallel: bool) -> dict[str, list[str]]:
