@@ -52,9 +52,9 @@ from fidelity_report import report
 
 from pipeloom.errors import RuntimeFault
 from pipeloom.models.llama import llama_config
+from pipeloom.profile.probe_rounds import Turns, run_by_turns
 from pipeloom.profile.profiler import profile_model
 from pipeloom.profile_format import Profile
-from pipeloom.runtime.local import run_local
 from pipeloom.runtime.training import TrainSpec
 from pipeloom.tune.plan import Plan, plan_from_evaluation
 from pipeloom.tune.presets import ModelSpec, load_model
@@ -125,7 +125,7 @@ class Row:
     label: str
     plan: Plan
     spec: Callable[[], TrainSpec]
-    """Builds the plan's TrainSpec (`run_built`)."""
+    """Builds the plan's TrainSpec (`runs_by_turns`)."""
     runs: list = field(default_factory=list)
 
 
@@ -313,18 +313,10 @@ def collective_predictions(plan: Plan, cost_model) -> dict:
     return out
 
 
-def run_built(spec: Callable[[], TrainSpec]) -> list:
-    """`run_local` of the spec `spec` builds (in the lean process, where a Hugging Face model's
-    spec, whose workload holds closures, is built), its results without the weights and
-    gradients: the lean process keeps every round's until the last, and ranks forked from a
-    process holding more run slower (`lean_process`)."""
-    return [dataclasses.replace(result, parameters={}, gradients={}) for result in run_local(spec())]
-
-
 def measure_by_turns(group: Group, rounds: int, lean: ProcessPoolExecutor) -> None:
-    """The group's plans `rounds` times, a round of each at a time: a slow spell of the machine
-    falls on one round of several plans, which their other rounds outvote (as the profile's
-    probes do)."""
+    """The group's plans `rounds` times by the profile's runner (`probe_rounds.run_by_turns`), a
+    round of each at a time: a slow spell of the machine falls on one round of several plans,
+    which their other rounds outvote, as it does on the probes."""
     print(f"{group.model.name}: {len(group.rows)} plans × {rounds} rounds, by turns ...", flush=True)
     runs = lean.submit(runs_by_turns, [row.spec for row in group.rows], rounds).result()
     for row, row_runs in zip(group.rows, runs):
@@ -332,12 +324,10 @@ def measure_by_turns(group: Group, rounds: int, lean: ProcessPoolExecutor) -> No
 
 
 def runs_by_turns(specs: list[Callable[[], TrainSpec]], rounds: int) -> list[list]:
-    """Per plan (what builds its TrainSpec), its `rounds` rounds' results, a round of each at a time."""
-    runs: list[list] = [[] for _ in specs]
-    for _ in range(rounds):
-        for spec, done in zip(specs, runs):
-            done.append(run_built(spec))
-    return runs
+    """Per plan (what builds its TrainSpec: a Hugging Face model's spec holds closures, so it is
+    built here, in the lean process), its `rounds` rounds' results."""
+    done, _ = run_by_turns(dict(enumerate(build() for build in specs)), Turns().fixed(rounds))
+    return [done[index] for index in range(len(specs))]
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@ settled probes kept going for `min_rounds`, never past `max_rounds`."""
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from pipeloom.profile import probe_rounds
+from pipeloom.runtime.spec import RankResult
 
 
 def _measure(monkeypatch, min_rounds: int, max_rounds: int) -> list[str]:
@@ -13,7 +15,7 @@ def _measure(monkeypatch, min_rounds: int, max_rounds: int) -> list[str]:
 
     def run_local(spec, probe=None):
         events.append(spec.name)
-        return spec
+        return [RankResult(0)]
 
     monkeypatch.setattr("pipeloom.runtime.local.run_local", run_local)
     monkeypatch.setattr("pipeloom.runtime.probe.probe_spec", lambda spec: None)
@@ -27,6 +29,20 @@ def _measure(monkeypatch, min_rounds: int, max_rounds: int) -> list[str]:
 
 def test_the_probes_take_a_round_each_at_a_time(monkeypatch):
     assert _measure(monkeypatch, min_rounds=1, max_rounds=6) == ["a", "b", "a", "b"]  # settled on round 2
+
+
+def test_the_rounds_kept_hold_no_weights(monkeypatch):
+    """Every round's results are kept until the last: their weights and gradients, which no
+    measurement reads, are not."""
+    weights = {0: {"weight": torch.ones(4)}}
+    monkeypatch.setattr(
+        "pipeloom.runtime.local.run_local",
+        lambda spec, probe=None: [RankResult(0, parameters=weights, gradients=weights, losses=[2.0])],
+    )
+    monkeypatch.setattr("pipeloom.runtime.probe.probe_spec", lambda spec: None)
+    monkeypatch.setattr(probe_rounds, "samples", lambda results: {"F@0": [1.0]})
+    rounds, _ = probe_rounds.run_by_turns({"a": None}, probe_rounds.Turns().fixed(2))
+    assert [(r.parameters, r.gradients, r.losses) for results in rounds["a"] for r in results] == [({}, {}, [2.0])] * 2
 
 
 def test_settled_probes_go_on_for_min_rounds_but_never_past_max_rounds(monkeypatch):

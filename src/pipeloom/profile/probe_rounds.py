@@ -202,14 +202,18 @@ def measure_probes(specs: dict, turns: Turns, op_variation: list[float]) -> dict
 def run_probe(spec, probe=None, in_process: bool = False) -> list:
     """One round of a probe: its ranks forked (`run_local`, as plans run on CPU ranks), or all in
     this process (`run_in_process`: every stage on the one GPU, as a plan runs there, the ops timed
-    by the device's events)."""
+    by the device's events). Its results without the weights and gradients, which nothing here
+    reads: every round's results are kept until the last, and ranks forked from a process holding
+    more memory run slower."""
     if in_process:
         from pipeloom.runtime.in_process import run_in_process
 
-        return run_in_process(spec)
-    from pipeloom.runtime.local import run_local
+        results = run_in_process(spec)
+    else:
+        from pipeloom.runtime.local import run_local
 
-    return run_local(spec, probe=probe)
+        results = run_local(spec, probe=probe)
+    return [replace(result, parameters={}, gradients={}) for result in results]
 
 
 def steady_probe(schedule: Schedule, rounds: list, series: Series, op_variation: list[float]) -> Probe:
