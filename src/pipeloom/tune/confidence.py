@@ -20,6 +20,7 @@ from dataclasses import replace
 from pipeloom.passes.offload import simulate_offload
 from pipeloom.provenance import byte_size
 from pipeloom.sim.simulate import simulate
+from pipeloom.tune.cost_model import CostModel
 from pipeloom.tune.evaluation import Evaluation
 
 __all__ = [
@@ -38,12 +39,12 @@ _Z = 2.0
 """Standard errors per side of a band: about 95 % for normal errors."""
 
 
-def figure_errors(cost_model, micro_batch: int, partition: Sequence[int] = ()) -> dict[str, float]:
+def figure_errors(cost_model: CostModel, micro_batch: int, partition: Sequence[int] = ()) -> dict[str, float]:
     """Relative standard error per op kind at `micro_batch` (a size between two profiled ones
     takes the worse of the two) for a plan of `partition` (layers per stage), widened where the
     plan lies beyond what the profile measured (`lever`); {} for a cost model that measured
     nothing (analytic)."""
-    profile = getattr(cost_model, "profile", None)
+    profile = cost_model.profile
     if profile is None or not profile.plain.confidence:
         return {}
     confidence = profile.plain.confidence
@@ -128,7 +129,7 @@ def _scaled(value, factor: float):
     return value * factor
 
 
-def settle_near_ties(result, model_of: Callable) -> None:
+def settle_near_ties(result, model_of: Callable[..., CostModel]) -> None:
     """Give each ranked plan its band (`result.bands`, ms) and, where the leader's lead is
     within the noise of the profile — of the two plans' difference, and at most the leader's own
     band — put the most robust of the tied plans first, noting why (`result.tie_note`). Nothing
@@ -179,7 +180,7 @@ def settle_near_ties(result, model_of: Callable) -> None:
     )
 
 
-def measured_first(result, model_of: Callable, leader=None) -> None:
+def measured_first(result, model_of: Callable[..., CostModel], leader=None) -> None:
     """Mark the ranked plans priced beyond what the profile measured (`extrapolations`: a
     micro-batch size, slices or layers a stage it never ran), and the fastest of those the search
     set aside (`leader`), and keep them after the measured ones (the search ranked each group
@@ -188,9 +189,8 @@ def measured_first(result, model_of: Callable, leader=None) -> None:
     ranked = result.ranked
     for evaluation in [*ranked, *([leader] if leader is not None else [])]:
         candidate = evaluation.candidate
-        reasons_of = getattr(model_of(candidate), "extrapolations", None)
-        if reasons_of is not None:
-            evaluation.extrapolated = tuple(reasons_of(candidate.micro_batch, candidate.slices, evaluation.partition))
+        reasons = model_of(candidate).extrapolations(candidate.micro_batch, candidate.slices, evaluation.partition)
+        evaluation.extrapolated = tuple(reasons)
     order = sorted(range(len(ranked)), key=lambda i: bool(ranked[i].extrapolated))  # stable: by step within each
     bands = result.bands or [0.0] * len(ranked)
     result.ranked, result.bands = [ranked[i] for i in order], [bands[i] for i in order]

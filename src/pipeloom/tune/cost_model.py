@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from pipeloom.costs import Costs
+from pipeloom.profile_format import Profile, Speed
 from pipeloom.static_memory import collective_bytes, offload_saving, static_bytes
 from pipeloom.tune.analytic import (
     all_to_all_bytes,
@@ -97,6 +98,21 @@ class CostModel(Protocol):
         """The share of a stage's gradient sync, started as its last backward ends under the
         device's later ops (`measures.StaticOption.stage_sync`), that those ops lose to it: 0
         where it runs beside them, 1 where it takes all its time from them."""
+        ...
+
+    @property
+    def profile(self) -> Profile | None:
+        """The measurements the costs were read from; None for a hardware preset's."""
+        ...
+
+    def layout_speed(self) -> Speed | None:
+        """How a rank's step and an op vary from step to step on the plan's ranks, as measured
+        (`tune.speed_noise` prices it); None where nothing was measured."""
+        ...
+
+    def extrapolations(self, micro_batch: int, slices: int = 1, partition: Sequence[int] = ()) -> list[str]:
+        """Why a plan at `micro_batch`, in `slices` slices, of `partition` (layers per stage) is
+        priced beyond what was measured; [] where it is not, or where nothing was measured."""
         ...
 
     def to_dict(self) -> dict: ...
@@ -297,6 +313,17 @@ class AnalyticCostModel:
     def replica_skew(self, dp: int, zero: int = 0) -> float:
         """Not modelled: GPU replicas run their pipelines in near lockstep."""
         return 0.0
+
+    @property
+    def profile(self) -> None:
+        """A preset's peaks, not measurements: no plan lies beyond them, none is noisier."""
+        return None
+
+    def layout_speed(self) -> None:
+        return None
+
+    def extrapolations(self, micro_batch: int, slices: int = 1, partition: Sequence[int] = ()) -> list[str]:
+        return []
 
     def to_dict(self) -> dict:
         out = {"source": "analytic", "hardware": self.hardware.to_dict(), "tp": self.tp, "cp": self.cp}

@@ -169,8 +169,9 @@ def tune(
         # ones and are pruned only against each other: a faster guess must not hide a measured plan.
         def guessed(item) -> bool:
             candidate = item[0].candidate
-            beyond = getattr(models[candidate.split], "extrapolations", None)
-            return bool(beyond(candidate.micro_batch, candidate.slices, item[0].partition)) if beyond else False
+            return bool(
+                models[candidate.split].extrapolations(candidate.micro_batch, candidate.slices, item[0].partition)
+            )
 
         fastest: dict[Split, Evaluation] = {}
 

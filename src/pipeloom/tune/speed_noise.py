@@ -21,6 +21,7 @@ import statistics
 from collections.abc import Sequence
 
 from pipeloom.ir.walk import run
+from pipeloom.tune.cost_model import CostModel
 from pipeloom.tune.evaluation import Evaluation
 
 __all__ = ["DRAWS", "noisy_pipeline", "apply_speed_noise", "mean_matched", "winsorized"]
@@ -61,14 +62,13 @@ def noisy_pipeline(
     return statistics.median(makespans)
 
 
-def apply_speed_noise(ranked: list[Evaluation], cost_model) -> None:
+def apply_speed_noise(ranked: list[Evaluation], cost_model: CostModel) -> None:
     """Add each ranked plan's speed-noise cost to its pipeline (`Evaluation.noise_time`) and sort
     the ranking again; plans with offload lanes keep theirs (the lanes are timed on the host).
     The quantiles are those of the plan's ranks (`ProfiledCostModel.layout_speed`)."""
-    layout_speed = getattr(cost_model, "layout_speed", None)
-    if layout_speed is None:  # an analytic cost model: nothing measured
+    speed = cost_model.layout_speed()
+    if speed is None:  # an analytic cost model: nothing measured
         return
-    speed = layout_speed()
     quantiles, ops, op_mean = list(speed.step), list(speed.op), speed.op_mean
     if not quantiles:
         return
