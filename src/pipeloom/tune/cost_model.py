@@ -29,7 +29,6 @@ from pipeloom.tune.analytic import (
     kv_exchange_bytes,
     layer_figures,
     stage_input_bytes,
-    static_bytes_per_param,
 )
 from pipeloom.tune.presets import HardwareSpec, ModelSpec
 from pipeloom.tune.topology import Link, Split
@@ -62,8 +61,6 @@ class CostModel(Protocol):
     def layer_time(self, micro_batch: int) -> float: ...
 
     def end_times(self, micro_batch: int) -> tuple[float, float]: ...
-
-    def layer_memory(self, micro_batch: int, dp: int, zero: int = 0) -> tuple[float, float]: ...
 
     def stage_params(self, counts: Sequence[int]) -> list[float]: ...
 
@@ -194,11 +191,6 @@ class AnalyticCostModel:
         """Extra time of the first stage (embedding: a lookup) and the last (head and loss)."""
         head = head_figures(self.model, micro_batch, self.tp, self.cp)
         return 0.0, self._ms(head.forward_flops + head.backward_flops + head.weight_flops)
-
-    def layer_memory(self, micro_batch: int, dp: int, zero: int = 0) -> tuple[float, float]:
-        """(activation bytes, static bytes) of one layer."""
-        layer = self._layer(micro_batch)
-        return layer.activation_bytes, layer.params * static_bytes_per_param(dp * self.cp, zero)
 
     def expert_params(self, counts: Sequence[int]) -> list[float]:
         return [n * self.model.stored_expert_params / self.tp for n in counts]

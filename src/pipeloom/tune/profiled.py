@@ -379,16 +379,6 @@ class ProfiledCostModel:
 
         return max(0.0, extra("first")), max(0.0, extra("last"))
 
-    def layer_memory(self, micro_batch: int, dp: int, zero: int = 0) -> tuple[float, float]:
-        ranks = self.ranks_layout()
-        if ranks and "M_B" in ranks.kinds():
-            activations = self._value("M_B", "per_layer", micro_batch, ranks.fits)
-        else:
-            activations = self._value("M_B", "per_layer", micro_batch / self.cp) * activation_share(
-                self.tp, self.sequence_parallel
-            )
-        return activations, self._static(self.params.layer / self.tp, dp * self.cp, zero)
-
     def stage_params(self, counts: Sequence[int]) -> list[float]:
         """Parameters one rank holds per stage: its 1/tp shard of the layers, embedding and head;
         of a MoE layer's routed experts (`params["experts"]`), its 1/ep share."""
