@@ -15,7 +15,8 @@ warm-up left out: `steadiness.timed_steps`), taking turns so that a slow spell o
 falls on one round of several plans. Each is checked against what `tune` predicted from the
 profile taken before the runs — what a user has, the machine's drift since included (this one's
 speed drifts by ±5–10 % over minutes: a shared host); the simulator's own share of the error is
-apart (each plan's runs' op times replayed through its schedule, `sim.replay`).
+apart (each round's own op times replayed through the plan's schedule, `sim.replay`, and the
+median over rounds taken as the measured step's is).
 Printed per model family (the built-in decoder; the Hugging Face models, whose misses say what
 their profiles lack): step time predicted and measured (the median of the rounds' medians over
 the steps that ran at the machine's own speed, as the profile's: `steadiness.steady_steps`), its bias

@@ -19,12 +19,30 @@ def steady(rounds: list) -> list[list[bool]]:
 
 def replayed(plan, rounds: list, layout, kept: list[list[bool]]):
     """The plan's schedule simulated with its runs' own op times (`sim.replay`, replica 0's
-    devices, the `kept` steps of every round)."""
+    devices, the `kept` steps of every round together)."""
+    return replay_records(plan.schedule, plan.costs, _kept_steps(plan, rounds, layout, kept))
+
+
+def replayed_by_round(plan, rounds: list, layout, kept: list[list[bool]]) -> float:
+    """The median over rounds of each round's own op times replayed (`replayed`, one round at a
+    time): what the simulator predicts from each run's ops, taken as the measured step is — the
+    median of the rounds' medians — so that a drift of the machine from round to round moves
+    both sides alike."""
+    makespans = [
+        replay_records(plan.schedule, plan.costs, steps).replayed
+        for results, flags in zip(rounds, kept)
+        if (steps := _kept_steps(plan, [results], layout, [flags]))
+    ]
+    return statistics.median(makespans)
+
+
+def _kept_steps(plan, rounds: list, layout, kept: list[list[bool]]) -> list[list]:
+    """The `kept` steps of `rounds`, each as replica 0's devices' records of it."""
     steps = []
     for results, flags in zip(rounds, kept):
         timed = [timed_steps(results[layout.rank(0, d)].records) for d in range(plan.pp)]
         steps += [[records[k] for records in timed] for k, flag in enumerate(flags) if flag]
-    return replay_records(plan.schedule, plan.costs, steps)
+    return steps
 
 
 def why(plan, rounds: list, measured_parts: dict, measured_step: float, again) -> str:
