@@ -333,11 +333,26 @@ def _stalled() -> None:
     time.sleep(600)
 
 
+def _crashed() -> None:  # as a fault inside a C library ends a process
+    import ctypes
+
+    ctypes.string_at(0)
+
+
 def test_a_rank_killed_outright_is_the_one_reported():
     """Its peer then fails on the closed connection and leaves a reason; the launcher used to
     report that echo ("rank 0 failed") and not the rank that was killed."""
     work = mlp_workload(lambda: _OnRankOne(_killed))
     with pytest.raises(RuntimeFault, match=r"^rank 1 failed: killed by SIGKILL$"):
+        run_local(TrainSpec(build_schedule("1f1b", 2, 4), steps=3, workload=work, timeout_s=30), timeout_s=120)
+
+
+def test_a_rank_that_crashes_is_reported_with_the_frame_it_died_in():
+    """A segmentation fault leaves no reason on file: the rank's own stacks, written as it died,
+    say where (the innermost frame, and the innermost of pipeloom's on the way to it)."""
+    work = mlp_workload(lambda: _OnRankOne(_crashed))
+    where = r"in string_at \(__init__\.py:\d+\) from \w+ \(\w+\.py:\d+\)"
+    with pytest.raises(RuntimeFault, match=rf"^rank 1 failed: killed by SIGSEGV {where}$"):
         run_local(TrainSpec(build_schedule("1f1b", 2, 4), steps=3, workload=work, timeout_s=30), timeout_s=120)
 
 

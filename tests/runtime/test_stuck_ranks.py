@@ -48,3 +48,26 @@ def test_a_hung_rank_is_named_with_the_frame_its_training_thread_waits_in(tmp_pa
     finally:
         rank.kill()
         rank.join()
+
+
+def test_a_crashed_rank_is_named_with_the_frame_its_crashing_thread_died_in(tmp_path):
+    """faulthandler's dump as a fatal signal kills a rank: the current thread's innermost frame
+    and its innermost pipeloom frame; none where the crash was in a thread Python does not run;
+    nothing where the rank wrote nothing (SIGKILL)."""
+    package = stuck_ranks._PACKAGE
+    fatal = (
+        "Fatal Python error: Segmentation fault\n\n"
+        "Thread 0x00007f01 (most recent call first):\n"
+        '  File "/usr/lib/python3.11/threading.py", line 320 in wait\n\n'
+        "Current thread 0x00007f02 (most recent call first):\n"
+        '  File "/lib/torch/nn/functional.py", line 2380 in linear\n'
+        f'  File "{package}/runtime/executor.py", line 212 in run_op\n'
+        f'  File "{package}/runtime/training.py", line 90 in train_rank\n'
+    )
+    path = stuck_ranks.stack_file(tmp_path, 1)
+    path.write_text(fatal)
+    assert stuck_ranks.where_died(tmp_path, 1) == " in linear (functional.py:2380) from run_op (executor.py:212)"
+    path.write_text(fatal.replace("Current thread", "Thread"))
+    assert stuck_ranks.where_died(tmp_path, 1) == " outside Python"
+    path.write_text("")
+    assert stuck_ranks.where_died(tmp_path, 1) == stuck_ranks.where_died(tmp_path, 2) == ""

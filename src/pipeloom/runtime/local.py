@@ -162,12 +162,16 @@ def _root_cause(processes, first: int) -> int:
     return ranked[0] if ranked else first
 
 
-def _failure_of(process, reason_file: Path) -> str:
-    """What a failed rank left on file, or how it ended: a signal it could not handle, or its status."""
+def _failure_of(process, directory: str, rank: int) -> str:
+    """What a failed rank left on file, or how it ended: a signal it could not handle (and where
+    it died, where it could say: `stuck_ranks.where_died`), or its status."""
+    reason_file = Path(f"{directory}/rank{rank}.error")
     if reason_file.exists():
         return reason_file.read_text()
     code = process.exitcode
-    return f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit status {code}"
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}{stuck_ranks.where_died(directory, rank)}"
+    return f"exit status {code}"
 
 
 def _import_before_forking() -> None:
@@ -262,7 +266,7 @@ def _run_local(
                 raise RuntimeFault(f"training did not finish within {timeout_s:g} s: {where}")
             failed = _root_cause(processes, failed)
             _stop(processes)
-            reason = _failure_of(processes[failed], Path(f"{directory}/rank{failed}.error"))
+            reason = _failure_of(processes[failed], directory, failed)
             raise RuntimeFault(f"rank {failed} failed: {reason}")
         for process in processes:
             process.join()
