@@ -47,11 +47,12 @@ class StaticOption:
     def sync_floor(self) -> float:
         """The least the gradient sync can add to the step: a training schedule's last op is a
         backward, whose stage's all-reduce starts only then (the sequential time, unoverlapped);
-        of the rest, hidden, the ops lose their share."""
+        of the rest, hidden, the ops lose their share; sequence parallelism's sum follows it."""
         if not self.stage_sync:
             return self.allreduce_time + self.tp_sum
         least = min(self.stage_sync)
-        return least + self.sync_contention * max(0.0, self.allreduce_time - least) + self.tp_sum
+        hidden_share = self.sync_contention * max(0.0, self.allreduce_time - least)
+        return least + hidden_share + self.tp_sum
 
     @property
     def label(self) -> str:

@@ -165,7 +165,7 @@ class ProfiledCostModel:
         rank holds whole (the norms), for a device of `layers` layers: the sync phase of the
         probes run under it; where the profile did not run them (the plan is then marked as
         beyond it), an all-reduce of each layer's two norms and the final one on the measured
-        link. None without sequence parallelism."""
+        link. 0 without sequence parallelism."""
         if not self.sequence_parallel:
             return 0.0
         measured = self._tp_layout
