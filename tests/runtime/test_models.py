@@ -309,3 +309,26 @@ def test_bad_models_are_refused(tmp_path):
     for top_k in (5, 0):  # the router's top-k failed inside the first forward
         with pytest.raises(ConfigError, match=f"routes each token to {top_k} experts .* the model has 4"):
             hf_workload(model_dir(tmp_path, "mixtral", num_experts_per_tok=top_k), microbatch_size=2, seq_len=16)
+    layer_types = ["full_attention", "sliding_attention", "full_attention"]
+    with pytest.raises(ConfigError, match="malformed: .*layer_types") as refused:  # 4 layers, 3 kinds
+        load_hf_config(model_dir(tmp_path, "qwen2", layer_types=layer_types))
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_moe"])
+def test_a_probe_of_fewer_layers_keeps_the_first_layers_kinds(tmp_path, family):
+    """Qwen2's config lists each layer's attention (`layer_types`, sliding past `max_window_layers`):
+    a probe of n layers (`profile --layers`) holds the model's first n, and one of more than the
+    model has repeats its pattern — a config the library itself accepts, whose parameters count."""
+    from pipeloom.models.hf import load_hf_config
+    from pipeloom.models.memory_guard import hf_parameter_count
+
+    directory = model_dir(tmp_path, family, use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    pattern = load_hf_config(directory).layer_types
+    assert len(pattern) == 4 and pattern[0] != pattern[1]  # both kinds, the first layer's its own
+    for layers, kinds in ((1, pattern[:1]), (6, (pattern * 2)[:6])):
+        config = load_hf_config(directory, layers)
+        assert (config.num_hidden_layers, config.layer_types) == (layers, kinds)
+        assert hf_parameter_count(config) > 0
+        work = hf_workload(directory, microbatch_size=1, seq_len=16, layers=layers)
+        assert work.check(1) == [layers]

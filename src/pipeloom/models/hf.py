@@ -65,17 +65,30 @@ def load_hf_config(path: str | Path, layers: int | None = None):
     if family not in FAMILIES:
         raise ConfigError(f"hf: model type {family!r} is not supported; supported: {', '.join(FAMILIES)}")
     transformers = import_transformers()
+    from huggingface_hub.errors import StrictDataclassError  # transformers' own dependency
+
     try:
         config = transformers.AutoConfig.for_model(**data)
-    except (ValueError, TypeError, KeyError) as error:
-        raise ConfigError(f"hf: {str(config_file)!r} is malformed: {error}") from None
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as error:  # the last: the library's own checks
+        reason = error.__cause__ if isinstance(error, StrictDataclassError) and error.__cause__ else error
+        raise ConfigError(f"hf: {str(config_file)!r} is malformed: {reason}") from None
     _check_heads(config, config_file)
     for key, value in list(config.to_dict().items()):
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
     if layers is not None:
-        config.num_hidden_layers = layers
+        _with_layers(config, layers)
     return config
+
+
+def _with_layers(config, layers: int) -> None:
+    """`config` cut to its first `layers` layers (a probe's stage), or its pattern repeated past
+    them: where it lists each layer's kind (Qwen2's `layer_types`: full or sliding attention) the
+    list must stay one entry a layer, or the library refuses the config."""
+    kinds = getattr(config, "layer_types", None)
+    if isinstance(kinds, list) and kinds:
+        config.layer_types = [kinds[i % len(kinds)] for i in range(layers)]
+    config.num_hidden_layers = layers
 
 
 def _check_heads(config, config_file: Path) -> None:
