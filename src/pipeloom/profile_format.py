@@ -240,6 +240,9 @@ class Params:
     last: float
     experts: float = 0.0
     tied: float = 0.0
+    moe_block: float = 0.0
+    """Of `layer`, a MoE layer's whole block — router, routed and shared experts — which the
+    runtime runs whole on every tensor-parallel rank (0: a dense model, or not recorded)."""
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -182,7 +183,7 @@ def test_a_checkpoint_of_packed_projections_resumes_only_on_its_own_tp(tmp_path)
         check_spec(packed.changed(tp=1, steps=2, save_every=0, save_dir=None, resume_dir=str(tmp_path / "g")))
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_mixtures_of_experts_train_under_tp_like_one_process(tmp_path, token_file, family):
     """Attention split over the group, the MoE block whole on every rank (it sees the replicated
     hidden states): Mixtral's load-balancing loss joins the vocabulary-parallel loss, Qwen3's
@@ -193,9 +194,38 @@ def test_mixtures_of_experts_train_under_tp_like_one_process(tmp_path, token_fil
         model_dir(tmp_path, TINY[family]), seed=1, microbatch_size=2, seq_len=SEQ, data=TokenFile(token_file, SEQ, 2)
     )
     spec = TrainSpec(build_schedule("1f1b", 2, 2), workload=work, lr=LR, tp=2, record_gradients=True)
-    assert_trains_like_one_process(spec, run_local(spec))
+    results = run_local(spec)
+    assert_trains_like_one_process(spec, results)
     with pytest.raises(ConfigError, match="runs its experts whole on every tensor-parallel rank"):
         check_spec(dataclasses.replace(spec, sequence_parallel=True))
+    # each stage's two tp ranks hold what the profile prices, but for the norms (priced cut, held whole)
+    priced = priced_params(work, TINY[family], [1, 1], tp=2)
+    for result in results:
+        stage = 0 if any("embed" in record.name for record in result.placements) else 1
+        held = sum(math.prod(record.local_shape) for record in result.placements)
+        norms = sum(record.shape[0] for record in result.placements if "norm" in record.name)
+        assert held - priced[stage] == norms / 2 and norms <= 4 * 32 + 32  # two (Qwen3: four) a layer, and the last
+
+
+def priced_params(work, config: dict, counts: list[int], tp: int) -> list[float]:
+    """What the profiled cost model prices a rank of each stage to hold, from the parameters a
+    profile of `work`'s model counts (`profiler._params`)."""
+    from pipeloom.profile.profiler import _params
+    from pipeloom.profile_format import Fit, Layout, LayoutProfile, LinearCost, Link, Links, Overheads, Profile
+    from pipeloom.tune.presets import model_from_config
+    from pipeloom.tune.profiled import ProfiledCostModel
+
+    model = model_from_config(config)
+    link = Link(0.0, 1.0)
+    profile = Profile(
+        model=model,
+        params=_params(model, lambda layers, mbs: work),
+        static_bytes_per_param=16,
+        links=Links(link, link, link, link),
+        layouts={Layout(): LayoutProfile(fits={1: {"F": Fit(1.0, 1.0)}})},
+        overheads=Overheads(LinearCost(0.0)),
+    )
+    return ProfiledCostModel(profile, tp=tp).stage_params(counts)
 
 
 @pytest.mark.parametrize("family", sorted(OTHERS))

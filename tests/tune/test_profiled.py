@@ -356,6 +356,22 @@ def test_experts_shared_out_over_every_replica_sync_no_gradients():
     assert best.allreduce_time == pytest.approx(shared.allreduce_time(dense, 1, 2))
 
 
+def test_a_moe_block_is_held_whole_on_every_tp_rank_and_its_experts_shared_out_over_ep():
+    """The runtime cuts the attention, embedding and head over tp and runs the MoE block (here 850
+    of a layer's 1000: a router of 50 and 800 of routed experts) whole on every tp rank; ep shares
+    the routed experts out. A profile without the block's count takes its experts for it."""
+    data = moe_profile()
+    data["params"]["moe_block"] = 850
+    model = ProfiledCostModel(data, tp=2)
+    model.model = dataclasses.replace(model.model, expert_parallel=2)
+    cut = [(3 * 150 + 500) / 2, (5 * 150 + 600) / 2]
+    assert model.stage_params([3, 5]) == pytest.approx([cut[0] + 3 * 450, cut[1] + 5 * 450])
+    assert model.expert_params([3, 5]) == pytest.approx([3 * 400, 5 * 400])
+    data["params"].pop("moe_block")
+    older = ProfiledCostModel(data, tp=2)
+    assert older.stage_params([3, 5]) == pytest.approx([(3 * 200 + 500) / 2 + 3 * 800, (5 * 200 + 600) / 2 + 5 * 800])
+
+
 def test_replicas_wait_for_the_later_pipeline_as_measured_whatever_the_zero_level():
     """A profile that measured how far the later replica's pipeline ends past the two's mean
     prices that share of the pipeline — at every ZeRO level, under the plain and the shared-out

@@ -207,9 +207,10 @@ def _noise(measured: dict, busy: Contention | None) -> Noise:
 
 
 def _params(model: ModelSpec, workload_for=None) -> Params:
-    """Parameters of one decoder layer, of the first stage's extras (embeddings) and of the last
-    stage's (final norm and head; a tied head counts on both ends, and `tied` says how much of
-    them is one object where a device hosts both)."""
+    """Parameters of one decoder layer (a MoE layer's routed experts and their block apart), of
+    the first stage's extras (embeddings) and of the last stage's (final norm and head; a tied
+    head counts on both ends, and `tied` says how much of them is one object where a device
+    hosts both)."""
     if workload_for is None:
         stage = build_stages(llama_config(model, 1, 1), 1, seed=0)[0]
     else:
@@ -219,10 +220,12 @@ def _params(model: ModelSpec, workload_for=None) -> Params:
         return sum(t.numel() for module in modules if module is not None for t in module.parameters())
 
     first = count(stage.embed, getattr(stage, "positions", None))
-    # a MoE layer's routed experts, which expert parallelism shares out
-    experts = getattr(getattr(stage.layers[0], "mlp", None), "experts", None)
+    # a MoE layer's routed experts, which expert parallelism shares out, and their block, which tp does not cut
+    block = getattr(stage.layers[0], "mlp", None)
+    experts = getattr(block, "experts", None)
     head = {id(t) for t in stage.head.parameters()} if stage.head is not None else set()
     embed = list(stage.embed.parameters()) if stage.embed is not None else []
     tied: int = sum(t.numel() for t in embed if id(t) in head)  # one object at both ends
     last = count(stage.norm, stage.head)
-    return Params(count(stage.layers[0]), first, last, count(experts) if experts else 0, tied)
+    routed = count(experts) if experts else 0
+    return Params(count(stage.layers[0]), first, last, routed, tied, count(block) if experts else 0)

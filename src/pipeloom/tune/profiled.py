@@ -381,12 +381,14 @@ class ProfiledCostModel:
 
     def stage_params(self, counts: Sequence[int]) -> list[float]:
         """Parameters one rank holds per stage: its 1/tp shard of the layers, embedding and head;
-        of a MoE layer's routed experts (`params["experts"]`), its 1/ep share."""
+        of a MoE layer's block, which the runtime runs whole on every tp rank (`models.hf_tp`),
+        the router and shared experts whole and its 1/ep share of the routed experts."""
         last = len(counts) - 1
-        experts = self.params.experts * (1 - 1 / self.model.expert_parallel)
-        layer = self.params.layer - experts
+        block = max(self.params.moe_block, self.params.experts)  # a profile without the block: its experts
+        cut = self.params.layer - block
+        whole = block - self.params.experts + self.params.experts / self.model.expert_parallel
         return [
-            (n * layer + self.params.first * (i == 0) + self.params.last * (i == last)) / self.tp
+            (n * cut + self.params.first * (i == 0) + self.params.last * (i == last)) / self.tp + n * whole
             for i, n in enumerate(counts)
         ]
 
@@ -394,8 +396,9 @@ class ProfiledCostModel:
         return self.params.tied / self.tp
 
     def expert_params(self, counts: Sequence[int]) -> list[float]:
+        """Of `stage_params`, a rank's 1/ep share of the routed experts (whole on its tp ranks)."""
         held = self.params.experts / self.model.expert_parallel
-        return [n * held / self.tp for n in counts]
+        return [n * held for n in counts]
 
     def allreduce_time(self, params: float, pp: int, dp: int, zero: int = 0) -> float:
         """The gradients' collectives over dp replicas as measured at dp = 2 and scaled by the
