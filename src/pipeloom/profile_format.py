@@ -252,6 +252,10 @@ class DeviceInfo:
     kind: str = "cpu"
     description: str = ""
     threads: int | None = None
+    """Torch threads per rank (CPU)."""
+    cores: int | None = None
+    """The cores its ranks could run on (CPU; None: not recorded): a plan of more ranks × threads
+    than this shares them, each op slower than profiled."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The profiler's output round-trips into simulate and tune; a tuned plan round-trips into train."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,7 @@ def test_profile_simulate_tune_train(tmp_path, capsys):
     assert data["format"] == "pipeloom.profile/2" and data["model"]["hidden"] == 32
     typed = Profile.from_dict(data)  # what `tune` reads is what `profile` wrote
     assert Profile.from_dict(typed.to_dict()) == typed and typed.device.kind == "cpu"
+    assert typed.device.cores == len(os.sched_getaffinity(0)) and typed.device.threads == 1
     # what the runtime adds beyond the ops, and how noisy the machine was, are in the profile
     overheads = typed.overheads
     assert overheads.op_ms >= 0 and overheads.step.base_ms >= 0

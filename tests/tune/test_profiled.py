@@ -428,6 +428,22 @@ def test_the_cli_refuses_a_bad_profile_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "plan.json").exists()
 
 
+def test_tune_says_when_the_ranks_would_share_the_profile_s_cores(tmp_path, capsys):
+    """Its probes ran a rank a core: 4 ranks of 2 threads on the profile's 4 cores share them."""
+    import json
+
+    from pipeloom.cli import main
+
+    data = profile()
+    data["device"] = {"kind": "cpu", "description": "cpu, 2 thread(s) per rank, fp32", "threads": 2, "cores": 4}
+    (tmp_path / "profile.json").write_text(json.dumps(data))
+    argv = ["tune", "--costs", str(tmp_path / "profile.json"), "--memory", "1GiB", "--global-batch", "4", "--force"]
+    for devices, note in [(2, None), (4, "4 ranks × 2 thread(s) on the profile's 4 cores: the ranks would share them")]:
+        assert main([*argv, "--devices", str(devices), "--output", str(tmp_path / "plan.json")]) == 0
+        out = capsys.readouterr().out
+        assert (note in out and "up to 2× slower" in out) if note else "shared cores" not in out
+
+
 @pytest.mark.parametrize(
     "device, contention",
     [("cuda, every stage in one process, fp32", None), ("cpu, 1 thread(s) per rank, fp32", None)]

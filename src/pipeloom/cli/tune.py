@@ -122,6 +122,21 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
     add_quiet(parser)
 
 
+def shared_cores(cost_model, devices: int) -> str | None:
+    """What to say where `devices` CPU ranks of the profile's threads outnumber the cores it was
+    taken on: its probes ran a rank a core, so every plan's ops would run slower than priced."""
+    profile = cost_model.profile
+    if profile is None or profile.device.kind != "cpu" or not profile.device.cores:
+        return None
+    threads, cores = profile.device.threads or 1, profile.device.cores
+    if devices * threads <= cores:
+        return None
+    return (
+        f"{devices} ranks × {threads} thread(s) on the profile's {cores} cores: the ranks would share them, each op "
+        f"up to {devices * threads / cores:.3g}× slower than the plans are priced (each rank its own core, as profiled)"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from pipeloom.cli.run_inputs import plan_inputs
     from pipeloom.tune.plan import plan_from_evaluation
@@ -397,4 +412,6 @@ def _report(result, args, memory: float, cost_model) -> str:
     note = f"\nnear-tie: {result.tie_note}" if result.tie_note else ""
     if result.extrapolation_note:
         note += f"\nbeyond the profile: {result.extrapolation_note}"
+    if shared := shared_cores(cost_model, args.devices):
+        note += f"\nshared cores: {shared}"
     return f"{head}\n\n{table(headers, rows)}\n\nbest: {best.candidate.label}, layers per stage {best.partition}{note}"

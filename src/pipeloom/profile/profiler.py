@@ -30,6 +30,7 @@ from pipeloom.profile.overheads import linear_fit, op_overhead_ms, serial_op_ove
 from pipeloom.profile.probe_rounds import OP_KINDS, Probe, ProbeModel, Turns, probe_schedule
 from pipeloom.profile.steadiness import Contention
 from pipeloom.profile_format import DeviceInfo, Layout, LinearCost, Noise, Overheads, Params, Profile, ReplicaWait
+from pipeloom.tune.pool import default_jobs
 from pipeloom.tune.presets import ModelSpec
 from pipeloom.tune.profiled import ProfiledCostModel
 
@@ -148,7 +149,7 @@ def _device_info(device: str, threads: int, dtype: str, in_process: bool) -> Dev
     if device == "cuda":
         return DeviceInfo("cuda", f"{torch.cuda.get_device_name()}, every stage in one process, {dtype}")
     where = "every rank in one process" if in_process else "per rank"
-    return DeviceInfo("cpu", f"cpu, {threads} thread(s) {where}, {dtype}", threads)
+    return DeviceInfo("cpu", f"cpu, {threads} thread(s) {where}, {dtype}", threads, default_jobs())
 
 
 def _runtime_overheads(profile: Profile, measured: dict, in_process: bool) -> Overheads:
