@@ -290,3 +290,14 @@ def test_the_rest_of_a_step_is_fitted_per_parameter_its_replicas_zero():
     assert step_overhead(2.0, wait, model) == LinearCost(2.0, pytest.approx(2.1 / 2600))
     assert step_overhead(2.0, None, model) == LinearCost(2.0)  # in one process: no replicas
     assert step_overhead(5.0, wait, model) == LinearCost(5.0, 0.0)
+
+
+def test_probes_of_more_ranks_than_cores_are_named():
+    """Two stages of one thread each fit two cores; a stage over 4 tp ranks, or two threads a rank, do not."""
+    from pipeloom.profile.profiler import crowded_probes
+
+    layouts = [Layout(), Layout(tp=4), Layout(cp=2), Layout(ep=2)]
+    assert crowded_probes([Layout(), Layout(cp=2), Layout(ep=2)], threads=1, cores=2) is None
+    assert "the probes of tp4 (4 ranks) ran 1 thread(s) a rank on 2 cores" in crowded_probes(layouts, 1, 2)
+    assert "plain (2 ranks), tp4 (4 ranks), cp2 (2 ranks), ep2 (2 ranks) ran 2" in crowded_probes(layouts, 2, 2)
+    assert crowded_probes(layouts, threads=2, cores=8) is None

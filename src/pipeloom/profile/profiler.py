@@ -117,7 +117,14 @@ def profile_model(
         overheads=Overheads(LinearCost(0.0)),  # fitted below, from the probes priced by this profile
         layouts=layouts,
         noise=_noise(measured, checked),
-        warnings=tuple(text for text in [busy.warning()] if text),
+        warnings=tuple(
+            text
+            for text in [
+                busy.warning(),
+                None if in_process or device != "cpu" else crowded_probes([Layout(), *ranked], threads, default_jobs()),
+            ]
+            if text
+        ),
     )
     profile = replace(profile, overheads=_runtime_overheads(profile, measured, in_process))
     try:  # what `tune` will refuse is never written: the fits are constrained, this is the proof
@@ -143,6 +150,21 @@ def _check_in_process(device: str, split: bool, mixture: bool, dtype: str) -> No
         raise ConfigError(
             "profile: a mixture of experts' all-to-alls are measured on ranks of their own, not in one process"
         )
+
+
+def crowded_probes(layouts: Sequence[Layout], threads: int, cores: int) -> str | None:
+    """What to say where a layout's probes ran more ranks × threads than the machine has cores
+    (`profile --tp 4` on two): its ranks shared the cores, so its ops read slower than on ranks
+    of a core each — what `tune` assumes of a plan (`cli.tune.shared_cores`)."""
+    ranks = {layout.key: layout.stages * layout.tp * layout.ep * layout.cp for layout in layouts}
+    crowded = [key for key, count in ranks.items() if count * threads > cores]
+    if not crowded:
+        return None
+    named = ", ".join(f"{key} ({ranks[key]} ranks)" for key in crowded)
+    return (
+        f"the probes of {named} ran {threads} thread(s) a rank on {cores} cores: their ranks shared the cores, so "
+        "their ops read slower than a rank of its own cores runs them"
+    )
 
 
 def _device_info(device: str, threads: int, dtype: str, in_process: bool) -> DeviceInfo:
