@@ -411,6 +411,15 @@ TUNE = ["tune", "--model", "gpt3-13b", "--hardware", "h100", "--devices", "8", "
         ),
         (["profile", "--model", str(EXAMPLES / "tiny-llama.json"), "--slices", "1"], "must be at least 2"),
         (["profile", "--model", str(EXAMPLES / "tiny-llama.json"), "--steps", "0"], "--steps >= 1"),
+        (["profile", "--model", str(EXAMPLES / "tiny-llama.json"), "--threads", "0"], "--threads >= 1"),
+        (  # one layer count twice: no slope per layer (it priced every layer at 0 ms)
+            ["profile", "--model", str(EXAMPLES / "tiny-llama.json"), "--layers", "2,2"],
+            "at least two different layer counts",
+        ),
+        (  # the built-in decoder's sequence is its config's: the flag was ignored
+            ["profile", "--model", str(EXAMPLES / "tiny-llama.json"), "--seq-len", "32"],
+            "--seq-len is for hf: models; the built-in decoder runs its config's sequence (64 tokens",
+        ),
     ],
 )
 def test_tune_refusals_are_one_line(capsys, tmp_path, monkeypatch, argv, message):

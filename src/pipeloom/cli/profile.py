@@ -20,6 +20,8 @@ __all__ = ["register", "ALLOW_BUSY_ENV"]
 
 ALLOW_BUSY_ENV = "PIPELOOM_ALLOW_BUSY"
 """Set to 1 by a harness whose own work keeps the machine busy (the test suite's parallel workers)."""
+HF_SEQ_LEN = 128
+"""Tokens per sequence a Hugging Face model is profiled at without --seq-len."""
 
 
 def register(commands) -> None:
@@ -44,7 +46,11 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
         help="hf:DIR (a transformers model: its own layers are timed), or an HF-style config.json of a LLaMA-style "
         "model for the built-in decoder; small enough for this machine",
     )
-    parser.add_argument("--seq-len", type=int, default=128, help="hf: models: tokens per sequence (default 128)")
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        help="hf: models: tokens per sequence (default 128; the built-in decoder's is its config's seq_len)",
+    )
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="compute type (default fp32)")
     parser.add_argument("--mbs", default="1,2", metavar="LIST", help="micro-batch sizes to measure (default 1,2)")
     parser.add_argument("--layers", default="1,2,3", metavar="LIST", help="layers per stage to measure (default 1,2,3)")
@@ -116,11 +122,12 @@ def _hf_profile_model(args: argparse.Namespace):
 
     path = args.model[3:]
     config = load_hf_config(path)
+    seq_len = HF_SEQ_LEN if args.seq_len is None else args.seq_len
     if config.model_type not in CAUSAL or config.model_type == "mamba":
         raise ConfigError(f"profile: the cost model describes decoder transformers, not {config.model_type}")
     data = json.loads(_config_path(path).read_text())
-    model = dataclasses.replace(model_from_config(data, name=Path(path).name or "hf"), seq_len=args.seq_len)
-    return model, lambda layers, mbs: hf_workload(path, 0, mbs, args.seq_len, layers=layers)
+    model = dataclasses.replace(model_from_config(data, name=Path(path).name or "hf"), seq_len=seq_len)
+    return model, lambda layers, mbs: hf_workload(path, 0, mbs, seq_len, layers=layers)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,15 +138,23 @@ def run(args: argparse.Namespace) -> int:
         model, workload_for = _hf_profile_model(args)
     else:
         model = load_model(args.model)
+        if args.seq_len is not None:
+            raise ConfigError(
+                f"--seq-len is for hf: models; the built-in decoder runs its config's sequence ({model.seq_len} "
+                f"tokens in {args.model}): change seq_len there"
+            )
     if model.params > 5e8:
         raise ConfigError(f"{model.name} has {model.params / 1e9:.1f}B parameters: too large to run on this machine")
     if workload_for is None and (not model.gated or model.kv_heads is not None or model.flash_attention):
         raise ConfigError(
             "the built-in decoder is LLaMA-style (gated, without GQA); profile other models as --model hf:DIR"
         )
-    sizes, layers = int_list(args.mbs, "--mbs"), int_list(args.layers, "--layers")
+    sizes, layers = sorted(set(int_list(args.mbs, "--mbs"))), sorted(set(int_list(args.layers, "--layers")))
     if len(layers) < 2 or min(layers) < 1 or not sizes or min(sizes) < 1 or args.steps < 1 or args.threads < 1:
-        raise ConfigError("profile needs at least two layer counts >= 1, micro-batch sizes >= 1 and --steps >= 1")
+        raise ConfigError(  # one layer count, however often given, fits no slope per layer
+            "profile needs at least two different layer counts >= 1 (--layers 1,2), micro-batch sizes >= 1, "
+            "--steps >= 1 and --threads >= 1"
+        )
     if args.max_rounds < 2:
         raise ConfigError(
             f"--max-rounds must be at least 2 (a median settles between two rounds), got {args.max_rounds}"
