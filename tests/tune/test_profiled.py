@@ -428,6 +428,28 @@ def test_the_cli_refuses_a_bad_profile_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "plan.json").exists()
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--tp", "3"], "--tp 3: toy's 4 attention heads do not divide by 3"),  # before any warning of tp unmeasured
+        (["--tp", "2", "--max-mbs", "0"], "--max-mbs must be at least 1, got 0"),
+        (["--memory", "1KiB"], "no plan fits 1.00 KiB per device: the least any configuration needs is 7"),
+    ],
+)
+def test_tune_on_a_profile_refuses_bad_flags_in_one_line(tmp_path, capsys, flags, message):
+    import json
+
+    from pipeloom.cli import main
+
+    (tmp_path / "profile.json").write_text(json.dumps(profile()))
+    argv = ["tune", "--costs", str(tmp_path / "profile.json"), "--devices", "2", "--global-batch", "4"]
+    argv += ["--memory", "1GiB", *flags, "--output", str(tmp_path / "plan.json")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "plan.json").exists()
+
+
 def test_tune_says_when_the_ranks_would_share_the_profile_s_cores(tmp_path, capsys):
     """Its probes ran a rank a core: 4 ranks of 2 threads on the profile's 4 cores share them."""
     import json

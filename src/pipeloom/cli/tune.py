@@ -147,6 +147,11 @@ def run(args: argparse.Namespace) -> int:
     tps, cps, eps = (int_list(value, f"--{name}") if value else None for name, value in _split_flags(args))
     if args.sequence_parallel and tps is not None and max(tps) < 2:  # as train refuses it: a plan it would not run
         raise ConfigError("--sequence-parallel shards the sequence over a tensor-parallel group: add --tp N (N > 1)")
+    jobs = [(args.jobs, "--jobs")] if args.jobs is not None else []
+    counts = [(args.devices, "--devices"), (args.global_batch, "--global-batch"), (args.max_mbs, "--max-mbs")]
+    for value, what in [*counts, (args.top, "--top"), *jobs]:
+        if value < 1:
+            raise ConfigError(f"{what} must be at least 1, got {value}")
     cost_model = _cost_model(args)
     splits = _splits(args, cost_model, tps, cps, eps)
     memory = _memory(args, cost_model)
@@ -159,10 +164,6 @@ def run(args: argparse.Namespace) -> int:
         schemes = [name for name in schemes if name in RUNNABLE_SCHEMES]
         if model.router_loss:  # train refuses slices for it: no sliced scheme is a plan it runs
             schemes = [name for name in schemes if 1 in SCHEMES[name].slices]
-    jobs = [(args.jobs, "--jobs")] if args.jobs is not None else []
-    for value, what in [(args.devices, "--devices"), (args.global_batch, "--global-batch"), (args.top, "--top")] + jobs:
-        if value < 1:
-            raise ConfigError(f"{what} must be at least 1, got {value}")
     if args.plot:
         check_plot_path(args.plot)
         pyplot()  # asked for: refuse now if matplotlib is missing, not after the search
@@ -308,7 +309,12 @@ def _splits(args: argparse.Namespace, cost_model, tps, cps, eps) -> list:
             raise ConfigError(
                 f"{args.costs} measured no expert all-to-all: profile the MoE model with `profile --model hf:DIR`"
             )
-        unmeasured = [tp for tp in tps if tp > 1 and Split(tp) not in measured]
+    # --runnable: only the runtime needs the vocabulary whole
+    found = model_splits(model, args.devices, gpus_per_node, tp=tps, cp=cps, ep=eps, whole_vocabulary=args.runnable)
+    found = _with_sequence_parallel(args, found)
+    if isinstance(cost_model, ProfiledCostModel):  # the flags are valid: say what they ask beyond the profile
+        measured = cost_model.measured_splits(args.sequence_parallel)
+        unmeasured = [split.tp for split in found if split.tp > 1 and Split(split.tp) not in measured]
         if unmeasured:
             layout = f"--tp {unmeasured[0]}{' --sequence-parallel' if args.sequence_parallel else ''}"
             print(
@@ -317,9 +323,7 @@ def _splits(args: argparse.Namespace, cost_model, tps, cps, eps) -> list:
                 f"ranks read 2.5x fast; `profile {layout}` measures them",
                 file=sys.stderr,
             )
-    # --runnable: only the runtime needs the vocabulary whole
-    found = model_splits(model, args.devices, gpus_per_node, tp=tps, cp=cps, ep=eps, whole_vocabulary=args.runnable)
-    return _with_sequence_parallel(args, found)
+    return found
 
 
 def _with_sequence_parallel(args: argparse.Namespace, found: list) -> list:

@@ -24,7 +24,7 @@ from pipeloom.tune.bounds import ORDER_KEEPING, memory_floor
 from pipeloom.tune.evaluation import Evaluation, offload_lanes
 from pipeloom.tune.space import GENERATOR_OF, SCHEMES, Candidate
 
-__all__ = ["simulate_task", "simulate_candidate", "most_room", "gib", "record_timing"]
+__all__ = ["simulate_task", "simulate_candidate", "most_room", "memory_text", "record_timing"]
 
 _EPS = 1e-9
 
@@ -104,7 +104,9 @@ def simulate_candidate(
                 least = memory_floor(schedule, costs)
                 if max(least) > memory + _EPS:  # no placement of its W can make it fit: skip the passes
                     device = least.index(max(least))
-                    evaluation.reason = f"memory: device {device} needs at least {gib(least[device])} > {gib(memory)}"
+                    evaluation.reason = (
+                        f"memory: device {device} needs at least {memory_text(least[device])} > {memory_text(memory)}"
+                    )
                     continue
             try:
                 current = schedule
@@ -118,9 +120,7 @@ def simulate_candidate(
             host = offload.host_memory if offload else [0.0]
             if max(host) > host_memory + _EPS:
                 device = host.index(max(host))
-                evaluation.reason = (
-                    f"host memory: device {device}'s host holds {gib(host[device])} > {gib(host_memory)}"
-                )
+                evaluation.reason = f"host memory: device {device}'s host holds {memory_text(host[device])} > {memory_text(host_memory)}"
                 need = max(host)  # what the limit ruled out, for the message when nothing fits
                 evaluation.host_short = min(evaluation.host_short, need) if evaluation.host_short else need
                 continue
@@ -136,7 +136,7 @@ def simulate_candidate(
                     best["step_time"] = evaluation.step_time
                 break
             device = peaks.index(max(peaks))
-            evaluation.reason = f"memory: device {device} peaks at {gib(peaks[device])} > {gib(memory)}"
+            evaluation.reason = f"memory: device {device} peaks at {memory_text(peaks[device])} > {memory_text(memory)}"
             evaluation.unfit.append((evaluation.candidate.label, evaluation.step_time, evaluation.reason))
     if best is None:
         return not (cut and all(cut))
@@ -210,5 +210,10 @@ def _apply(name: str, schedule: Schedule, costs: Costs, budget: list[float]) -> 
     raise AssertionError(name)
 
 
-def gib(value: float) -> str:
-    return f"{value / 2**30:.2f} GiB"
+def memory_text(value: float) -> str:
+    """Bytes to two decimals in the largest of GiB, MiB and KiB they fill one of: a small
+    model's on CPU ranks read 0.00 GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if value >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value / 2**10:.2f} KiB"
