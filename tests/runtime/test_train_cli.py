@@ -225,6 +225,21 @@ def test_profile_tune_and_train_a_hugging_face_model(capsys, tmp_path, llama):
         spec_from_plan(plan)
 
 
+def test_another_model_given_to_a_plan_is_named_by_how_it_differs(tmp_path, llama):
+    """`train --plan P --model hf:OTHER` trains OTHER cut as planned, but the plan's prediction is
+    of its own model: a model of another shape is named by its differences (a GPT-2 once ran
+    silently under a Qwen2 plan, its error read as the plan's)."""
+    from pipeloom.cli.plan import _model_changes
+    from pipeloom.tune.presets import model_from_config
+
+    planned = model_from_config(LLAMA)
+    assert _model_changes(planned, f"hf:{llama}") == []
+    other = tmp_path / "wider"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**LLAMA, "intermediate_size": 128, "num_key_value_heads": 1}))
+    assert _model_changes(planned, f"hf:{other}") == ["kv_heads 2, not 1", "ffn 64, not 128"]
+
+
 def test_partial_recompute_flags_are_checked_before_any_rank_starts(capsys):
     assert "checkpoints nothing; add --ckpt full or mario" in refused(capsys, "--recompute-layers", "1")
     assert "positive number of layers" in refused(capsys, "--ckpt", "full", "--recompute-layers", "0")

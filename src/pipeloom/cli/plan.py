@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 from itertools import compress
 
@@ -45,6 +46,14 @@ def spec_from_plan(args: argparse.Namespace):
         del fields["zero"]
     if args.dtype is None:  # the type the plan's costs were measured in
         del fields["dtype"]
+    if args.model and args.model.startswith("hf:"):
+        changed = _model_changes(plan.model, args.model)
+        if changed:
+            print(
+                f"model: --model {args.model} replaces the plan's ({plan.cost_model.get('model') or plan.model.name}), "
+                f"and the plan's prediction is of that one: it was made for {', '.join(changed)}",
+                flush=True,
+            )
     data = data_from_args(args, plan.model.seq_len)
     recorded = (plan.inputs or {}).get("data")
     if data is not None and recorded:
@@ -53,6 +62,32 @@ def spec_from_plan(args: argparse.Namespace):
         for change in differences(recorded, data.provenance):
             print(f"data: --data replaces the plan's: it was made for {change}", flush=True)
     return plan_spec(plan, args.model, data, report=True, **fields)
+
+
+def _model_changes(planned, given: str) -> list[str]:
+    """How the Hugging Face model `given` ("hf:DIR") differs in shape from the `planned` one:
+    "ffn 128, not 256" per field (empty: the same shape; the sequence is the plan's either way)."""
+    from pipeloom.models.hf import _config_path
+    from pipeloom.tune.presets import model_from_config
+
+    try:
+        now = model_from_config(json.loads(_config_path(given[3:]).read_text()))
+    except (OSError, ValueError, ConfigError):
+        return []  # building the run refuses it in its own words
+
+    def shape(model) -> dict:
+        return {
+            "hidden": model.hidden,
+            "layers": model.layers,
+            "heads": model.heads,
+            "kv_heads": model.kv_heads or model.heads,  # None: a head of K and V per query head
+            "ffn": model.ffn,
+            "vocab": model.vocab,
+            "experts": model.num_experts,
+        }
+
+    before, after = shape(planned), shape(now)
+    return [f"{name} {before[name]}, not {after[name]}" for name in before if before[name] != after[name]]
 
 
 def fidelity_report(plan, results) -> str:
