@@ -416,6 +416,10 @@ TUNE = ["tune", "--model", "gpt3-13b", "--hardware", "h100", "--devices", "8", "
             ["profile", "--model", str(EXAMPLES / "tiny-llama.json"), "--layers", "2,2"],
             "at least two different layer counts",
         ),
+        (
+            ["profile", "--model", str(EXAMPLES / "tiny-llama.json"), "--data", str(EXAMPLES / "train.bin")],
+            "--data feeds hf: models' probes",
+        ),
         (  # the built-in decoder's sequence is its config's: the flag was ignored
             ["profile", "--model", str(EXAMPLES / "tiny-llama.json"), "--seq-len", "32"],
             "--seq-len is for hf: models; the built-in decoder runs its config's sequence (64 tokens",

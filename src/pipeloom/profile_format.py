@@ -292,6 +292,8 @@ class Profile:
     warnings: tuple[str, ...] = ()
     source: str | None = None
     """The profiled model itself where `train --plan` can build it (hf:DIR)."""
+    data: str | None = None
+    """What its probes trained on (`profile --data`), described; None: synthetic tokens."""
 
     @property
     def plain(self) -> LayoutProfile:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -96,8 +97,6 @@ def test_expert_parallelism_survives_the_skewed_routing_of_real_text(tmp_path):
     every token of the group past a rank's experts, which then receive no rows at all. That rank
     must still run the backward's reverse exchanges as its peers do (it used to leave its graph
     there and gloo failed on a mismatched collective); 20 steps equal one process."""
-    from pathlib import Path
-
     from pipeloom.data import TokenFile
 
     text = Path(__file__).resolve().parents[2] / "examples" / "train.bin"
@@ -242,18 +241,25 @@ def test_an_exchange_counts_as_hidden_only_what_the_paired_op_ran_while_it_was_i
 def test_the_profile_measures_the_ops_apart_from_their_exchanges_with_the_experts_shared_out(tmp_path):
     """`layouts.measure_layout` of `Layout(ep=2)`: one stage over two replicas sharing out its
     experts, each op's compute fitted apart from the all-to-alls in flight in it (`a2a_F`,
-    `a2a_B`), the stash as it is there; and the replicas' wait on such replicas."""
+    `a2a_B`), the stash as it is there — on real text (`profile --data`), whose skewed routing
+    fills one replica's experts more than the other's: the stash fitted is the fuller one's, which
+    a plan's device peaks at — and the replicas' wait on such replicas."""
+    from pipeloom.data import TokenFile
     from pipeloom.profile.layouts import measure_layout, replica_waits
     from pipeloom.profile.probe_rounds import ProbeModel, Turns
     from pipeloom.profile_format import Layout
 
-    directory = model_dir(tmp_path, "mixtral")
-    workload_for = lambda n, mbs: hf_workload(directory, 0, mbs, SEQ, layers=n)  # noqa: E731
+    directory = model_dir(tmp_path, "mixtral", vocab_size=256)  # a byte a token
+    text = TokenFile(Path(__file__).resolve().parents[2] / "examples" / "train.bin", SEQ, seed=0)
+    workload_for = lambda n, mbs: hf_workload(directory, 0, mbs, SEQ, layers=n, data=text)  # noqa: E731
     probed = ProbeModel(None, steps=1, workload_for=workload_for)
     measured, probes = measure_layout(Layout(ep=2), probed, (1,), (1, 2), Turns().fixed(1))
     fits = measured.fits[1]
     assert {"F", "B", "W", "R", "M_B", "M_W", "a2a_F", "a2a_B"} <= fits.keys()
     assert fits["a2a_F"].per_layer + fits["a2a_F"].single > 0 and fits["M_B"].per_layer > 0
+    fuller = {n: max(probe.median("M_B@0"), probe.median("M_B@1")) for (_, n), probe in probes.items()}
+    assert any(probe.median("M_B@0") != probe.median("M_B@1") for probe in probes.values())  # routed unevenly
+    assert [n * fits["M_B"].per_layer + fits["M_B"].single for n in (1, 2)] == pytest.approx([fuller[1], fuller[2]])
     assert all(probe.median("a2a_F@0") > 0 for probe in probes.values())
     waits = replica_waits(Layout(ep=2), probed, 1, 1, Turns().fixed(1))
     assert list(waits) == [0] and waits[0].pipeline_ms > 0 and waits[0].layers == 1

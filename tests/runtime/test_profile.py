@@ -173,21 +173,28 @@ def test_the_replicas_wait_is_measured_over_steady_steps_after_the_warm_up():
 def test_a_one_stage_layout_fits_its_sync_phase_beside_its_ops():
     """A probe of one stage over tp ranks sums what its ranks hold whole after the pipeline
     (sequence parallelism's second sum): its sync phase is fitted over the layers as "sync",
-    beside rank 0's ops; a two-stage layout's (no replicas) is not."""
+    beside rank 0's ops, and its stash as its fullest peer holds it (experts shared out hold
+    what is routed to them); a two-stage layout's (no replicas) is not."""
     from pipeloom.profile.layouts import fits
     from pipeloom.profile.probe_rounds import Probe
     from pipeloom.profile.steadiness import Measured
+    from pipeloom.profile_format import Fit
+    from pipeloom.tune.profile_fits import fit_positions
 
     def probe(layers: int) -> Probe:
         values = {"F@0": 2.0 * layers + 1.0, "F@1": 9.0, "allreduce": 0.5 * layers + 2.0}
+        values |= {"M_B@0": 100.0 * layers, "M_B@1": 120.0 * layers + 10}  # its peer routed more tokens
         return Probe(None, {key: Measured(value, 0.0, 8, 2, True) for key, value in values.items()}, [], 1.0)
 
     measured = {(1, n): probe(n) for n in (1, 2, 4)}
     one = fits(measured, [1], stages=1)[1]
-    assert set(one) == {"F", "sync"}
+    assert set(one) == {"F", "M_B", "sync"}
     assert (one["sync"].per_layer, one["sync"].single) == pytest.approx((0.5, 2.0))
-    assert (one["F"].per_layer, one["F"].single) == pytest.approx((2.0, 1.0))
-    assert "sync" not in fits(measured, [1], stages=2)[1]
+    assert (one["F"].per_layer, one["F"].single) == pytest.approx((2.0, 1.0))  # rank 0's time
+    assert (one["M_B"].per_layer, one["M_B"].single) == pytest.approx((120.0, 10.0))  # the fuller peer's bytes
+    two = fits(measured, [1], stages=2)[1]  # two stages: rank 1 is the last stage, no peer
+    each = [("first", n, 100.0 * n) for n in (1, 2, 4)] + [("last", n, 120.0 * n + 10) for n in (1, 2, 4)]
+    assert "sync" not in two and two["M_B"] == Fit(**fit_positions(each))
 
 
 def test_a_sliced_probe_trains_as_the_whole_one_and_its_slices_pool_into_the_fits():

@@ -134,7 +134,7 @@ def test_masked_lm_masks_some_positions_and_ignores_the_rest(tmp_path):
 
 
 def test_profile_tune_and_train_a_hugging_face_model(capsys, tmp_path, llama):
-    """profile --model hf:DIR times the model's own layers; the plan tuned on it trains that model
+    """profile --model hf:DIR times the model's own layers (on the run's tokens, --data); the plan tuned on it trains that model
     (not the built-in decoder) on the data and in the type the plan records, and its activation
     memory is predicted to the byte."""
     profile, plan = tmp_path / "profile.json", tmp_path / "plan.json"
@@ -157,6 +157,8 @@ def test_profile_tune_and_train_a_hugging_face_model(capsys, tmp_path, llama):
                 "2",
                 "--tp",
                 "2",
+                "--data",  # the probes train on the run's tokens
+                str(tokens),
                 "--output",
                 str(profile),
             ]
@@ -165,6 +167,7 @@ def test_profile_tune_and_train_a_hugging_face_model(capsys, tmp_path, llama):
     )
     facts = json.loads(profile.read_text())
     assert facts["source"] == f"hf:{llama}" and facts["params"]["first"] == 512 * 32
+    assert facts["data"] == f"token file {str(tokens.resolve())!r} (uint16, 8.0 KiB)"
     measured = facts["layouts"]["tp2"]["fits"]["1"]  # its ops on one stage over two ranks, as `tune --tp 2` prices them
     assert facts["layouts"]["tp2"]["layers"] == facts["layouts"]["plain"]["layers"] == [1, 2]
     assert (

@@ -12,7 +12,7 @@ import argparse
 
 from pipeloom.errors import ConfigError
 
-__all__ = ["add_model_arguments", "data_from_args", "workload_from_args", "eval_batch_of"]
+__all__ = ["add_model_arguments", "add_data_arguments", "data_from_args", "workload_from_args", "eval_batch_of"]
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +23,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="hf:DIR (a transformers LLaMA/Mistral/Qwen2/GPT-2/BERT/Mamba directory or config.json; weights from "
         "local safetensors if present), torchvision:resnet18..resnet152, or a preset/JSON for the built-in decoder",
     )
+    add_data_arguments(group)
+    group.add_argument(
+        "--image-size", type=int, default=32, help="torchvision models: image side in pixels (default 32)"
+    )
+
+
+def add_data_arguments(group) -> None:
+    """--data, --data-dtype and --tokenizer (`data_from_args` reads them)."""
     group.add_argument(
         "--data",
         metavar="PATH",
@@ -32,9 +40,6 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--data-dtype", choices=("uint16", "uint32"), help="token file id type (default: uint16; .u32 → uint32)"
     )
     group.add_argument("--tokenizer", metavar="DIR", help="tokenize the --data text file with this local tokenizer")
-    group.add_argument(
-        "--image-size", type=int, default=32, help="torchvision models: image side in pixels (default 32)"
-    )
 
 
 def data_from_args(args, seq_len: int):
@@ -47,7 +52,7 @@ def data_from_args(args, seq_len: int):
         return None
     from pipeloom.data import open_tokens
 
-    return open_tokens(args.data, seq_len, args.seed, args.tokenizer, args.data_dtype)
+    return open_tokens(args.data, seq_len, getattr(args, "seed", 0), args.tokenizer, args.data_dtype)
 
 
 def workload_from_args(args: argparse.Namespace, layer_counts=None, microbatch_size: int | None = None):

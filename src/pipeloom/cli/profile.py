@@ -10,11 +10,13 @@ import sys
 from pathlib import Path
 
 from pipeloom.cli.args import int_list
+from pipeloom.cli.model import add_data_arguments, data_from_args
 from pipeloom.cli.output import add_quiet, progress_bar
 from pipeloom.cli.parser import add_command
 from pipeloom.errors import ConfigError
 from pipeloom.files import check_writable
 from pipeloom.profile_format import Layout, Profile
+from pipeloom.provenance import describe
 
 __all__ = ["register", "ALLOW_BUSY_ENV"]
 
@@ -51,6 +53,11 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="hf: models: tokens per sequence (default 128; the built-in decoder's is its config's seq_len)",
     )
+    data = parser.add_argument_group(
+        "hf: models' data (default: synthetic tokens)",
+        "a mixture of experts routes the user's tokens unevenly, and a device's stash follows its experts' share",
+    )
+    add_data_arguments(data)
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="compute type (default fp32)")
     parser.add_argument("--mbs", default="1,2", metavar="LIST", help="micro-batch sizes to measure (default 1,2)")
     parser.add_argument("--layers", default="1,2,3", metavar="LIST", help="layers per stage to measure (default 1,2,3)")
@@ -123,11 +130,12 @@ def _hf_profile_model(args: argparse.Namespace):
     path = args.model[3:]
     config = load_hf_config(path)
     seq_len = HF_SEQ_LEN if args.seq_len is None else args.seq_len
+    tokens = data_from_args(args, seq_len)  # None: synthetic
     if config.model_type not in CAUSAL or config.model_type == "mamba":
         raise ConfigError(f"profile: the cost model describes decoder transformers, not {config.model_type}")
     data = json.loads(_config_path(path).read_text())
     model = dataclasses.replace(model_from_config(data, name=Path(path).name or "hf"), seq_len=seq_len)
-    return model, lambda layers, mbs: hf_workload(path, 0, mbs, seq_len, layers=layers)
+    return model, lambda layers, mbs: hf_workload(path, 0, mbs, seq_len, layers=layers, data=tokens)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -138,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
         model, workload_for = _hf_profile_model(args)
     else:
         model = load_model(args.model)
+        if args.data or args.tokenizer or args.data_dtype:
+            raise ConfigError("--data feeds hf: models' probes; the built-in decoder trains on synthetic tokens")
         if args.seq_len is not None:
             raise ConfigError(
                 f"--seq-len is for hf: models; the built-in decoder runs its config's sequence ({model.seq_len} "
@@ -197,7 +207,9 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
     )
     if workload_for is not None:
-        profile = dataclasses.replace(profile, source=args.model)
+        data = workload_for(1, 1).data
+        described = describe(data, brief=True) if data and data.get("kind") != "synthetic" else None
+        profile = dataclasses.replace(profile, source=args.model, data=described)
     priced = ProfiledCostModel(profile)
     data = profile.to_dict() | profile_costs_keys(priced)
     Path(args.output).write_text(json.dumps(data, indent=1) + "\n")
@@ -222,6 +234,8 @@ def run(args: argparse.Namespace) -> int:
             )
     print(runtime_line(profile))
     print(noise_line(profile))
+    if profile.data:
+        print(f"data: the probes trained on {profile.data}")
     for warning in profile.warnings:
         print(f"pipeloom: profile: warning: {warning}", file=sys.stderr)
     print(f"profile written to {args.output}")

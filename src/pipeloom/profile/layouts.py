@@ -76,8 +76,10 @@ def measure_layout(
 
 def fits(measured: dict[tuple[int, int], Probe], micro_batches: Sequence[int], stages: int) -> dict:
     """Micro-batch size → kind → Fit over the probes' layer counts, each rank's medians at its
-    stage's position (the first rank of each stage; the others are its tp or dp peers); of a
-    one-stage layout, its sync phase too ("sync": what its ranks sum after the pipeline)."""
+    stage's position (the first rank of each stage; the others are its tp, ep or cp peers) — of
+    the bytes a stage holds, its fullest peer's, whose peak a plan's device reaches (experts
+    shared out hold as many tokens as are routed to them); of a one-stage layout, its sync
+    phase too ("sync": what its ranks sum after the pipeline)."""
     positions = {0: "single"} if stages == 1 else {0: "first", 1: "last"}
     out = {}
     for mbs in micro_batches:
@@ -86,7 +88,10 @@ def fits(measured: dict[tuple[int, int], Probe], micro_batches: Sequence[int], s
             for key in probe.values if size == mbs else ():
                 kind, _, rank = key.partition("@")
                 if rank and int(rank) in positions:
-                    points.setdefault(kind, []).append((positions[int(rank)], n, probe.median(key)))
+                    value = probe.median(key)
+                    if kind.startswith("M_") and stages == 1:
+                        value = max(m.median for k, m in probe.values.items() if k.partition("@")[0] == kind)
+                    points.setdefault(kind, []).append((positions[int(rank)], n, value))
                 elif key == "allreduce" and stages == 1:
                     points.setdefault("sync", []).append(("single", n, probe.median(key)))
         out[mbs] = {kind: Fit(**fit_positions(points[kind])) for kind in points}
