@@ -450,6 +450,22 @@ def test_tune_on_a_profile_refuses_bad_flags_in_one_line(tmp_path, capsys, flags
     assert not (tmp_path / "plan.json").exists()
 
 
+def test_tune_says_when_a_mixture_of_experts_was_profiled_on_other_tokens_than_its_plan():
+    """A replica's stash follows what its experts are routed: a MoE profile of synthetic tokens (or
+    another file) is named beside the plan's data; a dense model's, or the same file's, is not."""
+    from pipeloom.cli.tune import routed_elsewhere
+    from pipeloom.provenance import describe
+
+    tokens = {"kind": "tokens", "path": "/data/train.bin", "dtype": "uint16", "bytes": 80000, "sha256": "ab"}
+    moe, dense = ProfiledCostModel(moe_profile()), ProfiledCostModel(profile())
+    note = routed_elsewhere(moe, tokens)
+    assert note is not None and note.startswith("the profile's probes trained on synthetic tokens, the plan on token")
+    assert "`profile --data /data/train.bin`" in note
+    assert routed_elsewhere(dense, tokens) is None and routed_elsewhere(moe, None) is None
+    same = ProfiledCostModel({**moe_profile(), "data": describe(tokens, brief=True)})
+    assert routed_elsewhere(same, tokens) is None
+
+
 def test_tune_says_when_the_ranks_would_share_the_profile_s_cores(tmp_path, capsys):
     """Its probes ran a rank a core: 4 ranks of 2 threads on the profile's 4 cores share them."""
     import json

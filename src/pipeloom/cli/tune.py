@@ -137,6 +137,24 @@ def shared_cores(cost_model, devices: int) -> str | None:
     )
 
 
+def routed_elsewhere(cost_model, data: dict | None) -> str | None:
+    """What to say where a mixture of experts' profile trained on other tokens than the plan
+    will run on: its replicas' stash follows what their experts are routed, which the user's
+    text skews; a dense model's does not depend on the tokens."""
+    from pipeloom.provenance import describe
+
+    profile = cost_model.profile
+    if profile is None or not profile.model.num_experts or not data:
+        return None
+    planned = describe(data, brief=True)
+    if profile.data == planned:
+        return None
+    return (
+        f"the profile's probes trained on {profile.data or 'synthetic tokens'}, the plan on {planned}: a mixture of "
+        f"experts' stash follows its routing, so `profile --data {data.get('path', 'PATH')}` measures it as it will run"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from pipeloom.cli.run_inputs import plan_inputs
     from pipeloom.tune.plan import plan_from_evaluation
@@ -211,6 +229,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rows, allow_nan=False))
         return 0
     print(_report(result, args, memory, cost_model))
+    if note := routed_elsewhere(cost_model, inputs.get("data")):
+        print(f"data: {note}")
     if args.explain:
         from pipeloom.cli.tune_explain import explain
 
