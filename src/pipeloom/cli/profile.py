@@ -207,8 +207,8 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
     )
     if workload_for is not None:
-        data = workload_for(1, 1).data
-        described = describe(data, brief=True) if data and data.get("kind") != "synthetic" else None
+        record = workload_for(1, 1).data  # the probes' tokens: a file's, or a synthetic record
+        described = describe(record, brief=True) if record and record.get("kind") != "synthetic" else None
         profile = dataclasses.replace(profile, source=args.model, data=described)
     priced = ProfiledCostModel(profile)
     data = profile.to_dict() | profile_costs_keys(priced)

@@ -107,6 +107,8 @@ def profile_model(
             layouts[layout] = replace(layouts[layout], waits=replica_waits(layout, probed, *largest, paired))
     if progress:
         progress(total, total)
+    forked = not in_process and device == "cpu"
+    crowded = crowded_probes([Layout(), *ranked], threads, default_jobs()) if forked else None
     profile = Profile(
         model=model,
         device=_device_info(device, threads, dtype, in_process),
@@ -117,14 +119,7 @@ def profile_model(
         overheads=Overheads(LinearCost(0.0)),  # fitted below, from the probes priced by this profile
         layouts=layouts,
         noise=_noise(measured, checked),
-        warnings=tuple(
-            text
-            for text in [
-                busy.warning(),
-                None if in_process or device != "cpu" else crowded_probes([Layout(), *ranked], threads, default_jobs()),
-            ]
-            if text
-        ),
+        warnings=tuple(text for text in (busy.warning(), crowded) if text),
     )
     profile = replace(profile, overheads=_runtime_overheads(profile, measured, in_process))
     try:  # what `tune` will refuse is never written: the fits are constrained, this is the proof
