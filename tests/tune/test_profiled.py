@@ -466,6 +466,29 @@ def test_tune_says_when_a_mixture_of_experts_was_profiled_on_other_tokens_than_i
     assert routed_elsewhere(same, tokens) is None
 
 
+def test_simulate_and_compare_price_a_profile_for_each_schedule_s_stages(tmp_path, capsys):
+    """A profile's plain Costs keys price two stages; `simulate` and `compare` price it for the
+    schedule's own (the 8 layers split evenly, the smallest profiled size, a device a rank), so a
+    V of 4 stages on 2 devices runs on it too."""
+    import json
+
+    from pipeloom.cli import main
+    from pipeloom.sim.simulate import simulate
+
+    (tmp_path / "profile.json").write_text(json.dumps(profile()))
+    costs = ["--costs", str(tmp_path / "profile.json"), "--json"]
+    assert main(["simulate", "zb-v", "-p", "2", "-m", "4", *costs]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    expected = ProfiledCostModel(profile()).stage_costs([2, 2, 2, 2], 1, 2, 1)
+    assert summary["makespan"] == pytest.approx(
+        simulate(build_schedule("zb-v", 2, 4, costs=expected), expected).makespan
+    )
+    assert main(["compare", "1f1b", "zb-v", "-p", "2", "-m", "4", *costs]) == 0
+    assert [row["num_stages"] for row in json.loads(capsys.readouterr().out)] == [2, 4]
+    assert main(["simulate", "1f1b", "-p", "16", "-m", "16", *costs]) == 2
+    assert "the profiled model's 8 layers cannot fill 16 stages" in capsys.readouterr().err
+
+
 def test_tune_says_when_the_ranks_would_share_the_profile_s_cores(tmp_path, capsys):
     """Its probes ran a rank a core: 4 ranks of 2 threads on the profile's 4 cores share them."""
     import json

@@ -21,6 +21,8 @@ __all__ = [
     "add_schedule_source",
     "add_tpipe_passes",
     "costs_from_args",
+    "costs_for",
+    "profile_of",
     "int_list",
     "mem_limit_from_args",
     "schedule_from_args",
@@ -201,6 +203,40 @@ def costs_from_args(args: argparse.Namespace) -> Costs:
     if all(value == 0 or (isinstance(value, tuple) and not any(_flat(value))) for value in work):
         raise ConfigError("--costs: F, B and W are all zero — a schedule with no work has no time to plan")
     return costs
+
+
+def profile_of(args: argparse.Namespace):
+    """The profiled cost model of `--costs FILE` where FILE is a profile (`pipeloom profile`);
+    None for inline or plain Costs keys."""
+    spec = getattr(args, "costs", None)
+    if not spec or "=" in spec:
+        return None
+    from pipeloom.files import read_json
+
+    data = read_json(spec, "costs", ConfigError)
+    if not (isinstance(data, dict) and str(data.get("format", "")).startswith("pipeloom.profile/")):
+        return None
+    from pipeloom.tune.profiled import ProfiledCostModel
+
+    return ProfiledCostModel(data)
+
+
+def costs_for(args: argparse.Namespace, build, budget_is_used: bool = False) -> tuple[Schedule, Costs]:
+    """The schedule `build(costs)` makes and its costs: --costs as given, or a profile's priced for
+    the schedule's own stages — the model's layers split evenly over them, at the profile's
+    smallest micro-batch size, a device a rank (the file's plain Costs keys price two stages
+    only). A cost-aware generator is built again with them: its shape does not depend on them."""
+    profiled = profile_of(args)
+    if profiled is None:
+        costs = costs_from_args(args)
+        return build(costs), costs
+    shape = build(Costs())
+    stages, layers = shape.num_stages, profiled.model.layers
+    if layers < stages:
+        raise ConfigError(f"--costs {args.costs}: the profiled model's {layers} layers cannot fill {stages} stages")
+    counts = [layers // stages + (stage < layers % stages) for stage in range(stages)]
+    costs = profiled.stage_costs(counts, profiled.sizes[0], shape.num_devices, 1, slices=shape.num_slices)
+    return build(costs), costs
 
 
 def _flat(value) -> list[float]:

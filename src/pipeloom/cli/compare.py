@@ -5,19 +5,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 from pipeloom.cli.args import (
     add_costs,
     add_mem_limit,
     add_schedule_name,
-    costs_from_args,
+    costs_for,
     mem_limit_from_args,
+    profile_of,
     schedule_name,
 )
 from pipeloom.cli.output import check_finite, check_outputs, costs_text, num, table
 from pipeloom.cli.parser import add_command
+from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError
+from pipeloom.ir.schedule import Schedule
 from pipeloom.schedules import build_schedule, get_generator
 from pipeloom.sim.simulate import simulate
 from pipeloom.units import memory_scale, time_unit
@@ -56,7 +60,6 @@ def run(args: argparse.Namespace) -> int:
     if not names:
         raise ConfigError("name the schedules to compare (see `pipeloom list`)")
     check_outputs([args.plot], plot=args.plot)
-    costs = costs_from_args(args)
     budget = mem_limit_from_args(args)
     timelines = []
     for name in names:
@@ -66,11 +69,11 @@ def run(args: argparse.Namespace) -> int:
             kwargs["num_chunks"] = args.chunks
         if args.slices is not None and "num_slices" in options:
             kwargs["num_slices"] = args.slices
-        if "costs" in options:
-            kwargs["costs"] = costs
         if budget is not None and "mem_limit" in options:
             kwargs["mem_limit"] = budget
-        timelines.append(check_finite(simulate(build_schedule(name, args.p, args.m, **kwargs), costs)))
+        build = partial(_build, name, args.p, args.m, kwargs)
+        schedule, costs = costs_for(args, build)  # a profile's: priced for each schedule's stages
+        timelines.append(check_finite(simulate(schedule, costs)))
     if args.plot:
         from pipeloom.viz.compare_plot import plot_comparison
 
@@ -97,7 +100,9 @@ def run(args: argparse.Namespace) -> int:
         ]
         for t in timelines
     ]
-    print(f"p={args.p} m={args.m} costs: {costs_text(costs)}")
+    profiled = profile_of(args)
+    priced = f"profile {args.costs} (its layers split evenly over each schedule's stages)" if profiled else ""
+    print(f"p={args.p} m={args.m} costs: {priced or costs_text(costs)}")
     headers = [
         "schedule",
         "stages",
@@ -112,3 +117,9 @@ def run(args: argparse.Namespace) -> int:
         if path:
             print(f"timelines written to {path}", file=sys.stderr)
     return 0
+
+
+def _build(name: str, p: int, m: int, kwargs: dict, costs: Costs) -> Schedule:
+    """`name`'s schedule, given `costs` where its generator takes them."""
+    priced = {"costs": costs} if "costs" in get_generator(name).options else {}
+    return build_schedule(name, p, m, **kwargs, **priced)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pipeloom.cli.args import add_costs, add_schedule_source, costs_from_args, schedule_from_args
+from pipeloom.cli.args import add_costs, add_schedule_source, costs_for, schedule_from_args
 from pipeloom.cli.parser import add_command
 
 __all__ = ["register"]
@@ -24,6 +24,6 @@ def register(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    schedule = schedule_from_args(args, costs_from_args(args))
+    schedule, _ = costs_for(args, lambda costs: schedule_from_args(args, costs))
     print(schedule.to_text().rstrip("\n") if args.text else schedule.grid())
     return 0

@@ -11,7 +11,7 @@ from pipeloom.cli.args import (
     add_costs,
     add_schedule_source,
     add_tpipe_passes,
-    costs_from_args,
+    costs_for,
     mem_limit_from_args,
     schedule_from_args,
 )
@@ -73,8 +73,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--time-limit applies to --exact")
     if args.exact and args.ckpt != "none":
         raise ConfigError("--exact orders F, B and W only; it cannot be combined with --ckpt")
-    costs = costs_from_args(args)
-    schedule = schedule_from_args(args, costs, budget_is_used=args.exact or passes_use_budget(args))
+    used = args.exact or passes_use_budget(args)
+    schedule, costs = costs_for(args, lambda costs: schedule_from_args(args, costs, budget_is_used=used))
     exact = None
     if args.exact:
         from pipeloom.tune.exact import optimise_schedule
