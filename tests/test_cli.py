@@ -250,6 +250,17 @@ def test_pareto_table_json_and_plot(capsys, tmp_path):
     assert all(line.startswith("*") for line in out.splitlines()[3:])
 
 
+def test_pareto_leaves_out_what_per_stage_costs_do_not_price(capsys, tmp_path):
+    """Costs listed for 2 stages price the 2-stage schedules; a V (4 stages) and the budgeted
+    V (v-auto, whose budgets are read off the costs) are left out with the reason, not a crash."""
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"F": [1.0, 1.2], "B": [1.0, 1.2], "W": [0.5, 0.5], "M_W": 0.25}))
+    code, out, err = run(capsys, "pareto", "-p", "2", "-m", "4", "--costs", str(costs), "--json", "--budgets", "2")
+    labels = {point["label"] for point in json.loads(out)}
+    assert code == 0 and "1f1b" in labels and "zb-v" not in labels and not any(x.startswith("v-auto") for x in labels)
+    assert "left out v-auto: costs: F has 2 per-stage values but the schedule has 4 stages" in err
+
+
 def test_simulate_checkpointing(capsys):
     costs = "F=1,B=2,R=1"
     results = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from pipeloom.costs import Costs
@@ -147,7 +148,11 @@ def _jobs(p: int, m: int, costs: Costs, budgets: int) -> Iterator[tuple[str, Cal
         name = info.name
         assert info.tuning is not None, "a budgeted pareto entry is tuned: its layout places the stages"
         placement = info.tuning.device_of_stage(p)
-        table = costs.resolve(p, len(placement))
+        try:
+            table = costs.resolve(p, len(placement))
+        except ConfigError as error:  # costs listed for another stage count: left out, as the fixed ones are
+            yield name, partial(_raise, error)
+            continue
         low = max(min_memory_limits(placement, table))
         high = max(low, 2.0 * p * max(table.M_B) * len(placement) / p)  # ZB-2p's budget, one device's share
         for budget in _spread(low, high, budgets):
@@ -158,3 +163,7 @@ def _spread(low: float, high: float, count: int) -> list[float]:
     if count == 1 or high <= low:
         return [high]
     return [low + (high - low) * i / (count - 1) for i in range(count)]
+
+
+def _raise(error: Exception) -> Any:
+    raise error
