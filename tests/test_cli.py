@@ -377,6 +377,10 @@ def test_tune_on_presets_writes_plan_and_timeline(capsys, tmp_path):
     assert saved["format"] == "pipeloom.plan/1" and saved["pp"] * saved["dp"] == 8
     assert sum(saved["partition"]) == 22 and saved["predicted"]["step_time_ms"] > 0
     assert (tmp_path / "plan.png").stat().st_size > 0
+    code, out, _ = run(capsys, "validate", str(plan))  # a plan's schedule and costs are read where a schedule's are
+    assert code == 0 and f"valid {saved['scheme']!r}" in out
+    code, out, _ = run(capsys, "simulate", "--schedule-file", str(plan), "--costs", str(plan), "--json")
+    assert code == 0 and json.loads(out)["makespan"] == pytest.approx(saved["predicted"]["pipeline_ms"])
     before = plan.read_text()
     code, out, err = run(capsys, *argv, "--json", "--top", "3")  # a second run overwrites nothing by default
     assert code == 2 and "already exist" in err and "--force" in err and plan.read_text() == before

@@ -199,11 +199,14 @@ class Costs:
 
     @classmethod
     def load(cls, path: str | PathLike[str]) -> Costs:
-        """From a JSON file of Costs keys, or a profile (`pipeloom profile`), whose Costs keys are
-        read and whose per-layer fits are left to the tuner."""
+        """From a JSON file of Costs keys, a profile (`pipeloom profile`), whose Costs keys are
+        read and whose per-layer fits are left to the tuner, or a plan (`tune --output`), whose
+        costs priced its schedule."""
         data = read_json(path, "costs", ConfigError)
         if isinstance(data, dict) and str(data.get("format", "")).startswith("pipeloom.profile/"):
             data = {key: value for key, value in data.items() if key in cls.keys()}
+        if isinstance(data, dict) and data.get("format") == "pipeloom.plan/1":
+            data = data.get("costs")
         try:
             return cls.from_mapping(data)
         except ConfigError as error:

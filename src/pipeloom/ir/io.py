@@ -59,8 +59,11 @@ def save_schedule(schedule: Schedule, path: str | PathLike[str]) -> None:
 
 
 def load_schedule(path: str | PathLike[str]) -> Schedule:
-    """Read a `pipeloom.schedule/1` file; any problem is a one-line ScheduleError naming the file."""
+    """Read a `pipeloom.schedule/1` file, or the schedule a plan (`pipeloom.plan/1`, `tune
+    --output`) runs; any problem is a one-line ScheduleError naming the file."""
     data = read_json(path, "schedule", ScheduleError)
+    if isinstance(data, dict) and data.get("format") == "pipeloom.plan/1":
+        data = data.get("schedule")
     try:
         return schedule_from_dict(data)
     except ScheduleError as error:
