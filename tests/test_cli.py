@@ -1,6 +1,7 @@
 """The `pipeloom` command line: outputs, and one-line errors with exit status 2 for bad input."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -389,6 +390,7 @@ def test_tune_on_presets_writes_plan_and_timeline(capsys, tmp_path):
     assert len(ranked) == 3 and ranked[0]["step_time_ms"] <= ranked[1]["step_time_ms"]
 
 
+CORES = len(os.sched_getaffinity(0))
 TUNE = ["tune", "--model", "gpt3-13b", "--hardware", "h100", "--devices", "8", "--global-batch", "8"]
 
 
@@ -427,6 +429,10 @@ TUNE = ["tune", "--model", "gpt3-13b", "--hardware", "h100", "--devices", "8", "
         (["profile", "--model", str(EXAMPLES / "tiny-llama.json"), "--slices", "1"], "must be at least 2"),
         (["profile", "--model", str(EXAMPLES / "tiny-llama.json"), "--steps", "0"], "--steps >= 1"),
         (["profile", "--model", str(EXAMPLES / "tiny-llama.json"), "--threads", "0"], "--threads >= 1"),
+        (  # the ranks' threads outnumber the cores: read as a busy machine, which it was not
+            ["profile", "--model", str(EXAMPLES / "tiny-llama.json"), "--threads", str(max(2, CORES))],
+            "two ranks of",
+        ),
         (  # one layer count twice: no slope per layer (it priced every layer at 0 ms)
             ["profile", "--model", str(EXAMPLES / "tiny-llama.json"), "--layers", "2,2"],
             "at least two different layer counts",

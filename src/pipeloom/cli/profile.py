@@ -17,6 +17,7 @@ from pipeloom.errors import ConfigError
 from pipeloom.files import check_writable
 from pipeloom.profile_format import Layout, Profile
 from pipeloom.provenance import describe
+from pipeloom.tune.pool import default_jobs
 
 __all__ = ["register", "ALLOW_BUSY_ENV"]
 
@@ -75,7 +76,12 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
         help="rounds a probe may repeat until its medians settle (at least 2; default 4): more on a noisy "
         "machine, 2 for a quick profile",
     )
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per rank (default 1; the probes' two ranks' threads must fit the cores)",
+    )
     parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),
@@ -164,6 +170,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(  # one layer count, however often given, fits no slope per layer
             "profile needs at least two different layer counts >= 1 (--layers 1,2), micro-batch sizes >= 1, "
             "--steps >= 1 and --threads >= 1"
+        )
+    cores = default_jobs()
+    if args.device == "cpu" and args.threads > 1 and 2 * args.threads > cores:
+        raise ConfigError(  # their ops would wait for cores, which the contention check reads as a busy machine
+            f"--threads {args.threads}: the probes' two ranks of {args.threads} threads each would share this "
+            f"machine's {cores} cores and read slow; use --threads {max(1, cores // 2)} or fewer"
         )
     if args.max_rounds < 2:
         raise ConfigError(
