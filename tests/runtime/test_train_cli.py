@@ -314,3 +314,26 @@ def test_a_run_into_another_runs_checkpoints_is_refused_before_its_header(capsys
     err = refused(capsys, "--model", f"hf:{llama}", "--save", str(tmp_path / "ck"), "--save-every", "1")
     assert "holds another run's files: step-1; continue that run with --resume" in err and "--force" in err
     assert sorted(path.name for path in (tmp_path / "ck").iterdir()) == [".lock", "step-1"]
+
+
+def test_ranks_whose_threads_outnumber_the_cores_are_named_at_launch():
+    """A run of more CPU ranks × threads than cores shares them (what `tune` priced as a core a
+    rank): the header says so; GPU ranks, or a run that fits, print nothing."""
+    import os
+    from types import SimpleNamespace
+
+    from pipeloom.cli.train import _shared_cores
+
+    cores = len(os.sched_getaffinity(0))
+
+    def spec(ranks: int, threads: int = 1, device: str = "cpu"):
+        layout = SimpleNamespace(world_size=ranks)
+        return SimpleNamespace(parallelism=SimpleNamespace(layout=layout), threads=threads, torch_device_type=device)
+
+    line = _shared_cores(spec(2 * cores))
+    assert (
+        line
+        == f"ranks: {2 * cores} × 1 thread(s) on this machine's {cores} cores: they share them, each op up to 2× slower than on a core of its own"
+    )
+    assert _shared_cores(spec(cores)) is None and _shared_cores(spec(4 * cores, device="cuda")) is None
+    assert "up to 4×" in _shared_cores(spec(cores, threads=4))

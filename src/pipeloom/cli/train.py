@@ -72,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     with spec_outputs(spec):  # held from before the header: a refused run prints one line
         print(config_line(args, args.train_parser), flush=True)
         print(data_line(spec), flush=True)
+        if shared := _shared_cores(spec):
+            print(shared, flush=True)
         results = run_local(spec, probe=probe, recipe=recipe)  # its deadline: --timeout a step and an eval batch
     write_train_outputs(results, spec, args)
     if args.plan:
@@ -80,6 +82,20 @@ def run(args: argparse.Namespace) -> int:
 
         print(fidelity_report(Plan.load(args.plan), results))
     return 0
+
+
+def _shared_cores(spec) -> str | None:
+    """A line for CPU ranks whose threads outnumber this machine's cores: they share them, each op
+    slower than on a core of its own (as `profile` measured, and `tune` priced)."""
+    from pipeloom.tune.pool import default_jobs
+
+    ranks, cores = spec.parallelism.layout.world_size, default_jobs()
+    if spec.torch_device_type != "cpu" or ranks * spec.threads <= cores:
+        return None
+    return (
+        f"ranks: {ranks} × {spec.threads} thread(s) on this machine's {cores} cores: they share them, each op up to "
+        f"{ranks * spec.threads / cores:.3g}× slower than on a core of its own"
+    )
 
 
 def _flags_of(args: argparse.Namespace) -> dict:
