@@ -221,7 +221,7 @@ def profile_of(args: argparse.Namespace):
     return ProfiledCostModel(data)
 
 
-def costs_for(args: argparse.Namespace, build, budget_is_used: bool = False) -> tuple[Schedule, Costs]:
+def costs_for(args: argparse.Namespace, build) -> tuple[Schedule, Costs]:
     """The schedule `build(costs)` makes and its costs: --costs as given, or a profile's priced for
     the schedule's own stages — the model's layers split evenly over them, at the profile's
     smallest micro-batch size, a device a rank (the file's plain Costs keys price two stages
