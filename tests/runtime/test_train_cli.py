@@ -181,6 +181,12 @@ def test_profile_tune_and_train_a_hugging_face_model(capsys, tmp_path, llama):
         assert main([*tuned, *flags, "--max-mbs", "1", "--output", str(tmp_path / f"tp-{sequence_parallel}.json")]) == 0
         warned = "measured no ops on 2 tensor-parallel ranks" in capsys.readouterr().err
         assert warned == sequence_parallel
+        tuned_plan = json.loads((tmp_path / f"tp-{sequence_parallel}.json").read_text())
+        assert tuned_plan["sequence_parallel"] == sequence_parallel  # asked of the unsplit model: kept for tp 2
+    assert main(["train", "--plan", str(tmp_path / "tp-True.json"), "--steps", "1"]) == 0  # runs as planned
+    assert "tp=2 (sequence parallel)" in capsys.readouterr().out  # its stash estimated: the profile ran no +sp
+    assert main(["train", "--plan", str(tmp_path / "tp-False.json"), "--sequence-parallel"]) == 2
+    assert "--plan fixes sequence parallelism off" in capsys.readouterr().err
     assert (
         main(
             [

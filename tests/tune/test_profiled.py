@@ -11,6 +11,7 @@ from pipeloom.schedules.registry import build_schedule
 from pipeloom.tune.profile_fits import fit_positions
 from pipeloom.tune.profiled import ProfiledCostModel
 from pipeloom.tune.search import tune
+from pipeloom.tune.topology import Split
 
 LINKS = ("p2p", "allreduce", "reduce_scatter", "all_gather")
 MODEL = {"name": "toy", "hidden": 64, "layers": 8, "heads": 4, "ffn": 128, "vocab": 100, "seq_len": 32, "gated": True}
@@ -218,6 +219,8 @@ def test_tensor_parallelism_splits_compute_and_adds_its_measured_collectives(seq
         )
     assert two.M_static == pytest.approx([m / 2 for m in one.M_static])
     assert split.stage_params([2, 3, 3]) == pytest.approx([p / 2 for p in whole.stage_params([2, 3, 3])])
+    asked = ProfiledCostModel({**profile(), **links()}, sequence_parallel=sequence_parallel)  # as `tune` loads it
+    assert asked.with_split(Split(tp=2)).sequence_parallel == sequence_parallel  # kept for its tp splits
 
 
 def test_ops_measured_on_tensor_parallel_ranks_are_priced_as_measured():

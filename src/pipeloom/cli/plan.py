@@ -40,8 +40,11 @@ def spec_from_plan(args: argparse.Namespace):
     for name, value in (("tp", plan.tp), ("cp", plan.cp)):
         if getattr(args, name, None) is not None and getattr(args, name) != value:
             raise ConfigError(f"--plan fixes {name} = {value}: drop --{name} {getattr(args, name)}")
+    if args.sequence_parallel and not plan.sequence_parallel:
+        raise ConfigError("--plan fixes sequence parallelism off: drop --sequence-parallel")
     fields = run_options(args)
     fields.pop("cp", None)  # checked against the plan's above
+    fields.pop("sequence_parallel", None)  # the plan's (the flag's default would turn a plan's off)
     if args.zero == 0:  # the plan's static-memory measures, unless the flags ask for others
         del fields["zero"]
     if args.dtype is None:  # the type the plan's costs were measured in

@@ -50,6 +50,8 @@ class ProfiledCostModel:
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"--{name} must be at least 1, got {value!r}")
         self.tp, self.cp, self.sequence_parallel = tp, cp, sequence_parallel and tp > 1
+        self._asked_sequence_parallel = sequence_parallel
+        """As asked, kept for the splits of tp > 1 (`with_split`) from the unsplit model."""
         self.profile = profile if isinstance(profile, Profile) else Profile.from_dict(profile)
         self.model: ModelSpec = self.profile.model
         plain = self.profile.plain
@@ -78,7 +80,7 @@ class ProfiledCostModel:
 
     def with_split(self, split: Split) -> ProfiledCostModel:
         """The same profile pricing each stage's ranks cut as `split` says."""
-        other = ProfiledCostModel(self.profile, split.tp, self.sequence_parallel, split.cp)
+        other = ProfiledCostModel(self.profile, split.tp, self._asked_sequence_parallel, split.cp)
         other.model = (
             self.model if split.ep == self.model.expert_parallel else replace(self.model, expert_parallel=split.ep)
         )
