@@ -77,6 +77,17 @@ def test_what_cannot_split_its_sequence_is_refused(tmp_path, family, config, seq
         check_spec(spec)
 
 
+def test_profile_refuses_a_model_that_cannot_split_its_sequence_in_its_own_name(tmp_path, capsys):
+    """The runtime's check of the probe's run refuses it in one line, said by `profile`."""
+    from pipeloom.cli import main
+
+    argv = ["profile", "--model", f"hf:{_model(tmp_path, 'gpt2')}", "--seq-len", "16", "--cp", "2"]
+    assert main([*argv, "--output", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pipeloom: error: profile: --cp 2: hf:gpt2 cannot split its sequence over ranks")
+    assert err.count("\n") == 1 and not (tmp_path / "p.json").exists()
+
+
 def test_world_size_in_process_runs_and_compilation_are_checked(tmp_path):
     work = hf_workload(_model(tmp_path), microbatch_size=2, seq_len=16)
     spec = TrainSpec(build_schedule("1f1b", 2, 4), workload=work, cp=2)

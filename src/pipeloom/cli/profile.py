@@ -202,22 +202,27 @@ def run(args: argparse.Namespace) -> int:
     from pipeloom.profile.profiler import profile_model
     from pipeloom.tune.profiled import ProfiledCostModel, profile_costs_keys
 
-    profile = profile_model(
-        model,
-        sizes,
-        layers,
-        args.steps,
-        args.threads,
-        progress=progress_bar("profile", args.quiet, "probe"),
-        workload_for=workload_for,
-        dtype=args.dtype,
-        max_rounds=args.max_rounds,
-        allow_busy=args.allow_busy or os.environ.get(ALLOW_BUSY_ENV) == "1",
-        tensor_parallel=layouts,
-        context_parallel=[args.cp] if args.cp > 1 else [],
-        slices=slices,
-        device=args.device,
-    )
+    try:
+        profile = profile_model(
+            model,
+            sizes,
+            layers,
+            args.steps,
+            args.threads,
+            progress=progress_bar("profile", args.quiet, "probe"),
+            workload_for=workload_for,
+            dtype=args.dtype,
+            max_rounds=args.max_rounds,
+            allow_busy=args.allow_busy or os.environ.get(ALLOW_BUSY_ENV) == "1",
+            tensor_parallel=layouts,
+            context_parallel=[args.cp] if args.cp > 1 else [],
+            slices=slices,
+            device=args.device,
+        )
+    except ConfigError as error:  # the runtime's checks of a probe's run speak for `train`
+        if not error.summary.startswith("train: "):
+            raise
+        raise ConfigError(f"profile: {error.summary.removeprefix('train: ')}") from None
     if workload_for is not None:
         record = workload_for(1, 1).data  # the probes' tokens: a file's, or a synthetic record
         described = describe(record, brief=True) if record and record.get("kind") != "synthetic" else None

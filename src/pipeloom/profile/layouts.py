@@ -38,7 +38,7 @@ from pipeloom.profile_format import Fit, Layout, LayoutProfile, ReplicaWait
 from pipeloom.schedules.registry import build_schedule
 from pipeloom.tune.profile_fits import fit_positions
 
-__all__ = ["EP", "REPLICA_ROUNDS", "measure_layout", "replica_wait", "replica_waits"]
+__all__ = ["EP", "REPLICA_ROUNDS", "layout_spec", "measure_layout", "replica_wait", "replica_waits"]
 
 EP = 2
 """The expert-parallel group the profile measures: two ranks, one all-to-all partner each."""
@@ -52,14 +52,7 @@ def measure_layout(
     """`layout`'s probes (micro-batch size, layers a stage) run by `turns` and fitted; and the
     probes. Ops on tp, ep or cp ranks wait inside their collectives by design, so no round of
     theirs is judged busy by its wall against CPU time."""
-    parallel: dict[str, Any] = {"slices": layout.slices}
-    if layout.tp > 1:
-        parallel = {"stages": 1, "tp": layout.tp, "sequence_parallel": layout.sequence_parallel}
-    elif layout.ep > 1:
-        parallel = {"stages": 1, "dp": layout.ep, "ep": layout.ep}
-    elif layout.cp > 1:
-        parallel = {"stages": 1, "cp": layout.cp}
-    specs = {(mbs, n): probed.spec(mbs, n, **parallel) for mbs in micro_batches for n in layer_counts}
+    specs = {(mbs, n): layout_spec(layout, probed, mbs, n) for mbs in micro_batches for n in layer_counts}
     op_variation: list[float] = []
     measured = measure_probes(specs, turns if layout.stages == 2 else replace(turns, busy=None), op_variation)
     busy = (steps for probe in measured.values() for steps in probe.busy)
@@ -72,6 +65,18 @@ def measure_layout(
         ),
         measured,
     )
+
+
+def layout_spec(layout: Layout, probed: ProbeModel, mbs: int, layers: int):
+    """The TrainSpec of `layout`'s probe at micro-batch size `mbs` and `layers` a stage."""
+    parallel: dict[str, Any] = {"slices": layout.slices}
+    if layout.tp > 1:
+        parallel = {"stages": 1, "tp": layout.tp, "sequence_parallel": layout.sequence_parallel}
+    elif layout.ep > 1:
+        parallel = {"stages": 1, "dp": layout.ep, "ep": layout.ep}
+    elif layout.cp > 1:
+        parallel = {"stages": 1, "cp": layout.cp}
+    return probed.spec(mbs, layers, **parallel)
 
 
 def fits(measured: dict[tuple[int, int], Probe], micro_batches: Sequence[int], stages: int) -> dict:

@@ -24,7 +24,7 @@ import torch
 from pipeloom.costs import Costs
 from pipeloom.errors import ConfigError, RuntimeFault
 from pipeloom.models.llama import build_stages, llama_config
-from pipeloom.profile.layouts import EP, REPLICA_ROUNDS, measure_layout, replica_waits
+from pipeloom.profile.layouts import EP, REPLICA_ROUNDS, layout_spec, measure_layout, replica_waits
 from pipeloom.profile.links import in_process_links, measure_links, ping_seconds
 from pipeloom.profile.overheads import linear_fit, op_overhead_ms, serial_op_overhead_ms
 from pipeloom.profile.probe_rounds import OP_KINDS, Probe, ProbeModel, Turns, probe_schedule
@@ -95,6 +95,11 @@ def profile_model(
         if progress:
             progress(min(done[0], total - 1), total)
 
+    from pipeloom.runtime.spec_checks import check_spec
+
+    for layout in [Layout(), *(Layout(slices=count) for count in slices), *ranked]:  # refused before any probe runs
+        spec = layout_spec(layout, probed, max(micro_batches), max(layer_counts))
+        check_spec(spec, spec.parallelism.layout.world_size, on_this_device=False)
     turns = Turns(max_rounds, busy=checked, tick=tick, in_process=in_process)
     plain, measured = measure_layout(Layout(), probed, micro_batches, layer_counts, turns)
     layouts = {Layout(): plain}
