@@ -124,9 +124,10 @@ def describe(record: dict | None, brief: bool = False) -> str:
     return str(record.get("what", kind))
 
 
-def byte_size(count: float) -> str:
-    """A byte count in the largest binary unit that keeps it at least 1 (1.5 GiB, 80.0 KiB)."""
+def byte_size(count: float, digits: int = 1) -> str:
+    """A byte count in the largest binary unit that keeps it at least 1 (1.5 GiB, 80.0 KiB), to
+    `digits` decimals."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if count >= scale:
-            return f"{count / scale:.1f} {unit}"
-    return f"{count} B"
+            return f"{count / scale:.{digits}f} {unit}"
+    return f"{count:g} B"

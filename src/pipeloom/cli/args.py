@@ -21,8 +21,8 @@ __all__ = [
     "add_schedule_source",
     "add_tpipe_passes",
     "costs_from_args",
-    "costs_for",
-    "profile_of",
+    "costs_source",
+    "priced_schedule",
     "int_list",
     "mem_limit_from_args",
     "schedule_from_args",
@@ -205,37 +205,36 @@ def costs_from_args(args: argparse.Namespace) -> Costs:
     return costs
 
 
-def profile_of(args: argparse.Namespace):
-    """The profiled cost model of `--costs FILE` where FILE is a profile (`pipeloom profile`);
-    None for inline or plain Costs keys."""
+def costs_source(args: argparse.Namespace):
+    """What --costs gives: Costs (inline keys or a file of them, `costs_from_args`), or the
+    profiled cost model of a profile file (`pipeloom profile`), which `priced_schedule` prices
+    for each schedule's own stages."""
     spec = getattr(args, "costs", None)
-    if not spec or "=" in spec:
-        return None
-    from pipeloom.files import read_json
+    if spec and "=" not in spec:
+        from pipeloom.files import read_json
 
-    data = read_json(spec, "costs", ConfigError)
-    if not (isinstance(data, dict) and str(data.get("format", "")).startswith("pipeloom.profile/")):
-        return None
-    from pipeloom.tune.profiled import ProfiledCostModel
+        data = read_json(spec, "costs", ConfigError)
+        if isinstance(data, dict) and str(data.get("format", "")).startswith("pipeloom.profile/"):
+            from pipeloom.tune.profiled import ProfiledCostModel
 
-    return ProfiledCostModel(data)
+            return ProfiledCostModel(data)
+    return costs_from_args(args)
 
 
-def costs_for(args: argparse.Namespace, build) -> tuple[Schedule, Costs]:
-    """The schedule `build(costs)` makes and its costs: --costs as given, or a profile's priced for
-    the schedule's own stages — the model's layers split evenly over them, at the profile's
-    smallest micro-batch size, a device a rank (the file's plain Costs keys price two stages
-    only). A cost-aware generator is built again with them: its shape does not depend on them."""
-    profiled = profile_of(args)
-    if profiled is None:
-        costs = costs_from_args(args)
-        return build(costs), costs
+def priced_schedule(build, source) -> tuple[Schedule, Costs]:
+    """The schedule `build(costs)` makes and its costs: `source` as it is (Costs), or a profile's
+    priced for the schedule's own stages — the model's layers split evenly over them, at the
+    profile's smallest micro-batch size, a device a rank (the file's plain Costs keys price two
+    stages only). A cost-aware generator is built again with them: its shape does not depend on
+    them."""
+    if isinstance(source, Costs):
+        return build(source), source
     shape = build(Costs())
-    stages, layers = shape.num_stages, profiled.model.layers
+    stages, layers = shape.num_stages, source.model.layers
     if layers < stages:
-        raise ConfigError(f"--costs {args.costs}: the profiled model's {layers} layers cannot fill {stages} stages")
+        raise ConfigError(f"--costs: the profiled model's {layers} layers cannot fill {stages} stages")
     counts = [layers // stages + (stage < layers % stages) for stage in range(stages)]
-    costs = profiled.stage_costs(counts, profiled.sizes[0], shape.num_devices, 1, slices=shape.num_slices)
+    costs = source.stage_costs(counts, source.sizes[0], shape.num_devices, 1, slices=shape.num_slices)
     return build(costs), costs
 
 

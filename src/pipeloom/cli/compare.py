@@ -12,9 +12,9 @@ from pipeloom.cli.args import (
     add_costs,
     add_mem_limit,
     add_schedule_name,
-    costs_for,
+    costs_source,
     mem_limit_from_args,
-    profile_of,
+    priced_schedule,
     schedule_name,
 )
 from pipeloom.cli.output import check_finite, check_outputs, costs_text, num, table
@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("name the schedules to compare (see `pipeloom list`)")
     check_outputs([args.plot], plot=args.plot)
     budget = mem_limit_from_args(args)
+    source = costs_source(args)  # Costs, or a profile priced for each schedule's stages
     timelines = []
     for name in names:
         options = get_generator(name).options
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         if budget is not None and "mem_limit" in options:
             kwargs["mem_limit"] = budget
         build = partial(_build, name, args.p, args.m, kwargs)
-        schedule, costs = costs_for(args, build)  # a profile's: priced for each schedule's stages
+        schedule, costs = priced_schedule(build, source)
         timelines.append(check_finite(simulate(schedule, costs)))
     if args.plot:
         from pipeloom.viz.compare_plot import plot_comparison
@@ -100,9 +101,8 @@ def run(args: argparse.Namespace) -> int:
         ]
         for t in timelines
     ]
-    profiled = profile_of(args)
-    priced = f"profile {args.costs} (its layers split evenly over each schedule's stages)" if profiled else ""
-    print(f"p={args.p} m={args.m} costs: {priced or costs_text(costs)}")
+    profiled = f"profile {args.costs} (its layers split evenly over each schedule's stages)"
+    print(f"p={args.p} m={args.m} costs: {costs_text(source) if isinstance(source, Costs) else profiled}")
     headers = [
         "schedule",
         "stages",

@@ -129,7 +129,8 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _hf_profile_model(args: argparse.Namespace):
-    """(ModelSpec of the directory's config at --seq-len, probe workloads of its own layers)."""
+    """(ModelSpec of the directory's config at --seq-len, probe workloads of its own layers, what
+    they train on described: None for synthetic tokens)."""
     from pipeloom.models.hf import CAUSAL, _config_path, hf_workload, load_hf_config
     from pipeloom.tune.presets import model_from_config
 
@@ -141,15 +142,16 @@ def _hf_profile_model(args: argparse.Namespace):
         raise ConfigError(f"profile: the cost model describes decoder transformers, not {config.model_type}")
     data = json.loads(_config_path(path).read_text())
     model = dataclasses.replace(model_from_config(data, name=Path(path).name or "hf"), seq_len=seq_len)
-    return model, lambda layers, mbs: hf_workload(path, 0, mbs, seq_len, layers=layers, data=tokens)
+    probes = lambda layers, mbs: hf_workload(path, 0, mbs, seq_len, layers=layers, data=tokens)  # noqa: E731
+    return model, probes, describe(tokens.provenance, brief=True) if tokens is not None else None
 
 
 def run(args: argparse.Namespace) -> int:
     from pipeloom.tune.presets import load_model
 
-    workload_for = None
+    workload_for, trained_on = None, None
     if args.model.startswith("hf:"):
-        model, workload_for = _hf_profile_model(args)
+        model, workload_for, trained_on = _hf_profile_model(args)
     else:
         model = load_model(args.model)
         if args.data or args.tokenizer or args.data_dtype:
@@ -224,9 +226,7 @@ def run(args: argparse.Namespace) -> int:
             raise
         raise ConfigError(f"profile: {error.summary.removeprefix('train: ')}") from None
     if workload_for is not None:
-        record = workload_for(1, 1).data  # the probes' tokens: a file's, or a synthetic record
-        described = describe(record, brief=True) if record and record.get("kind") != "synthetic" else None
-        profile = dataclasses.replace(profile, source=args.model, data=described)
+        profile = dataclasses.replace(profile, source=args.model, data=trained_on)
     priced = ProfiledCostModel(profile)
     data = profile.to_dict() | profile_costs_keys(priced)
     Path(args.output).write_text(json.dumps(data, indent=1) + "\n")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pipeloom.cli.args import add_costs, add_schedule_source, costs_for, schedule_from_args
+from pipeloom.cli.args import add_costs, add_schedule_source, costs_source, priced_schedule, schedule_from_args
 from pipeloom.cli.parser import add_command
 
 __all__ = ["register"]
@@ -24,6 +24,6 @@ def register(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    schedule, _ = costs_for(args, lambda costs: schedule_from_args(args, costs))
+    schedule, _ = priced_schedule(lambda costs: schedule_from_args(args, costs), costs_source(args))
     print(schedule.to_text().rstrip("\n") if args.text else schedule.grid())
     return 0

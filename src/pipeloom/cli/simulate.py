@@ -11,8 +11,9 @@ from pipeloom.cli.args import (
     add_costs,
     add_schedule_source,
     add_tpipe_passes,
-    costs_for,
+    costs_source,
     mem_limit_from_args,
+    priced_schedule,
     schedule_from_args,
 )
 from pipeloom.cli.output import (
@@ -74,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     if args.exact and args.ckpt != "none":
         raise ConfigError("--exact orders F, B and W only; it cannot be combined with --ckpt")
     used = args.exact or passes_use_budget(args)
-    schedule, costs = costs_for(args, lambda costs: schedule_from_args(args, costs, budget_is_used=used))
+    build = lambda costs: schedule_from_args(args, costs, budget_is_used=used)  # noqa: E731
+    schedule, costs = priced_schedule(build, costs_source(args))
     exact = None
     if args.exact:
         from pipeloom.tune.exact import optimise_schedule

@@ -16,6 +16,7 @@ from pipeloom.passes.offload import OffloadTimeline
 from pipeloom.passes.split_backward import fold_lone_w
 from pipeloom.passes.trecomp import t_recomp
 from pipeloom.passes.weight_parts import weight_parts
+from pipeloom.provenance import byte_size
 from pipeloom.schedules.registry import build_schedule, get_generator
 from pipeloom.schedules.svpp import svpp_within, table3_forwards
 from pipeloom.sim.grad_sync import exposed_sync
@@ -24,7 +25,7 @@ from pipeloom.tune.bounds import ORDER_KEEPING, memory_floor
 from pipeloom.tune.evaluation import Evaluation, offload_lanes
 from pipeloom.tune.space import GENERATOR_OF, SCHEMES, Candidate
 
-__all__ = ["simulate_task", "simulate_candidate", "most_room", "memory_text", "record_timing"]
+__all__ = ["simulate_task", "simulate_candidate", "most_room", "record_timing"]
 
 _EPS = 1e-9
 
@@ -105,7 +106,7 @@ def simulate_candidate(
                 if max(least) > memory + _EPS:  # no placement of its W can make it fit: skip the passes
                     device = least.index(max(least))
                     evaluation.reason = (
-                        f"memory: device {device} needs at least {memory_text(least[device])} > {memory_text(memory)}"
+                        f"memory: device {device} needs at least {byte_size(least[device], 2)} > {byte_size(memory, 2)}"
                     )
                     continue
             try:
@@ -120,7 +121,7 @@ def simulate_candidate(
             host = offload.host_memory if offload else [0.0]
             if max(host) > host_memory + _EPS:
                 device = host.index(max(host))
-                evaluation.reason = f"host memory: device {device}'s host holds {memory_text(host[device])} > {memory_text(host_memory)}"
+                evaluation.reason = f"host memory: device {device}'s host holds {byte_size(host[device], 2)} > {byte_size(host_memory, 2)}"
                 need = max(host)  # what the limit ruled out, for the message when nothing fits
                 evaluation.host_short = min(evaluation.host_short, need) if evaluation.host_short else need
                 continue
@@ -136,7 +137,9 @@ def simulate_candidate(
                     best["step_time"] = evaluation.step_time
                 break
             device = peaks.index(max(peaks))
-            evaluation.reason = f"memory: device {device} peaks at {memory_text(peaks[device])} > {memory_text(memory)}"
+            evaluation.reason = (
+                f"memory: device {device} peaks at {byte_size(peaks[device], 2)} > {byte_size(memory, 2)}"
+            )
             evaluation.unfit.append((evaluation.candidate.label, evaluation.step_time, evaluation.reason))
     if best is None:
         return not (cut and all(cut))
@@ -208,12 +211,3 @@ def _apply(name: str, schedule: Schedule, costs: Costs, budget: list[float]) -> 
     if name in ("offload", "offload-all"):
         return schedule  # a plan layer, simulated beside the schedule
     raise AssertionError(name)
-
-
-def memory_text(value: float) -> str:
-    """Bytes to two decimals in the largest of GiB, MiB and KiB they fill one of: a small
-    model's on CPU ranks read 0.00 GiB."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if value >= scale:
-            return f"{value / scale:.2f} {unit}"
-    return f"{value / 2**10:.2f} KiB"

@@ -30,9 +30,9 @@ from dataclasses import replace
 from functools import partial
 
 from pipeloom.errors import ConfigError, InfeasibleError
+from pipeloom.provenance import byte_size
 from pipeloom.tune.bounds import pipeline_floor, room_floor
 from pipeloom.tune.candidate_run import (
-    memory_text,
     most_room,
     record_timing,
     simulate_candidate,
@@ -339,7 +339,7 @@ def _prepare(
         device = least.static_memory.index(worst)
         evaluation.static_memory = least.static_memory
         evaluation.reason = (
-            f"memory: static {memory_text(worst)} on device {device} exceeds {memory_text(memory)} before any activation"
+            f"memory: static {byte_size(worst, 2)} on device {device} exceeds {byte_size(memory, 2)} before any activation"
             + (f", even with {least.label}" if len(options) > 1 else "")
         )
         return evaluation, math.inf
@@ -361,8 +361,8 @@ def _host_note(rejected: list[Evaluation], host_memory: float) -> str:
     if not needs:
         return ""
     return (
-        f"; offloading optimizer state to the host would need at least {memory_text(min(needs))} of host memory per "
-        f"device, over the {memory_text(host_memory)} there is (--host-memory)"
+        f"; offloading optimizer state to the host would need at least {byte_size(min(needs), 2)} of host memory per "
+        f"device, over the {byte_size(host_memory, 2)} there is (--host-memory)"
     )
 
 
@@ -373,7 +373,7 @@ def _binding_constraint(rejected: list[Evaluation], memory: float) -> str:
         closest = min(measured, key=lambda e: max(e.peak_memory or e.static_memory))
         need = max(closest.peak_memory or closest.static_memory)
         return (
-            f"no plan fits {memory_text(memory)} per device: the least any configuration needs is {memory_text(need)} "
+            f"no plan fits {byte_size(memory, 2)} per device: the least any configuration needs is {byte_size(need, 2)} "
             f"({closest.candidate.label}; {closest.reason})"
         )
     reasons = sorted({e.reason.split(":")[0] for e in rejected})
