@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml constraints.txt | $(PY)
 demo: $(STAMP)
 	mkdir -p $(DEMO_DIR)
 	$(VENV)/bin/pipeloom profile --model examples/tiny-llama.json --mbs 1,2,4 --layers 1,2,4 \
-		--output $(DEMO_DIR)/profile.json
+		--output $(DEMO_DIR)/profile.json --force
 	$(VENV)/bin/pipeloom tune --costs $(DEMO_DIR)/profile.json --devices 2 --memory 1GiB --global-batch 8 \
 		--runnable --max-mbs 4 --explain --output $(DEMO_DIR)/cpu-plan.json --force
 	$(VENV)/bin/pipeloom train --plan $(DEMO_DIR)/cpu-plan.json

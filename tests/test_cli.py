@@ -454,6 +454,15 @@ def test_tune_refusals_are_one_line(capsys, tmp_path, monkeypatch, argv, message
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_profile_is_never_overwritten_without_force(capsys, tmp_path, monkeypatch):
+    """A profile can take hours: a rerun into the same file is refused before any probe runs."""
+    monkeypatch.chdir(tmp_path)
+    Path("profile.json").write_text("an earlier run's profile\n")
+    code, out, err = run(capsys, "profile", "--model", str(EXAMPLES / "tiny-llama.json"), "--output", "profile.json")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "profile.json already exists: pass --force" in err
+    assert Path("profile.json").read_text() == "an earlier run's profile\n"
+
+
 def test_a_profile_on_a_gpu_this_machine_lacks_is_refused_in_one_line(capsys, tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():

@@ -125,6 +125,7 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
         f"Without it a busy machine is refused; {ALLOW_BUSY_ENV}=1 does the same (the test suite sets it)",
     )
     parser.add_argument("--output", default="profile.json", help="where to write the profile (default profile.json)")
+    parser.add_argument("--force", action="store_true", help="overwrite the output if it exists")
     add_quiet(parser)
 
 
@@ -201,6 +202,8 @@ def run(args: argparse.Namespace) -> int:
             f"({model.seq_len} tokens)"
         )
     check_writable(args.output)
+    if os.path.exists(args.output) and not args.force:  # a profile can take hours: never lost to a rerun
+        raise ConfigError(f"{args.output} already exists: pass --force to overwrite it, or --output elsewhere")
     from pipeloom.profile.profiler import profile_model
     from pipeloom.tune.profiled import ProfiledCostModel, profile_costs_keys
 
