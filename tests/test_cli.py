@@ -406,6 +406,8 @@ TUNE = ["tune", "--model", "gpt3-13b", "--hardware", "h100", "--devices", "8", "
             "no plan fits",
         ),
         ([*TUNE, "--schemes", "hanayo"], "unknown scheme"),
+        ([*TUNE, "--schemes", "terapipe"], "tune does not search terapipe as a scheme (svpp with every forward"),
+        ([*TUNE, "--schemes", "1f1b,v-auto"], "tune searches v-auto as zb-v: pass --schemes zb-v"),
         ([*TUNE, "--memory", "lots"], "memory budget"),
         ([*TUNE, "--output", "no/dir/p.json"], "does not exist"),
         (["train", "--plan", "missing.json"], "cannot read plan"),

@@ -102,6 +102,13 @@ def candidates(
     Expert parallelism borrows from the data-parallel replicas, so dp must be a multiple of ep;
     slices and context parallelism both cut the sequence, so a split with cp > 1 takes none."""
     unknown = [name for name in schemes if name not in SCHEMES]
+    for info in list_generators():  # a schedule `list` knows, which the tuner reaches another way or not at all
+        if info.name in unknown and info.tuning is not None:
+            raise ConfigError(f"tune searches {info.name} as {info.tuning.scheme}: pass --schemes {info.tuning.scheme}")
+        if info.name in unknown:
+            raise ConfigError(
+                f"tune does not search {info.name} as a scheme ({info.not_tuned}); choose among {', '.join(SCHEMES)}"
+            )
     if unknown:
         raise ConfigError(f"unknown scheme(s) {', '.join(unknown)}; choose among {', '.join(SCHEMES)}")
     every = list(splits) if splits is not None else [Split(tp)]
