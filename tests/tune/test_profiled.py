@@ -492,6 +492,30 @@ def test_simulate_and_compare_price_a_profile_for_each_schedule_s_stages(tmp_pat
     assert "the profiled model's 8 layers cannot fill 16 stages" in capsys.readouterr().err
 
 
+def test_pareto_prices_a_profile_for_each_schedule_s_stages(tmp_path, capsys):
+    """`pareto -p 4 --costs profile.json` left out every schedule (the file's plain keys price two
+    stages): each is now priced for its own, 1F1B's 4 stages of 2 layers and ZB-V's 8 of 1, and
+    zb-auto's budgets are spread over its 4 stages' own memory."""
+    import json
+
+    from pipeloom.cli import main
+    from pipeloom.sim.simulate import simulate
+
+    (tmp_path / "profile.json").write_text(json.dumps(profile()))
+    assert main(["pareto", "-p", "4", "-m", "8", "--costs", str(tmp_path / "profile.json"), "--json"]) == 0
+    out, err = capsys.readouterr()
+    points = {point["label"]: point for point in json.loads(out)}
+    for name, counts in (("1f1b", [2] * 4), ("zb-v", [1] * 8)):
+        costs = ProfiledCostModel(profile()).stage_costs(counts, 1, len(counts), 1)
+        timeline = simulate(
+            build_schedule(name, 4, 8, costs=costs) if name == "zb-v" else build_schedule(name, 4, 8), costs
+        )
+        assert points[name]["cost"] == pytest.approx(timeline.cost)
+        assert points[name]["memory_unit"] == "bytes"
+    assert sum(label.startswith("zb-auto@") for label in points) == 12
+    assert "left out" not in err
+
+
 def test_tune_says_when_the_ranks_would_share_the_profile_s_cores(tmp_path, capsys):
     """Its probes ran a rank a core: 4 ranks of 2 threads on the profile's 4 cores share them."""
     import json

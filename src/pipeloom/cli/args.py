@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 from pipeloom.costs import Costs
@@ -23,6 +24,7 @@ __all__ = [
     "costs_from_args",
     "costs_source",
     "priced_schedule",
+    "stage_pricer",
     "int_list",
     "mem_limit_from_args",
     "schedule_from_args",
@@ -223,19 +225,28 @@ def costs_source(args: argparse.Namespace):
 
 def priced_schedule(build, source) -> tuple[Schedule, Costs]:
     """The schedule `build(costs)` makes and its costs: `source` as it is (Costs), or a profile's
-    priced for the schedule's own stages — the model's layers split evenly over them, at the
-    profile's smallest micro-batch size, a device a rank (the file's plain Costs keys price two
-    stages only). A cost-aware generator is built again with them: its shape does not depend on
-    them."""
+    priced for the schedule's own stages (`stage_pricer`). A cost-aware generator is built again
+    with them: its shape does not depend on them."""
     if isinstance(source, Costs):
         return build(source), source
     shape = build(Costs())
-    stages, layers = shape.num_stages, source.model.layers
-    if layers < stages:
-        raise ConfigError(f"--costs: the profiled model's {layers} layers cannot fill {stages} stages")
-    counts = [layers // stages + (stage < layers % stages) for stage in range(stages)]
-    costs = source.stage_costs(counts, source.sizes[0], shape.num_devices, 1, slices=shape.num_slices)
+    costs = stage_pricer(source)(shape.num_stages, shape.num_slices)
     return build(costs), costs
+
+
+def stage_pricer(source) -> Callable[[int, int], Costs]:
+    """(stages, slices) → a profile's costs for a schedule of that shape: the model's layers split
+    evenly over its stages, at the profile's smallest micro-batch size, a device a rank (the
+    file's plain Costs keys price two stages only)."""
+
+    def price(stages: int, slices: int) -> Costs:
+        layers = source.model.layers
+        if layers < stages:
+            raise ConfigError(f"--costs: the profiled model's {layers} layers cannot fill {stages} stages")
+        counts = [layers // stages + (stage < layers % stages) for stage in range(stages)]
+        return source.stage_costs(counts, source.sizes[0], stages, 1, slices=slices)
+
+    return price
 
 
 def _flat(value) -> list[float]:

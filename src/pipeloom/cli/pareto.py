@@ -6,9 +6,10 @@ import argparse
 import json
 import sys
 
-from pipeloom.cli.args import add_costs, costs_from_args
+from pipeloom.cli.args import add_costs, costs_source, stage_pricer
 from pipeloom.cli.output import add_quiet, check_outputs, costs_text, num, progress_bar, table
 from pipeloom.cli.parser import add_command
+from pipeloom.costs import Costs
 from pipeloom.tune.pareto import explore_pareto
 from pipeloom.units import memory_scale, time_unit
 
@@ -39,18 +40,19 @@ def register(commands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_outputs([args.plot], plot=args.plot)
-    costs = costs_from_args(args)
+    source = costs_source(args)  # Costs, or a profile priced for each schedule's stages
     skipped: list[tuple[str, str]] = []
     points = explore_pareto(
         args.p,
         args.m,
-        costs,
+        source if isinstance(source, Costs) else stage_pricer(source),
         budgets=args.budgets,
         progress=progress_bar("pareto", args.quiet, "schedule"),
         skipped=skipped,
     )
     for label, reason in skipped:
         print(f"pipeloom: pareto: left out {label}: {reason}", file=sys.stderr)
+    costs = source if isinstance(source, Costs) else None  # a profile's: each point's own (all in bytes)
     if args.plot:
         from pipeloom.viz.pareto_plot import plot_pareto
 
@@ -58,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([point.to_dict() for point in points], allow_nan=False))
         return 0
-    memory = memory_scale(costs, [q.peak_memory for q in points])
+    priced = costs or _priced_by(points)
+    memory = memory_scale(priced, [q.peak_memory for q in points])
     rows = [
         [_mark(q), q.label, memory.number(q.peak_memory), f"{q.bubble_rate:.2%}", "-" if q.reference else num(q.cost)]
         for q in points
@@ -67,9 +70,17 @@ def run(args: argparse.Namespace) -> int:
     legend = "* = on the frontier" + (
         "; a = the authors' schedule (their code), for reference" if any(q.reference for q in points) else ""
     )
-    print(f"p={args.p} m={args.m} costs: {costs_text(costs)}   ({legend})")
-    print(table(["", "schedule", f"peak act. ({memory.unit})", "bubble", f"cost ({time_unit(costs)})"], rows))
+    described = (
+        costs_text(costs) if costs else f"profile {args.costs} (its layers split evenly over each schedule's stages)"
+    )
+    print(f"p={args.p} m={args.m} costs: {described}   ({legend})")
+    print(table(["", "schedule", f"peak act. ({memory.unit})", "bubble", f"cost ({time_unit(priced)})"], rows))
     return 0
+
+
+def _priced_by(points) -> Costs:
+    """Any point's costs (a profile prices every schedule in ms and bytes alike)."""
+    return next((q.timeline.costs for q in points if q.timeline is not None), Costs())
 
 
 def _mark(point) -> str:

@@ -5,6 +5,8 @@ Fixed-shape schedules give one point each (T-Pipe also with T-Recomp); budget-dr
 unconstrained. A point is on the frontier
 when no other point has both less (or equal) peak activation memory and a lower bubble rate.
 Memory is one device's share (Costs' scaling), so schedules with different stage counts compare.
+Costs are given once, or as a function of a schedule's shape (a profile priced for each
+schedule's own stages).
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ from pipeloom.sim.simulate import Timeline, simulate
 from pipeloom.tune.zb_profiles import AUTHORS_V, table6_profile
 from pipeloom.units import memory_unit, time_unit
 
-__all__ = ["ParetoPoint", "explore_pareto", "frontier", "authors_points"]
+__all__ = ["CostsFor", "ParetoPoint", "explore_pareto", "frontier", "authors_points"]
+
+CostsFor = Callable[[int, int], Costs]
+"""(stages, slices) → the costs of a schedule of that shape."""
 
 _SPLIT = ("1f1b", "interleaved")  # also shown with the backward split and W filling bubbles
 """Pareto's own variants (passes, not generators): the split backward filling 1F1B's and the
@@ -66,7 +71,7 @@ class ParetoPoint:
 def explore_pareto(
     num_devices: int,
     num_microbatches: int,
-    costs: Costs,
+    costs: Costs | CostsFor,
     *,
     budgets: int = 12,
     progress: Callable[[int, int], None] | None = None,
@@ -85,7 +90,7 @@ def explore_pareto(
     points = []
     for done, (label, make) in enumerate(jobs, 1):
         try:
-            timeline = simulate(make(), costs)
+            timeline = simulate(*make())
         except PipeloomError as error:
             timeline = None
             if skipped is not None:
@@ -98,7 +103,8 @@ def explore_pareto(
             )
         if progress:
             progress(done, len(jobs))
-    return frontier(points + authors_points(num_devices, num_microbatches, costs))
+    authors = authors_points(num_devices, num_microbatches, costs) if isinstance(costs, Costs) else []
+    return frontier(points + authors)
 
 
 def frontier(points: list[ParetoPoint]) -> list[ParetoPoint]:
@@ -127,36 +133,58 @@ def authors_points(num_devices: int, num_microbatches: int, costs: Costs) -> lis
     ]
 
 
-def _split_fill(name: str, p: int, m: int, costs: Costs) -> Callable[[], Schedule]:
-    return lambda: split_backward(build_schedule(name, p, m), "fill", costs=costs)
+Build = Callable[[Costs], Schedule]
+"""A schedule from its costs (a cost-aware generator's shape does not depend on them)."""
 
 
-def _jobs(p: int, m: int, costs: Costs, budgets: int) -> Iterator[tuple[str, Callable[[], Any]]]:
-    def fixed(name: str, **kwargs: Any) -> Callable[[], Any]:
-        return lambda: build_schedule(name, p, m, **kwargs)
+def _priced(build: Build, costs: Costs | CostsFor) -> tuple[Schedule, Costs]:
+    """The schedule and the costs it is simulated on: `costs` as given, or priced for the shape
+    of the schedule built on default costs."""
+    if isinstance(costs, Costs):
+        return build(costs), costs
+    shape = build(Costs())
+    priced = costs(shape.num_stages, shape.num_slices)
+    return build(priced), priced
+
+
+def _jobs(p: int, m: int, costs: Costs | CostsFor, budgets: int) -> Iterator[tuple[str, Callable[[], Any]]]:
+    def job(build: Build) -> Callable[[], tuple[Schedule, Costs]]:
+        return lambda: _priced(build, costs)
+
+    def fixed(name: str) -> Build:
+        aware = "costs" in get_generator(name).options
+        return lambda c: build_schedule(name, p, m, **({"costs": c} if aware else {}))
 
     fixed_names = [info.name for info in list_generators() if info.pareto == "fixed"]
     budgeted = [info for info in list_generators() if info.pareto == "budgeted"]
     for name in fixed_names:
-        kwargs = {"costs": costs} if "costs" in get_generator(name).options else {}
-        yield name, fixed(name, **kwargs)
+        yield name, job(fixed(name))
         if name in _SPLIT:
-            yield f"{name}+split-fill", _split_fill(name, p, m, costs)
+            yield f"{name}+split-fill", job(partial(_split_fill, name, p, m))
         if name == "tpipe":
-            yield "tpipe+trecomp", lambda: t_recomp(build_schedule("tpipe", p, m))
+            yield "tpipe+trecomp", job(lambda _: t_recomp(build_schedule("tpipe", p, m)))
     for info in budgeted:
         name = info.name
         assert info.tuning is not None, "a budgeted pareto entry is tuned: its layout places the stages"
         placement = info.tuning.device_of_stage(p)
         try:
-            table = costs.resolve(p, len(placement))
+            priced = costs if isinstance(costs, Costs) else costs(len(placement), 1)
+            table = priced.resolve(p, len(placement))
         except ConfigError as error:  # costs listed for another stage count: left out, as the fixed ones are
             yield name, partial(_raise, error)
             continue
         low = max(min_memory_limits(placement, table))
         high = max(low, 2.0 * p * max(table.M_B) * len(placement) / p)  # ZB-2p's budget, one device's share
         for budget in _spread(low, high, budgets):
-            yield f"{name}@{budget:.4g}", fixed(name, costs=costs, mem_limit=budget)
+            yield f"{name}@{budget:.4g}", partial(_budgeted, name, p, m, budget, priced)
+
+
+def _split_fill(name: str, p: int, m: int, costs: Costs) -> Schedule:
+    return split_backward(build_schedule(name, p, m), "fill", costs=costs)
+
+
+def _budgeted(name: str, p: int, m: int, budget: float, costs: Costs) -> tuple[Schedule, Costs]:
+    return build_schedule(name, p, m, costs=costs, mem_limit=budget), costs
 
 
 def _spread(low: float, high: float, count: int) -> list[float]:
