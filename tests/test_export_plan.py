@@ -92,6 +92,15 @@ def test_a_plan_torch_cannot_express_is_refused_naming_what_to_export(capsys, tm
     assert not (tmp_path / "torch").exists()
 
 
+def test_a_sliced_plan_is_refused_naming_the_scheme_not_a_flag_that_keeps_its_w_parts(capsys, tmp_path, plans):
+    """svpp's W parts are its own pass: `tune --no-memory-passes` (once advised) leaves them in."""
+    plan = tuned(capsys, plans, "svpp")
+    assert "wparts" in json.loads(plan.read_text())["passes"]
+    code, out, err = run(capsys, "export-plan", plan, "--for", "torch", "--output", tmp_path / "torch")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "has slices" in err and "export 'interleaved' instead" in err and "--no-memory-passes" not in err
+
+
 @pytest.mark.parametrize("scheme, placement", [("zb-v", "v"), ("interleaved", "loop"), ("1f1b", "loop")])
 def test_the_torchtitan_fragment_makes_torchtitan_build_the_csv_s_stages(capsys, tmp_path, plans, scheme, placement):
     """torchtitan's own config classes take the fragment, and its own stage placement (chosen by

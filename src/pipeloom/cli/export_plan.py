@@ -119,8 +119,10 @@ def _megatron(plan, target: Path, force: bool) -> int:
 
 
 def _instead(plan) -> str:
-    """How to tune a plan without passes torch's CSV has no action for (the CSV's own refusal
-    names the scheme to export instead of one it cannot express)."""
-    if plan.passes:
-        return f" (its memory passes {', '.join(plan.passes)} have no torch action: tune --no-memory-passes)"
+    """How to tune a plan without the memory passes torch's CSV has no action for (the CSV's own
+    refusal names the scheme to export instead of one it cannot express). W parts are svpp's own
+    pass, which no flag leaves out: its refusal names the scheme."""
+    memory = [name for name in plan.passes if name != "wparts"]
+    if memory:
+        return f" (its memory passes {', '.join(memory)} have no torch action: tune --no-memory-passes)"
     return ""
