@@ -69,6 +69,21 @@ def test_the_runtime_s_time_around_each_op_is_not_read_as_op_time():
     assert result.measured < result.replayed  # this run spent nothing around its ops
 
 
+def test_a_w_in_parts_is_compared_without_its_share_of_the_runtime_s_time_around_it():
+    """A W in 7 parts prices each part at 1/7 of the W, the per-op overhead included: a run whose
+    parts took their seventh of the W's compute reads as predicted (each part had been compared
+    less a whole op's overhead: W +449 % on a bf16 profile)."""
+    from pipeloom.passes.weight_parts import weight_parts
+
+    priced = Costs(F=1.0, B=1.0, W=1.4, comm=0.0, op_overhead=0.1)
+    schedule = weight_parts(build_schedule("zb-h1", 2, 4), priced)
+    assert {op.parts for ops in schedule.devices for op in ops if op.kind.value == "W"} == {7}
+    plain = Costs(F=1.0, B=1.0, W=1.4, comm=0.0)  # the ops alone
+    result = replay(schedule, priced, _records(schedule, plain))
+    assert result.kinds == pytest.approx({"F": 0.0, "B": 0.0, "W": 0.0})
+    assert result.replayed == pytest.approx(result.predicted)
+
+
 def test_ops_that_vary_from_step_to_step_cost_a_pipeline_more_than_their_medians():
     schedule = build_schedule("1f1b", 2, 4)
     slow = Costs(F=1.5, B=3.0, W=0.0, comm=0.1)

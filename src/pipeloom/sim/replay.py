@@ -92,9 +92,10 @@ def replay(schedule: Schedule, costs: Costs, steps_per_device: Sequence[Sequence
     graph = build_graph(schedule)
     planned = simulate(schedule, costs)
     # The runtime's own time around each op, which the plan prices inside each op's duration
-    # (`Costs.op_overhead`) and a run times between its ops: put back on the run's op times to
-    # replay them, taken off the plan's to compare the op times alone.
-    overhead = costs.op_overhead
+    # (`Costs.op_overhead`; a W in k parts 1/k of it a part, as of its W) and a run times between
+    # its ops: put back on the run's op times to replay them, taken off the plan's to compare the
+    # op times alone.
+    overheads = [costs.op_overhead / op.parts for op in graph.ops]
     steps = min(len(device_steps) for device_steps in steps_per_device)
     per_step: list[dict[tuple[int, str], float]] = [{} for _ in range(steps)]
     for device, device_steps in enumerate(steps_per_device):
@@ -109,7 +110,7 @@ def replay(schedule: Schedule, costs: Costs, steps_per_device: Sequence[Sequence
     def makespan(durations: dict[tuple[int, str], float]) -> float:
         # an op the run did not time on its own (a W concatenated into the one before it) takes no time
         times = [durations.get((graph.device_of[g], op.text), 0.0) for g, op in enumerate(graph.ops)]
-        return max(run(graph, [t + overhead if t else t for t in times], costs.comm)[1])
+        return max(run(graph, [t + extra if t else t for t, extra in zip(times, overheads)], costs.comm)[1])
 
     kinds: dict[str, list[float]] = {}
     passes: dict[str, list[float]] = {}
@@ -118,7 +119,7 @@ def replay(schedule: Schedule, costs: Costs, steps_per_device: Sequence[Sequence
         for totals in (kinds.setdefault(kind, [0.0, 0.0]), passes.setdefault(_PASSES.get(kind, kind), [0.0, 0.0])):
             totals[0] += medians.get((graph.device_of[g], op.text), 0.0)
             planned_op = planned.end[g] - planned.start[g]
-            totals[1] += planned_op - overhead if planned_op else 0.0
+            totals[1] += planned_op - overheads[g] if planned_op else 0.0
     stepwise = statistics.median(makespan(durations) for durations in per_step)
     return Replay(planned.makespan, makespan(medians), measured, stepwise, _ratios(kinds), _ratios(passes))
 
