@@ -33,16 +33,19 @@ and p2p_host_link_share says how much p2p transfers slow the copies on a shared 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, fields
 from os import PathLike
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeloom.errors import ConfigError
 from pipeloom.files import read_json
 from pipeloom.stage_costs import StageCosts
 
-__all__ = ["Costs", "CostValue", "causal_attention_fraction", "hosts_both_ends"]
+if TYPE_CHECKING:
+    from pipeloom.ir.schedule import Schedule
+
+__all__ = ["Costs", "CostValue", "CostsFor", "causal_attention_fraction", "hosts_both_ends", "priced"]
 
 CostValue = float | Sequence[float | Sequence[float]]
 
@@ -364,3 +367,19 @@ def _normalise_slices(key: str, value: Any) -> tuple[float, ...]:
 
 def _plain(value: Any) -> Any:
     return [_plain(entry) for entry in value] if isinstance(value, tuple) else value
+
+
+CostsFor = Callable[[int, int], Costs]
+"""(stages, slices) → the costs of a schedule of that shape: a profile priced for each schedule's
+own stages (`cli.args.stage_pricer`)."""
+
+
+def priced(build: Callable[[Costs], Schedule], costs: Costs | CostsFor) -> tuple[Schedule, Costs]:
+    """The schedule `build(costs)` makes and the costs it runs on: `costs` as given, or priced for
+    the shape of the schedule built on default costs (a cost-aware generator's shape does not
+    depend on them), then built again with them."""
+    if isinstance(costs, Costs):
+        return build(costs), costs
+    shape = build(Costs())
+    shaped = costs(shape.num_stages, shape.num_slices)
+    return build(shaped), shaped

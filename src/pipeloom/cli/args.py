@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeloom.costs import Costs
+from pipeloom.costs import Costs, priced
 from pipeloom.errors import ConfigError
 from pipeloom.ir.io import load_schedule
 from pipeloom.ir.schedule import Schedule
@@ -225,13 +225,8 @@ def costs_source(args: argparse.Namespace):
 
 def priced_schedule(build, source) -> tuple[Schedule, Costs]:
     """The schedule `build(costs)` makes and its costs: `source` as it is (Costs), or a profile's
-    priced for the schedule's own stages (`stage_pricer`). A cost-aware generator is built again
-    with them: its shape does not depend on them."""
-    if isinstance(source, Costs):
-        return build(source), source
-    shape = build(Costs())
-    costs = stage_pricer(source)(shape.num_stages, shape.num_slices)
-    return build(costs), costs
+    priced for the schedule's own stages (`stage_pricer`, `costs.priced`)."""
+    return priced(build, source if isinstance(source, Costs) else stage_pricer(source))
 
 
 def stage_pricer(source) -> Callable[[int, int], Costs]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
-from pipeloom.costs import Costs
+from pipeloom.costs import Costs, CostsFor, priced
 from pipeloom.errors import ConfigError, PipeloomError
 from pipeloom.ir.schedule import Schedule
 from pipeloom.passes.split_backward import split_backward
@@ -27,10 +27,7 @@ from pipeloom.sim.simulate import Timeline, simulate
 from pipeloom.tune.zb_profiles import AUTHORS_V, table6_profile
 from pipeloom.units import memory_unit, time_unit
 
-__all__ = ["CostsFor", "ParetoPoint", "explore_pareto", "frontier", "authors_points"]
-
-CostsFor = Callable[[int, int], Costs]
-"""(stages, slices) → the costs of a schedule of that shape."""
+__all__ = ["ParetoPoint", "explore_pareto", "frontier", "authors_points"]
 
 _SPLIT = ("1f1b", "interleaved")  # also shown with the backward split and W filling bubbles
 """Pareto's own variants (passes, not generators): the split backward filling 1F1B's and the
@@ -137,19 +134,9 @@ Build = Callable[[Costs], Schedule]
 """A schedule from its costs (a cost-aware generator's shape does not depend on them)."""
 
 
-def _priced(build: Build, costs: Costs | CostsFor) -> tuple[Schedule, Costs]:
-    """The schedule and the costs it is simulated on: `costs` as given, or priced for the shape
-    of the schedule built on default costs."""
-    if isinstance(costs, Costs):
-        return build(costs), costs
-    shape = build(Costs())
-    priced = costs(shape.num_stages, shape.num_slices)
-    return build(priced), priced
-
-
 def _jobs(p: int, m: int, costs: Costs | CostsFor, budgets: int) -> Iterator[tuple[str, Callable[[], Any]]]:
     def job(build: Build) -> Callable[[], tuple[Schedule, Costs]]:
-        return lambda: _priced(build, costs)
+        return lambda: priced(build, costs)
 
     def fixed(name: str) -> Build:
         aware = "costs" in get_generator(name).options
@@ -168,15 +155,15 @@ def _jobs(p: int, m: int, costs: Costs | CostsFor, budgets: int) -> Iterator[tup
         assert info.tuning is not None, "a budgeted pareto entry is tuned: its layout places the stages"
         placement = info.tuning.device_of_stage(p)
         try:
-            priced = costs if isinstance(costs, Costs) else costs(len(placement), 1)
-            table = priced.resolve(p, len(placement))
+            shaped = costs if isinstance(costs, Costs) else costs(len(placement), 1)
+            table = shaped.resolve(p, len(placement))
         except ConfigError as error:  # costs listed for another stage count: left out, as the fixed ones are
             yield name, partial(_raise, error)
             continue
         low = max(min_memory_limits(placement, table))
         high = max(low, 2.0 * p * max(table.M_B) * len(placement) / p)  # ZB-2p's budget, one device's share
         for budget in _spread(low, high, budgets):
-            yield f"{name}@{budget:.4g}", partial(_budgeted, name, p, m, budget, priced)
+            yield f"{name}@{budget:.4g}", partial(_budgeted, name, p, m, budget, shaped)
 
 
 def _split_fill(name: str, p: int, m: int, costs: Costs) -> Schedule:
