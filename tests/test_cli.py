@@ -456,6 +456,26 @@ def test_tune_refusals_are_one_line(capsys, tmp_path, monkeypatch, argv, message
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    "command, advice",
+    [
+        (["show", "plan.json"], "pass --schedule-file plan.json"),
+        (["simulate", "plan.json"], "pass --schedule-file plan.json"),
+        (
+            ["compare", "1f1b", "plan.json", "-p", "2", "-m", "4"],
+            "`pipeloom simulate --schedule-file plan.json` reads it",
+        ),
+    ],
+)
+def test_a_file_given_as_a_schedule_s_name_is_named_as_a_file(capsys, tmp_path, monkeypatch, command, advice):
+    """`show plan.json` had said the schedule 'plan.json' needs -p and -m."""
+    monkeypatch.chdir(tmp_path)
+    Path("plan.json").write_text("{}")
+    code, out, err = run(capsys, *command)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "'plan.json' is a file, not a schedule's name: " in err and advice in err
+
+
 def test_a_profile_is_never_overwritten_without_force(capsys, tmp_path, monkeypatch):
     """A profile can take hours: a rerun into the same file is refused before any probe runs."""
     monkeypatch.chdir(tmp_path)

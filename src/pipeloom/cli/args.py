@@ -23,6 +23,7 @@ __all__ = [
     "add_tpipe_passes",
     "costs_from_args",
     "costs_source",
+    "generator_options",
     "priced_schedule",
     "stage_pricer",
     "int_list",
@@ -267,9 +268,9 @@ def schedule_from_args(args: argparse.Namespace, costs: Costs, budget_is_used: b
     else:
         if not name:
             raise ConfigError("name a schedule (see `pipeloom list`) or give --schedule-file")
+        options = generator_options(name)  # an unknown name, before the sizes it would need
         if args.p is None or args.m is None:
             raise ConfigError(f"schedule {name!r} needs -p (devices) and -m (micro-batches)")
-        options = get_generator(name).options
         kwargs: dict = _generator_flags(args)
         for flag, option in (("-v", "num_chunks"), ("--slices", "num_slices"), ("--forwards", "forwards")):
             if option in kwargs and option not in options:
@@ -288,6 +289,14 @@ def schedule_from_args(args: argparse.Namespace, costs: Costs, budget_is_used: b
     if args.split:
         schedule = split_backward(schedule, args.split, costs=costs, batch=args.batch_w)
     return schedule
+
+
+def generator_options(name: str, instead: str = "pass --schedule-file {name}"):
+    """The options of the generator `name`; ConfigError for an unknown one, saying what to do
+    `instead` where it is a file (a plan or a schedule written by `tune` or `simulate --export`)."""
+    if name not in {info.name for info in list_generators()} and Path(name).is_file():
+        raise ConfigError(f"{name!r} is a file, not a schedule's name: {instead.format(name=name)}")
+    return get_generator(name).options
 
 
 def _load_schedule_file(path: str) -> Schedule:

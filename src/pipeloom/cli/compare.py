@@ -13,6 +13,7 @@ from pipeloom.cli.args import (
     add_mem_limit,
     add_schedule_name,
     costs_source,
+    generator_options,
     mem_limit_from_args,
     priced_schedule,
     schedule_name,
@@ -64,7 +65,9 @@ def run(args: argparse.Namespace) -> int:
     source = costs_source(args)  # Costs, or a profile priced for each schedule's stages
     timelines = []
     for name in names:
-        options = get_generator(name).options
+        options = generator_options(
+            name, "compare builds generators; `pipeloom simulate --schedule-file {name}` reads it"
+        )
         kwargs: dict = {}
         if args.chunks is not None and "num_chunks" in options:
             kwargs["num_chunks"] = args.chunks
