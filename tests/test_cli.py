@@ -476,6 +476,24 @@ def test_a_file_given_as_a_schedule_s_name_is_named_as_a_file(capsys, tmp_path, 
     assert "'plan.json' is a file, not a schedule's name: " in err and advice in err
 
 
+def test_a_profile_a_plan_and_costs_given_for_one_another_are_named(capsys, tmp_path, monkeypatch):
+    """A profile passed as a plan, a plan as a profile, costs written out for `tune --costs`."""
+    monkeypatch.chdir(tmp_path)
+    Path("profile.json").write_text(json.dumps({"format": "pipeloom.profile/2"}))
+    Path("plan.json").write_text(json.dumps({"format": "pipeloom.plan/1"}))
+    tune = ["tune", "--devices", "2", "--global-batch", "8", "--memory", "1GiB", "--costs"]
+    for argv, message in [
+        (
+            ["train", "--plan", "profile.json"],
+            "'profile.json': a profile (pipeloom.profile/2), not a plan: `pipeloom tune",
+        ),
+        ([*tune, "plan.json"], "not a pipeloom.profile/2 file, but a pipeloom.plan/1 one"),
+        ([*tune, "F=1,B=2"], "tune --costs takes a profile (`pipeloom profile`), not costs written out (F=1,B=2)"),
+    ]:
+        code, out, err = run(capsys, *argv)
+        assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
+
+
 def test_a_profile_is_never_overwritten_without_force(capsys, tmp_path, monkeypatch):
     """A profile can take hours: a rerun into the same file is refused before any probe runs."""
     monkeypatch.chdir(tmp_path)

@@ -328,8 +328,9 @@ class Profile:
                 "a pipeloom.profile/1 file, written by an earlier pipeloom: measure this machine again "
                 f"(`pipeloom profile --model {model} --output profile.json`)"
             )
-        if not isinstance(data, Mapping) or data.get("format") != PROFILE_FORMAT:
-            raise ConfigError(f"not a {PROFILE_FORMAT} file (run `pipeloom profile` to make one)")
+        if not isinstance(data, Mapping) or (found := data.get("format")) != PROFILE_FORMAT:
+            kind = f", but a {found} one" if isinstance(data, Mapping) and isinstance(found, str) else ""
+            raise ConfigError(f"not a {PROFILE_FORMAT} file{kind} (run `pipeloom profile` to make one)")
         for key in ("model", "layouts", "params", "links"):
             if key not in data:
                 raise ConfigError(f"profile is incomplete: it has no {key!r} (run `pipeloom profile` to make one)")

@@ -146,8 +146,10 @@ def test_a_sliced_plan_is_priced_from_the_probes_run_in_its_slices_where_the_pro
 
 
 def test_bad_profiles_are_refused():
-    with pytest.raises(ConfigError, match="not a pipeloom.profile/2"):
+    with pytest.raises(ConfigError, match="not a pipeloom.profile/2 file, but a other one"):
         ProfiledCostModel({"format": "other"})
+    with pytest.raises(ConfigError, match=r"not a pipeloom.profile/2 file \(run"):
+        ProfiledCostModel([])
     with pytest.raises(
         ConfigError, match=r"a pipeloom\.profile/1 file, .*: measure this machine again \(`pipeloom profile"
     ):

@@ -284,6 +284,11 @@ def _cost_model(args: argparse.Namespace):
                 f"{given[0]} shapes a preset's cluster; {args.costs} prices this machine's own measured links "
                 "(drop it, or plan with --hardware)"
             )
+        if "=" in args.costs and not Path(args.costs).exists():
+            raise ConfigError(
+                f"tune --costs takes a profile (`pipeloom profile`), not costs written out ({args.costs}): those "
+                "price one schedule, in `pipeloom simulate` and `compare`"
+            )
         profiled = ProfiledCostModel.load(args.costs, 1, args.sequence_parallel)
         if args.model and load_model(args.model).to_dict() != profiled.model.to_dict():
             raise ConfigError(f"--model {args.model} differs from the model profiled in {args.costs}")

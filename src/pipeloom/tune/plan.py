@@ -115,10 +115,10 @@ class Plan:
             plan = cls.from_dict(data)
         except KeyError as error:
             raise ConfigError(f"plan {str(path)!r} lacks the field {error.args[0]!r} of {PLAN_FORMAT}") from None
+        except ConfigError as error:  # before ValueError, which it is too
+            raise ConfigError(f"plan {str(path)!r}: {error.summary}") from None
         except (TypeError, ValueError) as error:
             raise ConfigError(f"plan {str(path)!r} is not a {PLAN_FORMAT} file: {error}") from None
-        except ConfigError as error:
-            raise ConfigError(f"plan {str(path)!r}: {error.summary}") from None
         plan.check(f"plan {str(path)!r}")
         return plan
 
@@ -169,10 +169,13 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
-        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+        found = data.get("format") if isinstance(data, dict) else None
+        if isinstance(found, str) and found.startswith("pipeloom.profile/"):
             raise ConfigError(
-                f"not a {PLAN_FORMAT} plan (format: {data.get('format') if isinstance(data, dict) else None!r})"
+                f"a profile ({found}), not a plan: `pipeloom tune --costs PROFILE ...` makes a plan of it"
             )
+        if found != PLAN_FORMAT:
+            raise ConfigError(f"not a {PLAN_FORMAT} plan (format: {found!r})")
         return cls(
             model=model_from_config(data["model"]),
             cost_model=dict(data.get("cost_model", {})),
