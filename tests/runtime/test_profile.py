@@ -120,6 +120,18 @@ def test_profile_simulate_tune_train(tmp_path, capsys):
         line = next(line for line in out.splitlines() if line.strip().startswith(f"device {device} activations"))
         assert "(+0.0%)" in line or "(-0.0%)" in line
 
+    saved_mbs = saved["micro_batch_size"]
+    for flag, value, message in (  # the plan fixes the shape it was priced at: another is refused
+        ("--seq-len", 8, "--plan fixes the sequence length = 16: drop --seq-len 8"),
+        ("--microbatch-size", saved_mbs + 1, f"--plan fixes the micro-batch size = {saved_mbs}"),
+    ):
+        assert main(["train", "--plan", str(plan), flag, str(value)]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["train", "--plan", str(plan), "--steps", "1", "--dtype", "bf16"]) == 0  # runs, and says so
+    assert (
+        "dtype: --dtype bf16 replaces the plan's fp32, and the plan's prediction is of fp32" in capsys.readouterr().out
+    )
+
     # The same plan from Python, through the runtime's public surface only.
     from pipeloom.runtime import reference_training, run_in_process, spec_from_plan
 

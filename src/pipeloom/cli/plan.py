@@ -42,13 +42,28 @@ def spec_from_plan(args: argparse.Namespace):
             raise ConfigError(f"--plan fixes {name} = {value}: drop --{name} {getattr(args, name)}")
     if args.sequence_parallel and not plan.sequence_parallel:
         raise ConfigError("--plan fixes sequence parallelism off: drop --sequence-parallel")
+    parser = getattr(args, "train_parser", None)  # the flags' defaults: given only where they differ
+    for flag, dest, what, value in (
+        ("--microbatch-size", "microbatch_size", "the micro-batch size", plan.micro_batch_size),
+        ("--seq-len", "seq_len", "the sequence length", plan.model.seq_len),
+    ):
+        asked = getattr(args, dest, None)
+        if parser is not None and asked not in (None, parser.get_default(dest), value):
+            raise ConfigError(f"--plan fixes {what} = {value}: drop {flag} {asked}")
     fields = run_options(args)
     fields.pop("cp", None)  # checked against the plan's above
     fields.pop("sequence_parallel", None)  # the plan's (the flag's default would turn a plan's off)
     if args.zero == 0:  # the plan's static-memory measures, unless the flags ask for others
         del fields["zero"]
+    planned_dtype = (plan.inputs or {}).get("dtype")
     if args.dtype is None:  # the type the plan's costs were measured in
         del fields["dtype"]
+    elif planned_dtype and args.dtype != planned_dtype:
+        print(
+            f"dtype: --dtype {args.dtype} replaces the plan's {planned_dtype}, and the plan's prediction is of "
+            f"{planned_dtype}",
+            flush=True,
+        )
     if args.model and args.model.startswith("hf:"):
         changed = _model_changes(plan.model, args.model)
         if changed:
