@@ -37,7 +37,8 @@ def spec_from_plan(args: argparse.Namespace):
     if given or args.ckpt != "none" or args.dp != 1:
         raise ConfigError("--plan fixes the schedule, the model and dp: drop the other schedule options")
     plan = Plan.load(args.plan)
-    for name, value in (("tp", plan.tp), ("cp", plan.cp)):
+    ep = plan.model.expert_parallel if plan.model.num_experts else 1
+    for name, value in (("tp", plan.tp), ("cp", plan.cp), ("ep", ep)):
         if getattr(args, name, None) is not None and getattr(args, name) != value:
             raise ConfigError(f"--plan fixes {name} = {value}: drop --{name} {getattr(args, name)}")
     if args.sequence_parallel and not plan.sequence_parallel:
