@@ -128,10 +128,10 @@ def test_profile_simulate_tune_train(tmp_path, capsys):
     ):
         assert main(["train", "--plan", str(plan), flag, str(value)]) == 2
         assert message in capsys.readouterr().err
-    assert main(["train", "--plan", str(plan), "--steps", "1", "--dtype", "bf16"]) == 0  # runs, and says so
-    assert (
-        "dtype: --dtype bf16 replaces the plan's fp32, and the plan's prediction is of fp32" in capsys.readouterr().out
-    )
+    assert main(["train", "--plan", str(plan), "--steps", "1", "--dtype", "bf16", "--zero", "1"]) == 0  # says so
+    out = capsys.readouterr().out
+    assert "dtype: --dtype bf16 replaces the plan's fp32, and the plan's prediction is of fp32" in out
+    assert f"zero: --zero 1 replaces the plan's ZeRO-{saved['zero']}, and the plan's prediction is of ZeRO-" in out
 
     # The same plan from Python, through the runtime's public surface only.
     from pipeloom.runtime import reference_training, run_in_process, spec_from_plan

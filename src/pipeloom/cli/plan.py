@@ -56,6 +56,12 @@ def spec_from_plan(args: argparse.Namespace):
     fields.pop("sequence_parallel", None)  # the plan's (the flag's default would turn a plan's off)
     if args.zero == 0:  # the plan's static-memory measures, unless the flags ask for others
         del fields["zero"]
+    elif args.zero != plan.zero:
+        print(
+            f"zero: --zero {args.zero} replaces the plan's ZeRO-{plan.zero}, and the plan's prediction is of "
+            f"ZeRO-{plan.zero}",
+            flush=True,
+        )
     planned_dtype = (plan.inputs or {}).get("dtype")
     if args.dtype is None:  # the type the plan's costs were measured in
         del fields["dtype"]
