@@ -101,11 +101,13 @@ def test_profile_simulate_tune_train(tmp_path, capsys):
                 "2",
                 "--output",
                 str(plan),
+                "--explain",
             ]
         )
         == 0
     )
-    capsys.readouterr()
+    static = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("static memory:"))
+    assert " KiB per device at most (ZeRO-0), within 1.00 GiB" in static  # a small model: not "0.00 GiB"
     assert main(["train", "--plan", str(plan), "--steps", "2"]) == 0
     out = capsys.readouterr().out
     assert "fidelity" in out and "step time" in out

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from pipeloom.provenance import byte_size
+
 __all__ = ["explain", "split_lines", "static_measures_line"]
 
 
@@ -76,11 +78,11 @@ def static_measures_line(evaluation, memory: float) -> str:
     if chosen is None or not options:
         return "static memory: as planned by the cost model"
     plain = options[0]
-    plain_gib, own_gib = max(plain.static_memory) / 2**30, max(evaluation.static_memory) / 2**30
+    plain_size, own = byte_size(max(plain.static_memory), 2), byte_size(max(evaluation.static_memory), 2)
     if chosen is plain:
         return (
-            f"static memory: no measure needed — fp32 weights and AdamW on every replica, {own_gib:.2f} GiB "
-            f"per device at most (ZeRO-0), within {memory / 2**30:.2f} GiB"
+            f"static memory: no measure needed — fp32 weights and AdamW on every replica, {own} per device at "
+            f"most (ZeRO-0), within {byte_size(memory, 2)}"
         )
     extra = chosen.allreduce_time + chosen.optimizer_time - plain.allreduce_time - plain.optimizer_time
     if chosen.offload_all:
@@ -97,8 +99,8 @@ def static_measures_line(evaluation, memory: float) -> str:
     else:
         price = f"saving {-extra:.2f} ms per step (the 1/dp optimizer step outweighs the all-gather of the weights)"
     return (
-        f"static memory: {chosen.label} — {what}: {own_gib:.2f} GiB per device at most instead of "
-        f"{plain_gib:.2f} GiB under ZeRO-0, {price}"
+        f"static memory: {chosen.label} — {what}: {own} per device at most instead of {plain_size} under "
+        f"ZeRO-0, {price}"
     )
 
 
