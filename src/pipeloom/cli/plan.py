@@ -57,20 +57,12 @@ def spec_from_plan(args: argparse.Namespace):
     if args.zero == 0:  # the plan's static-memory measures, unless the flags ask for others
         del fields["zero"]
     elif args.zero != plan.zero:
-        print(
-            f"zero: --zero {args.zero} replaces the plan's ZeRO-{plan.zero}, and the plan's prediction is of "
-            f"ZeRO-{plan.zero}",
-            flush=True,
-        )
+        _replaced("zero", args.zero, f"ZeRO-{plan.zero}")
     planned_dtype = (plan.inputs or {}).get("dtype")
     if args.dtype is None:  # the type the plan's costs were measured in
         del fields["dtype"]
     elif planned_dtype and args.dtype != planned_dtype:
-        print(
-            f"dtype: --dtype {args.dtype} replaces the plan's {planned_dtype}, and the plan's prediction is of "
-            f"{planned_dtype}",
-            flush=True,
-        )
+        _replaced("dtype", args.dtype, planned_dtype)
     if args.model and args.model.startswith("hf:"):
         changed = _model_changes(plan.model, args.model)
         if changed:
@@ -87,6 +79,13 @@ def spec_from_plan(args: argparse.Namespace):
         for change in differences(recorded, data.provenance):
             print(f"data: --data replaces the plan's: it was made for {change}", flush=True)
     return plan_spec(plan, args.model, data, report=True, **fields)
+
+
+def _replaced(flag: str, asked, planned: str) -> None:
+    """Say that a run option replaces what the plan was priced with, its prediction being of that."""
+    print(
+        f"{flag}: --{flag} {asked} replaces the plan's {planned}, and the plan's prediction is of {planned}", flush=True
+    )
 
 
 def _model_changes(planned, given: str) -> list[str]:
