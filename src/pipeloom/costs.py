@@ -371,7 +371,7 @@ def _plain(value: Any) -> Any:
 
 CostsFor = Callable[[int, int], Costs]
 """(stages, slices) → the costs of a schedule of that shape: a profile priced for each schedule's
-own stages (`cli.args.stage_pricer`)."""
+own stages (`cli.args.costs_source`)."""
 
 
 def priced(build: Callable[[Costs], Schedule], costs: Costs | CostsFor) -> tuple[Schedule, Costs]:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from pathlib import Path
 
-from pipeloom.costs import Costs, priced
+from pipeloom.costs import Costs, CostsFor
 from pipeloom.errors import ConfigError
 from pipeloom.ir.io import load_schedule
 from pipeloom.ir.schedule import Schedule
@@ -24,8 +23,6 @@ __all__ = [
     "costs_from_args",
     "costs_source",
     "generator_options",
-    "priced_schedule",
-    "stage_pricer",
     "int_list",
     "mem_limit_from_args",
     "schedule_from_args",
@@ -208,10 +205,11 @@ def costs_from_args(args: argparse.Namespace) -> Costs:
     return costs
 
 
-def costs_source(args: argparse.Namespace):
-    """What --costs gives: Costs (inline keys or a file of them, `costs_from_args`), or the
-    profiled cost model of a profile file (`pipeloom profile`), which `priced_schedule` prices
-    for each schedule's own stages."""
+def costs_source(args: argparse.Namespace) -> Costs | CostsFor:
+    """What --costs gives: Costs (inline keys or a file of them, `costs_from_args`), or, from a
+    profile file (`pipeloom profile`), its costs for each schedule's shape (`costs.priced`): the
+    model's layers split evenly over the stages, at the profile's smallest micro-batch size, a
+    device a rank (the file's plain Costs keys price two stages only)."""
     spec = getattr(args, "costs", None)
     if spec and "=" not in spec:
         from pipeloom.files import read_json
@@ -220,20 +218,12 @@ def costs_source(args: argparse.Namespace):
         if isinstance(data, dict) and str(data.get("format", "")).startswith("pipeloom.profile/"):
             from pipeloom.tune.profiled import ProfiledCostModel
 
-            return ProfiledCostModel(data)
+            return _stage_pricer(ProfiledCostModel(data))
     return costs_from_args(args)
 
 
-def priced_schedule(build, source) -> tuple[Schedule, Costs]:
-    """The schedule `build(costs)` makes and its costs: `source` as it is (Costs), or a profile's
-    priced for the schedule's own stages (`stage_pricer`, `costs.priced`)."""
-    return priced(build, source if isinstance(source, Costs) else stage_pricer(source))
-
-
-def stage_pricer(source) -> Callable[[int, int], Costs]:
-    """(stages, slices) → a profile's costs for a schedule of that shape: the model's layers split
-    evenly over its stages, at the profile's smallest micro-batch size, a device a rank (the
-    file's plain Costs keys price two stages only)."""
+def _stage_pricer(source) -> CostsFor:
+    """(stages, slices) → the profiled cost model `source`'s costs for a schedule of that shape."""
 
     def price(stages: int, slices: int) -> Costs:
         layers = source.model.layers

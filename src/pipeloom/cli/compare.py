@@ -15,15 +15,14 @@ from pipeloom.cli.args import (
     costs_source,
     generator_options,
     mem_limit_from_args,
-    priced_schedule,
     schedule_name,
 )
 from pipeloom.cli.output import check_finite, check_outputs, costs_text, num, table
 from pipeloom.cli.parser import add_command
-from pipeloom.costs import Costs
+from pipeloom.costs import Costs, priced
 from pipeloom.errors import ConfigError
 from pipeloom.ir.schedule import Schedule
-from pipeloom.schedules import build_schedule, get_generator
+from pipeloom.schedules import build_schedule
 from pipeloom.sim.simulate import simulate
 from pipeloom.units import memory_scale, time_unit
 from pipeloom.viz.plot import plot_timeline
@@ -75,8 +74,8 @@ def run(args: argparse.Namespace) -> int:
             kwargs["num_slices"] = args.slices
         if budget is not None and "mem_limit" in options:
             kwargs["mem_limit"] = budget
-        build = partial(_build, name, args.p, args.m, kwargs)
-        schedule, costs = priced_schedule(build, source)
+        build = partial(_build, name, args.p, args.m, kwargs, "costs" in options)
+        schedule, costs = priced(build, source)
         timelines.append(check_finite(simulate(schedule, costs)))
     if args.plot:
         from pipeloom.viz.compare_plot import plot_comparison
@@ -122,7 +121,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build(name: str, p: int, m: int, kwargs: dict, costs: Costs) -> Schedule:
+def _build(name: str, p: int, m: int, kwargs: dict, takes_costs: bool, costs: Costs) -> Schedule:
     """`name`'s schedule, given `costs` where its generator takes them."""
-    priced = {"costs": costs} if "costs" in get_generator(name).options else {}
-    return build_schedule(name, p, m, **kwargs, **priced)
+    return build_schedule(name, p, m, **kwargs, **({"costs": costs} if takes_costs else {}))

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from pipeloom.cli.args import add_costs, costs_source, stage_pricer
+from pipeloom.cli.args import add_costs, costs_source
 from pipeloom.cli.output import add_quiet, check_outputs, costs_text, num, progress_bar, table
 from pipeloom.cli.parser import add_command
 from pipeloom.costs import Costs
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     points = explore_pareto(
         args.p,
         args.m,
-        source if isinstance(source, Costs) else stage_pricer(source),
+        source,
         budgets=args.budgets,
         progress=progress_bar("pareto", args.quiet, "schedule"),
         skipped=skipped,

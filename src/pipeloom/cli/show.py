@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from pipeloom.cli.args import add_costs, add_schedule_source, costs_source, priced_schedule, schedule_from_args
+from pipeloom.cli.args import add_costs, add_schedule_source, costs_source, schedule_from_args
 from pipeloom.cli.parser import add_command
+from pipeloom.costs import priced
 
 __all__ = ["register"]
 
@@ -24,6 +25,6 @@ def register(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    schedule, _ = priced_schedule(lambda costs: schedule_from_args(args, costs), costs_source(args))
+    schedule, _ = priced(lambda costs: schedule_from_args(args, costs), costs_source(args))
     print(schedule.to_text().rstrip("\n") if args.text else schedule.grid())
     return 0

@@ -13,7 +13,6 @@ from pipeloom.cli.args import (
     add_tpipe_passes,
     costs_source,
     mem_limit_from_args,
-    priced_schedule,
     schedule_from_args,
 )
 from pipeloom.cli.output import (
@@ -28,6 +27,7 @@ from pipeloom.cli.output import (
 )
 from pipeloom.cli.parser import add_command
 from pipeloom.cli.passes import offloaded, passes_use_budget, with_passes
+from pipeloom.costs import priced
 from pipeloom.errors import ConfigError
 from pipeloom.sim.simulate import simulate
 
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--exact orders F, B and W only; it cannot be combined with --ckpt")
     used = args.exact or passes_use_budget(args)
     build = lambda costs: schedule_from_args(args, costs, budget_is_used=used)  # noqa: E731
-    schedule, costs = priced_schedule(build, costs_source(args))
+    schedule, costs = priced(build, costs_source(args))
     exact = None
     if args.exact:
         from pipeloom.tune.exact import optimise_schedule
