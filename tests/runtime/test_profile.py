@@ -125,6 +125,7 @@ def test_profile_simulate_tune_train(tmp_path, capsys):
     saved_mbs = saved["micro_batch_size"]
     for flag, value, message in (  # the plan fixes the shape it was priced at: another is refused
         ("--seq-len", 8, "--plan fixes the sequence length = 16: drop --seq-len 8"),
+        ("--seq-len", 32, "--plan fixes the sequence length = 16: drop --seq-len 32"),  # the flag's default, given
         ("--microbatch-size", saved_mbs + 1, f"--plan fixes the micro-batch size = {saved_mbs}"),
         ("--ep", 2, "--plan fixes ep = 1: drop --ep 2"),  # it had run, priced as the plan without
     ):

@@ -43,13 +43,12 @@ def spec_from_plan(args: argparse.Namespace):
             raise ConfigError(f"--plan fixes {name} = {value}: drop --{name} {getattr(args, name)}")
     if args.sequence_parallel and not plan.sequence_parallel:
         raise ConfigError("--plan fixes sequence parallelism off: drop --sequence-parallel")
-    parser = getattr(args, "train_parser", None)  # the flags' defaults: given only where they differ
     for flag, dest, what, value in (
         ("--microbatch-size", "microbatch_size", "the micro-batch size", plan.micro_batch_size),
         ("--seq-len", "seq_len", "the sequence length", plan.model.seq_len),
     ):
-        asked = getattr(args, dest, None)
-        if parser is not None and asked not in (None, parser.get_default(dest), value):
+        asked = getattr(args, dest)
+        if dest in getattr(args, "given_shape", ()) and asked != value:
             raise ConfigError(f"--plan fixes {what} = {value}: drop {flag} {asked}")
     fields = run_options(args)
     fields.pop("cp", None)  # checked against the plan's above

@@ -81,7 +81,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         ("--seq-len", 32, "tokens per sequence"),
         ("--microbatch-size", 2, "sequences per micro-batch"),
     ):
-        model.add_argument(flag, type=int, default=default, help=f"{help_text} (default {default})")
+        action = _Noted if flag in ("--seq-len", "--microbatch-size") else "store"
+        model.add_argument(flag, type=int, default=default, action=action, help=f"{help_text} (default {default})")
     model.add_argument("--layer-counts", metavar="N,N,..", help="decoder layers per stage (default: balanced)")
     add_costs(parser)
     parser.add_argument("--concat-w", action="store_true", help="run consecutive W of a stage as one GEMM (2BP)")
@@ -218,6 +219,15 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --log-dir: also log to this Weights & Biases project (offline mode "
         "unless WANDB_MODE says otherwise)",
     )
+
+
+class _Noted(argparse.Action):
+    """Stores the value and notes that the flag was given (`given_shape`): `train --plan` refuses
+    a shape other than its plan's, the flag's default value included."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given_shape = (*getattr(namespace, "given_shape", ()), self.dest)
 
 
 def check_train_flags(args: argparse.Namespace) -> None:
