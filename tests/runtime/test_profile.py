@@ -128,6 +128,7 @@ def test_profile_simulate_tune_train(tmp_path, capsys):
         ("--seq-len", 32, "--plan fixes the sequence length = 16: drop --seq-len 32"),  # the flag's default, given
         ("--microbatch-size", saved_mbs + 1, f"--plan fixes the micro-batch size = {saved_mbs}"),
         ("--ep", 2, "--plan fixes ep = 1: drop --ep 2"),  # it had run, priced as the plan without
+        ("--dp", 2, "--plan fixes dp = 1: drop --dp 2"),
     ):
         assert main(["train", "--plan", str(plan), flag, str(value)]) == 2
         assert message in capsys.readouterr().err
@@ -135,6 +136,10 @@ def test_profile_simulate_tune_train(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "dtype: --dtype bf16 replaces the plan's fp32, and the plan's prediction is of fp32" in out
     assert f"zero: --zero 1 replaces the plan's ZeRO-{saved['zero']}, and the plan's prediction is of ZeRO-" in out
+    sharded = tmp_path / "zero1-plan.json"  # --zero 0, the flag's default, given: it replaces the plan's ZeRO-1
+    sharded.write_text(json.dumps({**saved, "zero": 1}))
+    assert main(["train", "--plan", str(sharded), "--steps", "1", "--zero", "0"]) == 0
+    assert "zero: --zero 0 replaces the plan's ZeRO-1" in capsys.readouterr().out
 
     # The same plan from Python, through the runtime's public surface only.
     from pipeloom.runtime import reference_training, run_in_process, spec_from_plan

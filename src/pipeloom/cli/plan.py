@@ -33,10 +33,10 @@ def spec_from_plan(args: argparse.Namespace):
     from pipeloom.runtime.plan_run import spec_from_plan as plan_spec
     from pipeloom.tune.plan import Plan
 
-    given = [flag for flag in _SCHEDULE_FLAGS if getattr(args, flag, None)]
-    if given or args.ckpt != "none" or args.dp != 1:
-        raise ConfigError("--plan fixes the schedule, the model and dp: drop the other schedule options")
+    if any(getattr(args, flag, None) for flag in _SCHEDULE_FLAGS) or args.ckpt != "none":
+        raise ConfigError("--plan fixes the schedule and the model: drop the other schedule options")
     plan = Plan.load(args.plan)
+    given = getattr(args, "given", ())  # flags given on the command line, whatever their value
     ep = plan.model.expert_parallel if plan.model.num_experts else 1
     for name, value in (("tp", plan.tp), ("cp", plan.cp), ("ep", ep)):
         if getattr(args, name, None) is not None and getattr(args, name) != value:
@@ -44,16 +44,17 @@ def spec_from_plan(args: argparse.Namespace):
     if args.sequence_parallel and not plan.sequence_parallel:
         raise ConfigError("--plan fixes sequence parallelism off: drop --sequence-parallel")
     for flag, dest, what, value in (
+        ("--dp", "dp", "dp", plan.dp),
         ("--microbatch-size", "microbatch_size", "the micro-batch size", plan.micro_batch_size),
         ("--seq-len", "seq_len", "the sequence length", plan.model.seq_len),
     ):
         asked = getattr(args, dest)
-        if dest in getattr(args, "given_shape", ()) and asked != value:
+        if dest in given and asked != value:
             raise ConfigError(f"--plan fixes {what} = {value}: drop {flag} {asked}")
     fields = run_options(args)
     fields.pop("cp", None)  # checked against the plan's above
     fields.pop("sequence_parallel", None)  # the plan's (the flag's default would turn a plan's off)
-    if args.zero == 0:  # the plan's static-memory measures, unless the flags ask for others
+    if "zero" not in given:  # the plan's static-memory measures, unless the flags ask for others
         del fields["zero"]
     elif args.zero != plan.zero:
         _replaced("zero", args.zero, f"ZeRO-{plan.zero}")

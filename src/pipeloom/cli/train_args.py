@@ -36,7 +36,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --ckpt: checkpoint only the first K layers of each checkpointed stage forward and keep the "
         "others' activations (Megatron's --recompute-num-layers; simulate it with recompute_fraction=K/layers)",
     )
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world size = p × dp × cp × tp)")
+    parser.add_argument(
+        "--dp", type=int, default=1, action=_Given, help="data-parallel replicas (world size = p × dp × cp × tp)"
+    )
     parser.add_argument(
         "--tp",
         type=int,
@@ -81,7 +83,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         ("--seq-len", 32, "tokens per sequence"),
         ("--microbatch-size", 2, "sequences per micro-batch"),
     ):
-        action = _Noted if flag in ("--seq-len", "--microbatch-size") else "store"
+        action = _Given if flag in ("--seq-len", "--microbatch-size") else "store"
         model.add_argument(flag, type=int, default=default, action=action, help=f"{help_text} (default {default})")
     model.add_argument("--layer-counts", metavar="N,N,..", help="decoder layers per stage (default: balanced)")
     add_costs(parser)
@@ -124,6 +126,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         choices=(0, 1, 2),
         default=0,
+        action=_Given,
         help="static memory: 0 fp32 weights and full AdamW on every replica (default); 1 weights in the "
         "compute type, fp32 master and AdamW sharded over --dp; 2 also reduce-scatters the gradients",
     )
@@ -221,13 +224,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-class _Noted(argparse.Action):
-    """Stores the value and notes that the flag was given (`given_shape`): `train --plan` refuses
-    a shape other than its plan's, the flag's default value included."""
+class _Given(argparse.Action):
+    """Stores the value and notes that the flag was given (`given`): `train --plan` refuses or
+    notes a value other than its plan's, the flag's default value included."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, values)
-        namespace.given_shape = (*getattr(namespace, "given_shape", ()), self.dest)
+        namespace.given = (*getattr(namespace, "given", ()), self.dest)
 
 
 def check_train_flags(args: argparse.Namespace) -> None:
