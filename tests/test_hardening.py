@@ -116,6 +116,9 @@ def test_a_plan_that_does_not_hold_together_is_refused_naming_the_field(capsys, 
         ),
         ({"inputs": {"data": {"kind": "csv"}}}, "field 'inputs.data' is not a data record"),
         ({"inputs": {"dtype": "int8"}}, "field 'inputs.dtype' must be one of fp32, bf16, fp16"),
+        ({"inputs": {"device": "tpu"}}, "field 'inputs.device' must be one of cpu, cuda, got 'tpu'"),
+        ({"inputs": {"threads": 0}}, "field 'inputs.threads' must be a positive integer, got 0"),
+        ({"inputs": {"threads": 2.5}}, "field 'inputs.threads' must be a positive integer, got 2.5"),
     ]:
         broken = {k: v for k, v in {**data, **changes}.items() if v is not None}
         (tmp_path / "bad.json").write_text(json.dumps(broken))

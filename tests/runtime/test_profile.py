@@ -136,10 +136,20 @@ def test_profile_simulate_tune_train(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "dtype: --dtype bf16 replaces the plan's fp32, and the plan's prediction is of fp32" in out
     assert f"zero: --zero 1 replaces the plan's ZeRO-{saved['zero']}, and the plan's prediction is of ZeRO-" in out
-    sharded = tmp_path / "zero1-plan.json"  # --zero 0, the flag's default, given: it replaces the plan's ZeRO-1
-    sharded.write_text(json.dumps({**saved, "zero": 1}))
-    assert main(["train", "--plan", str(sharded), "--steps", "1", "--zero", "0"]) == 0
-    assert "zero: --zero 0 replaces the plan's ZeRO-1" in capsys.readouterr().out
+    assert saved["inputs"]["device"] == "cpu" and saved["inputs"]["threads"] == 1  # the profile's: what it priced
+    # a plan of ZeRO-1 measured on 2 threads a rank of a GPU: --zero 0 and --threads 1, the flags' defaults, given
+    elsewhere = tmp_path / "elsewhere-plan.json"
+    elsewhere.write_text(
+        json.dumps({**saved, "zero": 1, "inputs": {**saved["inputs"], "threads": 2, "device": "cuda"}})
+    )
+    from pipeloom.runtime import spec_from_plan as runtime_spec
+
+    assert runtime_spec(elsewhere).threads == 2  # run as measured unless told otherwise
+    assert main(["train", "--plan", str(elsewhere), "--steps", "1", "--zero", "0", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "zero: --zero 0 replaces the plan's ZeRO-1" in out
+    assert "threads: --threads 1 replaces the plan's 2 thread(s) a rank" in out
+    assert "device: this run is on cpu, and the plan's prediction is of cuda (its profile's device)" in out
 
     # The same plan from Python, through the runtime's public surface only.
     from pipeloom.runtime import reference_training, run_in_process, spec_from_plan

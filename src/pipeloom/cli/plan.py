@@ -58,11 +58,23 @@ def spec_from_plan(args: argparse.Namespace):
         del fields["zero"]
     elif args.zero != plan.zero:
         _replaced("zero", args.zero, f"ZeRO-{plan.zero}")
-    planned_dtype = (plan.inputs or {}).get("dtype")
+    inputs = plan.inputs or {}
+    planned_dtype = inputs.get("dtype")
     if args.dtype is None:  # the type the plan's costs were measured in
         del fields["dtype"]
     elif planned_dtype and args.dtype != planned_dtype:
         _replaced("dtype", args.dtype, planned_dtype)
+    planned_threads = inputs.get("threads")
+    if "threads" not in given:  # the threads a rank the plan's costs were measured with
+        del fields["threads"]
+    elif planned_threads and args.threads != planned_threads:
+        _replaced("threads", args.threads, f"{planned_threads} thread(s) a rank")
+    planned_device, device = inputs.get("device"), args.device or "cpu"
+    if planned_device and device != planned_device:
+        print(
+            f"device: this run is on {device}, and the plan's prediction is of {planned_device} (its profile's device)",
+            flush=True,
+        )
     if args.model and args.model.startswith("hf:"):
         changed = _model_changes(plan.model, args.model)
         if changed:
@@ -72,7 +84,7 @@ def spec_from_plan(args: argparse.Namespace):
                 flush=True,
             )
     data = data_from_args(args, plan.model.seq_len)
-    recorded = (plan.inputs or {}).get("data")
+    recorded = inputs.get("data")
     if data is not None and recorded:
         from pipeloom.provenance import differences
 

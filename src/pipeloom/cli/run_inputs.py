@@ -17,6 +17,8 @@ def plan_inputs(
     dtype: str | None,
     vocab: int | None,
     seq_len: int = 1,
+    device: str | None = None,
+    threads: int | None = None,
 ) -> dict:
     """The record of `tune --data PATH [--tokenizer DIR | --data-dtype T]`, checked now (the file
     exists; a token file holds a sequence of the model's `seq_len` and its ids fit the model's
@@ -42,4 +44,4 @@ def plan_inputs(
                 f"data: token ids in {data!r} reach {tokens.vocab_limit - 1}, beyond the model's vocabulary of {vocab}"
             )
         record = tokens.provenance
-    return {"data": record, "dtype": dtype}
+    return {"data": record, "dtype": dtype, "device": device, "threads": threads}

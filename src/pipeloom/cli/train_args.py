@@ -69,7 +69,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "enough to tell the plan's error from the machine's noise)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic data")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument(
+        "--threads", type=int, default=1, action=_Given, help="torch threads per rank (default 1, or the plan's)"
+    )
     parser.add_argument(
         "--lr", type=float, help="AdamW's peak learning rate (default 1e-3; with --resume, the checkpoint's)"
     )

@@ -174,9 +174,18 @@ def run(args: argparse.Namespace) -> int:
     splits = _splits(args, cost_model, tps, cps, eps)
     memory = _memory(args, cost_model)
     host_memory = _host_memory(args, cost_model)
-    dtype = cost_model.profile.dtype if isinstance(cost_model, ProfiledCostModel) else None
+    profile = cost_model.profile if isinstance(cost_model, ProfiledCostModel) else None
     model = cost_model.model
-    inputs = plan_inputs(args.data, args.tokenizer, args.data_dtype, dtype, model.vocab, model.seq_len)
+    inputs = plan_inputs(
+        args.data,
+        args.tokenizer,
+        args.data_dtype,
+        profile.dtype if profile else None,
+        model.vocab,
+        model.seq_len,
+        profile.device.kind if profile else None,
+        profile.device.threads if profile else None,
+    )
     schemes = args.schemes.split(",") if args.schemes else list(DEFAULT_SCHEMES)
     if args.runnable:
         schemes = [name for name in schemes if name in RUNNABLE_SCHEMES]

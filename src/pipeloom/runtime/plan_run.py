@@ -26,8 +26,8 @@ def spec_from_plan(plan: Plan | str | Path, model: str | None = None, data=None,
     """The run a plan describes. `model`: "hf:DIR" to train a Hugging Face model cut as planned
     (default: the model the plan's profile measured, else the built-in decoder); `data`: a
     `pipeloom.data` source (default: the data the plan records, else synthetic tokens);
-    `options`: further `TrainSpec` fields (steps, lr, save_dir, ...; dtype defaults to the type
-    the plan's costs were measured in)."""
+    `options`: further `TrainSpec` fields (steps, lr, save_dir, ...; dtype and threads default
+    to the type and the torch threads a rank the plan's costs were measured with)."""
     plan = plan if isinstance(plan, Plan) else Plan.load(str(plan))
     known = set(TrainSpec.flat_names())
     unknown = sorted(set(options) - known)
@@ -40,6 +40,8 @@ def spec_from_plan(plan: Plan | str | Path, model: str | None = None, data=None,
     inputs = plan.inputs or {}
     if inputs.get("dtype"):
         options.setdefault("dtype", inputs["dtype"])
+    if inputs.get("threads"):
+        options.setdefault("threads", inputs["threads"])
     if data is None and inputs.get("data"):
         from pipeloom.data import open_recorded
 

@@ -7,7 +7,8 @@
      "zero": 0, "offload_stages": [],
      "partition": [3, 4, 4, 3], "layout": "Ettt|tttt|tttt|tttL",
      "schedule": {...pipeloom.schedule/1...}, "costs": {...Costs keys...},
-     "inputs": {"data": {...pipeloom.provenance record...} or null, "dtype": "bf16" or null},
+     "inputs": {"data": {...pipeloom.provenance record...} or null, "dtype": "bf16" or null,
+                "device": "cpu" or null, "threads": 1 or null},
      "predicted": {"step_time_ms": ..., "pipeline_ms": ..., "allreduce_ms": ..., "optimizer_ms": ..., "overhead_ms": ...,
                    "throughput": ..., "bubble_rate": ..., "peak_memory": [...], "static_memory": [...],
                    "peak_activation_memory": [...]}}
@@ -100,7 +101,7 @@ class Plan:
             "schedule": self.schedule.to_dict(),
             "costs": self.costs.to_dict(),
             "predicted": self.predicted,
-            "inputs": self.inputs or {"data": None, "dtype": None},
+            "inputs": self.inputs or {"data": None, "dtype": None, "device": None, "threads": None},
         }
 
     def save(self, path: str | PathLike[str]) -> None:

@@ -1,9 +1,11 @@
-"""What a plan records of its run's inputs — the data (`pipeloom.provenance`) and the compute
-type its costs were measured in — so that `train --plan` trains on them without being told again.
+"""What a plan records of its run's inputs — the data (`pipeloom.provenance`), and the compute
+type, the device and the torch threads a rank its costs were measured with — so that
+`train --plan` trains on them without being told again.
 
-    "inputs": {"data": {...provenance record...} or null, "dtype": "bf16" or null}
+    "inputs": {"data": {...provenance record...} or null, "dtype": "bf16" or null,
+               "device": "cpu" or "cuda" or null, "threads": 4 or null}
 
-null: not known when the plan was made (synthetic tokens; the runtime's default type). The record
+null: not known when the plan was made (synthetic tokens; the runtime's defaults). The record
 is made by the command line (`cli/run_inputs.py`), which may read the data; here it is checked.
 """
 
@@ -11,9 +13,10 @@ from __future__ import annotations
 
 from pipeloom.errors import ConfigError
 
-__all__ = ["DTYPES", "check_inputs"]
+__all__ = ["DTYPES", "DEVICES", "check_inputs"]
 
 DTYPES = ("fp32", "bf16", "fp16")
+DEVICES = ("cpu", "cuda")
 
 
 def check_inputs(inputs: object, where: str) -> dict:
@@ -27,4 +30,9 @@ def check_inputs(inputs: object, where: str) -> dict:
         raise ConfigError(f"{where}: field 'inputs.data' names no file ('path')")
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"{where}: field 'inputs.dtype' must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    return {"data": data, "dtype": dtype}
+    device, threads = inputs.get("device"), inputs.get("threads")
+    if device is not None and device not in DEVICES:
+        raise ConfigError(f"{where}: field 'inputs.device' must be one of {', '.join(DEVICES)}, got {device!r}")
+    if threads is not None and (type(threads) is not int or threads < 1):
+        raise ConfigError(f"{where}: field 'inputs.threads' must be a positive integer, got {threads!r}")
+    return {"data": data, "dtype": dtype, "device": device, "threads": threads}
