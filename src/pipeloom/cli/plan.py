@@ -58,21 +58,19 @@ def spec_from_plan(args: argparse.Namespace):
         del fields["zero"]
     elif args.zero != plan.zero:
         _replaced("zero", args.zero, f"ZeRO-{plan.zero}")
-    inputs = plan.inputs or {}
-    planned_dtype = inputs.get("dtype")
+    planned = plan.inputs
     if args.dtype is None:  # the type the plan's costs were measured in
         del fields["dtype"]
-    elif planned_dtype and args.dtype != planned_dtype:
-        _replaced("dtype", args.dtype, planned_dtype)
-    planned_threads = inputs.get("threads")
+    elif planned.dtype and args.dtype != planned.dtype:
+        _replaced("dtype", args.dtype, planned.dtype)
     if "threads" not in given:  # the threads a rank the plan's costs were measured with
         del fields["threads"]
-    elif planned_threads and args.threads != planned_threads:
-        _replaced("threads", args.threads, f"{planned_threads} thread(s) a rank")
-    planned_device, device = inputs.get("device"), args.device or "cpu"
-    if planned_device and device != planned_device:
+    elif planned.threads and args.threads != planned.threads:
+        _replaced("threads", args.threads, f"{planned.threads} thread(s) a rank")
+    device = args.device or "cpu"
+    if planned.device and device != planned.device:
         print(
-            f"device: this run is on {device}, and the plan's prediction is of {planned_device} (its profile's device)",
+            f"device: this run is on {device}, and the plan's prediction is of {planned.device} (its profile's device)",
             flush=True,
         )
     if args.model and args.model.startswith("hf:"):
@@ -84,7 +82,7 @@ def spec_from_plan(args: argparse.Namespace):
                 flush=True,
             )
     data = data_from_args(args, plan.model.seq_len)
-    recorded = inputs.get("data")
+    recorded = planned.data
     if data is not None and recorded:
         from pipeloom.provenance import differences
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeloom.errors import ConfigError
+from pipeloom.tune.run_inputs import RunInputs
 
 __all__ = ["plan_inputs"]
 
@@ -19,7 +20,7 @@ def plan_inputs(
     seq_len: int = 1,
     device: str | None = None,
     threads: int | None = None,
-) -> dict:
+) -> RunInputs:
     """The record of `tune --data PATH [--tokenizer DIR | --data-dtype T]`, checked now (the file
     exists; a token file holds a sequence of the model's `seq_len` and its ids fit the model's
     vocabulary) so a plan never names data it cannot train on."""
@@ -44,4 +45,4 @@ def plan_inputs(
                 f"data: token ids in {data!r} reach {tokens.vocab_limit - 1}, beyond the model's vocabulary of {vocab}"
             )
         record = tokens.provenance
-    return {"data": record, "dtype": dtype, "device": device, "threads": threads}
+    return RunInputs(record, dtype, device, threads)

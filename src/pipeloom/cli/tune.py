@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rows, allow_nan=False))
         return 0
     print(_report(result, args, memory, cost_model))
-    if note := routed_elsewhere(cost_model, inputs.get("data")):
+    if note := routed_elsewhere(cost_model, inputs.data):
         print(f"data: {note}")
     if args.explain:
         from pipeloom.cli.tune_explain import explain

@@ -37,15 +37,15 @@ def spec_from_plan(plan: Plan | str | Path, model: str | None = None, data=None,
     if fixed:
         raise ConfigError(f"train_plan: the plan fixes {', '.join(fixed)}; drop them")
     options.setdefault("zero", plan.zero)
-    inputs = plan.inputs or {}
-    if inputs.get("dtype"):
-        options.setdefault("dtype", inputs["dtype"])
-    if inputs.get("threads"):
-        options.setdefault("threads", inputs["threads"])
-    if data is None and inputs.get("data"):
+    inputs = plan.inputs
+    if inputs.dtype:
+        options.setdefault("dtype", inputs.dtype)
+    if inputs.threads:
+        options.setdefault("threads", inputs.threads)
+    if data is None and inputs.data:
         from pipeloom.data import open_recorded
 
-        data = open_recorded(inputs["data"], plan.model.seq_len, options.get("seed", 0))
+        data = open_recorded(inputs.data, plan.model.seq_len, options.get("seed", 0))
     if plan.sequence_parallel:
         options.setdefault("sequence_parallel", True)
     if plan.offload_stages:

@@ -35,7 +35,7 @@ from pipeloom.tune.confidence import band, figure_errors, sensitivities
 from pipeloom.tune.cost_model import CostModel
 from pipeloom.tune.partition import layout_string
 from pipeloom.tune.presets import ModelSpec, model_from_config
-from pipeloom.tune.run_inputs import check_inputs
+from pipeloom.tune.run_inputs import RunInputs
 from pipeloom.tune.search import Evaluation, TuneResult, evaluate_schedule
 from pipeloom.tune.space import Candidate
 from pipeloom.tune.topology import Split
@@ -67,8 +67,9 @@ class Plan:
     offload_stages: tuple[int, ...] = ()
     sequence_parallel: bool = False
     """With tp > 1: the plan was priced with sequence parallelism (`tune --sequence-parallel`)."""
-    inputs: dict | None = None
-    """The run's data and compute type (`tune.run_inputs`); None: not recorded (older plans)."""
+    inputs: RunInputs = RunInputs()
+    """The run's data, and what its costs were measured on (`tune.run_inputs`); all None: not
+    recorded (older plans, or no profile priced it)."""
     cp: int = 1
     """Context-parallel ranks per stage: each holds 1/cp of every sequence."""
 
@@ -101,7 +102,7 @@ class Plan:
             "schedule": self.schedule.to_dict(),
             "costs": self.costs.to_dict(),
             "predicted": self.predicted,
-            "inputs": self.inputs or {"data": None, "dtype": None, "device": None, "threads": None},
+            "inputs": self.inputs.to_dict(),
         }
 
     def save(self, path: str | PathLike[str]) -> None:
@@ -198,7 +199,7 @@ class Plan:
             zero=int(data.get("zero", 0)),
             offload_stages=tuple(int(s) for s in data.get("offload_stages", ())),
             sequence_parallel=bool(data.get("sequence_parallel", False)),
-            inputs=check_inputs(data.get("inputs", {}), "plan"),
+            inputs=RunInputs.from_dict(data.get("inputs", {}), "plan"),
         )
 
 
