@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from pipeloom.costs import Costs
 
-__all__ = ["MemoryScale", "memory_scale", "memory_unit", "time_unit", "format_time"]
+__all__ = ["MemoryScale", "bytes_scale", "memory_scale", "memory_unit", "time_unit", "format_time"]
 
 _MIB, _GIB = 2**20, 2**30
 
@@ -55,6 +55,11 @@ def memory_scale(costs: Costs, amounts: Iterable[float] = ()) -> MemoryScale:
     """GiB or MiB for costs in bytes (GiB once the largest amount reaches one), else M_B when a
     micro-batch's activations are the unit (M_B = 1), else "units"."""
     if costs.memory_unit == "bytes":
-        largest = max(amounts, default=0.0)
-        return MemoryScale(_GIB, "GiB") if largest >= _GIB else MemoryScale(_MIB, "MiB")
+        return bytes_scale(amounts)
     return MemoryScale(1.0, "M_B" if costs.M_B == 1.0 else "units")
+
+
+def bytes_scale(amounts: Iterable[float]) -> MemoryScale:
+    """GiB once the largest of the byte counts `amounts` reaches one, else MiB."""
+    largest = max(amounts, default=0.0)
+    return MemoryScale(_GIB, "GiB") if largest >= _GIB else MemoryScale(_MIB, "MiB")

@@ -106,8 +106,10 @@ def test_profile_simulate_tune_train(tmp_path, capsys):
         )
         == 0
     )
-    static = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("static memory:"))
+    ranking = capsys.readouterr().out
+    static = next(line for line in ranking.splitlines() if line.startswith("static memory:"))
     assert " KiB per device at most (ZeRO-0), within 1.00 GiB" in static  # a small model: not "0.00 GiB"
+    assert "max MiB  min MiB  host MiB" in ranking  # nor a column of them
     assert main(["train", "--plan", str(plan), "--steps", "2"]) == 0
     out = capsys.readouterr().out
     assert "fidelity" in out and "step time" in out

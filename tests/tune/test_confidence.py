@@ -1,11 +1,12 @@
 """A plan's band from the profile's confidence, and near-ties broken by robustness."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
 from pipeloom.profile_format import Layout
-from pipeloom.tune.confidence import band, figure_errors, lever, sensitivities, tied
+from pipeloom.tune.confidence import band, figure_errors, lever, note_extrapolations, sensitivities, tied
 from pipeloom.tune.profiled import ProfiledCostModel
 from pipeloom.tune.search import tune
 
@@ -112,6 +113,25 @@ def test_plans_priced_beyond_the_profile_rank_after_the_measured_ones_and_say_so
     only_guesses = tune(model, 2, 1e9, 8, keep=4, **dict(space, micro_batches=[1]))
     assert all(e.extrapolated for e in only_guesses.ranked)
     assert only_guesses.extrapolation_note.startswith("every ranked plan is priced beyond what the profile measured")
+
+
+def test_a_ranked_guess_slower_than_the_measured_leader_still_has_its_mark_explained():
+    """The table marks a plan priced beyond the profile with ~: where none beats the measured
+    leader there is nothing set aside to name, but the mark is still explained."""
+
+    def plan(label: str, step: float, *why: str) -> SimpleNamespace:
+        return SimpleNamespace(candidate=SimpleNamespace(label=label), step_time=step, extrapolated=why)
+
+    measured, guess = plan("zb-v pp=2 dp=1 mbs=1", 86.0), plan("dualpipe pp=2 dp=1 mbs=1", 88.0, "3 layers a stage")
+    result = SimpleNamespace(ranked=[measured, guess], extrapolation_note="")
+    note_extrapolations(result, guess)
+    assert result.extrapolation_note == (
+        "plans marked ~ are priced beyond what the profile measured (3 layers a stage for dualpipe pp=2 dp=1 "
+        "mbs=1), so they are ranked after the measured ones"
+    )
+    clean = SimpleNamespace(ranked=[measured], extrapolation_note="")
+    note_extrapolations(clean, None)
+    assert clean.extrapolation_note == ""
 
 
 def test_a_stage_of_more_layers_than_the_probes_held_is_marked_and_its_band_widened():

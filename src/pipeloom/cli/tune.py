@@ -20,6 +20,7 @@ from pipeloom.errors import ConfigError
 from pipeloom.files import check_writable
 from pipeloom.tune.space import DEFAULT_SCHEMES, RUNNABLE_SCHEMES, SCHEMES, power_of_two_sizes
 from pipeloom.tune.topology import Split
+from pipeloom.units import MemoryScale, bytes_scale
 
 __all__ = ["register"]
 
@@ -389,15 +390,14 @@ def _host_memory(args: argparse.Namespace, cost_model) -> float:
     return getattr(getattr(cost_model, "hardware", None), "host_memory", math.inf)
 
 
-def _row(e, result) -> list:
-    peak = max(e.peak_memory)
+def _row(e, result, scale: MemoryScale) -> list:
     return [
         e.candidate.label,
         num(round(e.step_time, 2)),
         f"{result.throughput(e):.3g}",
-        f"{peak / 2**30:.2f}",
-        f"{min(e.peak_memory) / 2**30:.2f}",
-        f"{max(e.host_memory, default=0.0) / 2**30:.2f}",
+        scale.number(max(e.peak_memory)),
+        scale.number(min(e.peak_memory)),
+        scale.number(max(e.host_memory, default=0.0)),
         f"{e.bubble_rate:.1%}",
     ]
 
@@ -437,10 +437,11 @@ def _report(result, args, memory: float, cost_model) -> str:
         f"ruled out {len(result.rejected)}"
         + (f" ({', '.join(f'{n} {r}' for r, n in reasons.items())})" if reasons else "")
     )
-    headers = ["plan", "step ms", "samples/s", "max GiB", "min GiB", "host GiB", "bubble"]
+    scale = bytes_scale(peak for e in result.ranked for peak in e.peak_memory)  # a small model's reads in MiB
+    headers = ["plan", "step ms", "samples/s", f"max {scale.unit}", f"min {scale.unit}", f"host {scale.unit}", "bubble"]
     rows = [
         [f"{i + 1}. {'~' if e.extrapolated else ''}{row[0]}", *row[1:]]
-        for i, (e, row) in enumerate((e, _row(e, result)) for e in result.ranked)
+        for i, (e, row) in enumerate((e, _row(e, result, scale)) for e in result.ranked)
     ]
     if any(result.bands):  # a measured profile: how far each step can be trusted
         headers.insert(2, "± ms")

@@ -199,8 +199,12 @@ def measured_first(result, model_of: Callable[..., CostModel], leader=None) -> N
 def note_extrapolations(result, leader=None) -> None:
     """Say so (`result.extrapolation_note`) when the fastest plan priced beyond the profile
     (`leader`, marked by `measured_first`) would beat the first measured plan, or when every
-    ranked plan is such a guess."""
+    ranked plan is such a guess; else, where the ranking holds such plans, what their mark
+    means."""
+    marked = next((e for e in result.ranked if e.extrapolated), None)
     if leader is None or not leader.extrapolated:
+        leader = marked
+    if leader is None:
         return
     why = "; ".join(leader.extrapolated)
     first = result.ranked[0]
@@ -214,4 +218,9 @@ def note_extrapolations(result, leader=None) -> None:
             f"plans priced beyond what the profile measured are ranked after the measured ones (marked ~): "
             f"{leader.candidate.label} would be {1 - leader.step_time / first.step_time:.1%} faster, but on {why}; "
             "profile those sizes to rank it on measured costs"
+        )
+    elif marked is not None:
+        result.extrapolation_note = (
+            f"plans marked ~ are priced beyond what the profile measured ({'; '.join(marked.extrapolated)} for "
+            f"{marked.candidate.label}), so they are ranked after the measured ones"
         )
