@@ -10,7 +10,7 @@ from pipeloom.tune.confidence import band, figure_errors, lever, note_extrapolat
 from pipeloom.tune.profiled import ProfiledCostModel
 from pipeloom.tune.search import tune
 
-from .test_profiled import plain, profile
+from .test_profiled import fit, plain, profile
 
 SPACE = dict(schemes=["1f1b", "zb-h1", "gpipe"], pp_values=[2], micro_batches=[1, 2], layouts=False)
 
@@ -158,6 +158,27 @@ def test_a_stage_of_more_layers_than_the_probes_held_is_marked_and_its_band_wide
         factor = lever([2, 4], 8) if evaluation.extrapolated else 1.0
         assert widened == pytest.approx(factor * width[evaluation.candidate.label])
     assert lever([2, 4], 8) == pytest.approx((1 / 2 + 5**2 / 2) ** 0.5 / (1 / 2 + 1**2 / 2) ** 0.5)
+
+
+def test_a_layout_the_profile_measured_replaces_one_it_did_not_faster_or_not():
+    """The probes held 4 layers a stage, and the head's forward is dear: balanced by time, the
+    8-layer model's two stages hold 5 and 3 layers, beyond the profile. The even layout is
+    measured and replaces it in each plan, though slower, so the ranking offers the measured
+    zb-h1 rather than leaving gpipe the only measured plan; the note names what was set aside."""
+    data = profile()
+    for size in ("1", "2"):
+        plain(data)["fits"][size]["F"] = fit(1.0 * int(size), 0.5, 6.0)
+    measured = ProfiledCostModel(data).profile
+    held = dataclasses.replace(measured.plain, layers=(4,))
+    model = ProfiledCostModel(dataclasses.replace(measured, layouts={**measured.layouts, Layout(): held}))
+    result = tune(model, 2, 1e9, 8, keep=6, **dict(SPACE, micro_batches=[2], layouts=True))
+    first = result.ranked[0]
+    assert first.candidate.label == "zb-h1 pp=2 dp=1 mbs=2" and first.partition == [4, 4] and not first.extrapolated
+    assert [e.partition for e in result.ranked] == [[4, 4]] * 3
+    assert result.extrapolation_note.startswith("plans priced beyond what the profile measured are ranked after")
+    assert "zb-h1 pp=2 dp=1 mbs=2 would be 4.3% faster, but on 3, 5 layers a stage (profiled: 4)" in (
+        result.extrapolation_note
+    )
 
 
 def test_a_near_tie_never_ranks_first_a_plan_slower_than_the_fastest_plans_band():

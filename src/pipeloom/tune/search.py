@@ -239,11 +239,19 @@ def _other_partitions(
 ) -> int:
     """The leading plans built and simulated again on other layer layouts (`partition_variants`):
     the layout is chosen with the schedule, the balanced one being one input, not the only one.
-    A layout that makes a plan faster replaces it, and the ranking is sorted again. Rebuilt, not
-    re-timed: a budgeted generator's schedule for one layout's costs gains little on another's.
-    How many were simulated."""
+    A layout that makes a plan faster replaces it, and the ranking is sorted again — unless it
+    holds stages of more or fewer layers than the profile measured where the plan's did not;
+    and one within what was measured replaces a plan whose layout was not, faster or not (a
+    measured plan ranks before every guess). Rebuilt, not re-timed: a budgeted generator's
+    schedule for one layout's costs gains little on another's. How many were simulated."""
+
+    def guessed(evaluation: Evaluation, layout) -> bool:
+        candidate = evaluation.candidate
+        return bool(models[candidate.split].extrapolations(candidate.micro_batch, candidate.slices, layout))
+
     leading = ranked[:REFINED_PLANS]
     sent: list[tuple[int, Evaluation, list]] = []
+    limit = max(evaluation.step_time for evaluation in leading)
     for index, evaluation in enumerate(leading):
         base = replace(evaluation.candidate, passes=SCHEMES[evaluation.candidate.scheme].passes, zero=0)
         own = (evaluation.candidate.zero, "offload-all" in evaluation.candidate.passes)
@@ -251,12 +259,17 @@ def _other_partitions(
             variant, bound = _prepare(base, models[base.split], memory, static_measures, layout, host_memory)
             every = variant.options  # the plan's own static measure only: a layer moves little memory
             variant.options = [option for option in every if (option.zero, option.offload_all) == own]
-            if not variant.reason and variant.options and bound < evaluation.step_time - _EPS:
+            measured_instead = guessed(evaluation, evaluation.partition) and not guessed(evaluation, layout)
+            if not variant.reason and variant.options and (measured_instead or bound < evaluation.step_time - _EPS):
                 sent.append((index, variant, every))
-    limit = max(evaluation.step_time for evaluation in leading)
+                limit = math.inf if measured_instead else limit
     results = pool.run([variant for _, variant, _ in sent], limit, [_ops(variant.candidate) for _, variant, _ in sent])
     for (index, _, every), (variant, _) in zip(sent, results):
-        if variant.feasible and variant.step_time < ranked[index].step_time - _EPS:
+        plan = ranked[index]
+        if variant.feasible and (
+            (guessed(variant, variant.partition), variant.step_time)
+            < (guessed(plan, plan.partition), plan.step_time - _EPS)
+        ):
             variant.options = every  # what --explain weighs the measure against
             ranked[index] = variant
     ranked.sort(key=lambda e: e.step_time)
