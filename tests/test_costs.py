@@ -16,6 +16,22 @@ def test_scalar_is_one_devices_share_split_over_its_chunks_and_slices():
     assert table.R == table.F  # R defaults to F
 
 
+def test_a_fused_backward_is_one_op_priced_as_given_else_as_its_b_and_w():
+    """A BW is one autograd pass: where its time is given, its communication and the runtime's
+    time around an op count once (a B and a W apart pay that time twice), and the forward of its
+    micro-batch takes F_BW; else B + W and F, as before they were measured."""
+    apart = Costs(F=2.0, B=3.0, W=1.0, a2a_B=0.5, op_overhead=0.1).resolve(1, 1)
+    assert apart.BW == pytest.approx([3.5 + 0.1 + 1.1]) and apart.F_BW is apart.F
+    fused = Costs(F=2.0, B=3.0, W=1.0, BW=3.2, F_BW=1.8, a2a_B=0.5, op_overhead=0.1).resolve(1, 1)
+    assert fused.BW == pytest.approx([3.2 + 0.5 + 0.1]) and fused.F_BW == pytest.approx([1.8 + 0.1])
+    schedule = build_schedule("1f1b", 1, 2)  # F0 BW0 F1 BW1: each forward's backward fused
+    costs = Costs(F=2.0, B=3.0, W=1.0, BW=3.2, F_BW=1.8)
+    assert simulate(schedule, costs).makespan == pytest.approx(2 * (1.8 + 3.2))
+    assert simulate(schedule, Costs(F=2.0, B=3.0, W=1.0)).makespan == pytest.approx(2 * (2.0 + 4.0))
+    split = build_schedule("zb-h1", 2, 2)  # every F's backward split: F, not F_BW
+    assert simulate(split, costs).makespan == simulate(split, Costs(F=2.0, B=3.0, W=1.0)).makespan
+
+
 def test_per_stage_lists_are_exact_and_split_over_slices():
     table = Costs(F=[1, 2, 3], M_static=[5, 6, 7]).resolve(num_devices=3, num_stages=3, num_slices=2)
     assert table.F == [0.5, 0.5, 1.0, 1.0, 1.5, 1.5]

@@ -16,7 +16,9 @@ the resolved table — simulator, passes, schedulers — sees the same partial c
 B frees M_B and keeps M_W for its pending W; W frees M_W (each of k parts 1/k); BW frees M_B.
 A device also holds M_static (weights, gradients, optimizer state) for every stage it hosts, so
 replicated stages (Chimera) count twice, less M_shared where it hosts the first and the last
-stage (a tied embedding both count: one object there). The fused BW takes B + W.
+stage (a tied embedding both count: one object there). The fused BW takes BW where given (the
+runtime's autograd backward, input and weight gradients in one pass), else B + W; the forward of
+its micro-batch F_BW where given, else F.
 
 Communication inside an op (a2a_F, a2a_B: MoE all-to-all, tensor-parallel collectives) adds to
 a lone op's time and is hidden by an overlapped F&B pair as far as the other side's compute
@@ -49,10 +51,10 @@ __all__ = ["Costs", "CostValue", "CostsFor", "causal_attention_fraction", "hosts
 
 CostValue = float | Sequence[float | Sequence[float]]
 
-_PER_STAGE_KEYS = ("F", "B", "W", "R", "M_B", "M_W", "M_ckpt", "M_static", "a2a_F", "a2a_B")
+_PER_STAGE_KEYS = ("F", "B", "W", "BW", "F_BW", "R", "M_B", "M_W", "M_ckpt", "M_static", "a2a_F", "a2a_B")
 _OFFLOAD_KEYS = ("offload_bytes", "reload_bytes", "host_step_flops", "M_offload", "M_host")
 _RATE_KEYS = ("host_bandwidth", "host_flops")
-_ATTENTION_KEYS = ("F", "B", "R")
+_ATTENTION_KEYS = ("F", "F_BW", "B", "R")
 _UNITS = {"time_unit": (None, "ms", "s", "us"), "memory_unit": (None, "bytes")}
 
 
@@ -71,7 +73,14 @@ class Costs:
     B: CostValue = 2.0
     """Input-gradient backward time (the whole backward when W is 0)."""
     W: CostValue = 0.0
-    """Weight-gradient backward time; a fused BW takes B + W."""
+    """Weight-gradient backward time."""
+    BW: CostValue | None = None
+    """A fused backward's time: input and weight gradients in one pass, as autograd computes them
+    (cheaper than a B and its W apart, which keep the weight GEMMs' operands for later); defaults
+    to B + W. Split into slices evenly (its W part has no attention)."""
+    F_BW: CostValue | None = None
+    """The forward of a micro-batch whose backward is a BW: its linears keep nothing for a W (the
+    runtime's ordinary ones); defaults to F."""
     R: CostValue | None = None
     """Recompute time of a checkpointed forward; defaults to F."""
     comm: float = 0.0
@@ -134,7 +143,7 @@ class Costs:
     def __post_init__(self) -> None:
         for key in _PER_STAGE_KEYS + _OFFLOAD_KEYS:
             value = getattr(self, key)
-            if value is None and key == "R":
+            if value is None and key in ("R", "BW", "F_BW"):
                 continue
             object.__setattr__(self, key, _normalise(key, value))
         if not _is_number(self.comm) or self.comm < 0 or not math.isfinite(self.comm):
@@ -273,6 +282,13 @@ class Costs:
             more = self.op_overhead
             forward, backward, recompute = ([t + more for t in ts] for ts in (forward, backward, recompute))
             weight = [t + more if t else t for t in weight]
+        if self.BW is None:
+            fused = [b + w for b, w in zip(backward, weight)]
+        else:  # one op: its communication and the runtime's time around it once
+            fused = [t + c + self.op_overhead for t, c in zip(table("BW"), a2a_backward)]
+        forward_fused = forward
+        if self.F_BW is not None:
+            forward_fused = [t + c + self.op_overhead for t, c in zip(table("F_BW"), a2a_forward)]
         return StageCosts(
             num_slices=num_slices,
             F=forward,
@@ -286,6 +302,8 @@ class Costs:
             comm=self.comm,
             a2a_F=a2a_forward,
             a2a_B=a2a_backward,
+            BW=fused,
+            F_BW=forward_fused,
         )
 
     def per_slice(self, key: str, num_devices: int, num_stages: int, num_slices: int = 1) -> list[float]:

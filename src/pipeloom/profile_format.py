@@ -55,10 +55,13 @@ TIME_KINDS = ("F", "B", "W", "R")
 FIT_KINDS = (*TIME_KINDS, "M_B", "M_W", "M_ckpt")
 """What every micro-batch size of a two-stage layout holds (M_W: the bytes a B leaves queued for
 its W)."""
-_OPTIONAL_KINDS = ("a2a_F", "a2a_B", "sync")
-"""a2a_F, a2a_B: the expert all-to-alls in flight in a forward and a backward (ms), where the
-experts were shared out; sync: a one-stage layout's sync phase (ms), what its ranks sum after the
-pipeline — under sequence parallelism, the weights each tp rank holds whole."""
+_OPTIONAL_KINDS = ("BW", "F_BW", "a2a_F", "a2a_B", "sync")
+"""BW: a fused backward (ms), input and weight gradients in one autograd pass, and F_BW the
+forward of its micro-batch, its linears ordinary (absent from profiles taken before they were
+measured: priced as B + W and F); a2a_F, a2a_B: the expert all-to-alls in
+flight in a forward and a backward (ms), where the experts were shared out; sync: a one-stage
+layout's sync phase (ms), what its ranks sum after the pipeline — under sequence parallelism, the
+weights each tp rank holds whole."""
 POSITIONS = ("first", "last", "middle", "single")
 _ADVICE = "profile again (`pipeloom profile`), or correct the file"
 

@@ -19,8 +19,9 @@ __all__ = ["StageCosts"]
 @dataclass(frozen=True, slots=True)
 class StageCosts:
     """Costs resolved for one schedule shape: lists indexed by ``stage * num_slices + slice``
-    (M_static by stage alone). F, B and R are a lone op's whole time, its communication (a2a_F,
-    a2a_B) included."""
+    (M_static by stage alone). F, B, BW, F_BW and R are a lone op's whole time, its
+    communication (a2a_F, a2a_B) included; BW is a fused backward's (`Costs.BW`, else B + W),
+    F_BW the forward of its micro-batch (`Costs.F_BW`, else F: the same list)."""
 
     num_slices: int
     F: list[float]
@@ -34,6 +35,8 @@ class StageCosts:
     comm: float
     a2a_F: list[float]
     a2a_B: list[float]
+    BW: list[float]
+    F_BW: list[float]
 
     def index(self, op: Op) -> int:
         """Where `op`'s stage and slice sit in the per-stage lists."""
@@ -51,7 +54,7 @@ class StageCosts:
         if kind is OpKind.F:
             return self.F[i]
         if kind is OpKind.BW:
-            return self.B[i] + self.W[i]
+            return self.BW[i]
         if kind is OpKind.B:
             return self.B[i]
         if kind is OpKind.W:
@@ -83,15 +86,16 @@ class StageCosts:
     def memory_delta(self, op: Op) -> float:
         return self.delta_of(op.kind, op.stage * self.num_slices + op.slice, op.ckpt, op.parts)
 
-    def pair_time(self, forward: int, backward: int, fused: bool) -> float:
-        """An overlapped F&B pair: forward of index `forward`, backward (a BW if `fused`) of index
-        `backward`. The two computations run back to back on the compute stream; each side's
+    def pair_time(self, forward: int, backward: int, fused: bool, forward_fused: bool = False) -> float:
+        """An overlapped F&B pair: forward of index `forward` (of a micro-batch whose backward is
+        fused if `forward_fused`), backward (a BW if `fused`) of index `backward`. The two
+        computations run back to back on the compute stream; each side's
         communication runs on the communication stream under the other side's compute, and only
         what that compute cannot cover shows: F + B + max(0, a2a_F − B) + max(0, a2a_B − F) in
         compute times — max(F + B, F + B + a2a_F + a2a_B − overlap) with overlap = min(a2a_F, B)
         + min(a2a_B, F)."""
-        hidden_under_b = self.B[backward] - self.a2a_B[backward] + (self.W[backward] if fused else 0.0)
-        hidden_under_f = self.F[forward] - self.a2a_F[forward]
+        hidden_under_b = (self.BW if fused else self.B)[backward] - self.a2a_B[backward]
+        hidden_under_f = (self.F_BW if forward_fused else self.F)[forward] - self.a2a_F[forward]
         return (
             hidden_under_f
             + hidden_under_b

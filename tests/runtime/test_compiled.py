@@ -20,7 +20,7 @@ from helpers.runtime import TINY_LLAMA  # noqa: E402
 
 from pipeloom import build_schedule  # noqa: E402
 from pipeloom.models.llama import LlamaConfig  # noqa: E402
-from pipeloom.runtime.executor import _w_right_after_b  # noqa: E402
+from pipeloom.passes.split_backward import w_at_once_keys  # noqa: E402
 from pipeloom.runtime.in_process import run_in_process  # noqa: E402
 from pipeloom.runtime.split_linear import SplitLinear, WeightGradQueue  # noqa: E402
 from pipeloom.runtime.training import TrainSpec  # noqa: E402
@@ -59,7 +59,7 @@ def test_compiled_stages_train_as_eager_with_and_without_a_split_backward(monkey
     (the deferred-linear custom op, W queued and run apart)."""
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     schedule = build_schedule("zb-h1", 2, 4)
-    assert [len(_w_right_after_b(schedule.devices[d], False)) for d in range(2)] == [4, 0]
+    assert [len(w_at_once_keys(schedule.devices[d], False)) for d in range(2)] == [4, 0]
     config = LlamaConfig(layers=2, **TINY_LLAMA)
     fields = dict(config=config, steps=2, record_gradients=True, lr=1e-2)
     eager = run_in_process(TrainSpec(schedule, **fields))
@@ -116,12 +116,12 @@ def test_a_split_linear_backward_outside_a_b_is_refused():
 def test_a_w_with_nothing_to_fill_folds_into_its_b():
     zb_h1 = build_schedule("zb-h1", 2, 4)
     # device 0 runs each W right after its B; device 1 defers them behind the next forwards
-    assert _w_right_after_b(zb_h1.devices[0], alone=False) == {(0, mb, 0) for mb in range(4)}
-    assert _w_right_after_b(zb_h1.devices[1], alone=False) == set()
+    assert w_at_once_keys(zb_h1.devices[0], alone=False) == {(0, mb, 0) for mb in range(4)}
+    assert w_at_once_keys(zb_h1.devices[1], alone=False) == set()
     # one device alone: no other device waits for a B, so every whole W folds
     zb_v = build_schedule("zb-v", 1, 4)
-    assert _w_right_after_b(zb_v.devices[0], alone=True) == {(s, mb, 0) for s in (0, 1) for mb in range(4)}
-    assert _w_right_after_b(zb_v.devices[0], alone=False) == set()
+    assert w_at_once_keys(zb_v.devices[0], alone=True) == {(s, mb, 0) for s in (0, 1) for mb in range(4)}
+    assert w_at_once_keys(zb_v.devices[0], alone=False) == set()
 
 
 def test_the_compiled_loss_keeps_no_fp32_logits_for_its_backward():

@@ -264,6 +264,8 @@ def test_a_sliced_probe_trains_as_the_whole_one_and_its_slices_pool_into_the_fit
     sampled_fs = plain_fs * slices - 1  # nor each step's first op
     assert len(taken["F@0"]) == timed_steps * sampled_fs and len(taken["R@1"]) == timed_steps * 1 * slices
     assert len(taken["M_B@0"]) == plain_fs * slices and len(taken["M_ckpt@0"]) == slices and min(taken["M_W@1"]) > 0
+    # one micro-batch's backward fused, one autograd pass: it and its forward timed as their own kinds
+    assert len(taken["BW@1"]) == len(taken["F_BW@1"]) == timed_steps * slices
 
 
 def test_a_profile_taken_in_one_process_forks_no_rank_and_prices_its_ops_one_after_another(monkeypatch):
@@ -299,11 +301,11 @@ def test_the_overhead_of_ops_run_one_after_another_is_what_their_sum_leaves_over
     from pipeloom.profile.overheads import serial_op_overhead_ms
     from pipeloom.profile.probe_rounds import probe_schedule
 
-    schedule = probe_schedule(2)  # per device 4 F (1 checkpointed), 1 R, 4 B, 4 W
-    costs = Costs(F=2.0, B=3.0, W=1.0, R=2.0, comm=5.0)
-    serial = 2 * (4 * 2.0 + 1 * 2.0 + 4 * 3.0 + 4 * 1.0)  # in one process no message waits: the comm is not paid
-    assert schedule.num_ops == 26
-    assert serial_op_overhead_ms(schedule, costs, serial + 0.25 * 26) == pytest.approx(0.25)
+    schedule = probe_schedule(2)  # per device 5 F (1 checkpointed, 1 of a fused backward), 1 R, 4 B, 4 W, 1 BW
+    costs = Costs(F=2.0, B=3.0, W=1.0, R=2.0, BW=3.5, F_BW=1.5, comm=5.0)
+    serial = 2 * (4 * 2.0 + 1.5 + 1 * 2.0 + 4 * 3.0 + 4 * 1.0 + 3.5)  # in one process no message waits: no comm
+    assert schedule.num_ops == 30
+    assert serial_op_overhead_ms(schedule, costs, serial + 0.25 * 30) == pytest.approx(0.25)
 
 
 def test_the_profile_counts_a_tied_embedding_as_both_ends_shared():

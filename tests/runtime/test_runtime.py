@@ -29,7 +29,15 @@ from helpers.runtime import (  # noqa: E402
 from pipeloom import Costs, OpKind, Schedule, build_schedule, simulate  # noqa: E402
 from pipeloom.errors import ConfigError, RuntimeFault, ScheduleError  # noqa: E402
 from pipeloom.models.llama import LlamaConfig  # noqa: E402
-from pipeloom.passes import apply_checkpoint, fold_lone_w, mario, split_backward, t_recomp, weight_parts  # noqa: E402
+from pipeloom.passes import (  # noqa: E402
+    apply_checkpoint,
+    fold_lone_w,
+    fold_w_at_once,
+    mario,
+    split_backward,
+    t_recomp,
+    weight_parts,
+)
 from pipeloom.runtime import local  # noqa: E402
 from pipeloom.runtime.in_process import run_in_process  # noqa: E402
 from pipeloom.runtime.local import _worker, run_local  # noqa: E402
@@ -700,6 +708,25 @@ def test_a_lone_device_runs_each_w_inside_its_b_as_the_folded_schedule_says():
     measured = run_in_process(tiny_spec(deferred, steps=1))[0].records[0].peak_stash_bytes
     assert measured == simulate(folded, costs).peak_activation_memory[0]
     assert measured < simulate(deferred, costs).peak_activation_memory[0]
+
+
+def test_a_w_right_after_its_b_runs_inside_it_as_the_folded_schedule_says():
+    """zb-h1's first device runs each W right after its B, its second defers them: the runtime
+    runs the first device's inside their B, one autograd pass, nothing held pending, as
+    `fold_w_at_once` writes the plan — whose simulated peaks are the measured ones to the byte."""
+    schedule = build_schedule("zb-h1", 2, 4)
+    folded = fold_w_at_once(schedule)
+    assert [{op.kind for op in ops} for ops in folded.devices] == [
+        {OpKind.F, OpKind.BW},
+        {OpKind.F, OpKind.B, OpKind.W},
+    ]
+    kept = run_in_process(tiny_spec(schedule, steps=1, separate_w=True))  # every W apart: what each B leaves
+    forward = [kept[s].records[0].entry_bytes[f"{s}F0"] for s in range(2)]
+    pending = [kept[s].records[0].pending_w_bytes[f"{s}B0"] for s in range(2)]
+    costs = Costs(M_B=forward, M_W=pending)
+    run = run_in_process(tiny_spec(schedule, steps=1))
+    assert [result.records[0].peak_stash_bytes for result in run] == simulate(folded, costs).peak_activation_memory
+    assert run[0].records[0].pending_w_bytes == {} and run[1].records[0].pending_w_bytes
 
 
 def test_a_budgeted_schedule_told_what_its_bs_leave_for_their_ws_keeps_its_limit_as_measured():

@@ -171,7 +171,8 @@ def test_profile_tune_and_train_a_hugging_face_model(capsys, tmp_path, llama):
     measured = facts["layouts"]["tp2"]["fits"]["1"]  # its ops on one stage over two ranks, as `tune --tp 2` prices them
     assert facts["layouts"]["tp2"]["layers"] == facts["layouts"]["plain"]["layers"] == [1, 2]
     assert (
-        set(measured) == {"F", "B", "W", "R", "M_B", "M_ckpt", "M_W", "sync"}  # the W queue, the sync phase
+        # the W queue, the sync phase, a fused backward and its forward
+        set(measured) == {"F", "B", "W", "R", "BW", "F_BW", "M_B", "M_ckpt", "M_W", "sync"}
         and measured["F"]["per_layer"] + measured["F"]["single"] > 0
     )
     assert "mbs 1 on tp2: per layer F" in capsys.readouterr().out

@@ -307,6 +307,66 @@ def test_a_lone_device_s_plan_folds_each_w_into_its_b_as_the_runtime_runs_it():
         assert best.peak_memory == simulate(best.schedule, best.costs).peak_memory
 
 
+def with_fused_backward(data: dict) -> dict:
+    """`data` with a fused backward measured at each size: per layer 25 % below B + W, and its
+    micro-batch's forward 20 % below F."""
+    for size in ("1", "2"):
+        fits = plain(data)["fits"][size]
+        fits["BW"] = fit(1.125 * int(size), 0.375, 0.9)
+        fits["F_BW"] = fit(0.8 * int(size), 0.4, 1.2)
+    return data
+
+
+def test_a_fused_backward_and_its_forward_are_priced_as_measured_wherever_the_runtime_fuses_them():
+    """The runtime runs a W inside its B where nothing would fill the gap between them — every W
+    at pp = 1, a W right after its B elsewhere — one autograd pass, its linears ordinary: the
+    profile measures that pass (BW) and its micro-batch's forward (F_BW), and a plan that fuses
+    is written folded and priced by them, an older profile's as B + W and F."""
+    from pipeloom import OpKind, simulate
+
+    model = ProfiledCostModel(with_fused_backward(profile()))
+    costs = model.stage_costs([4, 4], 2, 2, 1)
+    assert costs.BW == pytest.approx([4 * 2.25 + 0.375, 4 * 2.25 + 0.9])
+    assert costs.F_BW == pytest.approx([4 * 1.6 + 0.4, 4 * 1.6 + 1.2])
+    assert ProfiledCostModel(profile()).stage_costs([4, 4], 2, 2, 1).BW is None  # an older profile: B + W
+    lone = tune(model, 2, 1e12, 8, schemes=["zb-h1"], pp_values=[1], micro_batches=[2]).best
+    ops = [op for device in lone.schedule.devices for op in device]
+    assert {op.kind for op in ops} == {OpKind.F, OpKind.BW}
+    whole = lone.costs.resolve(1, 1)
+    micro_batches = lone.schedule.num_microbatches  # a replica's
+    assert lone.pipeline_time - lone.noise_time == pytest.approx(micro_batches * (whole.F_BW[0] + whole.BW[0]))
+    # zb-h1 at pp = 2 runs its first device's W right after their B: folded, those micro-batches
+    # are priced fused; the second device's, deferred, stay split
+    pipelined = tune(model, 2, 1e12, 8, schemes=["zb-h1"], pp_values=[2], micro_batches=[2]).best
+    kinds = [{op.kind for op in device} for device in pipelined.schedule.devices]
+    assert kinds == [{OpKind.F, OpKind.BW}, {OpKind.F, OpKind.B, OpKind.W}]
+    assert pipelined.pipeline_time - pipelined.noise_time == pytest.approx(
+        simulate(pipelined.schedule, pipelined.costs).makespan
+    )
+    unfused = simulate(pipelined.schedule, dataclasses.replace(pipelined.costs, BW=None, F_BW=None)).makespan
+    assert simulate(pipelined.schedule, pipelined.costs).makespan < unfused
+
+
+def test_the_pruning_bounds_stay_below_every_plan_that_runs_a_fused_backward():
+    """A fused micro-batch is cheaper than F, B and W apart: the bounds the tuner prunes on (the
+    work floor, and the room floor of a schedule built with its W apart and folded after) never
+    exceed the step of a plan that folds, unlimited or where memory binds."""
+    from pipeloom.tune.search import _prepare, evaluate
+    from pipeloom.tune.space import DEFAULT_SCHEMES, candidates
+
+    model = ProfiledCostModel(with_fused_backward(profile()))
+    checked = 0
+    for memory in (1e12, 40_000.0):
+        for candidate in candidates(4, 16, num_layers=8, schemes=list(DEFAULT_SCHEMES), micro_batches=[1, 2]):
+            evaluation = evaluate(candidate, model, memory)
+            if not evaluation.feasible:
+                continue
+            _, bound = _prepare(candidate, model, memory)
+            assert bound <= evaluation.step_time * (1 + 1e-9), candidate.label
+            checked += 1
+    assert checked >= 20
+
+
 def sharing_experts(data: dict) -> ProfiledCostModel:
     """The cost model of `data`'s mixture of experts with its experts shared out over ep = 2."""
     import dataclasses

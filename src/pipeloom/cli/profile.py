@@ -235,9 +235,10 @@ def run(args: argparse.Namespace) -> int:
     Path(args.output).write_text(json.dumps(data, indent=1) + "\n")
     for size, fit in profile.plain.fits.items():
         activation = fit["M_B"].per_layer / 2**20
+        fused = f" (fused BW {fit['BW'].per_layer:.3f} ms)" if "BW" in fit else ""
         print(
             f"mbs {size}: per layer F {fit['F'].per_layer:.3f} ms, B {fit['B'].per_layer:.3f} ms, "
-            f"W {fit['W'].per_layer:.3f} ms, R {fit['R'].per_layer:.3f} ms, activations {activation:.2f} MiB; "
+            f"W {fit['W'].per_layer:.3f} ms{fused}, R {fit['R'].per_layer:.3f} ms, activations {activation:.2f} MiB; "
             f"p2p {priced.p2p_ms(size):.3f} ms"
         )
     for layout, measured in profile.layouts.items():

@@ -9,7 +9,7 @@ from pipeloom.passes.checkpoint import (
 )
 from pipeloom.passes.mario import mario
 from pipeloom.passes.offload import OffloadPlan, OffloadTimeline, simulate_offload, t_offload
-from pipeloom.passes.split_backward import W_PLACEMENTS, fold_lone_w, split_backward
+from pipeloom.passes.split_backward import W_PLACEMENTS, fold_lone_w, fold_w_at_once, split_backward
 from pipeloom.passes.trecomp import chunk_delay_rounds, t_recomp
 from pipeloom.passes.weight_parts import weight_parts
 
@@ -20,6 +20,7 @@ __all__ = [
     "apply_checkpoint",
     "chunk_delay_rounds",
     "fold_lone_w",
+    "fold_w_at_once",
     "mario",
     "overlap_recompute",
     "prepose_forward",

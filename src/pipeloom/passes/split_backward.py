@@ -23,7 +23,7 @@ from pipeloom.errors import ConfigError
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
 
-__all__ = ["fold_lone_w", "lone_w_keys", "split_backward", "W_PLACEMENTS"]
+__all__ = ["fold_lone_w", "fold_w_at_once", "lone_w_keys", "split_backward", "w_at_once_keys", "W_PLACEMENTS"]
 
 W_PLACEMENTS = ("after", "deferred", "fill")
 _EPS = 1e-9
@@ -54,30 +54,54 @@ def split_backward(
     return _fill_gaps(deferred, costs if costs is not None else Costs(W=1.0), batch)
 
 
+def fold_w_at_once(schedule: Schedule) -> Schedule:
+    """`schedule` as the runtime runs it: each B whose W it runs inside it (`w_at_once_keys`)
+    becomes a BW, one autograd pass, its W gone. A plan that says so is priced as it runs — a
+    fused backward's time (`Costs.BW`), no weight gradient held pending between its B and W.
+
+    >>> from pipeloom.schedules import build_schedule
+    >>> fold_w_at_once(split_backward(build_schedule("1f1b", 2, 2), "after")).to_text().splitlines()[1:]
+    ['0F0 0F1 0BW0 0BW1', '1F0 1BW0 1F1 1BW1']
+    """
+    alone = schedule.num_devices == 1
+    devices = []
+    for ops in schedule.devices:
+        fused = w_at_once_keys(ops, alone) - {op.key for op in ops if op.kind is OpKind.BW}
+        devices.append(
+            [
+                Op(OpKind.BW, op.stage, op.microbatch, op.slice, overlap_next=op.overlap_next)
+                if op.kind is OpKind.B and op.key in fused
+                else op
+                for op in ops
+                if not (op.kind is OpKind.W and op.key in fused)
+            ]
+        )
+    return schedule if devices == [list(ops) for ops in schedule.devices] else schedule.with_devices(devices)
+
+
 def fold_lone_w(schedule: Schedule) -> Schedule:
-    """`schedule` as the runtime runs it where one device holds the whole pipeline: nothing waits
-    for a B's result there, so a W fills no gap, and each whole W folds into its B (a BW; a W in
-    parts stays). The runtime folds them itself (`runtime.executor`); a plan that says so is
-    priced as it runs, no weight gradient held pending between its B and its W.
+    """`fold_w_at_once` where one device holds the whole pipeline: nothing waits for a B's result
+    there, so a W fills no gap, and each whole W folds into its B (a W in parts stays).
 
     >>> from pipeloom.schedules import build_schedule
     >>> fold_lone_w(split_backward(build_schedule("1f1b", 1, 2), "deferred")).to_text().splitlines()[1]
     '0F0 0BW0 0F1 0BW1'
     """
-    if schedule.num_devices != 1:
-        return schedule
-    (ops,) = schedule.devices
-    whole = lone_w_keys(ops)
-    if not whole:
-        return schedule
-    folded = [
-        Op(OpKind.BW, op.stage, op.microbatch, op.slice, overlap_next=op.overlap_next)
-        if op.kind is OpKind.B and op.key in whole
-        else op
-        for op in ops
-        if not (op.kind is OpKind.W and op.key in whole)
-    ]
-    return schedule.with_devices([folded])
+    return fold_w_at_once(schedule) if schedule.num_devices == 1 else schedule
+
+
+def w_at_once_keys(ops: Sequence[Op], alone: bool) -> set[tuple[int, int, int]]:
+    """The keys of a device's backwards that the runtime runs as one autograd pass, the weight
+    gradients inside B (its linears then ordinary: nothing to queue): each BW; each B whose own
+    whole W is the very next op (nothing runs between them to fill); and on a device `alone` in
+    its pipeline, where no other device waits for a B's result, every B whose W is whole."""
+    keys = {op.key for op in ops if op.kind is OpKind.BW}
+    if alone:
+        return keys | lone_w_keys(ops)
+    for op, following in zip(ops, ops[1:]):
+        if op.kind is OpKind.B and following.kind is OpKind.W and following.key == op.key and following.parts == 1:
+            keys.add(op.key)
+    return keys
 
 
 def lone_w_keys(ops: Sequence[Op]) -> set[tuple[int, int, int]]:

@@ -26,15 +26,17 @@ _STEPS = 40
 
 
 def with_op_overhead(costs: Costs, overhead: float) -> Costs:
-    """`costs` with `overhead` added to every op's time (F, B, W, and R where it is set apart
-    from F)."""
+    """`costs` with `overhead` added to every op's time (F, B, W, and R, BW and F_BW where they
+    are set apart from F and from B + W)."""
     if not overhead:
         return costs
 
     def more(values):
         return [value + overhead for value in values] if isinstance(values, (list, tuple)) else values + overhead
 
-    changed = {key: more(getattr(costs, key)) for key in ("F", "B", "W", "R") if getattr(costs, key) is not None}
+    changed = {
+        key: more(getattr(costs, key)) for key in ("F", "B", "W", "R", "BW", "F_BW") if getattr(costs, key) is not None
+    }
     return replace(costs, **changed)
 
 

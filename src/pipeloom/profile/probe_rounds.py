@@ -47,9 +47,15 @@ __all__ = [
     "steady_records",
 ]
 
-OP_KINDS = ("F", "B", "W", "R")
+OP_KINDS = ("F", "B", "W", "BW", "F_BW", "R")
+"""Ops timed: F_BW is the forward of a micro-batch whose backward is fused (its linears ordinary,
+with nothing to keep for a W)."""
 PHASES = ("pipeline", "allreduce", "optimizer", "overhead")
-PROBE_MICRO_BATCHES = 4
+PROBE_MICRO_BATCHES = 5
+FUSED_MICRO_BATCH = 3
+"""The probe's micro-batch whose backward is one autograd pass (a BW), and whose F is then its
+own kind (F_BW): neither the first F of a rank (cold) nor the checkpointed last, so the others
+keep every sampled F, B and W."""
 SETTLED_MS = 0.1
 """A median that moves by less than this (ms) has settled, however small it is."""
 
@@ -79,13 +85,16 @@ class Probe:
 
 
 def probe_schedule(p: int, slices: int = 1) -> Schedule:
-    """1F1B over 4 micro-batches, backward split, the last micro-batch checkpointed (its R inside
+    """1F1B over 5 micro-batches, backward split, the last micro-batch checkpointed (its R inside
     its B). Only one: a plan's Fs stash (a checkpointed F, stashing nothing, runs faster), and
     those sampled must not be outnumbered by each step's first op, which runs cold (`samples`,
-    `docs/fidelity.md`). With `slices`, each micro-batch's sequence in that many causal slices,
-    as svpp and terapipe run them: a micro-batch's F slice by slice, then its backward from the
-    last slice to the first, each slice's R, B and W together (a slice's B sends the gradients of
-    the keys and values it read back to the earlier slices' stash)."""
+    `docs/fidelity.md`). One micro-batch's backward is fused (`FUSED_MICRO_BATCH`: a BW, one
+    autograd pass, as the runtime runs a W that nothing would fill the gap before; `Costs.BW`),
+    the other split ones as many as the probe had before it was measured. With `slices`, each
+    micro-batch's sequence in that many causal slices, as svpp and terapipe run them: a
+    micro-batch's F slice by slice, then its backward from the last slice to the first, each
+    slice's R, B and W together (a slice's B sends the gradients of the keys and values it read
+    back to the earlier slices' stash)."""
     split = split_backward(build_schedule("1f1b", p, PROBE_MICRO_BATCHES), "after")
     devices = []
     for ops in split.devices:
@@ -98,6 +107,9 @@ def probe_schedule(p: int, slices: int = 1) -> Schedule:
                 for k in reversed(range(slices)):
                     if checkpointed:
                         out.append(Op(OpKind.R, op.stage, op.microbatch, slice=k, after_grad=True))
+                    if op.microbatch == FUSED_MICRO_BATCH:
+                        out.append(Op(OpKind.BW, op.stage, op.microbatch, slice=k))
+                        continue
                     out += [
                         Op(OpKind.B, op.stage, op.microbatch, slice=k),
                         Op(OpKind.W, op.stage, op.microbatch, slice=k),
@@ -249,25 +261,33 @@ def _kept(steps: list, kept: Sequence[bool] | None) -> list:
 
 def samples(results, kept: Sequence[bool] | None = None) -> dict[str, list[float]]:
     """One round's samples, its warm-up left out (and the steps not `kept`): op times (ms) by
-    "kind@rank" — not a checkpointed F's, nor each step's first op's (it runs cold, once a step
-    however many ops a plan runs: the per-op overhead, fitted to whole pipelines, carries it) —
-    stashed bytes ("M_B@rank", "M_ckpt@rank"), the bytes a B leaves queued for its W
-    ("M_W@rank") and rank 0's step phases (ms). Where experts are shared out, each op's time is
-    its compute, and the all-to-alls in flight in it are apart ("a2a_F@rank", "a2a_B@rank")."""
+    "kind@rank" — a fused backward's F as F_BW (its linears ordinary); not a checkpointed F's,
+    nor each step's first op's (it runs cold, once a step however many ops a plan runs: the
+    per-op overhead, fitted to whole pipelines, carries it) — stashed bytes ("M_B@rank",
+    "M_ckpt@rank"), the bytes a B leaves queued for its W ("M_W@rank") and rank 0's step phases
+    (ms). Where experts are shared out, each op's time is its compute, and the all-to-alls in
+    flight in it are apart ("a2a_F@rank", "a2a_B@rank")."""
     out: dict[str, list[float]] = {}
     for rank, result in enumerate(results):
+        fused: set[tuple[int, int, int]] = set()
         for record in _kept(timed_steps(result.records), kept):
             exchange = _exchange_per_op(record)
-            for index, (text, start, end) in enumerate(record.ops):
-                op = parse_op(text)
+            ops = [parse_op(text) for text, _, _ in record.ops]
+            fused = {op.key for op in ops if op.kind is OpKind.BW}
+            for index, (op, (_, start, end)) in enumerate(zip(ops, record.ops)):
                 if op.ckpt or index == 0:
                     continue  # a checkpointed F stashes nothing; the step's first op starts cold
-                out.setdefault(f"{op.kind.value}@{rank}", []).append(1e3 * (end - start) - exchange.get(op.kind, 0.0))
+                kind = "F_BW" if op.kind is OpKind.F and op.key in fused else op.kind.value
+                out.setdefault(f"{kind}@{rank}", []).append(1e3 * (end - start) - exchange.get(op.kind, 0.0))
             if exchange:
                 out.setdefault(f"a2a_F@{rank}", []).append(exchange[OpKind.F])
                 out.setdefault(f"a2a_B@{rank}", []).append(exchange[OpKind.B])
-        stashed = [(text.endswith("c"), v) for text, v in result.records[-1].entry_bytes.items() if "F" in text]
-        out[f"M_B@{rank}"] = [v for checkpointed, v in stashed if not checkpointed]  # a checkpointed F's text ends in c
+        stashed = [
+            (op.ckpt, v)
+            for text, v in result.records[-1].entry_bytes.items()
+            if (op := parse_op(text)).kind is OpKind.F and op.key not in fused
+        ]
+        out[f"M_B@{rank}"] = [v for checkpointed, v in stashed if not checkpointed]
         out[f"M_ckpt@{rank}"] = [v for checkpointed, v in stashed if checkpointed]
         out[f"M_W@{rank}"] = [float(v) for v in result.records[-1].pending_w_bytes.values()]
     for phases in _kept(timed_steps(results[0].phase_seconds), kept):

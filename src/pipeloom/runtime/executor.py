@@ -42,7 +42,7 @@ from torch import nn
 from pipeloom.errors import ConfigError, RuntimeFault
 from pipeloom.ir.ops import Op, OpKind
 from pipeloom.ir.schedule import Schedule
-from pipeloom.passes.split_backward import lone_w_keys
+from pipeloom.passes.split_backward import w_at_once_keys
 from pipeloom.runtime.clocks import Clock, clock_for
 from pipeloom.runtime.compiled import compile_stages
 from pipeloom.runtime.mailbox import Mail, MessageKey, peer_failure
@@ -107,7 +107,8 @@ class DeviceExecutor:
             for s, module in stages.items()
             if any(isinstance(m, SplitLinear) and m.queue is not None for m in module.modules())
         }
-        self._saved_bytes: dict[tuple[OpKind, int, int, str], int] = {}  # once per (F or R, stage, slice, part)
+        self._saved_bytes: dict[tuple[OpKind, int, int, str, bool], int] = {}
+        """Once per (F or R, stage, slice, part, linears split or ordinary): shapes repeat."""
         if self.num_slices > 1 and not all(hasattr(module, "forward_slice") for module in stages.values()):
             raise ConfigError(
                 "slices need stages with forward_slice (the LLaMA-style decoder's, or a Hugging Face causal LM's)"
@@ -121,10 +122,15 @@ class DeviceExecutor:
             {s: split_stage(module, recompute_layers) for s, module in stages.items()} if recompute_layers else {}
         )
         """Per stage (head, tail) under a partial checkpoint; empty: checkpoints take whole stages."""
-        self._w_at_once = set() if separate_w else _w_right_after_b(self.ops, schedule.num_devices == 1)
-        """Keys whose W would run right after their B (or a BW): nothing fills the gap, so their
-        forwards leave the linears ordinary and B computes the weight gradients as autograd does.
-        `separate_w` keeps every W its own op (the profiler times W apart)."""
+        self._w_at_once = (
+            {op.key for op in self.ops if op.kind is _BW}
+            if separate_w
+            else w_at_once_keys(self.ops, schedule.num_devices == 1)
+        )
+        """Keys whose W runs inside their B (`passes.split_backward.w_at_once_keys`): nothing fills
+        the gap, so their forwards leave the linears ordinary and B computes the weight gradients
+        as autograd does. `separate_w` keeps every W its own op, a BW still one pass (the profiler
+        times W apart, and a fused backward too)."""
         if compiled:
             self.loss_fn = compile_stages(stages, self.halves, loss)
         self._side = torch.cuda.Stream(self.torch_device) if self.torch_device.type == "cuda" else None  # pairs' F
@@ -416,8 +422,9 @@ class DeviceExecutor:
         if op.stage > 0 and part != "tail":
             x = tuple(t.detach().requires_grad_(True) if t.is_floating_point() else t for t in x)
         hand_on = False if part == "head" else None
-        known = self._saved_bytes.get((op.kind, op.stage, op.slice, part))
         self.queue.deferring = op.key not in self._w_at_once
+        cached = (op.kind, op.stage, op.slice, part, self.queue.deferring)
+        known = self._saved_bytes.get(cached)
         if known is not None:  # shapes repeat: the saved bytes of a stage's pass do too
             out, new_kv = self._run(module, op.stage, x, past, hand_on)
             return (self._loss(out, targets),) if targets is not None else out, x, known, new_kv
@@ -435,26 +442,13 @@ class DeviceExecutor:
             out, new_kv = self._run(module, op.stage, x, past, hand_on)
             if targets is not None:
                 out = (self._loss(out, targets),)
-        self._saved_bytes[(op.kind, op.stage, op.slice, part)] = saved[0]
+        self._saved_bytes[cached] = saved[0]
         return out, x, saved[0], new_kv
 
     def _loss(self, output: Tensors, targets) -> torch.Tensor:
         value = output[0] if len(output) == 1 else output
         with self.loss_context():
             return self.loss_fn(value, targets).float() * (self.loss_scale * self.grad_scale)
-
-
-def _w_right_after_b(ops: Sequence[Op], alone: bool) -> set[tuple[int, int, int]]:
-    """The keys of a device's BW, of each B whose own whole W is the very next op, and — on a
-    device `alone` in its pipeline, where no other device waits for a B's result — of every B
-    whose W is whole."""
-    keys = {op.key for op in ops if op.kind is _BW}
-    if alone:
-        return keys | lone_w_keys(ops)
-    for op, following in zip(ops, ops[1:]):
-        if op.kind is _B and following.kind is _W and following.key == op.key and following.parts == 1:
-            keys.add(op.key)
-    return keys
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -138,7 +138,7 @@ def _keep_useful_pairs(schedule: Schedule, costs: Costs | None) -> Schedule:
                 continue
             forward, backward = (op, ops[step + 1]) if op.kind is _F else (ops[step + 1], op)
             fused = backward.kind is _BW
-            alone = table.F[forward.stage] + table.B[backward.stage] + (table.W[backward.stage] if fused else 0.0)
+            alone = table.F[forward.stage] + (table.BW if fused else table.B)[backward.stage]
             if table.pair_time(forward.stage, backward.stage, fused) >= alone - 1e-12 * alone:
                 kept[step] = replace(op, overlap_next=False)
         devices.append(kept)

@@ -66,7 +66,7 @@ class SliceScheduler:
         self.S = S = v * p
         table = costs.resolve(p, S, s)
         self.t_forward = table.F
-        self.t_backward = [b + w for b, w in zip(table.B, table.W)]
+        self.t_backward = table.BW
         self.comm = table.comm
         self.activation = table.M_B
         self.room = room

@@ -188,8 +188,22 @@ def _greedy_run(p: int, m: int, plan_key: tuple, caps: tuple[float, ...]) -> Sch
 def _plan_table(p: int, plan_key: tuple) -> StageCosts:
     F, B, W, M_B, M_W, comm = plan_key
     zero = [0.0] * (2 * p)
+    fused = [b + w for b, w in zip(B, W)]
     return StageCosts(
-        1, list(F), list(B), list(W), zero, list(M_B), list(M_W), list(M_B), [0.0] * (2 * p), comm, zero, zero
+        1,
+        list(F),
+        list(B),
+        list(W),
+        zero,
+        list(M_B),
+        list(M_W),
+        list(M_B),
+        [0.0] * (2 * p),
+        comm,
+        zero,
+        zero,
+        fused,
+        list(F),
     )
 
 

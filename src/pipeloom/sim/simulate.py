@@ -186,18 +186,24 @@ def _op_costs(graph: DependencyGraph, table: StageCosts) -> tuple[list[float], l
     durations: list[float] = []
     deltas: list[float] = []
     known: dict[tuple, tuple[float, float]] = {}  # micro-batches repeat a stage's few distinct ops
+    # the forwards of micro-batches whose backward is fused run as F_BW (where it is priced apart)
+    fused = {op.key for op in graph.ops if op.kind is OpKind.BW} if table.F_BW is not table.F else set()
     for op in graph.ops:
         i = op.stage * num_slices + op.slice
-        key = (op.kind, i, op.ckpt, op.parts)
+        kind = op.kind
+        key = (kind, i, op.ckpt, op.parts, kind is OpKind.F and op.key in fused)
         costs = known.get(key)
         if costs is None:
-            costs = known[key] = (time_of(op.kind, i, op.parts), delta_of(op.kind, i, op.ckpt, op.parts))
+            time = table.F_BW[i] if key[-1] else time_of(kind, i, op.parts)
+            costs = known[key] = (time, delta_of(kind, i, op.ckpt, op.parts))
         durations.append(costs[0])
         deltas.append(0.0 if forward_only else costs[1])
     for g in graph.paired:  # the pair's whole time on its first op (the walk adds the two)
         first, second = graph.ops[g], graph.ops[g + 1]
         forward, backward = (first, second) if first.kind is OpKind.F else (second, first)
-        durations[g] = table.pair_time(table.index(forward), table.index(backward), backward.kind is OpKind.BW)
+        durations[g] = table.pair_time(
+            table.index(forward), table.index(backward), backward.kind is OpKind.BW, forward.key in fused
+        )
         durations[g + 1] = 0.0
     return durations, deltas
 

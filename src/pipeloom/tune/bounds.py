@@ -32,9 +32,20 @@ def pipeline_floor(candidate: Candidate, costs: Costs) -> float:
         before.append(before[-1] + min(sliced[stage * slices : (stage + 1) * slices]))
     floors = []
     for stages_on in candidate.placement:
-        work = sum(costs.stage_value(kind, s) for s in stages_on for kind in ("F", "B", "W"))
+        work = sum(_micro_batch(costs, s) for s in stages_on)
         floors.append(min(before[s] for s in stages_on) + work * candidate.num_microbatches * share)
     return max(floors)
+
+
+def _micro_batch(costs: Costs, stage: int) -> float:
+    """A micro-batch's forward and backward of `stage` at their cheapest: B and W apart, or fused
+    (`Costs.BW`, its forward `Costs.F_BW`)."""
+    apart = costs.stage_value("F", stage) + costs.stage_value("B", stage) + costs.stage_value("W", stage)
+    if costs.BW is None and costs.F_BW is None:
+        return apart
+    forward = costs.stage_value("F" if costs.F_BW is None else "F_BW", stage)
+    backward = costs.stage_value("B", stage) + costs.stage_value("W", stage)
+    return min(apart, forward + (backward if costs.BW is None else costs.stage_value("BW", stage)))
 
 
 def room_floor(candidate: Candidate, costs: Costs, room: Sequence[float]) -> float:
@@ -68,7 +79,17 @@ def room_floor(candidate: Candidate, costs: Costs, room: Sequence[float]) -> flo
             at_once = math.floor(room[device] / table.M_B[keys[0]] + 1e-9)
             stretch = table.F[keys[0]] + after[keys[0]]
             floors.append(share * stretch / at_once if at_once else math.inf)
-    return max(floors)
+    # The bound holds for the schedule as built, each W apart; a W folded into its B after
+    # (`fold_w_at_once`) makes that backward and its forward cheaper, and a makespan shrinks by no
+    # more than its ops do: so at most by the least share a fused op keeps of the op it replaces.
+    shares = [1.0]
+    for stage in range(candidate.num_stages):
+        forward, backward = costs.stage_value("F", stage), costs.stage_value("B", stage) + costs.stage_value("W", stage)
+        if costs.F_BW is not None and forward > 0:
+            shares.append(costs.stage_value("F_BW", stage) / forward)
+        if costs.BW is not None and backward > 0:
+            shares.append(costs.stage_value("BW", stage) / backward)
+    return max(floors) * min(shares)
 
 
 ORDER_KEEPING = {"wparts", "offload-all"}

@@ -13,7 +13,7 @@ from pipeloom.errors import PipeloomError
 from pipeloom.ir.schedule import Schedule
 from pipeloom.passes.mario import mario
 from pipeloom.passes.offload import OffloadTimeline
-from pipeloom.passes.split_backward import fold_lone_w
+from pipeloom.passes.split_backward import fold_w_at_once
 from pipeloom.passes.trecomp import t_recomp
 from pipeloom.passes.weight_parts import weight_parts
 from pipeloom.provenance import byte_size
@@ -113,7 +113,7 @@ def simulate_candidate(
                 current = schedule
                 for name in candidate.passes + passes:
                     current = _apply(name, current, costs, budget)
-                current = fold_lone_w(current)  # as the runtime runs a lone device's W: in its B
+                current = fold_w_at_once(current)  # as the runtime runs a W with nothing to fill: in its B
             except PipeloomError as error:
                 evaluation.reason = f"memory: {error.summary}"
                 continue

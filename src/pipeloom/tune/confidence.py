@@ -34,7 +34,7 @@ __all__ = [
     "note_extrapolations",
 ]
 
-_KINDS = ("F", "B", "W", "R")
+_KINDS = ("F", "B", "W", "BW", "F_BW", "R")
 _Z = 2.0
 """Standard errors per side of a band: about 95 % for normal errors."""
 

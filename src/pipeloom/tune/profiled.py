@@ -293,7 +293,9 @@ class ProfiledCostModel:
         size = share if self._cp_layout is None else micro_batch / slices  # cp ranks' fits: by micro-batch
         sliced = self._sliced(slices)
         fits, at = (sliced.fits, float(micro_batch) / self.cp) if sliced else (self.fits, size)
-        per_stage = {key: self._per_stage(key, counts, at, fits) for key in (*_TIMES, "M_B", "M_W")}
+        fused = all({"BW", "F_BW"} <= by_kind.keys() for by_kind in fits.values())  # measured (else B + W)
+        times = (*_TIMES, "BW", "F_BW") if fused else _TIMES
+        per_stage = {key: self._per_stage(key, counts, at, fits) for key in (*times, "M_B", "M_W")}
         per_stage["M_ckpt"] = [
             min(self._value("M_ckpt", self._position(i, len(counts)), at, fits), m)
             for i, m in enumerate(per_stage["M_B"])
@@ -306,15 +308,27 @@ class ProfiledCostModel:
         if ranks := self.ranks_layout():
             for key in ranks.kinds() & per_stage.keys():
                 per_stage[key] = self._ranks_per_stage(ranks, key, counts, size)
+            if not {"BW", "F_BW"} <= ranks.kinds():  # the plain probes' fused backward says nothing of these
+                per_stage.pop("BW", None)
+                per_stage.pop("F_BW", None)
         elif self.tp > 1:
             for i, n in enumerate(counts):
                 collectives = self.tp_collectives(i, len(counts), n)
                 forward, backward = self._tp_time(collectives["F"], size), self._tp_time(collectives["B"], size)
-                for key, extra in (("F", forward), ("R", forward), ("B", backward), ("W", 0.0)):
-                    per_stage[key][i] = per_stage[key][i] / self.tp + extra
+                adapted = (
+                    ("F", forward),
+                    ("R", forward),
+                    ("B", backward),
+                    ("W", 0.0),
+                    ("BW", backward),
+                    ("F_BW", forward),
+                )
+                for key, extra in adapted:
+                    if key in per_stage:
+                        per_stage[key][i] = per_stage[key][i] / self.tp + extra
         if self.cp > 1 and self._cp_layout is None:  # measured on cp ranks, the exchanges are inside the ops
             kv = self._kv_exchange(share)
-            for key in ("F", "R", "B"):
+            for key in ("F", "R", "B", "BW", "F_BW") if fused else ("F", "R", "B"):
                 per_stage[key] = [value + n * kv for value, n in zip(per_stage[key], counts)]
         # With slices, per-slice entries: Costs would otherwise share a stage's value out evenly.
         value: dict[str, CostValue] = {
@@ -325,6 +339,8 @@ class ProfiledCostModel:
             F=value["F"],
             B=value["B"],
             W=value["W"],
+            BW=value.get("BW"),
+            F_BW=value.get("F_BW"),
             R=value["R"],
             a2a_F=exchange["F"],
             a2a_B=exchange["B"],
