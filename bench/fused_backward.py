@@ -32,9 +32,9 @@ from pipeloom.costs import Costs  # noqa: E402
 from pipeloom.ir.schedule import Schedule  # noqa: E402
 from pipeloom.sim.simulate import simulate  # noqa: E402
 
-FLOWS = {
-    "tiny-llama": ["--model", str(ROOT / "examples" / "tiny-llama.json")],
-    "hf-llama": ["--model", f"hf:{ROOT / 'examples' / 'hf-llama-tiny'}", "--seq-len", "128"],
+FLOWS = {  # each profiled at the layers a stage its plans hold (8 and 4 layers: 4 and 2 a stage), none extrapolated
+    "tiny-llama": ["--model", str(ROOT / "examples" / "tiny-llama.json"), "--layers", "2,4"],
+    "hf-llama": ["--model", f"hf:{ROOT / 'examples' / 'hf-llama-tiny'}", "--seq-len", "128", "--layers", "1,2"],
 }
 PLANS = {"pp=1 zb-v": ["--pp", "1", "--schemes", "zb-v"], "pp=2 zb-h1": ["--pp", "2", "--schemes", "zb-h1"]}
 _PIPELINE = re.compile(r"^\s*pipeline\s+([\d.]+) ms\s+vs\s+([\d.]+) ms", re.M)
@@ -67,7 +67,7 @@ def main() -> None:
     for flow in args.flows:
         with tempfile.TemporaryDirectory(prefix="pipeloom-fused-") as directory:
             where = Path(directory)
-            pipeloom("profile", *FLOWS[flow], "--mbs", "2", "--layers", "1,2", "--output", "profile.json", cwd=where)
+            pipeloom("profile", *FLOWS[flow], "--mbs", "2", "--output", "profile.json", cwd=where)
             for name, flags in PLANS.items():
                 plan = where / f"{name.replace(' ', '-')}.json"
                 tune = ["tune", "--costs", "profile.json", "--devices", "2", "--memory", "1GiB", "--global-batch", "8"]
