@@ -76,8 +76,8 @@ class Costs:
     """Weight-gradient backward time."""
     BW: CostValue | None = None
     """A fused backward's time: input and weight gradients in one pass, as autograd computes them
-    (cheaper than a B and its W apart, which keep the weight GEMMs' operands for later); defaults
-    to B + W. Split into slices evenly (its W part has no attention)."""
+    (a B and its W apart keep the weight GEMMs' operands for later, and are two ops); defaults to
+    B + W. Split into slices evenly (its W part has no attention)."""
     F_BW: CostValue | None = None
     """The forward of a micro-batch whose backward is a BW: its linears keep nothing for a W (the
     runtime's ordinary ones); defaults to F."""

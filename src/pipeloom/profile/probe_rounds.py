@@ -269,11 +269,10 @@ def samples(results, kept: Sequence[bool] | None = None) -> dict[str, list[float
     flight in it are apart ("a2a_F@rank", "a2a_B@rank")."""
     out: dict[str, list[float]] = {}
     for rank, result in enumerate(results):
-        fused: set[tuple[int, int, int]] = set()
+        ops = [parse_op(text) for text, _, _ in result.records[-1].ops]  # every step runs the same
+        fused = {op.key for op in ops if op.kind is OpKind.BW}
         for record in _kept(timed_steps(result.records), kept):
             exchange = _exchange_per_op(record)
-            ops = [parse_op(text) for text, _, _ in record.ops]
-            fused = {op.key for op in ops if op.kind is OpKind.BW}
             for index, (op, (_, start, end)) in enumerate(zip(ops, record.ops)):
                 if op.ckpt or index == 0:
                     continue  # a checkpointed F stashes nothing; the step's first op starts cold
