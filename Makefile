@@ -73,6 +73,7 @@ bench: $(STAMP)
 	$(PY) bench/capacity.py
 	$(PY) bench/fidelity.py
 	$(PY) bench/user_path.py
+	$(PY) bench/fused_backward.py
 	$(PY) bench/slices.py
 	$(PY) bench/runtime_vs_torch.py
 	$(PY) bench/split_backward.py
