@@ -14,9 +14,11 @@ fused AdamW, as the plain loop. One table, rows by what they check:
       and optimizer state pipeloom plans for the rank, plus the activations the simulator
       holds at once (one micro-batch's autograd stash per stage, from the probe) — p = 1 rows;
   (f) with --profile: `pipeloom profile --device cuda` in this process (every probe stage on the
-      GPU, ops timed by CUDA events), its fitted F and backward (B + W) of the first stage of n
-      layers against the same stage's forward and backward in a plain loop timed by
-      torch.cuda.Event — the profile's op times should be the GPU's own within 3 %;
+      GPU, ops timed by CUDA events), its fitted forward and fused backward (F_BW and BW: a
+      plain loop's linears are ordinary, its backward one autograd pass; and beside them the
+      split ones, F and B + W) of the first stage of n layers against the same stage's forward
+      and backward in a plain loop timed by torch.cuda.Event — the profile's op times should be
+      the GPU's own within 3 %;
   (e) MFU, PaLM's count (Chowdhery et al. 2022, app. B): 6N + 12·L·H·Q·T FLOPs a token, N every
       parameter (the input embedding included), L layers, H·Q the hidden size, T the sequence —
       beside pipeloom's own report's count (3 × the forward's matrix products as torch's
@@ -243,7 +245,7 @@ def profile_against_a_plain_loop(device: str, smoke: bool) -> None:
     began = time.perf_counter()
     profile = profile_model(model, sizes, counts, steps=4, max_rounds=3, device=device, allow_busy=not smoke)
     print(f"\n(f) profile --device {device}: {time.perf_counter() - began:.0f} s; {profile.device.description}")
-    print(f"{'op of the first stage':<28}{'profile ms':>12}{'plain loop ms':>15}{'ratio':>8}")
+    print(f"{'op of the first stage':<34}{'profile ms':>12}{'plain loop ms':>15}{'ratio':>8}")
     clock, where = clock_for(torch.device(device)), torch.device(device)
     torch.set_num_threads(1)  # on a CPU, as the profile's ranks run (its default --threads)
     for mbs in sizes:
@@ -262,10 +264,12 @@ def profile_against_a_plain_loop(device: str, smoke: bool) -> None:
             if where.type == "cuda":
                 torch.cuda.synchronize()
             fits = profile.plain.fits[mbs]
-            for name, marks, kinds in (("F", forward, ("F",)), ("B + W", backward, ("B", "W"))):
+            pairs = (("F_BW", forward, ("F_BW",)), ("BW", backward, ("BW",)))
+            pairs += (("F (split)", forward, ("F",)), ("B + W (split)", backward, ("B", "W")))
+            for name, marks, kinds in pairs:
                 loop = statistics.median(1e3 * clock.seconds(x, y) for x, y in marks[2:])
                 fitted = sum(fits[kind].per_layer * layers + fits[kind].at("first") for kind in kinds)
-                print(f"{f'{name}, mbs {mbs}, {layers} layer(s)':<28}{fitted:>12.3f}{loop:>15.3f}{fitted / loop:>8.3f}")
+                print(f"{f'{name}, mbs {mbs}, {layers} layer(s)':<34}{fitted:>12.3f}{loop:>15.3f}{fitted / loop:>8.3f}")
 
 
 def main() -> None:
