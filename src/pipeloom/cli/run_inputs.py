@@ -18,6 +18,7 @@ def plan_inputs(
     dtype: str | None,
     vocab: int | None,
     seq_len: int = 1,
+    *,
     device: str | None = None,
     threads: int | None = None,
 ) -> RunInputs:

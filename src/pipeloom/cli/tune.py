@@ -184,8 +184,8 @@ def run(args: argparse.Namespace) -> int:
         profile.dtype if profile else None,
         model.vocab,
         model.seq_len,
-        profile.device.kind if profile else None,
-        profile.device.threads if profile else None,
+        device=profile.device.kind if profile else None,
+        threads=profile.device.threads if profile else None,
     )
     schemes = args.schemes.split(",") if args.schemes else list(DEFAULT_SCHEMES)
     if args.runnable:

@@ -40,12 +40,10 @@ def pipeline_floor(candidate: Candidate, costs: Costs) -> float:
 def _micro_batch(costs: Costs, stage: int) -> float:
     """A micro-batch's forward and backward of `stage` at their cheapest: B and W apart, or fused
     (`Costs.BW`, its forward `Costs.F_BW`)."""
-    apart = costs.stage_value("F", stage) + costs.stage_value("B", stage) + costs.stage_value("W", stage)
-    if costs.BW is None and costs.F_BW is None:
-        return apart
-    forward = costs.stage_value("F" if costs.F_BW is None else "F_BW", stage)
-    backward = costs.stage_value("B", stage) + costs.stage_value("W", stage)
-    return min(apart, forward + (backward if costs.BW is None else costs.stage_value("BW", stage)))
+    forward, backward = costs.stage_value("F", stage), costs.stage_value("B", stage) + costs.stage_value("W", stage)
+    fused_forward = forward if costs.F_BW is None else costs.stage_value("F_BW", stage)
+    fused_backward = backward if costs.BW is None else costs.stage_value("BW", stage)
+    return min(forward + backward, fused_forward + fused_backward)
 
 
 def room_floor(candidate: Candidate, costs: Costs, room: Sequence[float]) -> float:

@@ -167,16 +167,11 @@ def tune(
 
         # Plans priced beyond what the profile measured (`extrapolations`) rank after the measured
         # ones and are pruned only against each other: a faster guess must not hide a measured plan.
-        def guessed(item) -> bool:
-            candidate = item[0].candidate
-            return bool(
-                models[candidate.split].extrapolations(candidate.micro_batch, candidate.slices, item[0].partition)
-            )
-
         fastest: dict[Split, Evaluation] = {}
 
-        measured = rank([item for item in prepared if not guessed(item)])
-        extrapolated = rank([item for item in prepared if guessed(item)])
+        guesses = [_guessed(models, evaluation, evaluation.partition) for evaluation, _ in prepared]
+        measured = rank([item for item, guess in zip(prepared, guesses) if not guess])
+        extrapolated = rank([item for item, guess in zip(prepared, guesses) if guess])
         ranked = (measured + extrapolated)[:keep]
         if ranked and layouts:
             evaluated += _other_partitions(ranked, pool, models, memory, static_measures, host_memory)
@@ -244,11 +239,6 @@ def _other_partitions(
     and one within what was measured replaces a plan whose layout was not, faster or not (a
     measured plan ranks before every guess). Rebuilt, not re-timed: a budgeted generator's
     schedule for one layout's costs gains little on another's. How many were simulated."""
-
-    def guessed(evaluation: Evaluation, layout) -> bool:
-        candidate = evaluation.candidate
-        return bool(models[candidate.split].extrapolations(candidate.micro_batch, candidate.slices, layout))
-
     leading = ranked[:REFINED_PLANS]
     sent: list[tuple[int, Evaluation, list]] = []
     limit = max(evaluation.step_time for evaluation in leading)
@@ -259,7 +249,9 @@ def _other_partitions(
             variant, bound = _prepare(base, models[base.split], memory, static_measures, layout, host_memory)
             every = variant.options  # the plan's own static measure only: a layer moves little memory
             variant.options = [option for option in every if (option.zero, option.offload_all) == own]
-            measured_instead = guessed(evaluation, evaluation.partition) and not guessed(evaluation, layout)
+            measured_instead = _guessed(models, evaluation, evaluation.partition) and not _guessed(
+                models, evaluation, layout
+            )
             if not variant.reason and variant.options and (measured_instead or bound < evaluation.step_time - _EPS):
                 sent.append((index, variant, every))
                 limit = math.inf if measured_instead else limit
@@ -267,13 +259,20 @@ def _other_partitions(
     for (index, _, every), (variant, _) in zip(sent, results):
         plan = ranked[index]
         if variant.feasible and (
-            (guessed(variant, variant.partition), variant.step_time)
-            < (guessed(plan, plan.partition), plan.step_time - _EPS)
+            (_guessed(models, variant, variant.partition), variant.step_time)
+            < (_guessed(models, plan, plan.partition), plan.step_time - _EPS)
         ):
             variant.options = every  # what --explain weighs the measure against
             ranked[index] = variant
     ranked.sort(key=lambda e: e.step_time)
     return len(sent)
+
+
+def _guessed(models: dict[Split, CostModel], evaluation: Evaluation, layout: Sequence[int]) -> bool:
+    """Whether `evaluation`'s plan on `layout` (layers per stage) is priced beyond what the profile
+    measured (`extrapolations`)."""
+    candidate = evaluation.candidate
+    return bool(models[candidate.split].extrapolations(candidate.micro_batch, candidate.slices, layout))
 
 
 def evaluate(
