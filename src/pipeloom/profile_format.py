@@ -92,19 +92,14 @@ class Layout:
 
     @classmethod
     def from_key(cls, key: str) -> Layout:
-        if key == "plain":
-            return cls()
+        """The layout `key` names; ConfigError unless it is exactly a layout's key."""
         sizes = {"tp": 1, "ep": 1, "s": 1, "cp": 1}
-        sequence_parallel = False
-        for part in key.split(","):
-            match = re.fullmatch(r"(tp|ep|s|cp)(\d+)(\+sp)?", part)
-            if match is None or sizes[match[1]] != 1 or (match[3] and match[1] != "tp"):
-                raise ConfigError(
-                    f"profile: layouts has a layout {key!r}, not plain or tpN[+sp], epN, sN, cpN; {_ADVICE}"
-                )
-            sizes[match[1]], sequence_parallel = int(match[2]), sequence_parallel or bool(match[3])
-        layout = cls(sizes["tp"], sequence_parallel, sizes["ep"], sizes["s"], sizes["cp"])
-        if min(sizes.values()) < 1 or layout.key != key:
+        parts = [re.fullmatch(r"(tp|ep|s|cp)(\d+)(\+sp)?", part) for part in key.split(",")] if key != "plain" else []
+        for match in parts:
+            if match is not None:
+                sizes[match[1]] = int(match[2])
+        layout = cls(sizes["tp"], any(m is not None and m[3] for m in parts), sizes["ep"], sizes["s"], sizes["cp"])
+        if None in parts or min(sizes.values()) < 1 or layout.key != key:
             raise ConfigError(f"profile: layouts has a layout {key!r}, not plain or tpN[+sp], epN, sN, cpN; {_ADVICE}")
         return layout
 
@@ -413,7 +408,7 @@ def _entry(kind: Any, value: Any, where: str, name: str) -> Any:
         if not isinstance(value, bool):
             raise ConfigError(f"profile: {where} must be true or false, got {value!r}; {_ADVICE}")
         return value
-    number = (_positive if name in _POSITIVE else _non_negative)(value, where)
+    number = _number(value, where, positive=name in _POSITIVE)
     if kind is int:
         if number != int(number):
             raise ConfigError(f"profile: {where} is {value!r}, not a whole number; {_ADVICE}")
@@ -430,26 +425,17 @@ def _integer_key(key: Any, where: str, name: str) -> int:
     return int(key)
 
 
-def _number(value: Any, where: str) -> float:
+def _number(value: Any, where: str, positive: bool) -> float:
+    """A finite number, not negative (above zero if `positive`)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ConfigError(f"profile: {where} must be a number, got {value!r}; {_ADVICE}")
     if not math.isfinite(value):
         raise ConfigError(f"profile: {where} is {value!r}, not a finite number; {_ADVICE}")
-    return float(value)
-
-
-def _non_negative(value: Any, where: str) -> float:
-    number = _number(value, where)
-    if number < 0:
-        raise ConfigError(f"profile: {where} is {value!r}: a measured time or size cannot be negative; {_ADVICE}")
-    return number
-
-
-def _positive(value: Any, where: str) -> float:
-    number = _number(value, where)
-    if number <= 0:
+    if positive and value <= 0:
         raise ConfigError(f"profile: {where} is {value!r}: it must be positive; {_ADVICE}")
-    return number
+    if value < 0:
+        raise ConfigError(f"profile: {where} is {value!r}: a measured time or size cannot be negative; {_ADVICE}")
+    return float(value)
 
 
 def _mapping(value: Any, where: str) -> Mapping[str, Any]:

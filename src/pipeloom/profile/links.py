@@ -25,6 +25,7 @@ import multiprocessing
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,18 +45,16 @@ _TIMEOUT_S = 120.0
 def ping_seconds(rank: int, tensor: torch.Tensor, repeats: int = 5) -> float:
     """Median one-way time of `tensor` between ranks 0 and 1 of the current group (other ranks
     only join the barriers)."""
-    samples = []
-    for _ in range(repeats):
-        dist.barrier()
-        began = time.perf_counter()
+
+    def round_trip() -> None:
         if rank == 0:
             dist.send(tensor, 1)
             dist.recv(tensor, 1)
         elif rank == 1:
             dist.recv(tensor, 0)
             dist.send(tensor, 0)
-        samples.append((time.perf_counter() - began) / 2)
-    return statistics.median(samples)
+
+    return _median_seconds(round_trip, repeats) / 2
 
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather")
@@ -71,6 +70,11 @@ def collective_seconds(name: str, elements: int, repeats: int = 5) -> float:
         "reduce_scatter": lambda: sum_into_shard(whole, own),
         "all_gather": lambda: dist.all_gather_single(whole, share),
     }[name]
+    return _median_seconds(run, repeats)
+
+
+def _median_seconds(run: Callable[[], object], repeats: int) -> float:
+    """The median time of `run` over `repeats`, the group meeting at a barrier before each."""
     samples = []
     for _ in range(repeats):
         dist.barrier()

@@ -57,22 +57,14 @@ def profile_model(
     device: str = "cpu",
     in_process: bool | None = None,
 ) -> Profile:
-    """The profile (`profile_format.Profile`). `workload_for(layers, micro-batch
-    size)` builds another model to probe (a Hugging Face one: `models.hf.hf_workload`); by
-    default it is the built-in LLaMA-style decoder of `model`'s shape. Each probe times `steps`
-    steps a round (after its warm-up: `steadiness.timed_steps`), in as many rounds as its medians
-    take to settle (at most `max_rounds`), the probes taking turns (`probe_rounds.Turns`).
-    RuntimeFault if the machine is too busy to measure (`steadiness.Contention`), unless
-    `allow_busy`. `tensor_parallel`: (tp, sequence parallel) layouts whose ops are measured too;
-    `context_parallel`: cp sizes whose layouts (one stage over cp ranks) are measured too;
-    `slices`: slice counts (svpp, terapipe) the plain probes run again in, each micro-batch's
-    sequence cut into that many causal slices (a slice's op, the median over the slices); a
-    mixture of experts is measured on replicas sharing out its experts too (`layouts`). On
-    `device` "cuda" the probes run `in_process` (by default there; on a CPU the ranks are
-    forked): every stage of a probe on the one GPU, each op timed by the device's events, the
-    links those of one process (`links.in_process_links`); tensor and expert parallelism, which
-    need ranks, are refused, and the replicas' wait for each other is none (they run one after
-    the other)."""
+    """The profile of `model`'s decoder, or of `workload_for(layers, micro-batch size)`'s model
+    (a Hugging Face one: `models.hf.hf_workload`). Each probe times `steps` steps a round, in at
+    most `max_rounds` rounds. RuntimeFault if the machine is too busy to measure, unless
+    `allow_busy`. Measured beside the plain layout: `tensor_parallel`'s (tp, sequence parallel)
+    layouts, `context_parallel`'s cp sizes, `slices`' slice counts, and a mixture's experts
+    shared out. `in_process` (by default on "cuda"): every stage of a probe on the one device,
+    each op timed by its events, so no layout that needs ranks of its own, and no replicas'
+    wait (they run one after the other)."""
     in_process = device == "cuda" if in_process is None else in_process
     mixture = workload_for is not None and getattr(workload_for(1, 1), "experts", None) is not None
     if in_process:

@@ -43,7 +43,6 @@ __all__ = [
     "step_busy",
     "timed_steps",
     "wall_over_cpu",
-    "warmup_steps",
 ]
 
 WARMUP_STEPS = 2
@@ -64,14 +63,9 @@ _SE_PER_IQR = 1.253 / 1.349
 """Standard error of a median per interquartile range, times √n (normal samples)."""
 
 
-def warmup_steps(steps: int) -> int:
-    """How many of a round's `steps` are warm-up: `WARMUP_STEPS`, but never all of them."""
-    return max(0, min(WARMUP_STEPS, steps - 1))
-
-
 def timed_steps(steps: list) -> list:
-    """The steps a round times: all but its warm-up (`warmup_steps`)."""
-    return steps[warmup_steps(len(steps)) :]
+    """The steps a round times: all but its warm-up, `WARMUP_STEPS` but never every step."""
+    return steps[max(0, min(WARMUP_STEPS, len(steps) - 1)) :]
 
 
 def step_busy(records: Iterable) -> list[float]:

@@ -40,6 +40,8 @@ from pipeloom.tune.tp_layout import (
 __all__ = ["ProfiledCostModel", "profile_costs_keys"]
 
 _TIMES = ("F", "B", "W", "R")
+_PASS = {"F": "F", "R": "F", "F_BW": "F", "B": "B", "BW": "B"}
+"""Which pass of a layer's each op kind runs: a forward's exchanges, or a backward's (W has none)."""
 Fits = Mapping[int, Mapping[str, Fit]]
 """Micro-batch size → kind → Fit: one layout's fits."""
 
@@ -108,14 +110,15 @@ class ProfiledCostModel:
         """The hidden states of `micro_batch` sequences (under cp, a rank's share: micro_batch / cp)."""
         return self.compute * micro_batch * self.model.seq_len * self.model.hidden
 
+    def _kv_bytes(self, share: float) -> float:
+        """A layer's keys and values on one rank holding `share` (micro-batch / cp) of the
+        sequences' tokens."""
+        return 2 * self.compute * share * self.model.seq_len * self.model.kv_hidden / self.tp
+
     def _kv_exchange(self, share: float) -> float:
-        """A layer's K/V all-gather over the cp ranks, each holding `share` (micro-batch / cp) of
-        the sequences' tokens (the backward's reduce-scatter of their gradients costs as much),
-        priced by the measured collectives."""
-        if self.cp == 1:
-            return 0.0
-        local = 2 * self.compute * share * self.model.seq_len * self.model.kv_hidden / self.tp
-        return self._collective("all_gather", local * self.cp, self.cp)
+        """A layer's K/V all-gather over the cp ranks (the backward's reduce-scatter of their
+        gradients costs as much), priced by the measured collectives."""
+        return self._collective("all_gather", self._kv_bytes(share) * self.cp, self.cp)
 
     def tp_collectives(self, stage: int, stages: int, layers: int) -> dict[str, list[str]]:
         """The tensor-parallel collectives of a stage's F and B (`tp_layout.stage_collectives`)."""
@@ -175,39 +178,29 @@ class ProfiledCostModel:
             return self._collective("allreduce", 4 * replicated_params(self.model.hidden, layers), self.tp)
         return self._per_stage("sync", [layers], micro_batch, measured.fits)[0]
 
-    def tp_bytes(self, names: list[str], micro_batch: float) -> float:
-        """Bytes one rank sends for `names` (`tp_layout.ring_bytes`)."""
-        return ring_bytes(names, self._activation_bytes(micro_batch), self.tp)
-
     def tp_step(self, schedule, partition: Sequence[int], micro_batch: int) -> tuple[list[float], list[float]]:
-        """Per device, the (ms, bytes sent) of one step's tensor-parallel collectives."""
-        times, sent = [], []
-        stages = len(partition)
+        """Per device, the (ms, bytes sent: `tp_layout.ring_bytes`) of one step's tensor-parallel
+        collectives."""
         size = micro_batch / schedule.num_slices / self.cp
-        for ops in schedule.devices:
-            names: list[str] = []
-            for op in ops:
-                collectives = self.tp_collectives(op.stage, stages, partition[op.stage])
-                kind = op.kind.value
-                if kind in ("F", "R"):
-                    names += collectives["F"]
-                elif kind in ("B", "BW"):
-                    names += collectives["B"]
-            times.append(self._tp_time(names, size))
-            sent.append(self.tp_bytes(names, size))
-        return times, sent
+        names = [
+            [
+                name
+                for op in ops
+                if op.kind.value in _PASS
+                for name in self.tp_collectives(op.stage, len(partition), partition[op.stage])[_PASS[op.kind.value]]
+            ]
+            for ops in schedule.devices
+        ]
+        nbytes = self._activation_bytes(size)
+        return [self._tp_time(n, size) for n in names], [ring_bytes(n, nbytes, self.tp) for n in names]
 
     def kv_step(self, schedule, partition: Sequence[int], micro_batch: int) -> list[float]:
         """Per device, the bytes one rank sends a step in its context-parallel group's K/V
         exchanges, as a ring moves them: each layer's keys and values all-gathered in every F and
         R, their gradients reduce-scattered in every B — (cp − 1) times its own each."""
-        if self.cp == 1:
-            return [0.0] * schedule.num_devices
-        share = micro_batch / schedule.num_slices / self.cp
-        own = 2 * self.compute * share * self.model.seq_len * self.model.kv_hidden / self.tp  # its K and V
-        passes = {"F": 1, "R": 1, "B": 1, "BW": 1}
+        own = self._kv_bytes(micro_batch / schedule.num_slices / self.cp)
         return [
-            sum(passes.get(op.kind.value, 0) * partition[op.stage] * (self.cp - 1) * own for op in ops)
+            sum(partition[op.stage] for op in ops if op.kind.value in _PASS) * (self.cp - 1) * own
             for ops in schedule.devices
         ]
 
@@ -314,18 +307,9 @@ class ProfiledCostModel:
         elif self.tp > 1:
             for i, n in enumerate(counts):
                 collectives = self.tp_collectives(i, len(counts), n)
-                forward, backward = self._tp_time(collectives["F"], size), self._tp_time(collectives["B"], size)
-                adapted = (
-                    ("F", forward),
-                    ("R", forward),
-                    ("B", backward),
-                    ("W", 0.0),
-                    ("BW", backward),
-                    ("F_BW", forward),
-                )
-                for key, extra in adapted:
-                    if key in per_stage:
-                        per_stage[key][i] = per_stage[key][i] / self.tp + extra
+                for key in per_stage.keys() & {*_PASS, "W"}:
+                    extra = self._tp_time(collectives[_PASS[key]], size) if key in _PASS else 0.0
+                    per_stage[key][i] = per_stage[key][i] / self.tp + extra
         if self.cp > 1 and self._cp_layout is None:  # measured on cp ranks, the exchanges are inside the ops
             kv = self._kv_exchange(share)
             for key in ("F", "R", "B", "BW", "F_BW"):
@@ -369,11 +353,13 @@ class ProfiledCostModel:
         """Per device, the ms of one step's expert all-to-alls in flight (F and R: a2a_F; B and
         BW: a2a_B), as the runtime reports them beside the hidden part."""
         exchange = self._exchange(partition, micro_batch / schedule.num_slices)
-        if not isinstance(exchange["F"], list) or not isinstance(exchange["B"], list):
+        per_stage = {way: value for way, value in exchange.items() if isinstance(value, list)}
+        if len(per_stage) < 2:
             return [0.0] * schedule.num_devices
-        forward, backward = exchange["F"], exchange["B"]
-        kinds = {"F": forward, "R": forward, "B": backward, "BW": backward}
-        return [sum(kinds[op.kind.value][op.stage] for op in ops if op.kind.value in kinds) for ops in schedule.devices]
+        return [
+            sum(per_stage[_PASS[op.kind.value]][op.stage] for op in ops if op.kind.value in _PASS)
+            for ops in schedule.devices
+        ]
 
     def layer_time(self, micro_batch: float) -> float:
         """A layer's F + B + W as `stage_costs` prices it: on the plan's ranks where measured, else
@@ -423,25 +409,18 @@ class ProfiledCostModel:
         """The gradients' collectives over dp replicas as measured at dp = 2 and scaled by the
         ring: ZeRO-0 all-reduces the fp32 gradients, ZeRO-1/2 reduce-scatter them and all-gather
         the new weights in the compute type."""
-        dp *= self.cp  # the cp ranks hold the same weights
-        if dp == 1:
-            return 0.0
-        if zero == 0:
-            return self._collective("allreduce", 4 * params, dp)
-        return self._collective("reduce_scatter", 4 * params, dp) + self._collective(
-            "all_gather", self.compute * params, dp
-        )
+        if zero == 0:  # the cp ranks hold the same weights: they sum with the replicas
+            return self._collective("allreduce", 4 * params, dp * self.cp)
+        return self._collective("reduce_scatter", 4 * params, dp * self.cp) + self.gather_time(params, pp, dp)
 
     def gather_time(self, params: float, pp: int, dp: int) -> float:
         """The all-gather of ZeRO-1/2's new weights, part of `allreduce_time` (the runtime runs it
         in its optimizer phase)."""
-        dp *= self.cp
-        if dp == 1:
-            return 0.0
-        return self._collective("all_gather", self.compute * params, dp)
+        return self._collective("all_gather", self.compute * params, dp * self.cp)
 
     def _collective(self, name: str, nbytes: float, dp: int) -> float:
-        """dp − 1 latencies and 2(dp − 1)/dp of the bytes, from the dp = 2 fit (which moved half)."""
+        """dp − 1 latencies and 2(dp − 1)/dp of the bytes, from the dp = 2 fit (which moved half):
+        nothing over one rank."""
         link = self.links.collective(name)
         return (dp - 1) * link.latency_ms + nbytes * 2 * (dp - 1) / dp / link.bytes_per_ms
 
