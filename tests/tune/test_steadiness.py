@@ -66,6 +66,21 @@ def test_small_quantities_settle_by_the_floor():
     assert measured.stable and measured.rounds == 2
 
 
+def test_a_median_is_known_no_better_than_its_rounds_agree():
+    """Samples tight within each round, the rounds' medians 10 and 12: the machine's speed moved
+    between rounds, so the median's error is the rounds' (stdev 2/√2, over √2 rounds, over the
+    median 11), not the samples' spread taken as independent draws."""
+    series = Series()
+    series.add({"F": [10.0, 10.01, 9.99, 10.0]})
+    one_round = series.measured()["F"]  # interquartile range 0.005 over 10, four samples
+    assert one_round.between == 0.0 and one_round.relative_error == pytest.approx(1.253 / 1.349 * 0.0005 / 2)
+    series.add({"F": [12.0, 12.01, 11.99, 12.0]})
+    measured = series.measured()["F"]
+    assert measured.median == 11.0 and measured.between == pytest.approx(1 / 11)
+    within = 1.253 / 1.349 * measured.spread / math.sqrt(8)
+    assert within < measured.relative_error == pytest.approx(1 / 11)
+
+
 def test_relative_spread_is_the_interquartile_range_over_the_median():
     assert relative_spread([1, 2, 3, 4, 5]) == pytest.approx(2 / 3)
     assert relative_spread([7.0]) == 0.0
