@@ -312,9 +312,8 @@ class ProfiledCostModel:
                     per_stage[key][i] = per_stage[key][i] / self.tp + extra
         if self.cp > 1 and self._cp_layout is None:  # measured on cp ranks, the exchanges are inside the ops
             kv = self._kv_exchange(share)
-            for key in ("F", "R", "B", "BW", "F_BW"):
-                if key in per_stage:
-                    per_stage[key] = [value + n * kv for value, n in zip(per_stage[key], counts)]
+            for key in per_stage.keys() & _PASS.keys():
+                per_stage[key] = [value + n * kv for value, n in zip(per_stage[key], counts)]
         # With slices, per-slice entries: Costs would otherwise share a stage's value out evenly.
         value: dict[str, CostValue] = {
             key: [[v] * slices for v in values] if slices > 1 else values for key, values in per_stage.items()
