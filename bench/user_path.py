@@ -1,12 +1,13 @@
 """The user's path is the benchmark: the README's quick start and `make demo`'s flow, run exactly as
 a user runs them (their flags, in a fresh directory), each twice in a row, and what `train --plan`
-then prints — the plan `tune` picked, its predicted step against the measured one, the timed
-steps' own noise and any slow spell left out, what the replay of the run's own ops found every
-pass moved by alike (the machine's speed since the profile), and each device's activations
-against the prediction (a run that missed by more than 5 % gets its `why:` line). Two more flows take the same path with another model and size: the
-README's Hugging Face path (`hf:` LLaMA with grouped K/V heads and tied embeddings, trained on
-real text, `examples/train.bin`), and a decoder wider, deeper and with longer sequences than the
-quick start's.
+then prints — the plan `tune` picked, its predicted step against the measured one, the
+prediction's band (how well the profile knew the op times), the timed steps' own noise and any
+slow spell left out, what the replay of the run's own ops found every pass moved by alike (the
+machine's speed since the profile), and each device's activations against the prediction (a run
+that missed by more than 5 % gets its `why:` line). Two more flows take the same path with
+another model and size: the README's Hugging Face path (`hf:` LLaMA with grouped K/V heads and
+tied embeddings, trained on real text, `examples/train.bin`), and a decoder wider, deeper and with
+longer sequences than the quick start's.
 
     python bench/user_path.py [--flows quick-start demo hf-llama wide] [--runs 2]
 
@@ -69,6 +70,7 @@ _BEST = re.compile(r"^best: (.+?), layers per stage")
 _STEP = re.compile(r"step time\s+([\d.]+) ms\s+vs\s+([\d.]+) ms\s+\(([+-][\d.]+)%; (.+)\)")
 _ACTIVATIONS = re.compile(r"device (\d+) activations\s+[\d.]+ MiB vs\s+[\d.]+ MiB \(([+-][\d.]+)%\)")
 _NOISE = re.compile(r"noise ±([\d.]+)%")
+_BAND = re.compile(r"band ±([\d.]+)%")
 _DRIFT = re.compile(r"the machine ran (\d+)% (slower|faster) than while profiled")
 _SPELL = re.compile(r"(\d+) step\(s\) in a slow spell of the host left out.*: all \d+, ([\d.]+) ms")
 
@@ -91,13 +93,14 @@ def run_flow(name: str) -> dict:
     step = _STEP.search(trained)
     if step is None:
         raise SystemExit(f"{name}: train --plan printed no step time beside the prediction")
-    noise = _NOISE.search(step.group(4))
+    noise, band = _NOISE.search(step.group(4)), _BAND.search(step.group(4))
     return {
         "plan": best + (" (~ beyond the profile)" if marked else ""),
         "predicted_ms": float(step.group(1)),
         "measured_ms": float(step.group(2)),
         "error": float(step.group(3)),
         "noise": float(noise.group(1)) if noise else float("nan"),
+        "band": float(band.group(1)) if band else float("nan"),
         "spell": _spell(step.group(4), float(step.group(1))),
         "drift": _drift(trained),
         "activations": [float(m.group(2)) for m in _ACTIVATIONS.finditer(trained)],
@@ -129,14 +132,17 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2, help="runs of each flow, in a row")
     args = parser.parse_args()
     header = f"{'flow':<12} {'run':>3}  {'plan':<40} {'predicted ms':>12} {'measured ms':>11} {'error':>7}"
-    print(header + f" {'noise ±':>7}  {'slow spell left out':<30} {'ops alike':>9}  activations (per device)")
+    print(
+        header
+        + f" {'band ±':>7} {'noise ±':>7}  {'slow spell left out':<30} {'ops alike':>9}  activations (per device)"
+    )
     for name in args.flows:
         for run in range(1, args.runs + 1):
             r = run_flow(name)
             activations = ", ".join(f"{a:+.1f} %" for a in r["activations"])
             print(
                 f"{name:<12} {run:>3}  {r['plan']:<40} {r['predicted_ms']:>12.1f} {r['measured_ms']:>11.1f} "
-                f"{r['error']:>+6.1f}% {r['noise']:>6.1f}%  {r['spell']:<30} {r['drift']:>9}  {activations}",
+                f"{r['error']:>+6.1f}% {r['band']:>6.1f}% {r['noise']:>6.1f}%  {r['spell']:<30} {r['drift']:>9}  {activations}",
                 flush=True,
             )
             if abs(r["error"]) > 100 * EXPLAIN_ABOVE and r["why"]:
