@@ -187,23 +187,22 @@ def _greedy_run(p: int, m: int, plan_key: tuple, caps: tuple[float, ...]) -> Sch
 
 def _plan_table(p: int, plan_key: tuple) -> StageCosts:
     F, B, W, M_B, M_W, comm = plan_key
-    zero = [0.0] * (2 * p)
-    fused = [b + w for b, w in zip(B, W)]
+    zero, forward = [0.0] * (2 * p), list(F)
     return StageCosts(
-        1,
-        list(F),
-        list(B),
-        list(W),
-        zero,
-        list(M_B),
-        list(M_W),
-        list(M_B),
-        [0.0] * (2 * p),
-        comm,
-        zero,
-        zero,
-        fused,
-        list(F),
+        num_slices=1,
+        F=forward,
+        B=list(B),
+        W=list(W),
+        R=zero,
+        M_B=list(M_B),
+        M_W=list(M_W),
+        M_ckpt=list(M_B),
+        M_static=[0.0] * (2 * p),
+        comm=comm,
+        a2a_F=zero,
+        a2a_B=zero,
+        BW=[b + w for b, w in zip(B, W)],
+        F_BW=forward,  # the same list: no forward priced apart
     )
 
 

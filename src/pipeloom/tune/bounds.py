@@ -37,12 +37,18 @@ def pipeline_floor(candidate: Candidate, costs: Costs) -> float:
     return max(floors)
 
 
-def _micro_batch(costs: Costs, stage: int) -> float:
-    """A micro-batch's forward and backward of `stage` at their cheapest: B and W apart, or fused
-    (`Costs.BW`, its forward `Costs.F_BW`)."""
+def _passes(costs: Costs, stage: int) -> tuple[float, float, float, float]:
+    """`stage`'s forward and backward (B + W) with the backward apart, then with it fused
+    (`Costs.F_BW` and `Costs.BW`, where priced apart; else the same)."""
     forward, backward = costs.stage_value("F", stage), costs.stage_value("B", stage) + costs.stage_value("W", stage)
     fused_forward = forward if costs.F_BW is None else costs.stage_value("F_BW", stage)
     fused_backward = backward if costs.BW is None else costs.stage_value("BW", stage)
+    return forward, backward, fused_forward, fused_backward
+
+
+def _micro_batch(costs: Costs, stage: int) -> float:
+    """A micro-batch's forward and backward of `stage` at their cheapest: apart or fused."""
+    forward, backward, fused_forward, fused_backward = _passes(costs, stage)
     return min(forward + backward, fused_forward + fused_backward)
 
 
@@ -82,11 +88,10 @@ def room_floor(candidate: Candidate, costs: Costs, room: Sequence[float]) -> flo
     # more than its ops do: so at most by the least share a fused op keeps of the op it replaces.
     shares = [1.0]
     for stage in range(candidate.num_stages):
-        forward, backward = costs.stage_value("F", stage), costs.stage_value("B", stage) + costs.stage_value("W", stage)
-        if costs.F_BW is not None and forward > 0:
-            shares.append(costs.stage_value("F_BW", stage) / forward)
-        if costs.BW is not None and backward > 0:
-            shares.append(costs.stage_value("BW", stage) / backward)
+        forward, backward, fused_forward, fused_backward = _passes(costs, stage)
+        shares += [
+            fused / apart for fused, apart in ((fused_forward, forward), (fused_backward, backward)) if apart > 0
+        ]
     return max(floors) * min(shares)
 
 

@@ -245,13 +245,12 @@ def _other_partitions(
     for index, evaluation in enumerate(leading):
         base = replace(evaluation.candidate, passes=SCHEMES[evaluation.candidate.scheme].passes, zero=0)
         own = (evaluation.candidate.zero, "offload-all" in evaluation.candidate.passes)
+        guessed = _guessed(models, evaluation, evaluation.partition)
         for layout in partition_variants(evaluation.partition):
             variant, bound = _prepare(base, models[base.split], memory, static_measures, layout, host_memory)
             every = variant.options  # the plan's own static measure only: a layer moves little memory
             variant.options = [option for option in every if (option.zero, option.offload_all) == own]
-            measured_instead = _guessed(models, evaluation, evaluation.partition) and not _guessed(
-                models, evaluation, layout
-            )
+            measured_instead = guessed and not _guessed(models, evaluation, layout)
             if not variant.reason and variant.options and (measured_instead or bound < evaluation.step_time - _EPS):
                 sent.append((index, variant, every))
                 limit = math.inf if measured_instead else limit
